@@ -1,0 +1,105 @@
+"""torchverity: make silent data corruption in PyTorch loud, located and recoverable.
+
+Map of the package (one module per concept; the CLI mirrors it)::
+
+    digest       streaming file digests and sha256sum-compatible sidecars
+    manifest     directory manifests (JSON and BagIt/sha256sum) with a root digest
+    verify       check files against sidecars, folders against manifests
+    inject       fault drills on files: bit flips and truncation
+    fingerprint  format-independent content fingerprints of tensors and checkpoints
+    errors       TorchVerityError and its typed subclasses
+
+Examples (``torchverity demo`` runs them all end to end)::
+
+    >>> import torch, torchverity
+    >>> fp = torchverity.fingerprint({"w": torch.ones(2, 2)})
+    >>> fp.algo
+    'sha256'
+    >>> torchverity.digest_file("model.pt").hexdigest   # doctest: +SKIP
+    '9f86d0...'
+
+Command line::
+
+    torchverity hash --write model.pt      # sidecar model.pt.sha256 (sha256sum -c reads it)
+    torchverity manifest runs/exp1         # torchverity.manifest.json + root digest
+    torchverity verify model.pt runs/exp1  # exit 1 on any mismatch, with the place
+
+Public names load lazily, so ``import torchverity`` and the CLI start fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Public name -> module that defines it. Several names equal their module's
+# name (``torchverity.fingerprint`` is a function defined in the module
+# ``torchverity.fingerprint``); _Package keeps the function bound when the
+# submodule is imported. So inside the package write
+# ``from torchverity.fingerprint import fingerprint``, never
+# ``import torchverity.fingerprint as m``.
+_LAZY: dict[str, str] = {
+    "TorchVerityError": "errors",
+    "IntegrityError": "errors",
+    "FormatError": "errors",
+    "UnsafeFileError": "errors",
+    "digest_file": "digest",
+    "write_sidecar": "digest",
+    "verify_file": "verify",
+    "verify_path": "verify",
+    "build_manifest": "manifest",
+    "write_manifest": "manifest",
+    "verify_directory": "manifest",
+    "fingerprint": "fingerprint",
+    "Fingerprint": "fingerprint",
+    "save": "checkpoint",
+    "load": "checkpoint",
+    "diff": "diff",
+    "inspect": "inspect",
+    "scan": "scan",
+    "migrate": "migrate",
+    "explain": "explain",
+    "TrainingGuard": "guard",
+    "TrainingAnomalyError": "errors",
+    "seed_everything": "determinism",
+    "reproducibility_check": "determinism",
+    "consistency_check": "golden",
+    "verify_export": "export",
+}
+# Modules reached as attributes: ``torchverity.golden.record(...)``.
+_SUBMODULES = frozenset(
+    {"golden", "selftest", "distributed", "serve", "batch", "faults", "manifest", "digest"}
+)
+
+__all__ = ["__version__", *_LAZY, *sorted(_SUBMODULES)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"torchverity.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchverity' has no attribute '{name}'")
+    value = getattr(importlib.import_module(f"torchverity.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+class _Package(types.ModuleType):
+    """Keeps public functions bound when a same-named submodule is imported."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == name:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

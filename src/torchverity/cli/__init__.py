@@ -1,0 +1,87 @@
+"""The ``torchverity`` command.
+
+Each command lives in its own module ``torchverity.cli._cmd_<name>`` that
+defines ``register(subparsers, common)``; ``main`` discovers them, so adding a
+capability never edits this file. Command modules import heavy libraries
+(torch, fastapi, ray) inside their handlers, keeping ``--help`` fast.
+
+Exit codes: 0 ok, 1 a check failed, 2 bad usage or unreadable input. A
+traceback is printed only when ``TORCHVERITY_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import sys
+from collections.abc import Callable, Sequence
+
+from torchverity._console import Output
+from torchverity.errors import EXIT_USAGE, TorchVerityError
+
+Handler = Callable[[argparse.Namespace, Output], int]
+
+
+def _common_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--json", action="store_true", help="write the result as one JSON document on stdout"
+    )
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torchverity import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="torchverity",
+        description="Make silent data corruption in PyTorch loud, located and recoverable.",
+    )
+    parser.add_argument("--version", action="version", version=f"torchverity {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    common = _common_parser()
+    package = importlib.import_module(__name__)
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if info.name.startswith("_cmd_"):
+            module = importlib.import_module(f"{__name__}.{info.name}")
+            module.register(subparsers, common)
+    return parser
+
+
+def _report_error(exc: TorchVerityError, out: Output) -> None:
+    if out.json_mode:
+        out.data({"ok": False, **exc.to_dict()})
+    out.err.write(f"torchverity: error: {exc.message}\n")
+    if exc.hint:
+        out.err.write(f"  next: {exc.hint}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI and return the exit code (the console script exits with it)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    out = Output(json_mode=bool(getattr(args, "json", False)))
+    debug = os.environ.get("TORCHVERITY_DEBUG") == "1"
+    try:
+        return int(args.func(args, out))
+    except TorchVerityError as exc:
+        if debug:
+            raise
+        _report_error(exc, out)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        out.err.write("torchverity: interrupted\n")
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        out.err.write(
+            f"torchverity: internal error: {type(exc).__name__}: {exc}\n"
+            "  next: rerun with TORCHVERITY_DEBUG=1 for the traceback and report it\n"
+        )
+        return EXIT_USAGE

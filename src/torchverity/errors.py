@@ -1,0 +1,157 @@
+"""The exception hierarchy.
+
+Every error torchverity raises derives from :class:`TorchVerityError`. Each
+subclass carries the data a caller needs to act on it (path, expected, actual,
+...) and renders a message with three parts: what happened, where, and what to
+do next (``hint``), ideally the ``torchverity`` command that checks it.
+
+``exit_code`` tells the CLI how to end: 1 when a check ran and failed
+(mismatch, unsafe file, anomaly), 2 when the input could not be checked at all
+(bad usage, missing or unreadable input, malformed format).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+
+
+class TorchVerityError(Exception):
+    """Root of every torchverity error."""
+
+    exit_code: int = EXIT_USAGE
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        if self.hint:
+            return f"{self.message}\n  next: {self.hint}"
+        return self.message
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description, used by ``--json`` output."""
+        data: dict[str, Any] = {"error": type(self).__name__, "message": self.message}
+        if self.hint:
+            data["hint"] = self.hint
+        for key, value in vars(self).items():
+            if key in ("message", "hint", "args") or key.startswith("_"):
+                continue
+            data[key] = str(value) if isinstance(value, Path) else value
+        return data
+
+
+class UsageError(TorchVerityError):
+    """The command or call was given arguments that cannot work."""
+
+
+class InputError(TorchVerityError):
+    """An input is missing or cannot be read."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None):
+        self.path = str(path) if path is not None else None
+        super().__init__(message, hint=hint)
+
+
+class FormatError(TorchVerityError):
+    """A file exists but is not in the format it claims (sidecar, manifest, checkpoint...)."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None):
+        self.path = str(path) if path is not None else None
+        super().__init__(message, hint=hint)
+
+
+class MissingExtraError(TorchVerityError):
+    """An optional dependency is needed for this feature."""
+
+    def __init__(self, feature: str, extra: str, module: str) -> None:
+        self.feature = feature
+        self.extra = extra
+        self.module = module
+        super().__init__(
+            f"{feature} needs the optional package '{module}', which is not installed",
+            hint=f"pip install 'torchverity[{extra}]'",
+        )
+
+
+class CheckFailedError(TorchVerityError):
+    """Base for errors that mean: the check ran and the data is not what it should be."""
+
+    exit_code = EXIT_CHECK_FAILED
+
+
+class IntegrityError(CheckFailedError):
+    """Bytes or content differ from what was recorded."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path | None = None,
+        expected: str | None = None,
+        actual: str | None = None,
+        tensors: Sequence[str] = (),
+        hint: str | None = None,
+    ) -> None:
+        self.path = str(path) if path is not None else None
+        self.expected = expected
+        self.actual = actual
+        self.tensors = list(tensors)
+        super().__init__(message, hint=hint)
+
+
+class UnsafeFileError(CheckFailedError):
+    """A file would run code (or reach unknown globals) if unpickled."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path | None = None,
+        globals_found: Sequence[str] = (),
+        hint: str | None = None,
+    ) -> None:
+        self.path = str(path) if path is not None else None
+        self.globals_found = list(globals_found)
+        super().__init__(message, hint=hint)
+
+
+def require_extra(module: str, *, extra: str, feature: str) -> Any:
+    """Import an optional dependency or raise :class:`MissingExtraError` naming the extra."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(feature, extra, module) from exc
+
+
+class TrainingAnomalyError(CheckFailedError):
+    """Training produced an anomaly under a ``stop`` policy."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        kind: str | None = None,
+        values: dict[str, Any] | None = None,
+        thresholds: dict[str, Any] | None = None,
+        suspects: Sequence[str] = (),
+        rank: int | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.step = step
+        self.kind = kind
+        self.values = dict(values or {})
+        self.thresholds = dict(thresholds or {})
+        self.suspects = list(suspects)
+        self.rank = rank
+        super().__init__(message, hint=hint)

@@ -1,0 +1,314 @@
+"""Content fingerprints of tensors, state_dicts and nested checkpoints.
+
+A fingerprint depends only on content: each tensor's digest covers its name,
+dtype, shape and raw bytes in a canonical layout (C-contiguous, native
+little-endian), and the root covers the entries sorted by name. The same
+tensors saved as .pt or .safetensors, loaded with or without ``mmap=True``,
+contiguous or not, in any key order, give the same fingerprint. Every dtype
+works (bfloat16, float8, bool...): bytes are read through a ``uint8`` view,
+never through ``tensor.numpy()`` on the tensor's own dtype, and without copies
+for contiguous CPU tensors.
+
+Two algorithms, recorded in every fingerprint so they are never mixed:
+
+``sha256`` (exact host mode)
+    SHA-256 of the canonical bytes. Cryptographic: equal digests mean equal
+    bytes. Accelerator tensors are copied to the host to compute it.
+
+``tvsum64x2`` (device mode)
+    Computed where the tensor lives, without copying it to the host. The
+    tensor's bytes are read as unsigned words of its element size and two
+    position-weighted sums modulo 2**64 are taken, each word multiplied by a
+    distinct odd multiplier per position. Because an odd multiplier is
+    invertible modulo 2**64, *any* change confined to one element (every
+    single-bit flip, whatever the bit) always changes both sums. Unrelated
+    changes in several elements collide with probability about 2**-64 per sum
+    for random errors. It is not cryptographic: someone who wants a collision
+    can construct one, so use ``sha256`` against adversaries.
+
+>>> import torch, torchverity
+>>> fp = torchverity.fingerprint({"w": torch.ones(3), "b": torch.zeros(2)})
+>>> len(fp.root)
+64
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from torchverity.errors import FormatError, UsageError
+
+FINGERPRINT_VERSION = 1
+EXACT = "sha256"
+DEVICE = "tvsum64x2"
+Mode = Literal["auto", "exact", "device"]
+
+_WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Bounds the device temporaries (a few int64 vectors of this length).
+_DEVICE_CHUNK = 1 << 22
+_K1, _K2, _K3, _K4 = 0x9E3779B97F4A7C15, 0x632BE59BD9B4E019, 0x5851F42D4C957F2D, 0x14057B7EF767814F
+_THREAD_MIN_BYTES = 1 << 20
+
+
+def _signed64(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+@dataclass(frozen=True)
+class TensorDigest:
+    """One entry of a fingerprint. ``dtype`` is torch's name without ``torch.``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """The content fingerprint of a set of named tensors (and plain values)."""
+
+    algo: str
+    root: str
+    entries: tuple[TensorDigest, ...]
+    version: int = FINGERPRINT_VERSION
+    _index: dict[str, TensorDigest] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._index.update({e.name: e for e in self.entries})
+
+    @property
+    def tensors(self) -> Mapping[str, TensorDigest]:
+        return self._index
+
+    def differing(self, other: Fingerprint) -> list[str]:
+        """Names whose digest differs, or that exist on one side only, sorted."""
+        if other.algo != self.algo:
+            raise UsageError(
+                f"cannot compare a {self.algo} fingerprint with a {other.algo} one",
+                hint="compute both with the same mode (exact or device)",
+            )
+        names = set(self._index) | set(other.tensors)
+        return sorted(n for n in names if self._index.get(n) != other.tensors.get(n))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "algo": self.algo,
+            "root": self.root,
+            "tensors": {
+                e.name: {"dtype": e.dtype, "shape": list(e.shape), "digest": e.digest}
+                for e in self.entries
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Fingerprint:
+        try:
+            entries = tuple(
+                TensorDigest(name, v["dtype"], tuple(int(s) for s in v["shape"]), v["digest"])
+                for name, v in data["tensors"].items()
+            )
+            fp = cls(algo=data["algo"], root=data["root"], entries=entries,
+                     version=int(data["version"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise FormatError(f"not a valid fingerprint record: {exc!r}") from None
+        if _root(fp.algo, entries) != fp.root:
+            raise FormatError("fingerprint record is inconsistent: root does not match its entries")
+        return fp
+
+
+# ------------------------------------------------------------ flattening
+
+
+def iter_leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Flatten a checkpoint into ``(dotted name, tensor or plain value)`` pairs."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, torch.nn.Module):
+        yield from iter_leaves(obj.state_dict(), prefix)
+    elif isinstance(obj, torch.optim.Optimizer):
+        yield from iter_leaves(obj.state_dict(), prefix)
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from iter_leaves(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from iter_leaves(value, f"{prefix}.{i}" if prefix else str(i))
+    elif obj is None or isinstance(obj, (bool, int, float, str)):
+        yield prefix, obj
+    elif isinstance(obj, (torch.dtype, torch.device)):
+        yield prefix, str(obj)
+    else:
+        raise FormatError(
+            f"cannot fingerprint '{prefix or '<root>'}': unsupported type {type(obj).__name__}",
+            hint="fingerprint a state_dict (tensors, dicts, lists and plain values)",
+        )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _header(kind: str, name: str, dtype: str, shape: Sequence[int], nbytes: int) -> bytes:
+    return f"torchverity-{kind}-v1\0{name}\0{dtype}\0{list(shape)}\0{nbytes}\0".encode()
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's canonical bytes as a flat uint8 tensor on its own device.
+
+    A view (no copy) when the tensor is already contiguous.
+    """
+    t = tensor.detach()
+    if t.layout != torch.strided:
+        raise FormatError(f"cannot fingerprint a {t.layout} tensor", hint="convert it with .to_dense()")
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy memoryview of a CPU tensor's canonical bytes."""
+    flat = byte_view(tensor if tensor.device.type == "cpu" else tensor.cpu())
+    return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+
+
+# ------------------------------------------------------------ digests
+
+
+def _exact_digest(name: str, value: Any) -> TensorDigest:
+    if isinstance(value, torch.Tensor):
+        data = host_bytes(value)
+        dtype, shape = dtype_name(value.dtype), tuple(value.shape)
+        h = hashlib.sha256(_header("tensor", name, dtype, shape, len(data)))
+        h.update(data)
+        return TensorDigest(name, dtype, shape, h.hexdigest())
+    return _value_digest(name, value)
+
+
+def _value_digest(name: str, value: Any) -> TensorDigest:
+    kind = type(value).__name__ if value is not None else "none"
+    text = value.hex() if isinstance(value, float) else json.dumps(value)
+    payload = _header("value", name, kind, (), len(text)) + text.encode()
+    return TensorDigest(name, kind, (), hashlib.sha256(payload).hexdigest())
+
+
+def device_checksum(tensor: torch.Tensor) -> torch.Tensor:
+    """Two position-weighted sums mod 2**64 (int64, shape [2]) on the tensor's device.
+
+    Enqueues work only: no host-device synchronisation.
+    """
+    flat = byte_view(tensor)
+    size = min(tensor.element_size(), 8)  # complex128 reads as int64 pairs
+    words = flat.view(_WORD_DTYPES[size])
+    mask = (1 << (8 * size)) - 1 if size < 8 else None
+    total = torch.zeros(2, dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), _DEVICE_CHUNK):
+        chunk = words[start : start + _DEVICE_CHUNK].to(torch.int64)
+        if mask is not None:
+            chunk = chunk & mask
+        idx = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=flat.device)
+        m1 = (idx * _signed64(_K1) + _signed64(_K2)) | 1
+        m2 = ((idx ^ _signed64(_K3)) * _signed64(_K4)) | 1
+        total[0] += (chunk * m1).sum()
+        total[1] += (chunk * m2).sum()
+    return total
+
+
+def checksum_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Stack :func:`device_checksum` of each tensor: an ``[n, 2]`` int64 tensor, no sync."""
+    if not tensors:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    return torch.stack([device_checksum(t) for t in tensors])
+
+
+def _device_digests(leaves: list[tuple[str, Any]]) -> list[TensorDigest]:
+    tensor_items = [(n, v) for n, v in leaves if isinstance(v, torch.Tensor)]
+    sums = [device_checksum(v) for _, v in tensor_items]
+    host = [s.cpu().tolist() for s in sums]  # one transfer of 16 bytes per tensor
+    by_name: dict[str, TensorDigest] = {}
+    for (name, value), (s1, s2) in zip(tensor_items, host):
+        dtype, shape = dtype_name(value.dtype), tuple(value.shape)
+        payload = _header("tvsum", name, dtype, shape, value.numel() * value.element_size())
+        payload += (s1 & ((1 << 64) - 1)).to_bytes(8, "little")
+        payload += (s2 & ((1 << 64) - 1)).to_bytes(8, "little")
+        by_name[name] = TensorDigest(name, dtype, shape, hashlib.sha256(payload).hexdigest())
+    return [by_name[n] if n in by_name else _value_digest(n, v) for n, v in leaves]
+
+
+def _root(algo: str, entries: Sequence[TensorDigest]) -> str:
+    h = hashlib.sha256(f"torchverity-fingerprint-v{FINGERPRINT_VERSION}\0{algo}\0".encode())
+    for e in sorted(entries, key=lambda e: e.name):
+        h.update(f"{e.name}\0{e.digest}\n".encode())
+    return h.hexdigest()
+
+
+def _resolve_mode(mode: Mode, leaves: list[tuple[str, Any]]) -> str:
+    if mode == "exact":
+        return EXACT
+    if mode == "device":
+        return DEVICE
+    if mode != "auto":
+        raise UsageError(f"unknown fingerprint mode '{mode}'", hint="use auto, exact or device")
+    on_device = any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for _, v in leaves)
+    return DEVICE if on_device else EXACT
+
+
+def fingerprint(obj: Any, *, mode: Mode = "auto", workers: int | None = None) -> Fingerprint:
+    """Fingerprint a tensor, module, optimizer, state_dict or nested checkpoint.
+
+    ``mode="auto"`` uses exact SHA-256 when every tensor is on the CPU and the
+    device checksum when any lives on an accelerator; pass ``mode="exact"`` to
+    force the cryptographic host mode.
+    """
+    leaves = list(iter_leaves(obj))
+    names = [n for n, _ in leaves]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise FormatError(f"cannot fingerprint: names occur twice after flattening: {dup[:5]}")
+    algo = _resolve_mode(mode, leaves)
+    if algo == DEVICE:
+        entries = _device_digests(leaves)
+    else:
+        entries = _exact_digests(leaves, workers)
+    ordered = tuple(sorted(entries, key=lambda e: e.name))
+    return Fingerprint(algo=algo, root=_root(algo, ordered), entries=ordered)
+
+
+def _exact_digests(leaves: list[tuple[str, Any]], workers: int | None) -> list[TensorDigest]:
+    big = sum(
+        1 for _, v in leaves
+        if isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= _THREAD_MIN_BYTES
+    )
+    if big < 2 or workers == 1:
+        return [_exact_digest(n, v) for n, v in leaves]
+    # hashlib releases the GIL on large buffers, so threads use every core.
+    with ThreadPoolExecutor(max_workers=workers or min(big, _cpu_count())) as pool:
+        return list(pool.map(lambda item: _exact_digest(*item), leaves))
+
+
+def _cpu_count() -> int:
+    import os
+
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def fingerprint_tensor(tensor: torch.Tensor, name: str = "", *, mode: Mode = "auto") -> str:
+    """The digest of one tensor (its entry digest, including ``name``)."""
+    return fingerprint({name: tensor} if name else tensor, mode=mode).entries[0].digest
+
+
+def numel_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes a tensor of ``shape`` and ``dtype`` occupies (used to validate headers)."""
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
