@@ -155,3 +155,41 @@ class TrainingAnomalyError(CheckFailedError):
         self.suspects = list(suspects)
         self.rank = rank
         super().__init__(message, hint=hint)
+
+
+class StateDictMismatchError(CheckFailedError):
+    """A checkpoint does not fit a model: missing, unexpected, reshaped or retyped entries."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path | None = None,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        mismatched: Sequence[dict[str, Any]] = (),
+        hint: str | None = None,
+    ) -> None:
+        self.path = str(path) if path is not None else None
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+        super().__init__(message, hint=hint)
+
+
+class CheckpointWriteError(TorchVerityError):
+    """A save could not finish (disk full, read-only folder...); the old file is untouched."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path | None = None,
+        reason: str = "",
+        previous_intact: bool = True,
+        hint: str | None = None,
+    ) -> None:
+        self.path = str(path) if path is not None else None
+        self.reason = reason
+        self.previous_intact = previous_intact
+        super().__init__(message, hint=hint)
