@@ -193,3 +193,19 @@ class CheckpointWriteError(TorchVerityError):
         self.reason = reason
         self.previous_intact = previous_intact
         super().__init__(message, hint=hint)
+
+
+class BatchError(TorchVerityError):
+    """A batch job cannot start or go on: its output folder, journal or job fingerprint."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        out: str | Path | None = None,
+        item: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.out = str(out) if out is not None else None
+        self.item = item
+        super().__init__(message, hint=hint)
