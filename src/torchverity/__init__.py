@@ -53,7 +53,7 @@ _LAZY: dict[str, str] = {
     "verify_path": "verify",
     "build_manifest": "manifest",
     "write_manifest": "manifest",
-    "verify_directory": "manifest",
+    "verify_directory": "verify",
     "fingerprint": "fingerprint",
     "Fingerprint": "fingerprint",
     "save": "checkpoint",

@@ -109,6 +109,7 @@ class Output:
         if self.json_mode or not _is_tty(self.err):
             yield lambda n: None
             return
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             Progress,
@@ -117,7 +118,6 @@ class Output:
             TimeRemainingColumn,
             TransferSpeedColumn,
         )
-        from rich.console import Console
 
         columns = [
             TextColumn("{task.description}"),
@@ -131,10 +131,12 @@ class Output:
             yield lambda n: bar.advance(task, n)
 
 
-def render_plain_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> str:
+def render_plain_table(
+    columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str = ""
+) -> str:
     cells = [[str(c) for c in columns]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     lines = [title] if title else []
     for r in cells:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     return "\n".join(lines) + "\n"

@@ -43,4 +43,4 @@ def import_callable(spec: str) -> Callable[..., Any]:
             ) from None
     if not callable(obj):
         raise UsageError(f"'{spec}' names a {type(obj).__name__}, not a callable")
-    return obj  # type: ignore[no-any-return]
+    return obj

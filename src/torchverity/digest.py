@@ -178,7 +178,9 @@ def format_sidecar_line(hexdigest: str, name: str) -> str:
     return f"{hexdigest}  {name}\n"
 
 
-def write_sidecar(path: str | os.PathLike[str], digest: FileDigest | str, algo: str | None = None) -> Path:
+def write_sidecar(
+    path: str | os.PathLike[str], digest: FileDigest | str, algo: str | None = None
+) -> Path:
     """Write ``FILE.<algo>`` atomically next to the file and return its path."""
     hexdigest = digest.hexdigest if isinstance(digest, FileDigest) else digest
     algo = algo or (digest.algo if isinstance(digest, FileDigest) else DEFAULT_ALGO)
@@ -194,7 +196,8 @@ def read_sidecar(sidecar: str | os.PathLike[str]) -> tuple[str, str, str]:
     if algo not in ALGORITHMS:
         raise FormatError(
             f"{p}: unknown sidecar algorithm '{algo}'",
-            path=p, hint=f"sidecars end in one of: {', '.join('.' + a for a in ALGORITHMS)}",
+            path=p,
+            hint=f"sidecars end in one of: {', '.join('.' + a for a in ALGORITHMS)}",
         )
     try:
         text = p.read_text(encoding="utf-8")
@@ -204,8 +207,10 @@ def read_sidecar(sidecar: str | os.PathLike[str]) -> tuple[str, str, str]:
     match = _SIDECAR_LINE.match(lines[0]) if len(lines) == 1 else None
     if not match or len(match["hex"]) != HEX_LENGTH[algo]:
         raise FormatError(
-            f"{p}: not a valid {algo} sidecar (expected one line '<{HEX_LENGTH[algo]} hex digits>  <name>')",
-            path=p, hint=f"rewrite it with: torchverity hash --algo {algo} --write {p.with_suffix('')}",
+            f"{p}: not a valid {algo} sidecar "
+            f"(expected one line '<{HEX_LENGTH[algo]} hex digits>  <name>')",
+            path=p,
+            hint=f"rewrite it with: torchverity hash --algo {algo} --write {p.with_suffix('')}",
         )
     return algo, match["hex"].lower(), match["name"]
 

@@ -12,7 +12,9 @@ from torchverity._console import Output
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p = subparsers.add_parser(
-        "demo", parents=[common], help="run the end-to-end demo on built-in data",
+        "demo",
+        parents=[common],
+        help="run the end-to-end demo on built-in data",
         description="Run every capability's check on built-in data (no downloads).",
     )
     p.add_argument("--dir", type=Path, help="keep the demo's files in this folder")

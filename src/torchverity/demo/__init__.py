@@ -40,7 +40,7 @@ class DemoContext:
         self.out.info(text)
 
     def cli(self, *args: str, expect: int | None = 0) -> tuple[int, str, str]:
-        """Run ``torchverity ARGS`` in-process, echo it like a shell session, check the exit code."""
+        """Run ``torchverity ARGS`` in-process, echo it like a shell, check the exit code."""
         from torchverity.cli import main
 
         self.say(f"  $ torchverity {shlex.join(args)}")

@@ -1,0 +1,47 @@
+"""``torchverity hash``: sha256sum-compatible digests, optionally written as sidecars."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from torchverity._console import Output
+from torchverity.digest import ALGORITHMS, DEFAULT_ALGO
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "hash",
+        parents=[common],
+        help="print file digests like sha256sum; --write sidecars",
+        description="Print '<hex>  <path>' lines exactly like sha256sum. "
+        "--write also writes FILE.sha256 (or FILE.blake3), which sha256sum -c accepts.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--algo", choices=ALGORITHMS, default=DEFAULT_ALGO)
+    p.add_argument("--write", action="store_true", help="write a sidecar next to each file")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.digest import digest_file, write_sidecar
+
+    results = []
+    for path in args.files:
+        d = digest_file(path, args.algo)
+        sidecar = write_sidecar(path, d) if args.write else None
+        results.append(
+            {
+                "path": path,
+                "algorithm": d.algo,
+                "digest": d.hexdigest,
+                "size": d.size,
+                **({"sidecar": str(sidecar)} if sidecar else {}),
+            }
+        )
+        out.line(f"{d.hexdigest}  {path}")
+        if sidecar:
+            out.info(f"wrote {sidecar}")
+    if out.json_mode:
+        out.data({"ok": True, "files": results})
+    return 0

@@ -1,0 +1,54 @@
+"""``torchverity manifest``: record every file of a folder with a root digest."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from torchverity._console import Output
+from torchverity.digest import ALGORITHMS, DEFAULT_ALGO
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "manifest",
+        parents=[common],
+        help="write a manifest of every file in a folder",
+        description="Hash every regular file under DIR (symlinks are skipped) and write "
+        "DIR/torchverity.manifest.json, or DIR/manifest-sha256.txt with --format sha256sum. "
+        "Prints the root digest.",
+    )
+    p.add_argument("directory", metavar="DIR")
+    p.add_argument("--algo", choices=ALGORITHMS, default=DEFAULT_ALGO)
+    p.add_argument("--format", choices=("json", "sha256sum"), default="json", dest="fmt")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, write_manifest
+
+    with out.progress(None, "hashing") as advance:
+        manifest = write_manifest(args.directory, args.algo, fmt=args.fmt, progress=advance)
+    name = MANIFEST_NAME if args.fmt == "json" else SHA256SUM_NAME
+    for link in manifest.skipped:
+        out.warn(f"skipped symlink {link} (links are never followed)")
+    total = sum(e.size for e in manifest.entries)
+    if out.json_mode:
+        out.data(
+            {
+                "ok": True,
+                "manifest": f"{args.directory}/{name}",
+                "algorithm": manifest.algo,
+                "root": manifest.root,
+                "files": len(manifest.entries),
+                "bytes": total,
+                "skipped": list(manifest.skipped),
+            }
+        )
+        return 0
+    out.line(f"{manifest.root}  {args.directory}")
+    out.info(
+        f"wrote {args.directory}/{name}: {len(manifest.entries)} files, {total} bytes, "
+        f"{manifest.algo} root above"
+    )
+    return 0

@@ -1,0 +1,150 @@
+"""CLI conventions: exit codes, --json everywhere, golden output, no tracebacks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchverity.cli import build_parser
+
+
+def _fixed_tree(root: Path) -> Path:
+    tree = root / "run"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a.txt").write_text("alpha\n")
+    (tree / "sub" / "b.bin").write_bytes(bytes(range(256)) * 4)
+    return tree
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+        return
+    for name, child in subs[0].choices.items():
+        yield from _leaf_parsers(child, (*path, name))
+
+
+def test_every_command_accepts_json() -> None:
+    leaves = list(_leaf_parsers(build_parser()))
+    assert len(leaves) >= 5
+    for path, parser in leaves:
+        options = {opt for a in parser._actions for opt in a.option_strings}
+        assert "--json" in options, f"torchverity {' '.join(path)} lacks --json"
+
+
+def test_hash_output_matches_sha256sum(tmp_path: Path, run_cli, monkeypatch) -> None:
+    tree = _fixed_tree(tmp_path)
+    monkeypatch.chdir(tree)
+    ours = run_cli("hash", "a.txt", "sub/b.bin")
+    theirs = subprocess.run(["sha256sum", "a.txt", "sub/b.bin"], capture_output=True, text=True)
+    assert ours.code == 0 and ours.out == theirs.stdout and ours.err == ""
+
+
+def test_json_outputs_are_stable(tmp_path: Path, run_cli, monkeypatch, golden) -> None:
+    tree = _fixed_tree(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    made = run_cli("manifest", "--json", "run")
+    golden("manifest.json", made.out)
+    golden("manifest-file.json", (tree / "torchverity.manifest.json").read_text())
+    ok = run_cli("verify", "--json", "run")
+    golden("verify-ok.json", ok.out)
+    run_cli("inject", "bitflip", "run/a.txt", "--offset", "0", "--bit", "0")
+    (tree / "sub" / "b.bin").unlink()
+    (tree / "new.txt").write_text("new\n")
+    bad = run_cli("verify", "--json", "run")
+    assert bad.code == 1
+    golden("verify-failed.json", bad.out)
+    plain = run_cli("verify", "run")
+    golden("verify-failed.txt", plain.out)
+
+
+def test_exit_codes(tmp_path: Path, run_cli) -> None:
+    tree = _fixed_tree(tmp_path)
+    assert run_cli("hash", "--write", tree / "a.txt").code == 0
+    assert run_cli("verify", tree / "a.txt").code == 0
+    run_cli("inject", "bitflip", tree / "a.txt", "--random", "--seed", "3")
+    failed = run_cli("verify", tree / "a.txt")
+    assert failed.code == 1 and "FAILED (1 mismatched)" in failed.out
+    missing = run_cli("verify", tmp_path / "nothing")
+    assert missing.code == 2
+    assert missing.err == f"torchverity: error: {tmp_path / 'nothing'}: no such file or directory\n"
+    no_manifest = run_cli("verify", tree)
+    assert no_manifest.code == 2
+    assert f"next: record one first: torchverity manifest {tree}" in no_manifest.err
+    bad_flip = run_cli("inject", "bitflip", tree / "a.txt")
+    assert bad_flip.code == 2 and "give --offset and --bit, or --random" in bad_flip.err
+
+
+def test_json_error_document(tmp_path: Path, run_cli) -> None:
+    result = run_cli("verify", "--json", tmp_path / "gone.pt")
+    assert result.code == 2
+    doc = json.loads(result.out)
+    assert doc["ok"] is False and doc["error"] == "InputError"
+    assert doc["path"] == str(tmp_path / "gone.pt")
+
+
+def _cli_subprocess(
+    *args: str, env: dict[str, str] | None = None, **kw
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torchverity", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        **kw,
+    )
+
+
+def test_no_traceback_unless_debug(tmp_path: Path) -> None:
+    tree = _fixed_tree(tmp_path)
+    (tree / "torchverity.manifest.json").write_text("[]")
+    quiet = _cli_subprocess("verify", str(tree))
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
+    assert "invalid manifest" in quiet.stderr and quiet.stdout == ""
+    loud = _cli_subprocess("verify", str(tree), env={"TORCHVERITY_DEBUG": "1"})
+    assert loud.returncode != 0 and "Traceback" in loud.stderr
+
+
+def test_unreadable_file_exits_2(tmp_path: Path) -> None:
+    secret = tmp_path / "secret.pt"
+    secret.write_bytes(b"x" * 10)
+    secret.chmod(0)
+    # Root reads everything, so drop to 'nobody' once the modules are imported.
+    code = (
+        "import locale, os, sys; import torchverity.cli, torchverity.digest\n"
+        "torchverity.cli.build_parser().parse_args(['hash', 'x'])\n"
+        "if os.geteuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
+        "sys.exit(torchverity.cli.main(['hash', sys.argv[1]]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(secret)], capture_output=True, text=True
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        f"torchverity: error: {secret}: permission denied\n  next: check the file's permissions\n"
+    )
+
+
+def test_help_does_not_import_torch() -> None:
+    code = (
+        "import sys; from torchverity.cli import build_parser; build_parser(); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("args", [["--version"], []])
+def test_version_and_bare_invocation(args: list[str]) -> None:
+    result = _cli_subprocess(*args)
+    if args:
+        assert result.returncode == 0 and result.stdout.startswith("torchverity ")
+    else:
+        assert result.returncode == 2 and "usage:" in result.stderr

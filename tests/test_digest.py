@@ -1,0 +1,116 @@
+"""Streaming digests and sidecars against real files and real coreutils."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+import blake3
+import pytest
+
+from torchverity.digest import (
+    READ_SIZE,
+    digest_file,
+    digest_files,
+    read_sidecar,
+    sidecar_path,
+    write_sidecar,
+)
+from torchverity.errors import FormatError, InputError, UsageError
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> Path:
+    path = tmp_path / "weights.bin"
+    # Spans several read buffers plus a partial one.
+    path.write_bytes(bytes(range(256)) * (2 * READ_SIZE // 256) + b"tail")
+    return path
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake3"])
+def test_digest_matches_reference_implementations(data_file: Path, algo: str) -> None:
+    data = data_file.read_bytes()
+    expected = (
+        hashlib.sha256(data).hexdigest() if algo == "sha256" else blake3.blake3(data).hexdigest()
+    )
+    got = digest_file(data_file, algo)
+    assert (got.hexdigest, got.size, got.algo) == (expected, len(data), algo)
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake3"])
+def test_empty_file_digest(tmp_path: Path, algo: str) -> None:
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    ref = hashlib.sha256(b"") if algo == "sha256" else blake3.blake3(b"")
+    assert digest_file(empty, algo).hexdigest == ref.hexdigest()
+
+
+def test_parallel_digests_equal_serial(tmp_path: Path) -> None:
+    paths = []
+    for i in range(20):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(bytes([i]) * (i * 10_000 + 1))
+        paths.append(p)
+    serial = [digest_file(p).hexdigest for p in paths]
+    assert [d.hexdigest for d in digest_files(paths, workers=2)] == serial
+
+
+def test_sidecar_is_accepted_by_real_sha256sum(data_file: Path) -> None:
+    sidecar = write_sidecar(data_file, digest_file(data_file))
+    assert sidecar == sidecar_path(data_file)
+    assert sidecar.read_text() == f"{digest_file(data_file).hexdigest}  weights.bin\n"
+    ok = subprocess.run(
+        ["sha256sum", "-c", sidecar.name], cwd=data_file.parent, capture_output=True, text=True
+    )
+    assert ok.returncode == 0, ok.stderr
+    with open(data_file, "r+b") as fh:
+        fh.write(b"\xff")
+    bad = subprocess.run(
+        ["sha256sum", "-c", sidecar.name], cwd=data_file.parent, capture_output=True, text=True
+    )
+    assert bad.returncode != 0
+
+
+def test_sidecar_written_by_sha256sum_is_read(tmp_path: Path, data_file: Path) -> None:
+    line = subprocess.run(
+        ["sha256sum", "-b", data_file.name],
+        cwd=data_file.parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    sidecar = sidecar_path(data_file)
+    sidecar.write_text(line)
+    algo, hexdigest, name = read_sidecar(sidecar)
+    assert (algo, hexdigest, name) == ("sha256", digest_file(data_file).hexdigest, "weights.bin")
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "",
+        "abc  weights.bin\n",
+        "g" * 64 + "  weights.bin\n",
+        "a" * 64 + "\n",
+        "a" * 64 + "  x\n" + "b" * 64 + "  y\n",
+        "a" * 63 + "  weights.bin\n",
+    ],
+    ids=["empty", "short-hex", "non-hex", "no-name", "two-lines", "63-digits"],
+)
+def test_malformed_sidecar_is_a_format_error(data_file: Path, content: str) -> None:
+    sidecar = sidecar_path(data_file)
+    sidecar.write_text(content)
+    with pytest.raises(FormatError) as info:
+        read_sidecar(sidecar)
+    assert "not a valid sha256 sidecar" in str(info.value)
+    assert f"torchverity hash --algo sha256 --write {data_file}" in str(info.value)
+
+
+def test_unknown_algorithm_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="unknown digest algorithm 'md5'"):
+        digest_file(tmp_path, "md5")
+    with pytest.raises(InputError, match="no such file"):
+        digest_file(tmp_path / "nope")
+    with pytest.raises(InputError, match="is a directory"):
+        digest_file(tmp_path)

@@ -1,0 +1,198 @@
+"""Manifests and verification: every fault caught and located, clean trees pass."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from torchverity.digest import digest_file, write_sidecar
+from torchverity.errors import FormatError, InputError
+from torchverity.inject import flip_bit, truncate
+from torchverity.manifest import (
+    MANIFEST_NAME,
+    SHA256SUM_NAME,
+    Manifest,
+    build_manifest,
+    read_manifest,
+    write_manifest,
+)
+from torchverity.verify import verify_directory, verify_file, verify_path
+
+
+def make_tree(root: Path) -> Path:
+    (root / "ckpt" / "shards").mkdir(parents=True)
+    (root / "ckpt" / "model.pt").write_bytes(os.urandom(300_000))
+    (root / "ckpt" / "config.json").write_text('{"lr": 0.1}')
+    (root / "ckpt" / "shards" / "a.bin").write_bytes(b"\x00" * 5000)
+    (root / "ckpt" / "shards" / "ü nicode name.bin").write_bytes(b"x")
+    (root / "ckpt" / "empty").write_bytes(b"")
+    return root / "ckpt"
+
+
+def statuses(result) -> dict[str, str]:
+    return {e.path: e.status for e in result.entries}
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake3"])
+def test_clean_tree_verifies_with_zero_alarms(tmp_path: Path, algo: str) -> None:
+    tree = make_tree(tmp_path)
+    manifest = write_manifest(tree, algo)
+    assert [e.path for e in manifest.entries] == sorted(
+        (e.path for e in manifest.entries), key=str.encode
+    )
+    assert MANIFEST_NAME not in {e.path for e in manifest.entries}
+    for _ in range(3):
+        result = verify_directory(tree)
+        assert result.ok and result.counts == {"ok": 5, "mismatched": 0, "missing": 0, "extra": 0}
+
+
+def test_manifest_is_deterministic_and_round_trips(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path)
+    first = write_manifest(tree)
+    text = (tree / MANIFEST_NAME).read_text()
+    second = write_manifest(tree)
+    assert (tree / MANIFEST_NAME).read_text() == text
+    assert first.root == second.root == read_manifest(tree).root
+    assert read_manifest(tree) == Manifest(first.algo, first.entries)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_bit_flip_at_first_middle_last_byte_is_located(tmp_path: Path, where: str) -> None:
+    tree = make_tree(tmp_path)
+    write_manifest(tree)
+    size = (tree / "model.pt").stat().st_size
+    offset = {"first": 0, "middle": size // 2, "last": size - 1}[where]
+    flip_bit(tree / "model.pt", offset, 3)
+    result = verify_directory(tree)
+    assert not result.ok
+    assert [(e.path, e.status) for e in result.problems] == [("model.pt", "mismatched")]
+    problem = result.problems[0]
+    assert (
+        problem.expected != problem.actual
+        and problem.actual == digest_file(tree / "model.pt").hexdigest
+    )
+
+
+def test_truncation_and_appended_byte_are_caught(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path)
+    write_manifest(tree)
+    truncate(tree / "model.pt", 1)
+    with open(tree / "config.json", "ab") as fh:
+        fh.write(b"\n")
+    result = verify_directory(tree)
+    assert {e.path for e in result.problems} == {"model.pt", "config.json"}
+    sizes = {e.path: (e.expected_size, e.actual_size) for e in result.problems}
+    assert sizes["model.pt"] == (300_000, 299_999)
+
+
+def test_added_and_removed_files_show_as_extra_and_missing(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path)
+    write_manifest(tree)
+    (tree / "shards" / "a.bin").unlink()
+    (tree / "shards" / "new.bin").write_bytes(b"new")
+    got = statuses(verify_directory(tree))
+    assert got["shards/a.bin"] == "missing" and got["shards/new.bin"] == "extra"
+    assert sum(s == "ok" for s in got.values()) == 4
+
+
+def test_sha256sum_format_is_bagit_and_coreutils_compatible(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path)
+    write_manifest(tree, fmt="sha256sum")
+    check = subprocess.run(
+        ["sha256sum", "-c", SHA256SUM_NAME], cwd=tree, capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert verify_path(tree).ok
+    flip_bit(tree / "config.json", 0, 0)
+    assert [e.path for e in verify_path(tree).problems] == ["config.json"]
+
+
+def test_symlinks_are_skipped_and_never_followed(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("secret")
+    (tree / "link.txt").symlink_to(outside)
+    (tree / "linkdir").symlink_to(tmp_path, target_is_directory=True)
+    manifest = write_manifest(tree)
+    assert set(manifest.skipped) == {"link.txt", "linkdir"}
+    assert "link.txt" not in {e.path for e in manifest.entries}
+    assert verify_directory(tree).ok
+
+
+def _edit_manifest(tree: Path, mutate) -> None:
+    path = tree / MANIFEST_NAME
+    data = json.loads(path.read_text())
+    mutate(data)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d["files"][0].update(path="../x"), "escapes the folder"),
+        (lambda d: d["files"][0].update(path="/etc/passwd"), "escapes the folder"),
+        (lambda d: d["files"][0].update(path="a/./b"), "escapes the folder"),
+        (lambda d: d["files"][0].update(digest="ab" * 10), "is not 64 lowercase hex digits"),
+        (lambda d: d.update(algorithm="md5"), "unknown algorithm 'md5'"),
+        (lambda d: d["files"][0].update(size=d["files"][0]["size"] + 1), "'root' does not match"),
+        (lambda d: d.update(version=99), "unsupported version 99"),
+        (lambda d: d["files"].append(dict(d["files"][0])), "is listed twice"),
+    ],
+    ids=["dotdot", "absolute", "dot", "hex-length", "algo", "root", "version", "duplicate"],
+)
+def test_hand_edited_manifest_is_rejected(tmp_path: Path, mutate, message: str) -> None:
+    tree = make_tree(tmp_path)
+    write_manifest(tree)
+    _edit_manifest(tree, mutate)
+    with pytest.raises(FormatError) as info:
+        verify_directory(tree)
+    assert message in info.value.message
+    assert f"torchverity manifest {tree}" in str(info.value)
+
+
+def test_manifest_path_through_symlink_out_of_folder_is_rejected(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "a.bin").write_bytes(b"\x00" * 5000)
+    write_manifest(tree)
+    for f in (tree / "shards").iterdir():
+        f.unlink()
+    (tree / "shards").rmdir()
+    (tree / "shards").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(FormatError, match="goes through a symlink that leads out of the folder"):
+        verify_directory(tree)
+
+
+def test_bad_json_and_missing_records(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path)
+    (tree / MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(FormatError, match="not JSON"):
+        verify_directory(tree)
+    (tree / MANIFEST_NAME).unlink()
+    with pytest.raises(InputError, match="no manifest") as info:
+        verify_directory(tree)
+    assert f"torchverity manifest {tree}" in str(info.value)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(InputError, match="no regular files"):
+        build_manifest(empty)
+    with pytest.raises(InputError, match="no sidecar") as side:
+        verify_file(tree / "model.pt")
+    assert f"torchverity hash --write {tree / 'model.pt'}" in str(side.value)
+
+
+def test_file_against_sidecar_both_ways(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path)
+    target = tree / "model.pt"
+    write_sidecar(target, digest_file(target, "blake3"))
+    assert verify_file(target).ok and verify_file(target).algo == "blake3"
+    flip_bit(target, 12345, 7)
+    result = verify_file(target)
+    assert [(e.path, e.status) for e in result.entries] == [("model.pt", "mismatched")]
+    target.unlink()
+    assert verify_file(target).entries[0].status == "missing"
