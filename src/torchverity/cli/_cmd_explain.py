@@ -1,0 +1,68 @@
+"""``torchverity explain``: cause, fix and checking command for known load/save failures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from torchverity._console import Output
+from torchverity.errors import InputError, UsageError
+
+# A log can be huge; failures worth explaining sit in the last part of it.
+_LOG_TAIL_BYTES = 16 * 1024 * 1024
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "explain", parents=[common], help="explain a checkpoint save/load error message",
+        description="Recognise known failure messages around saving and loading (in TEXT, a "
+        "log file, or stdin) and print the cause, the fix and the torchverity command that "
+        "checks it.",
+    )
+    p.add_argument("text", nargs="*", help="the error message (quote it)")
+    p.add_argument("--log", type=Path, help="read the messages from this log file")
+    p.set_defaults(func=_run)
+
+
+def _read_log(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - _LOG_TAIL_BYTES))
+            return fh.read().decode("utf-8", "replace")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read log: {exc.strerror or exc}", path=path) from None
+
+
+def _source_text(args: argparse.Namespace) -> str:
+    if args.text and args.log:
+        raise UsageError("give either TEXT or --log, not both")
+    if args.log:
+        return _read_log(args.log)
+    if args.text:
+        return " ".join(args.text)
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError(
+            "nothing to explain", hint="torchverity explain 'ERROR MESSAGE' or --log train.log"
+        )
+    return sys.stdin.read()
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.explain import explain_text
+
+    found = explain_text(_source_text(args))
+    if out.json_mode:
+        out.data({"ok": True, "recognised": len(found), "explanations": found})
+        return 0
+    if not found:
+        out.line("no known save/load failure recognised in the text")
+        return 0
+    for item in found:
+        out.line(f"[{item.key}] {item.evidence}")
+        out.line(f"  cause: {item.cause}")
+        out.line(f"  fix:   {item.fix}")
+        out.line(f"  check: {item.command}")
+    return 0
