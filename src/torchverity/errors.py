@@ -209,3 +209,45 @@ class BatchError(TorchVerityError):
         self.out = str(out) if out is not None else None
         self.item = item
         super().__init__(message, hint=hint)
+
+
+class ReplicaMismatchError(CheckFailedError):
+    """Ranks that must agree (replica parameters, reduced gradients, replays) disagree."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str,
+        ranks: Sequence[int] = (),
+        tensors: Sequence[str] = (),
+        step: int | None = None,
+        rank: int | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.kind = kind
+        self.ranks = list(ranks)
+        self.tensors = list(tensors)
+        self.step = step
+        self.rank = rank
+        super().__init__(message, hint=hint)
+
+
+class DistributedTimeoutError(TorchVerityError):
+    """A collective did not complete in time: a rank died or is stuck."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str,
+        rank: int,
+        missing_ranks: Sequence[int] = (),
+        timeout: float | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.operation = operation
+        self.rank = rank
+        self.missing_ranks = list(missing_ranks)
+        self.timeout = timeout
+        super().__init__(message, hint=hint)
