@@ -251,3 +251,21 @@ class DistributedTimeoutError(TorchVerityError):
         self.missing_ranks = list(missing_ranks)
         self.timeout = timeout
         super().__init__(message, hint=hint)
+
+
+class ServiceError(TorchVerityError):
+    """A model service refused a request (problem+json answer) or could not be reached."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        status: int | None = None,
+        problem_type: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.url = url
+        self.status = status
+        self.problem_type = problem_type
+        super().__init__(message, hint=hint)
