@@ -1,0 +1,112 @@
+"""``torchverity serve``: a verified model service (FastAPI under uvicorn, extra ``serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from torchverity._console import Output
+from torchverity.errors import InputError, require_extra
+
+_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2,
+          "gb": 1000**3, "gib": 1024**3}
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "serve", parents=[common], help="serve a model from verified weights (extra: serve)",
+        description="Verify the weights (sidecar or manifest digest, content fingerprint), load "
+        "them with weights_only=True, run the golden check, then serve /predict, /health, "
+        "/ready and /metadata with RFC 9530 Content-Digest checks. Refuses to start (exit 1) "
+        "when any check fails.",
+    )
+    p.add_argument("--model", required=True, metavar="MODULE:CALLABLE",
+                   help="builds the model, as uvicorn names apps (mypkg.models:build)")
+    p.add_argument("--weights", required=True, metavar="CKPT",
+                   help="checkpoint with a sidecar (CKPT.sha256) or listed in its folder's "
+                   "manifest")
+    p.add_argument("--golden", metavar="FILE", help="golden record checked before serving and "
+                   "at every re-check (torchverity golden record)")
+    p.add_argument("--input-spec", action="append", metavar="NAME:DTYPE:DIMS",
+                   help="an input, e.g. x:float32:-1,4 (-1 = any size); repeat for more; "
+                   "default: the model's input_spec attribute")
+    p.add_argument("--name", help="model name in /metadata (default: the model's class name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--digest-policy", choices=("require", "verify-if-present", "ignore"),
+                   default="verify-if-present",
+                   help="request Content-Digest: require it, check it when present, or ignore it")
+    p.add_argument("--max-body", type=_size, default="8MiB", metavar="SIZE",
+                   help="largest request body (413 above it), e.g. 8MiB")
+    p.add_argument("--recheck-interval", type=float, default=30.0, metavar="SECONDS",
+                   help="re-fingerprint the weights and rerun the golden check this often "
+                   "(0 = never)")
+    p.add_argument("--check", action="store_true",
+                   help="run the start-up checks, print the report and exit without serving")
+    p.add_argument("--log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=_run)
+
+
+def _size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match[2].lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size (e.g. 8MiB, 512KiB, 1000000)")
+    return int(match[1]) * _UNITS[match[2].lower()]
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    require_extra("fastapi", extra="serve", feature="torchverity serve")
+    uvicorn = require_extra("uvicorn", extra="serve", feature="torchverity serve")
+    from torchverity.serve import create_app
+
+    app = create_app(
+        args.model, args.weights, golden=args.golden, input_spec=args.input_spec,
+        name=args.name, digest_policy=args.digest_policy, max_body=args.max_body,
+        recheck_interval=args.recheck_interval or None,
+    )
+    report = _report(app.state.torchverity, args)
+    if out.json_mode:
+        out.data(report)
+    else:
+        _print_report(report, out)
+    out.out.flush()
+    if args.check:
+        return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level))
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits when it cannot bind
+        raise InputError(f"cannot listen on {args.host}:{args.port}",
+                         hint="is the port in use? pick another with --port") from None
+    return 0
+
+
+def _report(state: Any, args: argparse.Namespace) -> dict[str, Any]:
+    status = state.readiness()
+    return {
+        "ok": True,
+        "model": state.name,
+        "weights": state.weights.to_dict() if state.weights else None,
+        "fingerprint": state.fingerprint_header,
+        "golden": status.golden,
+        "inputs": [s.to_dict() for s in state.spec],
+        "url": None if args.check else f"http://{args.host}:{args.port}",
+    }
+
+
+def _print_report(report: dict[str, Any], out: Output) -> None:
+    weights = report["weights"]
+    out.line(f"weights:     {weights['path']}  {weights['algorithm']} {weights['digest']} "
+             f"(verified by {weights['verified_by']})")
+    out.line(f"fingerprint: {report['fingerprint']}")
+    out.line(f"golden:      {report['golden']}")
+    spec = ", ".join(f"{i['name']}:{i['datatype']}{i['shape']}" for i in report["inputs"])
+    out.line(f"inputs:      {spec}")
+    if report["url"]:
+        out.line(f"serving on   {report['url']}  (/predict /health /ready /metadata)")
+    if weights["fingerprint_verified"] is None:
+        out.warn(f"{weights['path']}: no meta.json, so the content fingerprint was not checked "
+                 "against a record (the file digest was)")

@@ -1,0 +1,419 @@
+"""The FastAPI model service: verified weights, RFC 9530 digests, golden readiness.
+
+``create_app`` does all verification before it returns, so a service built
+from corrupted weights, or one whose golden check fails, never starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
+
+from torchverity import __version__
+from torchverity._loader import import_callable
+from torchverity.errors import UsageError
+from torchverity.serve._digest_fields import (
+    DEFAULT_MAX_BODY,
+    ContentDigestMiddleware,
+    Policy,
+    verify_digest,
+)
+from torchverity.serve._problem import (
+    INTERNAL,
+    INVALID_INPUT,
+    INVALID_JSON,
+    METHOD_NOT_ALLOWED,
+    NOT_FOUND,
+    NOT_READY,
+    PROBLEM_MEDIA_TYPE,
+    UNSUPPORTED_MEDIA_TYPE,
+    Message,
+    Problem,
+    ProblemError,
+    Send,
+    problem_schema,
+)
+from torchverity.serve._rechecks import ServiceState, recheck_forever
+from torchverity.serve._spec import DATATYPES, build_inputs, encode_outputs, model_spec
+from torchverity.serve._weights import load_verified
+
+FINGERPRINT_HEADER = "TorchVerity-Fingerprint"
+DEFAULT_RECHECK_INTERVAL = 30.0
+
+Datatype = Literal["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "BF16", "FP32",
+                   "FP64"]
+assert set(get_args(Datatype)) == set(DATATYPES)
+
+
+class InferTensor(BaseModel):
+    """One tensor in Open Inference Protocol v2 JSON form (``data`` flat, row-major)."""
+
+    model_config = ConfigDict(strict=True)
+    name: str
+    datatype: Datatype
+    shape: list[Annotated[int, Field(ge=0)]]
+    data: list[Any]
+    parameters: dict[str, Any] | None = None
+
+
+class InferRequest(BaseModel):
+    model_config = ConfigDict(strict=True)
+    id: str | None = None
+    inputs: list[InferTensor] = Field(min_length=1)
+    parameters: dict[str, Any] | None = None
+
+
+class Envelope(BaseModel):
+    """For clients that cannot set headers: ``payload`` is the request JSON as text and
+    ``checksum`` its digest in Content-Digest form (``sha-256=:BASE64:``)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    payload: str
+    checksum: str
+
+
+class InferResponse(BaseModel):
+    model_name: str
+    model_version: str
+    id: str | None = None
+    outputs: list[InferTensor]
+    parameters: dict[str, Any]
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Ready(BaseModel):
+    ready: bool
+    fingerprint: str
+    golden: str
+    checks: int
+
+
+_DESCRIPTIONS = {
+    400: "Content-Digest problem: unsupported algorithm, invalid value, mismatching value "
+         "or missing digest (when required)",
+    413: "Request body larger than the service accepts",
+    415: "Request body is not JSON",
+    422: "Malformed JSON, or inputs that do not fit the model's input spec",
+    503: "Not ready: weights changed in memory or the golden check failed",
+}
+
+
+def _problem_docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {
+        s: {"description": _DESCRIPTIONS[s],
+            "content": {PROBLEM_MEDIA_TYPE: {"schema": problem_schema()}}}
+        for s in statuses
+    }
+
+
+def problem_response(problem: Problem) -> Response:
+    return Response(problem.body(), status_code=problem.status, media_type=PROBLEM_MEDIA_TYPE,
+                    headers=dict(problem.headers))
+
+
+def _json_response(data: Any) -> Response:
+    body = json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
+    return Response(body, media_type="application/json")
+
+
+# ------------------------------------------------ building the service
+
+
+def build_model(model: torch.nn.Module | Callable[[], torch.nn.Module] | str) -> torch.nn.Module:
+    """A module as given, built by a factory, or by a ``module:callable`` spec."""
+    factory = import_callable(model) if isinstance(model, str) else model
+    built = factory if isinstance(factory, torch.nn.Module) else factory()
+    if not isinstance(built, torch.nn.Module):
+        raise UsageError(f"the model factory returned a {type(built).__name__}, not a torch module")
+    return built
+
+
+def create_app(
+    model: torch.nn.Module | Callable[[], torch.nn.Module] | str,
+    weights: str | os.PathLike[str] | None = None,
+    *,
+    golden: str | os.PathLike[str] | None = None,
+    input_spec: Sequence[str | Mapping[str, Any]] | None = None,
+    name: str | None = None,
+    digest_policy: Policy = "verify-if-present",
+    max_body: int = DEFAULT_MAX_BODY,
+    recheck_interval: float | None = DEFAULT_RECHECK_INTERVAL,
+    response_digest: str | None = "sha-256",
+) -> FastAPI:
+    """Verify, load and golden-check the model, then return the FastAPI app serving it.
+
+    ``model`` is a module, a factory, or ``"module:callable"``; ``weights`` a
+    checkpoint with a sidecar (or listed in its folder's manifest). Without
+    ``weights`` the module's in-memory weights are served as they are (their
+    fingerprint is still watched). Raises IntegrityError, InputError or
+    UsageError instead of returning a service that should not run.
+    """
+    module = build_model(model)
+    info = load_verified(module, weights) if weights is not None else None
+    module.eval()
+    state = ServiceState(
+        model=module, name=name or type(module).__name__, spec=model_spec(module, input_spec),
+        weights=info, golden_path=Path(golden) if golden is not None else None,
+    )
+    state.startup_check()
+    app = _build_app(state, recheck_interval)
+    app.add_middleware(ContentDigestMiddleware, policy=digest_policy, max_body=max_body,
+                       response_algorithm=response_digest)
+    app.add_middleware(FingerprintHeaderMiddleware, value=state.fingerprint_header)
+    return app
+
+
+def _build_app(state: ServiceState, interval: float | None) -> FastAPI:
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-infer")
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(recheck_forever(state, interval)) if interval else None
+        try:
+            yield
+        finally:
+            if task:
+                task.cancel()
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title=f"torchverity serve: {state.name}", version=__version__,
+                  lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.torchverity = state
+    _add_error_handlers(app)
+    _add_routes(app, state, executor)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def on_problem(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ProblemError)
+        return problem_response(exc.problem)
+
+    async def on_validation(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return problem_response(Problem(422, INVALID_INPUT, "Invalid Request",
+                                        "the request does not fit the schema",
+                                        {"errors": _clean_errors(exc.errors())}))
+
+    async def on_http(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = {404: NOT_FOUND, 405: METHOD_NOT_ALLOWED}.get(exc.status_code, "about:blank")
+        problem = Problem(exc.status_code, kind, str(exc.detail), str(exc.detail),
+                          headers=dict(exc.headers or {}))
+        return problem_response(problem)
+
+    async def on_error(_request: Request, exc: Exception) -> Response:
+        return problem_response(Problem(500, INTERNAL, "Internal Server Error",
+                                        f"the service failed ({type(exc).__name__}); see its log"))
+
+    app.add_exception_handler(ProblemError, on_problem)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(HTTPException, on_http)
+    app.add_exception_handler(Exception, on_error)
+
+
+def _clean_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
+    """Validation errors without the offending input (never echo request data back)."""
+    return [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", ""))}
+            for e in errors]
+
+
+# ------------------------------------------------ routes
+
+
+def _add_routes(app: FastAPI, state: ServiceState, executor: ThreadPoolExecutor) -> None:
+    docs = _problem_docs(400, 413)
+
+    @app.get("/health", response_model=Health, responses=docs, summary="Liveness")
+    @app.get("/v2/health/live", response_model=Health, responses=docs, include_in_schema=False)
+    async def health() -> Response:
+        return _json_response({"status": "alive"})
+
+    @app.get("/ready", response_model=Ready, responses=_problem_docs(400, 413, 503),
+             summary="200 only while the weights hold their verified fingerprint and the "
+                     "last golden check passed")
+    @app.get("/v2/health/ready", response_model=Ready, include_in_schema=False)
+    async def ready() -> Response:
+        status = state.readiness()
+        if not status.ready:
+            raise _not_ready(status.reason)
+        return _json_response({"ready": True, "fingerprint": state.fingerprint_header,
+                               "golden": status.golden, "checks": status.checks})
+
+    @app.get("/metadata", responses=docs, summary="Model metadata (Open Inference Protocol v2 "
+             "shape, provenance in parameters)")
+    async def metadata() -> Response:
+        return _json_response(_metadata(state))
+
+    @app.post("/predict", response_model=InferResponse,
+              responses=_problem_docs(400, 413, 415, 422, 503),
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": {"anyOf": [{"$ref": "#/components/schemas/InferRequest"},
+                                       {"$ref": "#/components/schemas/Envelope"}]}}}}},
+              summary="Run the model on JSON tensors")
+    async def predict(request: Request) -> Response:
+        status = state.readiness()
+        if not status.ready:
+            raise _not_ready(status.reason)
+        req = _parse_request(request.headers.get("content-type"), await request.body())
+        args = build_inputs([t.model_dump() for t in req.inputs], state.spec)
+        loop = asyncio.get_running_loop()
+        outputs = await loop.run_in_executor(executor, _forward, state.model, args)
+        return _json_response({
+            "model_name": state.name, "model_version": _version(state), "id": req.id,
+            "outputs": outputs, "parameters": {"fingerprint": state.fingerprint_header},
+        })
+
+
+def _not_ready(reason: str | None) -> ProblemError:
+    return ProblemError(Problem(503, NOT_READY, "Not Ready",
+                                f"the service is not ready: {reason}",
+                                headers={"Retry-After": "60"}))
+
+
+def _version(state: ServiceState) -> str:
+    return state.baseline.root[:16]
+
+
+def _metadata(state: ServiceState) -> dict[str, Any]:
+    status = state.readiness()
+    return {
+        "name": state.name,
+        "versions": [_version(state)],
+        "platform": "pytorch",
+        "inputs": [s.to_dict() for s in state.spec],
+        "outputs": [],
+        "parameters": {
+            "fingerprint": {"algorithm": state.baseline.algo, "root": state.baseline.root},
+            "weights": state.weights.to_dict() if state.weights else None,
+            "torch_version": torch.__version__,
+            "torchverity_version": __version__,
+            "ready": status.ready,
+            "not_ready_reason": status.reason,
+            "golden": {"status": status.golden,
+                       "path": str(state.golden_path) if state.golden_path else None},
+            "rechecks": {"count": status.checks, "last_at": status.last_check},
+        },
+    }
+
+
+def _forward(model: torch.nn.Module, args: list[torch.Tensor]) -> list[dict[str, Any]]:
+    """Run the model; failures caused by the inputs' values answer 422, not 500."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    try:
+        with torch.inference_mode():
+            result = model(*(a.to(device) for a in args))
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise ProblemError(Problem(
+            422, INVALID_INPUT, "Invalid Input",
+            f"the model cannot compute these inputs: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:300]}",
+        )) from None
+    return encode_outputs(result)
+
+
+def _parse_request(content_type: str | None, body: bytes) -> InferRequest:
+    _check_media_type(content_type)
+    doc = _parse_json(body)
+    if isinstance(doc, dict) and set(doc) == {"payload", "checksum"}:
+        doc = _open_envelope(doc)
+    try:
+        return InferRequest.model_validate(doc)
+    except ValidationError as exc:
+        raise ProblemError(Problem(
+            422, INVALID_INPUT, "Invalid Request",
+            f"the request does not fit the schema ({exc.error_count()} error(s))",
+            {"errors": _clean_errors(exc.errors())},
+        )) from None
+
+
+def _check_media_type(content_type: str | None) -> None:
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/")
+                                       and media.endswith("+json")):
+        return
+    raise ProblemError(Problem(
+        415, UNSUPPORTED_MEDIA_TYPE, "Unsupported Media Type",
+        f"send the request as application/json, not {media or 'no Content-Type'}",
+        headers={"Accept-Post": "application/json"},
+    ))
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _parse_json(body: bytes | str) -> Any:
+    try:
+        return json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ProblemError(Problem(422, INVALID_JSON, "Malformed JSON",
+                                   f"the body is not valid JSON: {str(exc)[:200]}")) from None
+
+
+def _open_envelope(doc: Mapping[str, Any]) -> Any:
+    try:
+        envelope = Envelope.model_validate(doc)
+    except ValidationError as exc:
+        raise ProblemError(Problem(422, INVALID_INPUT, "Invalid Request",
+                                   "payload and checksum must both be strings",
+                                   {"errors": _clean_errors(exc.errors())})) from None
+    try:
+        payload = envelope.payload.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ProblemError(Problem(422, INVALID_JSON, "Malformed JSON",
+                                   "payload is not valid UTF-8 text")) from None
+    verify_digest(envelope.checksum, payload, field="checksum")
+    return _parse_json(payload)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request models ``/predict`` parses itself."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in (InferRequest, Envelope):
+        model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(model_schema.pop("$defs", {}))
+        components[model.__name__] = model_schema
+    app.openapi_schema = schema
+    return schema
+
+
+class FingerprintHeaderMiddleware:
+    """Adds the served weights' fingerprint to every response."""
+
+    def __init__(self, app: Callable[..., Any], *, value: str) -> None:
+        self.app = app
+        self.header = (FINGERPRINT_HEADER.lower().encode(), value.encode())
+
+    async def __call__(self, scope: Message, receive: Callable[..., Any], send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)

@@ -1,0 +1,131 @@
+"""What the service knows about its own weights, and the checks that keep it true.
+
+At start-up the in-memory weights are fingerprinted (the baseline) and the
+golden check runs once. In the background, every ``interval`` seconds, the
+weights are fingerprinted again and compared with the baseline, and the golden
+check reruns. The first failure turns readiness off for good: memory that
+changed under a running model does not heal, so the service keeps refusing
+predictions (503) until it is restarted from verified weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from torchverity.errors import IntegrityError
+from torchverity.fingerprint import DEVICE, Fingerprint, fingerprint
+from torchverity.serve._spec import TensorSpec
+from torchverity.serve._weights import WeightsInfo
+
+log = logging.getLogger("torchverity.serve")
+GoldenStatus = Literal["passed", "failed", "not-configured"]
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """A snapshot of the service's verdict on itself."""
+
+    ready: bool
+    reason: str | None
+    golden: GoldenStatus
+    checks: int
+    last_check: float | None
+
+
+@dataclass
+class ServiceState:
+    """The served model with its verified identity; thread-safe status updates."""
+
+    model: torch.nn.Module
+    name: str
+    spec: tuple[TensorSpec, ...]
+    weights: WeightsInfo | None
+    golden_path: Path | None
+    baseline: Fingerprint = field(init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _failure: str | None = None
+    _golden: GoldenStatus = "not-configured"
+    _checks: int = 0
+    _last_check: float | None = None
+
+    def __post_init__(self) -> None:
+        self.baseline = fingerprint(self.model.state_dict())
+
+    @property
+    def fingerprint_header(self) -> str:
+        return f"{self.baseline.algo}:{self.baseline.root}"
+
+    def readiness(self) -> Readiness:
+        with self._lock:
+            return Readiness(self._failure is None, self._failure, self._golden, self._checks,
+                             self._last_check)
+
+    def startup_check(self) -> None:
+        """The golden check before serving; raises IntegrityError when it fails."""
+        failure = self._golden_failure()
+        if failure:
+            raise IntegrityError(
+                f"golden check failed before serving: {failure}: the model does not compute "
+                "what was recorded", path=str(self.golden_path),
+                hint=f"torchverity golden check --golden {self.golden_path} "
+                     "--model ... --weights ...",
+            )
+
+    def recheck(self) -> Readiness:
+        """Re-fingerprint the weights and rerun the golden check; record the outcome."""
+        failure = self._weights_failure() or self._golden_failure()
+        with self._lock:
+            self._checks += 1
+            self._last_check = time.time()
+        if failure:
+            self.fail(failure)
+        return self.readiness()
+
+    def fail(self, reason: str) -> None:
+        """Turn readiness off (the first reason is kept) and log it."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = reason
+        log.error("torchverity serve: no longer ready: %s", reason)
+
+    def _weights_failure(self) -> str | None:
+        now = fingerprint(self.model.state_dict(),
+                          mode="device" if self.baseline.algo == DEVICE else "exact")
+        changed = self.baseline.differing(now)
+        if not changed:
+            return None
+        return (f"in-memory weights changed since they were verified: {len(changed)} tensor(s) "
+                f"differ: {', '.join(changed[:10])}")
+
+    def _golden_failure(self) -> str | None:
+        if self.golden_path is None:
+            return None
+        from torchverity import golden
+
+        result: Any = golden.check(self.model, self.golden_path)
+        with self._lock:
+            self._golden = "passed" if result.ok else "failed"
+        if result.ok:
+            return None
+        failures = [str(f) for f in result.failures][:3]
+        return f"golden check failed: {'; '.join(failures) or 'outputs differ'}"
+
+
+async def recheck_forever(state: ServiceState, interval: float) -> None:
+    """The background loop; runs the checks in a worker thread to keep serving."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await asyncio.to_thread(state.recheck)
+        except Exception as exc:  # a broken check must not stop the loop silently
+            log.exception("torchverity serve: re-check raised %s", type(exc).__name__)
+            state.fail(f"re-check raised {type(exc).__name__}: {exc}")

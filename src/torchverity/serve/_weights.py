@@ -1,0 +1,83 @@
+"""Start-up verification of the weights a service will hold.
+
+The file's digest must be recorded somewhere the service can check before
+unpickling: a sidecar (``CKPT.sha256``) or the folder's manifest. The
+checkpoint is then loaded with ``torchverity.load`` (``weights_only=True``),
+which also checks the content fingerprint against ``CKPT.meta.json`` when
+present and the keys, shapes and dtypes against the model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torchverity.digest import digest_file, find_sidecar
+from torchverity.errors import InputError, IntegrityError
+
+
+@dataclass(frozen=True)
+class WeightsInfo:
+    """Where the served weights came from and how they were verified."""
+
+    path: str
+    algo: str
+    digest: str
+    digest_source: str  # "sidecar" or "manifest"
+    file_fingerprint: str | None  # root recorded in meta.json and checked, if there was one
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "path": self.path, "algorithm": self.algo, "digest": self.digest,
+            "verified_by": self.digest_source, "fingerprint_verified": self.file_fingerprint,
+        }
+
+
+def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str]) -> WeightsInfo:
+    """Verify ``weights`` and load them into ``model``; raise a typed error otherwise."""
+    from torchverity.checkpoint import load
+
+    path = Path(weights)
+    if not path.exists():
+        raise InputError(f"{path}: no such weights file", path=path)
+    if find_sidecar(path) is not None or path.is_dir():
+        _obj, report = load(path, model=model, sidecar="require", with_report=True)
+        return WeightsInfo(os.fspath(path), str(report.algo), str(report.digest), "sidecar",
+                           report.fingerprint)
+    algo, digest = _check_against_manifest(path)
+    _obj, report = load(path, model=model, sidecar="ignore", with_report=True)
+    return WeightsInfo(os.fspath(path), algo, digest, "manifest", report.fingerprint)
+
+
+def _check_against_manifest(path: Path) -> tuple[str, str]:
+    """Check the file against its folder's manifest entry: ``(algo, hex)``."""
+    from torchverity.manifest import find_manifest, read_manifest
+
+    try:
+        record = find_manifest(path.parent)
+    except InputError:
+        raise IntegrityError(
+            f"{path}: no recorded digest (no {path.name}.sha256 sidecar and no manifest in "
+            f"{path.parent}): refusing to serve unverified weights",
+            path=path, hint=f"record it from a trusted copy: torchverity hash --write {path}",
+        ) from None
+    manifest = read_manifest(record)
+    entry = next((e for e in manifest.entries if e.path == path.name), None)
+    if entry is None:
+        raise IntegrityError(
+            f"{path}: not listed in {record}: refusing to serve unverified weights",
+            path=path, hint=f"torchverity hash --write {path}, or rebuild the manifest",
+        )
+    algo = manifest.algo
+    actual = digest_file(path, algo).hexdigest
+    if actual != entry.digest:
+        raise IntegrityError(
+            f"{path}: {algo} digest does not match {record.name}: the file changed after it "
+            f"was recorded (expected {entry.digest}, got {actual})",
+            path=path, expected=entry.digest, actual=actual,
+            hint=f"restore {path.name} from a verified copy; torchverity verify {path.parent}",
+        )
+    return algo, actual
