@@ -148,3 +148,37 @@ def test_version_and_bare_invocation(args: list[str]) -> None:
         assert result.returncode == 0 and result.stdout.startswith("torchverity ")
     else:
         assert result.returncode == 2 and "usage:" in result.stderr
+
+
+def _run_in_terminal(args: list[str], cwd: Path) -> str:
+    """Run the CLI with stdout and stderr on a real pseudo-terminal; return what it drew."""
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "torchverity", *args], cwd=cwd,
+                            stdout=follower, stderr=follower, env={**os.environ, "COLUMNS": "200"})
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(timeout=60)
+    os.close(leader)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_rich_table_on_a_terminal_plain_text_in_a_pipe(tmp_path: Path) -> None:
+    tree = _fixed_tree(tmp_path)
+    subprocess.run([sys.executable, "-m", "torchverity", "manifest", "run"], cwd=tmp_path,
+                   check=True, capture_output=True)
+    (tree / "a.txt").write_text("changed\n")
+    drawn = _run_in_terminal(["verify", "run"], tmp_path)
+    assert "┃" in drawn or "│" in drawn, drawn
+    piped = _cli_subprocess("verify", "run", cwd=tmp_path)
+    assert piped.returncode == 1
+    assert "│" not in piped.stdout and "\x1b[" not in piped.stdout + piped.stderr

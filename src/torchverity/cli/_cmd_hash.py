@@ -28,7 +28,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     results = []
     for path in args.files:
-        d = digest_file(path, args.algo)
+        with out.progress(None, f"hashing {path}") as advance:
+            d = digest_file(path, args.algo, progress=advance)
         sidecar = write_sidecar(path, d) if args.write else None
         results.append(
             {
