@@ -134,9 +134,7 @@ def iter_leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """Flatten a checkpoint into ``(dotted name, tensor or plain value)`` pairs."""
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
-    elif isinstance(obj, torch.nn.Module):
-        yield from iter_leaves(obj.state_dict(), prefix)
-    elif isinstance(obj, torch.optim.Optimizer):
+    elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
         yield from iter_leaves(obj.state_dict(), prefix)
     elif isinstance(obj, Mapping):
         for key, value in obj.items():
@@ -170,7 +168,8 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """
     t = tensor.detach()
     if t.layout != torch.strided:
-        raise FormatError(f"cannot fingerprint a {t.layout} tensor", hint="convert it with .to_dense()")
+        raise FormatError(f"cannot fingerprint a {t.layout} tensor",
+                          hint="convert it with .to_dense()")
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
@@ -181,19 +180,26 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
 def host_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy memoryview of a CPU tensor's canonical bytes."""
     flat = byte_view(tensor if tensor.device.type == "cpu" else tensor.cpu())
-    return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+    return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------ digests
 
 
+def tensor_hasher(name: str, dtype: torch.dtype, shape: Sequence[int]) -> Any:
+    """A SHA-256 primed with the entry header: feed it the canonical bytes.
+
+    Lets file readers fingerprint tensors while streaming them from disk.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return hashlib.sha256(_header("tensor", name, dtype_name(dtype), tuple(shape), nbytes))
+
+
 def _exact_digest(name: str, value: Any) -> TensorDigest:
     if isinstance(value, torch.Tensor):
-        data = host_bytes(value)
-        dtype, shape = dtype_name(value.dtype), tuple(value.shape)
-        h = hashlib.sha256(_header("tensor", name, dtype, shape, len(data)))
-        h.update(data)
-        return TensorDigest(name, dtype, shape, h.hexdigest())
+        h = tensor_hasher(name, value.dtype, value.shape)
+        h.update(host_bytes(value))
+        return TensorDigest(name, dtype_name(value.dtype), tuple(value.shape), h.hexdigest())
     return _value_digest(name, value)
 
 
@@ -238,7 +244,7 @@ def _device_digests(leaves: list[tuple[str, Any]]) -> list[TensorDigest]:
     sums = [device_checksum(v) for _, v in tensor_items]
     host = [s.cpu().tolist() for s in sums]  # one transfer of 16 bytes per tensor
     by_name: dict[str, TensorDigest] = {}
-    for (name, value), (s1, s2) in zip(tensor_items, host):
+    for (name, value), (s1, s2) in zip(tensor_items, host, strict=True):
         dtype, shape = dtype_name(value.dtype), tuple(value.shape)
         payload = _header("tvsum", name, dtype, shape, value.numel() * value.element_size())
         payload += (s1 & ((1 << 64) - 1)).to_bytes(8, "little")
@@ -278,10 +284,12 @@ def fingerprint(obj: Any, *, mode: Mode = "auto", workers: int | None = None) ->
         dup = sorted({n for n in names if names.count(n) > 1})
         raise FormatError(f"cannot fingerprint: names occur twice after flattening: {dup[:5]}")
     algo = _resolve_mode(mode, leaves)
-    if algo == DEVICE:
-        entries = _device_digests(leaves)
-    else:
-        entries = _exact_digests(leaves, workers)
+    entries = _device_digests(leaves) if algo == DEVICE else _exact_digests(leaves, workers)
+    return from_entries(algo, entries)
+
+
+def from_entries(algo: str, entries: Sequence[TensorDigest]) -> Fingerprint:
+    """Assemble a fingerprint (sorted entries and their root) from computed digests."""
     ordered = tuple(sorted(entries, key=lambda e: e.name))
     return Fingerprint(algo=algo, root=_root(algo, ordered), entries=ordered)
 
@@ -301,7 +309,9 @@ def _exact_digests(leaves: list[tuple[str, Any]], workers: int | None) -> list[T
 def _cpu_count() -> int:
     import os
 
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def fingerprint_tensor(tensor: torch.Tensor, name: str = "", *, mode: Mode = "auto") -> str:

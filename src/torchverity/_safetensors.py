@@ -1,0 +1,291 @@
+"""A strict .safetensors reader and a writer that hashes while it writes.
+
+Format: an 8-byte little-endian header length N, N bytes of JSON (tensor name
+-> ``{"dtype", "shape", "data_offsets": [begin, end]}`` plus an optional
+``__metadata__`` of strings), then one flat data buffer. The format has no
+checksum, so the reader trusts nothing: a header that lies (offsets that
+overlap, leave gaps or run past the end, sizes that do not match shape x dtype,
+duplicate names, trailing bytes) is refused before any tensor is built.
+
+The ``safetensors`` package is only a test dependency: the tests prove that
+files written here load there and the other way round.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from torchverity.errors import FormatError
+
+MAX_HEADER_BYTES = 100_000_000
+_ALIGN = 8
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
+}
+CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One header entry; ``begin``/``end`` are absolute file offsets."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class Header:
+    entries: tuple[TensorInfo, ...]  # in file order
+    metadata: dict[str, str]
+    data_start: int
+    file_size: int
+
+
+def is_safetensors(path: Path) -> bool:
+    """Cheap sniff: a plausible header length followed by ``{``."""
+    with open(path, "rb") as fh:
+        head = fh.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return n <= MAX_HEADER_BYTES
+
+
+# ------------------------------------------------------------------ reading
+
+
+def read_header(path: Path) -> Header:
+    """Parse and validate the header; any lie raises :class:`FormatError`."""
+    size = os.stat(path).st_size
+    with open(path, "rb") as fh:
+        raw_len = fh.read(8)
+        if len(raw_len) < 8:
+            raise _bad(path, f"file is {size} bytes, too short for a header")
+        (n,) = struct.unpack("<Q", raw_len)
+        if n > MAX_HEADER_BYTES:
+            raise _bad(path, f"header length {n} exceeds the 100 MB limit")
+        if 8 + n > size:
+            raise _bad(path, f"header length {n} runs past the end of the {size}-byte file "
+                             "(truncated?)")
+        raw = fh.read(n)
+    try:
+        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _bad(path, f"header is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise _bad(path, "header is not a JSON object")
+    metadata = _metadata(path, data.pop("__metadata__", None))
+    entries = sorted((_entry(path, name, v, 8 + n) for name, v in data.items()),
+                     key=lambda e: (e.begin, e.end))
+    _check_layout(path, entries, 8 + n, size)
+    return Header(tuple(entries), metadata, 8 + n, size)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"name '{key}' appears twice")
+        out[key] = value
+    return out
+
+
+def _metadata(path: Path, meta: Any) -> dict[str, str]:
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise _bad(path, "__metadata__ must map strings to strings")
+    return dict(meta)
+
+
+def _entry(path: Path, name: str, v: Any, data_start: int) -> TensorInfo:
+    if not isinstance(v, dict):
+        raise _bad(path, f"tensor '{name}': entry is not an object")
+    code = v.get("dtype")
+    dtype = DTYPES.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        raise _bad(path, f"tensor '{name}': unknown dtype {v.get('dtype')!r}")
+    shape, offsets = v.get("shape"), v.get("data_offsets")
+    if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+        raise _bad(path, f"tensor '{name}': shape {shape!r} is not a list of non-negative ints")
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets))
+            or offsets[0] > offsets[1]):
+        raise _bad(path, f"tensor '{name}': data_offsets {offsets!r} are not [begin, end]")
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if offsets[1] - offsets[0] != expected:
+        raise _bad(path, f"tensor '{name}': data_offsets span {offsets[1] - offsets[0]} bytes "
+                         f"but shape {shape} x {v['dtype']} needs {expected}")
+    return TensorInfo(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_layout(path: Path, entries: list[TensorInfo], data_start: int, size: int) -> None:
+    cursor = data_start
+    for e in entries:
+        if e.begin < cursor:
+            raise _bad(path, f"tensor '{e.name}' overlaps the previous tensor "
+                             f"(starts at data offset {e.begin - data_start}, "
+                             f"previous ends at {cursor - data_start})")
+        if e.begin > cursor:
+            raise _bad(path, f"gap of {e.begin - cursor} bytes before tensor '{e.name}'")
+        cursor = e.end
+    if cursor > size:
+        raise _bad(path, f"tensors need {cursor - data_start} data bytes but the file holds "
+                         f"{size - data_start} (truncated?)")
+    if cursor < size:
+        raise _bad(path, f"{size - cursor} unexpected bytes after the last tensor")
+
+
+def _bad(path: Path, what: str) -> FormatError:
+    return FormatError(
+        f"{path}: not a valid .safetensors file: {what}", path=path,
+        hint=f"torchverity inspect {path}; restore the file from a verified copy",
+    )
+
+
+Feed = Callable[[str, memoryview], None]
+
+
+class Writer(Protocol):
+    def write(self, data: Any, /) -> int: ...
+
+
+
+def read_tensors(path: Path, header: Header, feed: Feed | None = None) -> dict[str, torch.Tensor]:
+    """Read every tensor straight into its own memory (one pass, no extra copy).
+
+    ``feed(name, chunk)`` sees each chunk as it lands (name ``""`` for the
+    header bytes), so callers hash the file and the tensors in the same pass.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    with open(path, "rb", buffering=0) as fh:
+        head = fh.read(header.data_start)
+        if feed:
+            feed("", memoryview(head))
+        for e in header.entries:
+            t = torch.empty(e.shape, dtype=e.dtype)
+            if e.nbytes:
+                target = memoryview(t.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                _fill(fh, target, path, e.name, feed)
+            tensors[e.name] = t
+    return tensors
+
+
+def iter_tensor_bytes(path: Path, header: Header, feed: Feed, chunk: int = 8 << 20) -> None:
+    """Stream every tensor's bytes through ``feed`` with one small reused buffer."""
+    buf = memoryview(bytearray(chunk))
+    with open(path, "rb", buffering=0) as fh:
+        fh.seek(header.data_start)
+        for e in header.entries:
+            left = e.nbytes
+            while left:
+                n = fh.readinto(buf[: min(left, chunk)])
+                if not n:
+                    raise _bad(path, f"file ended inside tensor '{e.name}'")
+                feed(e.name, buf[:n])
+                left -= n
+
+
+def _fill(fh: Any, target: memoryview, path: Path, name: str, feed: Feed | None) -> None:
+    pos, step = 0, 8 << 20
+    while pos < len(target):
+        n = fh.readinto(target[pos : pos + step])
+        if not n:
+            raise _bad(path, f"file ended inside tensor '{name}'")
+        if feed:
+            feed(name, target[pos : pos + n])
+        pos += n
+
+
+# ------------------------------------------------------------------ writing
+
+
+def plan(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> bytes:
+    """The header bytes (length prefix included) for ``tensors`` in :func:`order`."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name in order(tensors):
+        t = tensors[name]
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": CODES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % _ALIGN)  # keeps the data buffer 8-byte aligned
+    return struct.pack("<Q", len(text)) + text
+
+
+def order(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """Largest element size first, then by name: every tensor stays aligned."""
+    return sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+
+
+def check_writable(tensors: Mapping[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    """Only flat ``name -> tensor`` maps of supported dtypes can be .safetensors."""
+    if not isinstance(tensors, Mapping):
+        raise FormatError(
+            f"{path}: .safetensors holds a flat name -> tensor map, got {type(tensors).__name__}",
+            path=path, hint="save a state_dict, or use a .pt path for nested checkpoints",
+        )
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not isinstance(name, str):
+            raise FormatError(
+                f"{path}: entry '{name}' is a {type(t).__name__}, .safetensors holds only tensors",
+                path=path, hint="use a .pt path for checkpoints with optimizer state or scalars",
+            )
+        if t.dtype not in CODES:
+            raise FormatError(f"{path}: tensor '{name}' has dtype {t.dtype}, which .safetensors "
+                              "cannot store", path=path, hint="use a .pt path")
+        out[name] = t
+    return out
+
+
+def write_tensors(tensors: Mapping[str, torch.Tensor], fh: Writer,
+                  metadata: Mapping[str, str] | None = None) -> None:
+    """Write header then data; ``fh`` sees each tensor's bytes in one call."""
+    from torchverity.fingerprint import host_bytes
+
+    fh.write(plan(tensors, metadata))
+    for name in order(tensors):
+        data = host_bytes(tensors[name])
+        if len(data):
+            fh.write(data)

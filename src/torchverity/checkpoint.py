@@ -1,0 +1,788 @@
+"""Atomic, verified checkpoint save and load.
+
+``save`` writes to a temporary file in the target's folder, hashes every byte
+as it is written (no second pass over the file), fsyncs, renames over the
+target and fsyncs the folder, so a process killed at any moment leaves either
+the previous checkpoint or the new one, never a torn file. Next to the file it
+writes ``FILE.sha256`` (a ``sha256sum`` line) and ``FILE.meta.json`` (versions,
+seed, data digest, fingerprint, keys/shapes/dtypes and the caller's metadata;
+see ``docs/formats/checkpoint.md``).
+
+``load`` checks the file digest before anything is unpickled, loads with
+``weights_only=True``, compares the content fingerprint with meta.json and,
+given a model, checks keys, shapes and dtypes all at once. It never falls back
+to ``weights_only=False``: full pickles load only when the caller names the
+file's SHA-256 (``trust_sha256=``), and that is logged.
+
+>>> import torch, torchverity
+>>> report = torchverity.save({"w": torch.ones(2)}, "model.pt", meta={"step": 10})  # doctest: +SKIP
+>>> state = torchverity.load("model.pt")                                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import platform
+import secrets
+import stat
+import subprocess
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from torchverity import _safetensors as st
+from torchverity.digest import (
+    DEFAULT_ALGO,
+    check_algo,
+    digest_file,
+    find_sidecar,
+    format_sidecar_line,
+    new_hasher,
+    read_sidecar,
+    sidecar_path,
+)
+from torchverity.errors import (
+    CheckpointWriteError,
+    FormatError,
+    InputError,
+    IntegrityError,
+    StateDictMismatchError,
+    UnsafeFileError,
+    UsageError,
+)
+from torchverity.fingerprint import (
+    EXACT,
+    Fingerprint,
+    TensorDigest,
+    dtype_name,
+    fingerprint,
+    from_entries,
+    iter_leaves,
+    tensor_hasher,
+)
+
+log = logging.getLogger("torchverity.checkpoint")
+
+META_FORMAT = "torchverity-checkpoint-meta"
+META_VERSION = 1
+META_SUFFIX = ".meta.json"
+SidecarPolicy = Literal["warn", "require", "ignore"]
+FileFormat = Literal["pt", "pt-legacy", "safetensors"]
+_SMALL_WRITE = 1 << 20  # torch.save makes many tiny writes; batch them
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint loaded, but something could not be verified (e.g. no sidecar)."""
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What ``save`` wrote. ``written`` is False on ranks that left writing to rank 0."""
+
+    path: str
+    algo: str
+    digest: str
+    fingerprint: str
+    sidecar: str | None
+    meta_path: str | None
+    size: int = 0
+    written: bool = True
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What ``load`` verified, and how."""
+
+    path: str
+    format: str
+    algo: str | None
+    digest: str | None
+    digest_source: str | None  # "sidecar", "meta" or None when nothing was checked
+    fingerprint: str | None
+    fingerprint_verified: bool
+    sidecar_policy: str
+    weights_only: bool
+    tensors: int
+    model_checked: bool = False
+    shards: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def verified(self) -> bool:
+        return self.digest_source is not None and self.fingerprint_verified
+
+
+# ================================================================== formats
+
+
+def meta_path_for(path: str | os.PathLike[str]) -> Path:
+    return Path(f"{os.fspath(path)}{META_SUFFIX}")
+
+
+def file_format(path: str | os.PathLike[str]) -> FileFormat:
+    """What kind of checkpoint a file is, from its bytes (never its name alone)."""
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{p}: is a folder", path=p,
+                         hint=f"folders load through their *.index.json: torchverity inspect {p}")
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as fh:
+            head = fh.read(16)
+    except FileNotFoundError:
+        raise InputError(f"{p}: no such file", path=p) from None
+    except OSError as exc:
+        raise InputError(f"{p}: cannot read: {exc.strerror or exc}", path=p) from None
+    if size == 0:
+        raise FormatError(f"{p}: file is empty (0 bytes): not a checkpoint", path=p,
+                          hint="the save that wrote it was probably interrupted; "
+                               "restore the previous checkpoint")
+    if head.startswith(b"PK\x03\x04"):
+        return "pt"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "pt-legacy"
+    if st.is_safetensors(p):
+        return "safetensors"
+    raise FormatError(
+        f"{p}: not a checkpoint (neither a PyTorch zip/pickle nor .safetensors; "
+        f"starts with {head[:8]!r})", path=p,
+        hint=f"check the path; torchverity inspect {p} shows what torchverity sees",
+    )
+
+
+# ================================================================== save
+
+
+class _HashingWriter:
+    """A write-only file object that hashes every byte on its way to disk.
+
+    Large writes are hashed on a helper thread while the main thread writes the
+    same memory: both release the GIL, so the digest costs no extra pass.
+    """
+
+    def __init__(self, fd: int, hasher: Any, pool: ThreadPoolExecutor) -> None:
+        self._fd = fd
+        self._hasher = hasher
+        self._pool = pool
+        self._pending = bytearray()
+        self.size = 0
+        self.error: OSError | None = None  # torch.save replaces our OSError with its own
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        self.size += n
+        if n < _SMALL_WRITE:
+            self._pending += view
+            if len(self._pending) >= _SMALL_WRITE:
+                self.flush()
+            return n
+        self.flush()
+        self._both(view)
+        return n
+
+    def flush(self) -> None:
+        if self._pending:
+            self._both(memoryview(self._pending))
+            self._pending = bytearray()
+
+    def _both(self, view: memoryview) -> None:
+        hashed = self._pool.submit(self._hasher.update, view)
+        try:
+            _write_all(self._fd, view)
+        except OSError as exc:
+            self.error = exc
+            raise
+        finally:
+            hashed.result()
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while len(view):
+        view = view[os.write(fd, view) :]
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Staged:
+    """A save in progress: the temp file's fd and the small companion files to publish."""
+
+    fd: int
+    companions: dict[Path, str]
+
+
+@contextmanager
+def _atomic_target(target: Path) -> Iterator[_Staged]:
+    """Stage a temp file beside ``target``; on success publish it and its companions.
+
+    Companions (sidecar, meta.json) are fully written and fsynced *before* the
+    checkpoint is renamed, so the renames run back to back: a crash leaves the
+    old trio or the new one, except in the microseconds between renames, when
+    load refuses loudly instead of loading unverified bytes.
+    """
+    folder = target.parent
+    if not folder.is_dir():
+        raise InputError(f"{folder}: folder does not exist, cannot save {target.name}",
+                         path=folder, hint=f"mkdir -p {folder}")
+    old_mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
+    _sweep_stale_temps(target)
+    temps: list[tuple[Path, Path]] = [(_temp_name(target), target)]
+    staged = _Staged(-1, {})
+    try:
+        staged.fd = os.open(temps[0][0], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        yield staged
+        os.fsync(staged.fd)
+        if old_mode is not None:
+            os.fchmod(staged.fd, old_mode)
+        os.close(staged.fd)
+        staged.fd = -1
+        for final, text in staged.companions.items():
+            temps.append((_temp_name(final), final))
+            _write_synced(temps[-1][0], text)
+        for tmp, final in temps:
+            os.replace(tmp, final)
+        _fsync_dir(folder)
+    except OSError as exc:
+        raise _write_error(target, exc, old_mode is not None) from None
+    finally:
+        if staged.fd >= 0:
+            os.close(staged.fd)
+        for tmp, _ in temps:
+            tmp.unlink(missing_ok=True)
+
+
+def _temp_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "x", encoding="utf-8", newline="\n") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _sweep_stale_temps(target: Path) -> None:
+    """Remove temp files of earlier saves whose process died (kill -9, power loss)."""
+    for tmp in target.parent.glob(f".{target.name}*.tmp-*-*"):
+        pid = tmp.name.rsplit("-", 2)[-2]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _write_error(target: Path, exc: OSError, existed: bool) -> CheckpointWriteError:
+    reasons = {
+        errno.ENOSPC: "the disk is full",
+        errno.EDQUOT: "the disk quota is exceeded",
+        errno.EFBIG: "the file is larger than this process may write",
+        errno.EROFS: "the file system is read-only",
+        errno.EACCES: "permission denied in the folder",
+        errno.EPERM: "permission denied in the folder",
+    }
+    reason = reasons.get(exc.errno or 0, exc.strerror or str(exc))
+    previous = (f"the previous {target.name} is intact" if existed
+                else f"no file was created at {target}")
+    return CheckpointWriteError(
+        f"cannot save {target}: {reason}; {previous}", path=target, reason=reason,
+        previous_intact=existed,
+        hint="free space or fix the folder's permissions, then save again",
+    )
+
+
+def _writing_rank(all_ranks: bool) -> bool:
+    dist = torch.distributed
+    if all_ranks or not (dist.is_available() and dist.is_initialized()):
+        return True
+    return dist.get_rank() == 0
+
+
+def save(
+    obj: Any,
+    path: str | os.PathLike[str],
+    *,
+    meta: Mapping[str, Any] | None = None,
+    seed: int | None = None,
+    data: str | os.PathLike[str] | None = None,
+    algo: str = DEFAULT_ALGO,
+    all_ranks: bool = False,
+) -> SaveReport:
+    """Atomically save ``obj`` (.pt, or .safetensors for flat tensor maps) with sidecar and meta.
+
+    ``meta`` is your own JSON-ready metadata (epoch, step, metrics, config).
+    ``data`` names the training data: a file (its digest is recorded) or a
+    folder (its manifest root). Under torch.distributed only rank 0 writes
+    unless ``all_ranks=True`` (then give each rank its own path).
+    """
+    target = Path(path)
+    check_algo(algo)
+    user_meta = _json_ready(meta, "meta")
+    if not _writing_rank(all_ranks):
+        return SaveReport(os.fspath(target), algo, "", "", None, None, written=False)
+    fmt = "safetensors" if target.suffix == ".safetensors" else "pt"
+    payload = st.check_writable(obj, target) if fmt == "safetensors" else obj
+    data_record = _data_record(data, algo) if data is not None else None
+    sidecar, meta_file = sidecar_path(target, algo), meta_path_for(target)
+    hasher = new_hasher(algo)
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="torchverity-save") as pool, \
+            _atomic_target(target) as staged:
+        # The fingerprint reads the tensors in memory while torch writes them.
+        fp_future = pool.submit(fingerprint, payload, mode="exact", workers=1)
+        writer = _HashingWriter(staged.fd, hasher, pool)
+        try:
+            if fmt == "safetensors":
+                st.write_tensors(payload, writer)
+            else:
+                torch.save(payload, writer)  # type: ignore[arg-type]
+            writer.flush()
+        except Exception:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+        digest, fp = hasher.hexdigest(), fp_future.result()
+        record = _meta_record(target, fmt, algo, digest, writer.size, fp, seed, data_record,
+                              user_meta)
+        staged.companions[sidecar] = format_sidecar_line(digest, target.name)
+        staged.companions[meta_file] = json.dumps(record, indent=2) + "\n"
+    log.info("saved %s (%s %s, fingerprint %s)", target, algo, digest, fp.root)
+    return SaveReport(os.fspath(target), algo, digest, fp.root, os.fspath(sidecar),
+                      os.fspath(meta_file), writer.size)
+
+
+def _json_ready(value: Any, what: str) -> Any:
+    if value is None:
+        return None
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{what} must be JSON-ready (numbers, strings, lists, dicts): {exc}",
+                         hint="convert tensors with .item() or .tolist() first") from None
+    return value
+
+
+def _data_record(data: str | os.PathLike[str], algo: str) -> dict[str, Any]:
+    p = Path(data)
+    if p.is_file():
+        d = digest_file(p, algo)
+        return {"path": os.fspath(p), "kind": "file", "algo": algo, "digest": d.hexdigest,
+                "size": d.size}
+    if p.is_dir():
+        from torchverity.manifest import build_manifest
+
+        m = build_manifest(p, algo)
+        return {"path": os.fspath(p), "kind": "manifest", "algo": algo, "digest": m.root,
+                "files": len(m.entries)}
+    raise InputError(f"data={os.fspath(p)!r}: no such file or folder", path=p,
+                     hint="pass the training data file or folder whose digest to record")
+
+
+def environment() -> dict[str, Any]:
+    """Versions and platform recorded in every meta.json."""
+    from torchverity import __version__
+
+    cuda = torch.version.cuda
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "torchverity": __version__,
+        "torch": torch.__version__,
+        "cuda": cuda,
+        "cudnn": cudnn,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "git_commit": _git_commit(),
+    }
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def _meta_record(target: Path, fmt: str, algo: str, digest: str, size: int, fp: Fingerprint,
+                 seed: int | None, data: dict[str, Any] | None, user: Any) -> dict[str, Any]:
+    return {
+        "format": META_FORMAT,
+        "version": META_VERSION,
+        "file": target.name,
+        "file_format": fmt,
+        "size": size,
+        "digest": {"algo": algo, "hex": digest},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "environment": environment(),
+        "seed": seed,
+        "data": data,
+        "fingerprint": fp.to_dict(),
+        "user": user,
+    }
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read and check ``FILE.meta.json`` (pass the checkpoint or the meta file)."""
+    p = Path(path)
+    mp = p if p.name.endswith(META_SUFFIX) else meta_path_for(p)
+    try:
+        data = json.loads(mp.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{mp}: no such file", path=mp,
+                         hint="torchverity.save writes it next to every checkpoint") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"{mp}: not valid JSON: {exc}", path=mp) from None
+    if not isinstance(data, dict) or data.get("format") != META_FORMAT:
+        raise FormatError(f"{mp}: not a torchverity meta.json (no format '{META_FORMAT}')",
+                          path=mp)
+    if data.get("version") != META_VERSION:
+        raise FormatError(f"{mp}: meta.json version {data.get('version')!r} is not supported",
+                          path=mp, hint="upgrade torchverity")
+    return data
+
+
+def _meta_fingerprint(meta: Mapping[str, Any], mp: Path) -> Fingerprint:
+    try:
+        return Fingerprint.from_dict(meta["fingerprint"])
+    except (KeyError, FormatError) as exc:
+        raise FormatError(f"{mp}: fingerprint record is damaged: {exc}", path=mp,
+                          hint="restore meta.json, or re-save the checkpoint") from None
+
+
+# ================================================================== load
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    map_location: Any = "cpu",
+    model: torch.nn.Module | None = None,
+    sidecar: SidecarPolicy = "warn",
+    trust_sha256: str | None = None,
+    with_report: bool = False,
+    mmap: bool = False,
+) -> Any:
+    """Load a checkpoint (file or HF-style sharded folder) after verifying it.
+
+    Returns the object, or ``(obj, LoadReport)`` with ``with_report=True``.
+    With ``model`` the state is checked against it (all problems at once) and
+    loaded into it.
+    """
+    if sidecar not in ("warn", "require", "ignore"):
+        raise UsageError(f"unknown sidecar policy '{sidecar}'", hint="use warn, require or ignore")
+    p = Path(path)
+    if p.is_dir():
+        from torchverity._sharded import load_sharded
+
+        obj, report = load_sharded(p, map_location=map_location, sidecar=sidecar)
+    else:
+        obj, report = _load_file(p, map_location, sidecar, trust_sha256, mmap)
+    if model is not None:
+        check_against_model(obj, model, p)
+        report = _replace(report, model_checked=True)
+    for text in report.warnings:
+        warnings.warn(text, CheckpointWarning, stacklevel=2)
+    return (obj, report) if with_report else obj
+
+
+def _replace(report: LoadReport, **changes: Any) -> LoadReport:
+    import dataclasses
+
+    return dataclasses.replace(report, **changes)
+
+
+def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: str | None,
+               mmap: bool) -> tuple[Any, LoadReport]:
+    meta = read_meta(p) if meta_path_for(p).exists() else None
+    expected = _expected_digest(p, meta, policy) if p.is_file() else None
+    try:
+        fmt = file_format(p)
+    except FormatError:
+        if p.stat().st_size:  # damage that hit the magic bytes is damage
+            _check_digest(p, expected, None)
+        raise
+    notes = []
+    if expected is None and policy == "warn":
+        notes.append(f"{p}: no sidecar: the file's bytes were not verified "
+                     f"(write one with: torchverity hash --write {p})")
+    full_pickle = _trusted(p, trust_sha256)
+    if fmt == "safetensors":
+        obj, digest, fp = _read_safetensors(p, expected, meta)
+        if map_location not in (None, "cpu", torch.device("cpu")):
+            obj = {k: v.to(map_location) for k, v in obj.items()}
+    else:
+        digest = _check_digest(p, expected, meta)
+        obj = _torch_load(p, map_location, full_pickle, mmap and fmt == "pt")
+        fp = None
+    fp_root = _check_fingerprint(p, obj, meta, fp)
+    if fp_root is None and policy == "warn":
+        notes.append(f"{p}: no meta.json: the content fingerprint was not verified")
+    report = LoadReport(
+        path=os.fspath(p), format=fmt, algo=expected[0] if expected else None,
+        digest=digest, digest_source=expected[2] if expected else None, fingerprint=fp_root,
+        fingerprint_verified=fp_root is not None, sidecar_policy=policy,
+        weights_only=not full_pickle, tensors=_count_tensors(obj), warnings=tuple(notes),
+    )
+    return obj, report
+
+
+def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
+                     policy: SidecarPolicy) -> tuple[str, str, str] | None:
+    """``(algo, hex, source)`` to check the file against, or None."""
+    side = find_sidecar(p) if policy != "ignore" else None
+    recorded = meta.get("digest") if meta else None
+    if side is not None:
+        algo, hexd, _ = read_sidecar(side)
+        if isinstance(recorded, dict) and recorded.get("algo") == algo \
+                and recorded.get("hex") != hexd:
+            raise IntegrityError(
+                f"{p}: meta.json disagrees with the sidecar {side.name} "
+                f"(meta.json records {recorded.get('hex')}, sidecar {hexd}): "
+                "one of them belongs to another save", path=p, expected=hexd,
+                actual=str(recorded.get("hex")),
+                hint=f"torchverity verify {p}; restore the matching checkpoint, sidecar and meta",
+            )
+        return algo, hexd, "sidecar"
+    if policy == "require":
+        raise IntegrityError(
+            f"{p}: no sidecar ({p.name}.sha256) and sidecar='require': refusing to load "
+            "unverified bytes", path=p,
+            hint=f"save with torchverity.save, or record the digest: torchverity hash --write {p}",
+        )
+    if policy != "ignore" and isinstance(recorded, dict) and "hex" in recorded:
+        return str(recorded["algo"]), str(recorded["hex"]), "meta"
+    return None
+
+
+def _digest_mismatch(p: Path, expected: tuple[str, str, str], actual: str,
+                     damaged: list[str]) -> IntegrityError:
+    algo, want, source = expected
+    where = (f"damaged tensor{'s' if len(damaged) > 1 else ''}: {', '.join(damaged[:10])}"
+             if damaged else "the damage could not be tied to a tensor")
+    record = f"{p.name}.{algo}" if source == "sidecar" else f"{p.name}{META_SUFFIX}"
+    return IntegrityError(
+        f"{p}: {algo} digest does not match {record}: the file changed after it was saved "
+        f"(expected {want}, got {actual}); {where}",
+        path=p, expected=want, actual=actual, tensors=damaged,
+        hint=f"restore {p.name} from a verified copy; torchverity diff {p} <good copy> "
+             "shows every changed value",
+    )
+
+
+def _check_digest(p: Path, expected: tuple[str, str, str] | None,
+                  meta: Mapping[str, Any] | None) -> str | None:
+    if expected is None:
+        return None
+    actual = digest_file(p, expected[0]).hexdigest
+    if actual != expected[1]:
+        raise _digest_mismatch(p, expected, actual, _locate_pt_damage(p, meta))
+    return actual
+
+
+def _locate_pt_damage(p: Path, meta: Mapping[str, Any] | None) -> list[str]:
+    """Name the tensors that differ from meta.json, reading through the restricted unpickler.
+
+    Only for the error message: PyTorch's ``weights_only`` unpickler runs no
+    code from the file, storages are memory-mapped, and the object is dropped.
+    """
+    if meta is None:
+        return []
+    try:
+        recorded = _meta_fingerprint(meta, meta_path_for(p))
+        obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
+        return recorded.differing(fingerprint(obj, mode="exact"))
+    except Exception:  # the damage may have hit the pickle itself
+        return []
+
+
+def _trusted(p: Path, trust_sha256: str | None) -> bool:
+    if trust_sha256 is None:
+        return False
+    actual = digest_file(p, "sha256").hexdigest
+    if actual != trust_sha256.lower():
+        raise IntegrityError(
+            f"{p}: sha256 is {actual}, not the trusted {trust_sha256}: refusing a full-pickle load",
+            path=p, expected=trust_sha256.lower(), actual=actual,
+            hint="trust_sha256 must name this exact file; torchverity inspect shows its digest",
+        )
+    log.warning("loading %s with weights_only=False: caller trusts sha256 %s", p, actual)
+    return True
+
+
+def _torch_load(p: Path, map_location: Any, full_pickle: bool, mmap: bool) -> Any:
+    try:
+        return torch.load(p, map_location=map_location, weights_only=not full_pickle, mmap=mmap)
+    except Exception as exc:
+        raise _explained_load_error(p, exc) from None
+
+
+def _explained_load_error(p: Path, exc: Exception) -> Exception:
+    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    hint = f"torchverity inspect {p}"
+    try:
+        from torchverity.explain import explain_exception
+    except ImportError:  # issue 4 lands the explanations; until then keep torch's words
+        explanation = None
+    else:
+        explanation = explain_exception(exc)
+    if explanation is not None:
+        text = f"{text} ({explanation.cause})"
+        hint = f"{explanation.fix}; {explanation.command}" if explanation.command \
+            else explanation.fix
+    if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+        return UnsafeFileError(
+            f"{p}: refused by the weights_only loader: {text}", path=p,
+            hint=f"torchverity scan {p}; if you trust this exact file, pass "
+                 "trust_sha256=<its sha256> (torchverity inspect shows it)",
+        )
+    return FormatError(f"{p}: cannot load: {text}", path=p, hint=hint)
+
+
+def _read_safetensors(p: Path, expected: tuple[str, str, str] | None,
+                      meta: Mapping[str, Any] | None,
+                      ) -> tuple[dict[str, torch.Tensor], str | None, Fingerprint]:
+    """One pass: read tensors into place while hashing the file and each tensor."""
+    try:
+        header = st.read_header(p)
+    except FormatError:
+        _check_digest(p, expected, None)  # a damaged header is reported as damage
+        raise
+    file_hasher = new_hasher(expected[0]) if expected else None
+    tensor_hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape) for e in header.entries}
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load") as pool:
+        pending: list[Future[Any]] = []
+
+        def feed(name: str, chunk: memoryview) -> None:
+            # The file digest runs beside the tensor digest: two cores, one read.
+            if file_hasher is not None:
+                pending.append(pool.submit(file_hasher.update, chunk))
+            if name:
+                tensor_hashers[name].update(chunk)
+            for f in pending:
+                f.result()
+            pending.clear()
+
+        tensors = st.read_tensors(p, header, feed)
+    fp = from_entries(EXACT, [
+        TensorDigest(e.name, dtype_name(e.dtype), e.shape, tensor_hashers[e.name].hexdigest())
+        for e in header.entries
+    ])
+    digest = file_hasher.hexdigest() if file_hasher else None
+    if expected is not None and digest != expected[1]:
+        damaged = _meta_fingerprint(meta, meta_path_for(p)).differing(fp) if meta else []
+        raise _digest_mismatch(p, expected, str(digest), damaged)
+    return tensors, digest, fp
+
+
+def _check_fingerprint(p: Path, obj: Any, meta: Mapping[str, Any] | None,
+                       computed: Fingerprint | None) -> str | None:
+    if meta is None:
+        return None
+    recorded = _meta_fingerprint(meta, meta_path_for(p))
+    actual = computed or fingerprint(obj, mode="exact")
+    bad = recorded.differing(actual)
+    if bad:
+        first = bad[0]
+        want = recorded.tensors.get(first)
+        got = actual.tensors.get(first)
+        raise IntegrityError(
+            f"{p}: content does not match {p.name}{META_SUFFIX}: {len(bad)} tensor(s) differ: "
+            f"{', '.join(bad[:10])} (first: '{first}' expected "
+            f"{_describe(want)}, got {_describe(got)})",
+            path=p, expected=want.digest if want else None,
+            actual=got.digest if got else None, tensors=bad,
+            hint=f"restore {p.name} from a verified copy, or its meta.json if only that changed; "
+                 f"torchverity diff {p} <good copy>",
+        )
+    return actual.root
+
+
+def _describe(entry: TensorDigest | None) -> str:
+    if entry is None:
+        return "no such entry"
+    return f"{entry.dtype}{list(entry.shape)} digest {entry.digest[:16]}..."
+
+
+def _count_tensors(obj: Any) -> int:
+    try:
+        return sum(1 for _, v in iter_leaves(obj) if isinstance(v, torch.Tensor))
+    except FormatError:
+        return 0
+
+
+# ================================================================== model check
+
+
+def state_dict_of(obj: Any) -> Mapping[str, Any]:
+    """The model weights inside a checkpoint: the object itself or its
+    ``state_dict`` / ``model`` / ``model_state_dict`` entry."""
+    if isinstance(obj, Mapping):
+        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return obj
+        for key in ("state_dict", "model_state_dict", "model"):
+            inner = obj.get(key)
+            if isinstance(inner, Mapping):
+                return inner
+        return obj
+    raise FormatError(f"checkpoint holds a {type(obj).__name__}, not a state_dict",
+                      hint="save model.state_dict() instead of the model object")
+
+
+def check_against_model(obj: Any, model: torch.nn.Module, path: Path) -> None:
+    """Report every missing, unexpected, reshaped or retyped key at once, then load."""
+    state = state_dict_of(obj)
+    want = model.state_dict()
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want))
+    mismatched = []
+    for name in sorted(set(want) & set(state)):
+        w, g = want[name], state[name]
+        if not isinstance(g, torch.Tensor):
+            mismatched.append({"name": name, "expected": "tensor", "actual": type(g).__name__})
+        elif w.shape != g.shape or w.dtype != g.dtype:
+            mismatched.append({"name": name,
+                               "expected": f"{dtype_name(w.dtype)}{list(w.shape)}",
+                               "actual": f"{dtype_name(g.dtype)}{list(g.shape)}"})
+    if missing or unexpected or mismatched:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing: {', '.join(missing[:10])}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected: {', '.join(unexpected[:10])}")
+        for m in mismatched[:10]:
+            parts.append(f"'{m['name']}' is {m['actual']}, model expects {m['expected']}")
+        raise StateDictMismatchError(
+            f"{path}: checkpoint does not fit {type(model).__name__}: " + "; ".join(parts),
+            path=path, missing=missing, unexpected=unexpected, mismatched=mismatched,
+            hint=f"check the model config matches the one that saved it; "
+                 f"torchverity inspect {path} lists the checkpoint's tensors",
+        )
+    model.load_state_dict(state, strict=True)

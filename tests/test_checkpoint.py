@@ -1,0 +1,513 @@
+"""torchverity.save / torchverity.load: atomic, verified, refusing every damaged byte."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchverity
+from torchverity.checkpoint import CheckpointWarning, file_format, read_meta
+from torchverity.errors import (
+    FormatError,
+    InputError,
+    IntegrityError,
+    StateDictMismatchError,
+    UnsafeFileError,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layer.weight": torch.randn(64, 32, generator=g),
+        "layer.bias": torch.randn(64, generator=g),
+        "emb": torch.randn(16, 8, generator=g).to(torch.bfloat16),
+        "mask": torch.rand(10, generator=g) > 0.5,
+        "steps": torch.arange(5, dtype=torch.int64),
+    }
+
+
+@pytest.fixture(params=["pt", "safetensors"])
+def saved(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    state = _state()
+    path = tmp_path / f"model.{request.param}"
+    torchverity.save(state, path, meta={"epoch": 3, "metrics": {"loss": 0.25}}, seed=7)
+    return path, state
+
+
+def _flip(path: Path, offset: int, bit: int = 0) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)[0]
+        fh.seek(offset)
+        fh.write(bytes([byte ^ (1 << bit)]))
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+        for k in a
+    )
+
+
+# ------------------------------------------------------------------ clean round trips
+
+
+def test_round_trip_verifies_everything(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, state = saved
+    obj, report = torchverity.load(path, with_report=True, sidecar="require")
+    assert _equal(obj, state)
+    assert report.digest_source == "sidecar" and report.fingerprint_verified and report.verified
+    assert report.weights_only and report.tensors == 5 and report.warnings == ()
+    assert report.fingerprint == torchverity.fingerprint(state).root
+
+
+def test_sidecar_is_sha256sum_compatible(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, _ = saved
+    done = subprocess.run(["sha256sum", "-c", f"{path.name}.sha256"], cwd=path.parent,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_meta_json_records_environment_and_user_data(
+    saved: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    path, _ = saved
+    meta = read_meta(path)
+    assert meta["file"] == path.name and meta["seed"] == 7
+    assert meta["user"] == {"epoch": 3, "metrics": {"loss": 0.25}}
+    assert meta["environment"]["torch"] == torch.__version__
+    assert {"torchverity", "cuda", "cudnn", "python", "platform", "git_commit"} <= set(
+        meta["environment"])
+    assert meta["digest"]["hex"] == (path.parent / f"{path.name}.sha256").read_text().split()[0]
+    tensors = meta["fingerprint"]["tensors"]
+    assert tensors["emb"]["dtype"] == "bfloat16" and tensors["layer.weight"]["shape"] == [64, 32]
+    assert meta["size"] == path.stat().st_size
+
+
+def test_same_content_same_fingerprint_across_formats(tmp_path: Path) -> None:
+    state = _state()
+    a = torchverity.save(state, tmp_path / "a.pt")
+    b = torchverity.save(state, tmp_path / "b.safetensors")
+    assert a.fingerprint == b.fingerprint and a.digest != b.digest
+
+
+def test_data_digest_of_file_and_folder(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.bin").write_bytes(b"x" * 1000)
+    torchverity.save(_state(), tmp_path / "f.pt", data=data / "train.bin")
+    torchverity.save(_state(), tmp_path / "d.pt", data=data)
+    file_rec = read_meta(tmp_path / "f.pt")["data"]
+    folder_rec = read_meta(tmp_path / "d.pt")["data"]
+    assert file_rec["kind"] == "file"
+    assert file_rec["digest"] == torchverity.digest_file(data / "train.bin").hexdigest
+    from torchverity.manifest import build_manifest
+
+    assert folder_rec["kind"] == "manifest" and folder_rec["digest"] == build_manifest(data).root
+
+
+def test_nested_checkpoint_with_optimizer_state(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 2, "lr": 1e-3}
+    torchverity.save(ckpt, tmp_path / "ckpt.pt")
+    loaded = torchverity.load(tmp_path / "ckpt.pt", sidecar="require")
+    assert torchverity.fingerprint(loaded).root == torchverity.fingerprint(ckpt).root
+    fresh = torch.nn.Linear(4, 3)
+    torchverity.load(tmp_path / "ckpt.pt", model=fresh)
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_overwrite_keeps_permissions_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torchverity.save(_state(0), path)
+    os.chmod(path, 0o640)
+    torchverity.save(_state(1), path)
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "m.pt.meta.json", "m.pt.sha256"]
+    assert _equal(torchverity.load(path), _state(1))
+
+
+def test_mmap_and_map_location(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, state = saved
+    obj = torchverity.load(path, mmap=True, map_location=torch.device("cpu"))
+    assert _equal(obj, state)
+
+
+# ------------------------------------------------------------------ corruption is refused
+
+
+def test_every_sampled_bit_flip_is_refused(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, _ = saved
+    good = path.read_bytes()
+    rng = random.Random(3)
+    size = len(good)
+    offsets = sorted({0, 8, size // 2, size - 1, *rng.sample(range(size), 24)})
+    for offset in offsets:
+        bit = rng.randrange(8)
+        _flip(path, offset, bit)
+        with pytest.raises(IntegrityError) as info:
+            torchverity.load(path)
+        assert info.value.path == str(path) and "does not match" in info.value.message
+        path.write_bytes(good)
+    assert torchverity.load(path) is not None  # the clean file still loads
+
+
+def test_flip_in_tensor_data_names_the_tensor(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, state = saved
+    # Find the weight's bytes in the file: unique enough to locate.
+    needle = state["layer.weight"].numpy().tobytes()[:64]
+    offset = path.read_bytes().index(needle) + 40
+    _flip(path, offset, 5)
+    with pytest.raises(IntegrityError) as info:
+        torchverity.load(path)
+    assert info.value.tensors == ["layer.weight"]
+    assert "damaged tensor: layer.weight" in info.value.message
+    assert "torchverity diff" in (info.value.hint or "")
+
+
+def test_meta_digest_catches_damage_without_sidecar(
+    saved: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    path, _ = saved
+    (path.parent / f"{path.name}.sha256").unlink()
+    _flip(path, path.stat().st_size - 3)
+    with pytest.raises(IntegrityError, match=r"does not match model\.\w+\.meta\.json"):
+        torchverity.load(path)
+
+
+def test_fingerprint_catches_content_swap_when_digest_is_ignored(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torchverity.save(_state(0), a)
+    other = _state(0)
+    other["layer.bias"][3] += 1
+    torchverity.save(other, b)
+    shutil.copy(b, a)  # right file name, wrong content, stale sidecar and meta
+    with pytest.raises(IntegrityError) as info:
+        torchverity.load(a, sidecar="ignore")
+    assert info.value.tensors == ["layer.bias"]
+    assert "content does not match a.pt.meta.json" in info.value.message
+
+
+def test_meta_json_that_disagrees_with_sidecar(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, _ = saved
+    mp = path.parent / f"{path.name}.meta.json"
+    meta = json.loads(mp.read_text())
+    meta["digest"]["hex"] = "0" * 64
+    mp.write_text(json.dumps(meta))
+    with pytest.raises(IntegrityError, match=r"meta\.json disagrees with the sidecar"):
+        torchverity.load(path)
+
+
+def test_damaged_meta_json_is_a_format_error(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, _ = saved
+    mp = path.parent / f"{path.name}.meta.json"
+    meta = json.loads(mp.read_text())
+    meta["fingerprint"]["tensors"]["mask"]["digest"] = "f" * 64  # root no longer matches
+    mp.write_text(json.dumps(meta))
+    with pytest.raises(FormatError, match="fingerprint record is damaged"):
+        torchverity.load(path)
+    mp.write_text("{not json")
+    with pytest.raises(FormatError, match="not valid JSON"):
+        torchverity.load(path)
+
+
+# ------------------------------------------------------------------ sidecar policy
+
+
+def test_missing_sidecar_policies(tmp_path: Path) -> None:
+    path = tmp_path / "plain.pt"
+    torch.save(_state(), path)  # no sidecar, no meta
+    with pytest.warns(CheckpointWarning) as caught:
+        _, report = torchverity.load(path, with_report=True)
+    assert report.digest_source is None and not report.verified
+    assert len(caught) == 2 and len(report.warnings) == 2
+    assert "no sidecar" in report.warnings[0] and "no meta.json" in report.warnings[1]
+    with pytest.raises(IntegrityError, match="sidecar='require'"):
+        torchverity.load(path, sidecar="require")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _equal(torchverity.load(path, sidecar="ignore"), _state())
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("suffix", ["pt", "safetensors"])
+def test_truncated_empty_and_foreign_files(tmp_path: Path, suffix: str) -> None:
+    path = tmp_path / f"m.{suffix}"
+    torchverity.save(_state(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(IntegrityError):
+        torchverity.load(path)
+    with pytest.raises(FormatError, match=r"cannot load|not a valid \.safetensors"):
+        torchverity.load(path, sidecar="ignore")
+    path.write_bytes(b"")
+    with pytest.raises(FormatError, match="file is empty"):
+        torchverity.load(path)
+    path.write_text("hello, this is not a checkpoint\n")
+    with pytest.raises(IntegrityError):
+        torchverity.load(path)  # the sidecar speaks first: these are not the saved bytes
+    with pytest.raises(FormatError, match="not a checkpoint"):
+        torchverity.load(path, sidecar="ignore")
+    with pytest.raises(InputError, match="no such file"):
+        torchverity.load(tmp_path / "absent.pt")
+
+
+def _safetensors_bytes(header: dict[str, object], data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "message"),
+    [
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12), "overlaps"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8),
+         "needs 12"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(10),
+         "unexpected bytes after"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12), "gap of 4"),
+        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8), "truncated"),
+        ({"a": {"dtype": "XX", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), "unknown dtype"),
+        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8), "shape"),
+    ],
+)
+def test_lying_safetensors_headers(tmp_path: Path, header: dict[str, object], data: bytes,
+                                   message: str) -> None:
+    path = tmp_path / "lie.safetensors"
+    path.write_bytes(_safetensors_bytes(header, data))
+    with pytest.raises(FormatError, match=message) as info:
+        torchverity.load(path, sidecar="ignore")
+    assert info.value.exit_code == 2
+
+
+def test_safetensors_duplicate_names_and_huge_header(tmp_path: Path) -> None:
+    path = tmp_path / "dup.safetensors"
+    raw = (b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
+           b'"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}')
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0\0")
+    with pytest.raises(FormatError, match="appears twice"):
+        torchverity.load(path, sidecar="ignore")
+    path.write_bytes(struct.pack("<Q", 10**9) + b"{" + bytes(16))
+    with pytest.raises(FormatError, match="not a checkpoint"):
+        torchverity.load(path, sidecar="ignore")
+
+
+def test_safetensors_interop_with_the_reference_library(tmp_path: Path) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    state = {k: v for k, v in _state().items()}
+    state["f8"] = torch.linspace(-2, 2, 7).to(torch.float8_e4m3fn)
+    torchverity.save(state, tmp_path / "ours.safetensors")
+    assert _equal(safetensors_torch.load_file(tmp_path / "ours.safetensors"), state)
+    safetensors_torch.save_file(state, tmp_path / "theirs.safetensors")
+    assert _equal(torchverity.load(tmp_path / "theirs.safetensors", sidecar="ignore"), state)
+
+
+def test_safetensors_refuses_nested_objects(tmp_path: Path) -> None:
+    with pytest.raises(FormatError, match=r"use a \.pt path"):
+        torchverity.save({"model": _state(), "epoch": 1}, tmp_path / "x.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_file_format_sniffs_bytes_not_names(tmp_path: Path) -> None:
+    st_as_pt = tmp_path / "weights.pt"
+    torchverity.save(_state(), tmp_path / "w.safetensors")
+    shutil.copy(tmp_path / "w.safetensors", st_as_pt)
+    assert file_format(st_as_pt) == "safetensors"
+    legacy = tmp_path / "legacy.pt"
+    torch.save(_state(), legacy, _use_new_zipfile_serialization=False)
+    assert file_format(legacy) == "pt-legacy"
+    assert _equal(torchverity.load(legacy, sidecar="ignore"), _state())
+
+
+# ------------------------------------------------------------------ pickles
+
+
+class _Custom:
+    def __init__(self) -> None:
+        self.value = 3
+
+
+class _Evil:
+    def __init__(self, sentinel: str) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def test_never_falls_back_to_full_pickle(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "custom.pt"
+    torch.save({"w": torch.ones(2), "obj": _Custom()}, path)
+    with pytest.raises(UnsafeFileError, match="refused by the weights_only loader") as info:
+        torchverity.load(path, sidecar="ignore")
+    assert "trust_sha256" in (info.value.hint or "")
+    with pytest.raises(IntegrityError, match="not the trusted"):
+        torchverity.load(path, trust_sha256="0" * 64)
+    digest = torchverity.digest_file(path).hexdigest
+    with caplog.at_level(logging.WARNING, logger="torchverity.checkpoint"):
+        obj, report = torchverity.load(path, trust_sha256=digest, sidecar="ignore",
+                                       with_report=True)
+    assert obj["obj"].value == 3 and not report.weights_only
+    assert f"caller trusts sha256 {digest}" in caplog.text
+
+
+def test_malicious_pickle_never_runs(tmp_path: Path) -> None:
+    sentinel = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": _Evil(str(sentinel))}, path)
+    with pytest.raises(UnsafeFileError):
+        torchverity.load(path, sidecar="ignore")
+    torchverity.digest.write_sidecar(path, torchverity.digest_file(path))
+    with pytest.raises(UnsafeFileError):
+        torchverity.load(path)  # a matching sidecar proves integrity, not safety
+    legacy = tmp_path / "evil.bin"
+    with open(legacy, "wb") as fh:
+        pickle.dump(_Evil(str(sentinel)), fh, protocol=2)
+    with pytest.raises((UnsafeFileError, FormatError)):
+        torchverity.load(legacy, sidecar="ignore")
+    assert not sentinel.exists()
+
+
+# ------------------------------------------------------------------ model checks
+
+
+def test_model_mismatches_are_reported_all_at_once(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    state = model.state_dict()
+    state["0.weight"] = torch.zeros(3, 5)
+    state["1.bias"] = state["1.bias"].double()
+    del state["1.weight"]
+    state["extra.weight"] = torch.zeros(1)
+    torchverity.save(state, tmp_path / "m.pt")
+    with pytest.raises(StateDictMismatchError) as info:
+        torchverity.load(tmp_path / "m.pt", model=model)
+    err = info.value
+    assert err.missing == ["1.weight"] and err.unexpected == ["extra.weight"]
+    assert {m["name"] for m in err.mismatched} == {"0.weight", "1.bias"}
+    assert "'0.weight' is float32[3, 5], model expects float32[3, 4]" in err.message
+    assert err.exit_code == 1
+
+
+def test_clean_load_into_model(tmp_path: Path) -> None:
+    src = torch.nn.Linear(4, 3)
+    torchverity.save(src.state_dict(), tmp_path / "m.safetensors")
+    dst = torch.nn.Linear(4, 3)
+    _, report = torchverity.load(tmp_path / "m.safetensors", model=dst, with_report=True)
+    assert report.model_checked and torch.equal(dst.weight, src.weight)
+
+
+# ------------------------------------------------------------------ failing writes
+
+
+def _child(code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120, check=False)
+
+
+_SAVE_BIG = """
+import resource, signal, torch, torchverity
+from torchverity.errors import CheckpointWriteError
+{setup}
+try:
+    torchverity.save({{"w": torch.ones(4_000_000)}}, {path!r})
+except CheckpointWriteError as exc:
+    print("ERR", exc.previous_intact, exc.message)
+"""
+
+
+def test_disk_full_leaves_previous_file_intact(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torchverity.save(_state(), path)
+    setup = ("signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+             "resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))")
+    done = _child(_SAVE_BIG.format(setup=setup, path=str(path)))
+    assert "ERR True cannot save" in done.stdout, done.stderr
+    assert "the previous m.pt is intact" in done.stdout
+    assert _equal(torchverity.load(path, sidecar="require"), _state())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "m.pt.meta.json", "m.pt.sha256"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to drop privileges)")
+def test_read_only_folder_gives_typed_error() -> None:
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="tv-ro-", dir="/tmp"))  # pytest's tmp is 0700
+    folder = base / "ro"
+    try:
+        base.chmod(0o755)
+        folder.mkdir()
+        torchverity.save(_state(), folder / "m.pt")
+        folder.chmod(0o555)
+        # Drop to "nobody" after start-up: the interpreter lives in root's home.
+        setup = "import os, torchverity.checkpoint; os.seteuid(65534)"
+        done = _child(_SAVE_BIG.format(setup=setup, path=str(folder / "m.pt")))
+        folder.chmod(0o755)
+        assert "ERR True cannot save" in done.stdout, done.stdout + done.stderr
+        assert "permission denied" in done.stdout
+        assert _equal(torchverity.load(folder / "m.pt", sidecar="require"), _state())
+    finally:
+        shutil.rmtree(base)
+
+
+# ------------------------------------------------------------------ kill -9 at random moments
+
+_SAVE_LOOP = """
+import sys, torch, torchverity
+path = sys.argv[1]
+state = {{"w": torch.full((16, 1 << 20), 1.0)}}  # 64 MiB
+for i in range(1000):
+    state["w"].fill_(float(i + 2))
+    torchverity.save(state, path, meta={{"i": i}})
+    print(i, flush=True)
+"""
+
+
+def test_kill_9_during_save_never_tears_the_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "big.pt"
+    first = {"w": torch.full((16, 1 << 20), 1.0)}
+    torchverity.save(first, path)
+    rng = random.Random(11)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    for _ in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", _SAVE_LOOP.format(), str(path)],
+                                stdout=subprocess.PIPE, env=env)
+        assert proc.stdout is not None
+        proc.stdout.readline()  # one save done: the process is warm and writing again
+        time.sleep(rng.uniform(0.0, 0.6))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        obj, report = torchverity.load(path, sidecar="require", with_report=True)
+        assert report.verified
+        value = obj["w"][0, 0].item()
+        assert torch.all(obj["w"] == value)
+        assert read_meta(path)["user"] in (None, {"i": int(value) - 2})
+    # The stale temp files of killed saves are swept by the next save.
+    torchverity.save(first, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "big.pt", "big.pt.meta.json", "big.pt.sha256"]
