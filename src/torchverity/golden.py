@@ -109,7 +109,8 @@ class Comparison:
         return f"output '{self.name}' at {_fmt_index(self.worst_index)}"
 
 
-def _unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
+def unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """The multi-dimensional index of flat position ``flat`` in ``shape``."""
     index = []
     for size in reversed(shape):
         flat, rest = divmod(flat, size) if size else (flat, 0)
@@ -131,7 +132,7 @@ def compare_tensors(
             f" -> {dtype_name(actual.dtype)}{list(actual.shape)}"
         )
     exp = expected.detach().to(actual.device)
-    identical = _bitwise_equal(exp, actual.detach())
+    identical = bitwise_equal(exp, actual.detach())
     if identical or exp.numel() == 0:
         return Comparison(name, True, True, 0.0, 0, exp.numel(), None, None, None, rtol, atol)
     e, a = exp.double(), actual.detach().double()
@@ -142,7 +143,7 @@ def compare_tensors(
     excess = diff / allowed.clamp_min(torch.finfo(torch.float64).tiny)
     bad = diff > allowed
     flat = int(torch.argmax(excess.reshape(-1)).item())
-    index = _unravel(flat, tuple(e.shape))
+    index = unravel(flat, tuple(e.shape))
     return Comparison(
         name=name,
         identical=False,
@@ -158,8 +159,10 @@ def compare_tensors(
     )
 
 
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # Compare raw words so -0.0 != 0.0 and NaN payloads count: bitwise means bitwise.
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes (-0.0 differs from 0.0; NaN payloads count)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
     from torchverity.fingerprint import byte_view
 
     return bool(torch.equal(byte_view(a), byte_view(b)))
@@ -337,7 +340,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": device.type,
-        "device_name": _device_name(device),
+        "device_name": device_name(device),
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cuda": torch.version.cuda,
@@ -364,7 +367,7 @@ def environment_differences(recorded: Mapping[str, Any], current: Mapping[str, A
     ]
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return str(torch.cuda.get_device_name(device))
     if device.type == "cpu":
@@ -694,7 +697,7 @@ def _compare_sample(
     if cmp.within_tolerance or cmp.worst_index is None:
         return []
     flat = out.sample_index[cmp.worst_index[0]]
-    where = _fmt_index(_unravel(flat, out.shape))
+    where = _fmt_index(unravel(flat, out.shape))
     return [GoldenFailure(
         "sample", out.name,
         f"{cmp.mismatched} of {cmp.numel} sampled values of '{out.name}' differ; worst at "

@@ -1,0 +1,134 @@
+"""``torchverity golden record|check``: golden outputs of a model on fixed inputs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from torchverity._console import Output
+from torchverity.errors import EXIT_CHECK_FAILED, UsageError
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "golden", help="record and check golden outputs of a model",
+        description="Record a model's outputs on fixed inputs (summary, sampled exact values, "
+        "digest of the full output, environment), then check a model against them: exact on "
+        "the same environment, within tolerances across devices and versions.",
+    )
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    model_args = argparse.ArgumentParser(add_help=False)
+    model_args.add_argument("--model", required=True, metavar="MODULE:CALLABLE",
+                            help="callable that builds the model, e.g. mypkg.models:build")
+    model_args.add_argument("--weights", type=Path, metavar="CKPT",
+                            help="checkpoint loaded into the model with torchverity.load")
+    model_args.add_argument("--golden", type=Path, required=True, metavar="FILE",
+                            help="the golden file (JSON)")
+    model_args.add_argument("--device", default="cpu", help="run the model here (default cpu)")
+
+    rec = actions.add_parser(
+        "record", parents=[common, model_args], help="run the model and write a golden file",
+        description="Inputs come from --inputs FILE (.pt or .safetensors: a tensor, tuple or "
+        "dict of tensors) or are drawn from a seeded normal distribution with --shape.",
+    )
+    rec.add_argument("--inputs", type=Path, metavar="FILE", help="input tensors to record")
+    rec.add_argument("--shape", help="random input shape, e.g. 4,3,32,32 (with --seed)")
+    rec.add_argument("--dtype", default="float32", help="dtype of --shape inputs")
+    rec.add_argument("--seed", type=int, default=0, help="seed of --shape inputs (default 0)")
+    rec.add_argument("--sample-size", type=int, default=64,
+                     help="exact output values kept per output (default 64)")
+    rec.set_defaults(func=_record)
+
+    chk = actions.add_parser(
+        "check", parents=[common, model_args], help="compare the model with a golden file",
+        description="Exit 1 when any part fails: digest, sampled values, a statistic, "
+        "NaN/Inf count or output structure; when outputs differ the weights are compared too.",
+    )
+    chk.add_argument("--mode", choices=("auto", "exact", "tolerance"), default="auto",
+                     help="auto: exact on the recorded environment, tolerance elsewhere")
+    chk.add_argument("--rtol", type=float, help="relative tolerance (tolerance mode)")
+    chk.add_argument("--atol", type=float, help="absolute tolerance (tolerance mode)")
+    chk.set_defaults(func=_check)
+
+
+def build_model(spec: str, weights: Path | None, device: str) -> Any:
+    """Build the model from ``module:callable``, load verified weights, move it to ``device``."""
+    import torch
+
+    from torchverity._loader import import_callable
+    from torchverity.checkpoint import load
+    from torchverity.selftest import resolve_device
+
+    dev = resolve_device(device)
+    model = import_callable(spec)()
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"'{spec}' returned a {type(model).__name__}, not a torch.nn.Module")
+    if weights is not None:
+        load(weights, model=model, map_location="cpu")
+    return model.to(dev)
+
+
+def _inputs(args: argparse.Namespace) -> Any:
+    import torch
+
+    if (args.inputs is None) == (args.shape is None):
+        raise UsageError("give exactly one of --inputs FILE or --shape DIMS",
+                         hint="for example --shape 4,3,32,32")
+    if args.inputs is not None:
+        from torchverity.checkpoint import load
+
+        return load(args.inputs)
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UsageError(f"unknown dtype '{args.dtype}'", hint="for example float32 or bfloat16")
+    try:
+        shape = [int(s) for s in args.shape.split(",")]
+    except ValueError:
+        raise UsageError(f"--shape '{args.shape}' is not a comma-separated list of sizes",
+                         hint="for example --shape 4,3,32,32") from None
+    generator = torch.Generator().manual_seed(args.seed)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def _record(args: argparse.Namespace, out: Output) -> int:
+    from torchverity import golden
+
+    model = build_model(args.model, args.weights, args.device)
+    rec = golden.record(model, _inputs(args), args.golden, sample_size=args.sample_size)
+    if out.json_mode:
+        out.data({"ok": True, "record": rec})
+        return 0
+    weights = rec.model_fingerprint.root[:16] if rec.model_fingerprint else "-"
+    out.line(f"recorded {args.golden}: {len(rec.outputs)} output(s) on "
+             f"{rec.environment['device']} ({rec.environment['device_name']})")
+    out.table(("output", "dtype", "shape", "mean", "std", "min", "max"), [
+        (o.name, o.dtype, list(o.shape), *(f"{o.summary[s]:.6g}" for s in golden.STATS))
+        for o in rec.outputs
+    ])
+    out.line(f"inputs {rec.input_fingerprint[:16]}…  weights {weights}…")
+    return 0
+
+
+def _check(args: argparse.Namespace, out: Output) -> int:
+    from torchverity import golden
+
+    model = build_model(args.model, args.weights, args.device)
+    exact = {"auto": None, "exact": True, "tolerance": False}[args.mode]
+    result = golden.check(model, args.golden, exact=exact, rtol=args.rtol, atol=args.atol)
+    if out.json_mode:
+        out.data(result)
+        return 0 if result.ok else EXIT_CHECK_FAILED
+    where = ("same environment" if not result.environment_differences
+             else "environment differs: " + "; ".join(result.environment_differences))
+    if result.ok:
+        out.line(f"golden check passed: {args.golden} ({result.mode} mode, {where}): "
+                 f"{len(result.outputs)} output(s) match")
+        return 0
+    out.line(f"golden check FAILED: {args.golden} ({result.mode} mode, {where}); "
+             f"failed parts: {', '.join(result.parts)}")
+    out.table(("part", "output", "what"), [(f.part, f.output, f.message) for f in result.failures])
+    out.info(f"{args.golden}: the model no longer reproduces its golden outputs; if the weights "
+             "changed, verify the checkpoint (torchverity verify CKPT); if not, test the "
+             f"hardware: torchverity selftest --device {args.device.split(':')[0]}")
+    return EXIT_CHECK_FAILED

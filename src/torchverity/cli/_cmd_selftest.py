@@ -1,0 +1,43 @@
+"""``torchverity selftest``: known-answer, repeat and reference tests of a device."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from torchverity._console import Output
+from torchverity.errors import EXIT_CHECK_FAILED
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "selftest", parents=[common], help="test that a device computes and stores correctly",
+        description="Known-answer tests (integer-valued matmul, convolution and reductions with "
+        "exact results), repeat-run determinism and comparison with a float64 CPU reference in "
+        "float32, float16 and bfloat16, plus a memory pattern test. Exit 1 on any failure.",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default cpu)")
+    p.add_argument("--seconds", type=float, default=5.0,
+                   help="keep testing with fresh inputs for about this long (default 5)")
+    p.add_argument("--memory-mb", type=int, help="pattern-test buffer size (0 skips it)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.selftest import run_selftest
+
+    result = run_selftest(args.device, args.seconds, memory_mb=args.memory_mb)
+    if out.json_mode:
+        out.data(result)
+        return 0 if result.ok else EXIT_CHECK_FAILED
+    columns, rows = result.table()
+    out.table(columns, rows, title=f"selftest {result.device} ({result.device_name})")
+    verdict = "passed" if result.ok else "FAILED"
+    out.line(f"selftest {verdict}: {len(result.checks)} checks, {result.rounds} round(s) "
+             f"in {result.seconds:.1f} s")
+    for c in result.failures:
+        out.line(f"  {c.kernel} {c.dtype} {c.test}: {c.failures} of {c.runs} failed; {c.detail}")
+    if not result.ok:
+        out.info(f"{result.device} returned wrong results: do not trust it for training or "
+                 "inference; rerun with --seconds 60 to confirm, then drain the machine")
+    return 0 if result.ok else EXIT_CHECK_FAILED
