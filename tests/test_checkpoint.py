@@ -511,3 +511,65 @@ def test_kill_9_during_save_never_tears_the_checkpoint(tmp_path: Path) -> None:
     torchverity.save(first, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "big.pt", "big.pt.meta.json", "big.pt.sha256"]
+
+
+# ------------------------------------------------------------------ sharded folders
+
+
+@pytest.mark.parametrize("shard_format", ["safetensors", "pt"])
+def test_sharded_folder_round_trip(tmp_path: Path, shard_format: str) -> None:
+    state = _state()
+    folder = tmp_path / "sharded"
+    report = torchverity.save(state, folder, shard_bytes=4096, shard_format=shard_format,
+                              meta={"step": 1})
+    index = folder / ("model.safetensors.index.json" if shard_format == "safetensors"
+                      else "pytorch_model.bin.index.json")
+    weight_map = json.loads(index.read_text())["weight_map"]
+    assert set(weight_map) == set(state) and len(set(weight_map.values())) >= 2
+    assert report.fingerprint == torchverity.fingerprint(state).root
+    obj, loaded = torchverity.load(folder, with_report=True, sidecar="require")
+    assert _equal(obj, state) and loaded.verified and len(loaded.shards) >= 2
+    assert loaded.format == f"sharded-{'safetensors' if shard_format == 'safetensors' else 'pt'}"
+
+
+def test_sharded_folder_refuses_damage(tmp_path: Path) -> None:
+    folder = tmp_path / "sharded"
+    torchverity.save(_state(), folder, shard_bytes=4096)
+    index = folder / "model.safetensors.index.json"
+    shard = folder / json.loads(index.read_text())["weight_map"]["layer.weight"]
+    good = shard.read_bytes()
+    _flip(shard, len(good) - 100)
+    with pytest.raises(IntegrityError, match=r"damaged tensor: layer\.weight"):
+        torchverity.load(folder)
+    shard.write_bytes(good)
+    shard.rename(tmp_path / "moved")
+    with pytest.raises(IntegrityError, match="do not exist") as info:
+        torchverity.load(folder)
+    assert "layer.weight" in info.value.tensors
+
+
+def test_sharded_index_that_lies_about_names(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    state = _state()
+    names = sorted(state)
+    safetensors_torch.save_file({n: state[n] for n in names[:2]}, folder / "a.safetensors")
+    safetensors_torch.save_file({n: state[n] for n in names[2:]}, folder / "b.safetensors")
+    weight_map = {n: "a.safetensors" if i < 2 else "b.safetensors" for i, n in enumerate(names)}
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    # A plain Hugging Face folder (no sidecars) loads, with one summarised warning.
+    with pytest.warns(CheckpointWarning) as caught:
+        assert _equal(torchverity.load(folder), state)
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 2 and "no sidecar: the index was not verified" in texts[0]
+    assert "2 of 2 shards could not be fully verified" in texts[1]
+    weight_map[names[0]] = "b.safetensors"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(IntegrityError, match="does not hold what the index says"):
+        torchverity.load(folder, sidecar="ignore")
+    weight_map[names[0]] = "../outside.safetensors"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(FormatError, match="not a file in this folder"):
+        torchverity.load(folder, sidecar="ignore")

@@ -289,3 +289,29 @@ def write_tensors(tensors: Mapping[str, torch.Tensor], fh: Writer,
         data = host_bytes(tensors[name])
         if len(data):
             fh.write(data)
+
+
+def map_tensors(path: Path, header: Header) -> dict[str, torch.Tensor]:
+    """Tensors backed by a private memory map of the file: nothing is read until used.
+
+    For inspection and comparison of files that may not fit in memory; pages
+    are copy-on-write, so the file itself never changes.
+    """
+    import mmap
+
+    if header.file_size == header.data_start:
+        return {e.name: torch.empty(e.shape, dtype=e.dtype) for e in header.entries}
+    with open(path, "rb") as fh:
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    base = torch.frombuffer(mapped, dtype=torch.uint8)  # keeps the map alive
+    tensors = {}
+    for e in header.entries:
+        raw = base[e.begin : e.end]
+        if e.begin % _itemsize(e.dtype):
+            raw = raw.clone()  # misaligned data (legal, rare): copy to aligned memory
+        tensors[e.name] = raw.view(e.dtype).reshape(e.shape)
+    return tensors
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

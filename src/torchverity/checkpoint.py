@@ -335,19 +335,28 @@ def save(
     data: str | os.PathLike[str] | None = None,
     algo: str = DEFAULT_ALGO,
     all_ranks: bool = False,
+    shard_bytes: int | None = None,
+    shard_format: str = "safetensors",
 ) -> SaveReport:
     """Atomically save ``obj`` (.pt, or .safetensors for flat tensor maps) with sidecar and meta.
 
     ``meta`` is your own JSON-ready metadata (epoch, step, metrics, config).
     ``data`` names the training data: a file (its digest is recorded) or a
     folder (its manifest root). Under torch.distributed only rank 0 writes
-    unless ``all_ranks=True`` (then give each rank its own path).
+    unless ``all_ranks=True`` (then give each rank its own path). With
+    ``shard_bytes`` ``path`` is a folder that receives Hugging Face style
+    shards (``shard_format`` safetensors or pt) and an index.
     """
     target = Path(path)
     check_algo(algo)
     user_meta = _json_ready(meta, "meta")
     if not _writing_rank(all_ranks):
         return SaveReport(os.fspath(target), algo, "", "", None, None, written=False)
+    if shard_bytes is not None:
+        from torchverity._sharded import save_sharded
+
+        return save_sharded(obj, target, shard_bytes=shard_bytes, shard_format=shard_format,
+                            meta=meta, seed=seed, data=data, algo=algo)
     fmt = "safetensors" if target.suffix == ".safetensors" else "pt"
     payload = st.check_writable(obj, target) if fmt == "safetensors" else obj
     data_record = _data_record(data, algo) if data is not None else None
@@ -502,7 +511,7 @@ def load(
     if p.is_dir():
         from torchverity._sharded import load_sharded
 
-        obj, report = load_sharded(p, map_location=map_location, sidecar=sidecar)
+        obj, report = load_sharded(p, map_location=map_location, sidecar=sidecar, mmap=mmap)
     else:
         obj, report = _load_file(p, map_location, sidecar, trust_sha256, mmap)
     if model is not None:
@@ -736,6 +745,32 @@ def _count_tensors(obj: Any) -> int:
         return sum(1 for _, v in iter_leaves(obj) if isinstance(v, torch.Tensor))
     except FormatError:
         return 0
+
+
+def read_unverified(path: str | os.PathLike[str]) -> Any:
+    """Open a checkpoint file or sharded folder for inspection, without verifying it.
+
+    Nothing from the file executes: .pt files go through PyTorch's restricted
+    ``weights_only`` unpickler, .safetensors through the strict header parser.
+    Storages are memory-mapped where the format allows, so large files are
+    read only as far as they are used.
+    """
+    p = Path(path)
+    if p.is_dir():
+        from torchverity._sharded import find_index, read_index
+
+        index = find_index(p)
+        merged: dict[str, Any] = {}
+        for shard in sorted(set(read_index(index).values())):
+            if not (p / shard).is_file():
+                raise IntegrityError(f"{index}: shard {shard} does not exist", path=index,
+                                     hint=f"torchverity inspect {p}")
+            merged.update(state_dict_of(read_unverified(p / shard)))
+        return merged
+    fmt = file_format(p)
+    if fmt == "safetensors":
+        return st.map_tensors(p, st.read_header(p))
+    return _torch_load(p, "cpu", False, fmt == "pt")
 
 
 # ================================================================== model check

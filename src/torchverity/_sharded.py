@@ -1,0 +1,220 @@
+"""Hugging Face style sharded checkpoints: a folder of shards and an index.
+
+The index (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``)
+maps every tensor name to its shard file. torchverity treats the index like a
+checkpoint file: it gets a sidecar and a meta.json whose fingerprint covers
+every tensor of every shard, and each shard is saved and verified like any
+single file. The index is written last, so a folder is never described by an
+index that names shards not yet written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+
+from torchverity import _safetensors as st
+from torchverity.checkpoint import (
+    LoadReport,
+    SaveReport,
+    SidecarPolicy,
+    _atomic_target,
+    _check_digest,
+    _check_fingerprint,
+    _data_record,
+    _expected_digest,
+    _json_ready,
+    _load_file,
+    _meta_fingerprint,
+    _meta_record,
+    meta_path_for,
+    read_meta,
+    save,
+)
+from torchverity.digest import check_algo, format_sidecar_line, new_hasher, sidecar_path
+from torchverity.errors import FormatError, InputError, IntegrityError, UsageError
+from torchverity.fingerprint import EXACT, Fingerprint, TensorDigest, from_entries
+
+INDEX_NAMES = {"safetensors": "model.safetensors.index.json", "pt": "pytorch_model.bin.index.json"}
+SHARD_STEMS = {"safetensors": ("model", ".safetensors"), "pt": ("pytorch_model", ".bin")}
+
+
+def find_index(folder: Path) -> Path:
+    """The folder's index file; ``*.safetensors.index.json`` wins over ``.bin`` ones."""
+    found = sorted(folder.glob("*.index.json"), key=lambda p: (".safetensors." not in p.name,
+                                                                p.name))
+    if not found:
+        raise InputError(
+            f"{folder}: folder has no *.index.json, so it is not a sharded checkpoint",
+            path=folder, hint="load one of its files directly, or save with shard_bytes=",
+        )
+    return found[0]
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor -> shard file), with every shard path kept inside the folder."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise FormatError(f"{index}: not a valid index: {exc}", path=index) from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FormatError(f"{index}: no 'weight_map' of tensor names to shard files", path=index)
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not _plain_name(shard):
+            raise FormatError(
+                f"{index}: tensor '{name}' points to {shard!r}, which is not a file in this folder",
+                path=index, hint="shard entries must be plain file names",
+            )
+    return dict(weight_map)
+
+
+def _plain_name(name: str) -> bool:
+    parts = PurePosixPath(name).parts
+    return len(parts) == 1 and parts[0] not in (".", "..") and "\\" not in name
+
+
+# ------------------------------------------------------------------ save
+
+
+def save_sharded(
+    obj: Mapping[str, Any],
+    folder: Path,
+    *,
+    shard_bytes: int,
+    shard_format: str = "safetensors",
+    meta: Mapping[str, Any] | None = None,
+    seed: int | None = None,
+    data: str | os.PathLike[str] | None = None,
+    algo: str = "sha256",
+) -> SaveReport:
+    """Split a flat state_dict into shards of at most ``shard_bytes`` and write the index."""
+    if shard_format not in INDEX_NAMES:
+        raise UsageError(f"unknown shard format '{shard_format}'", hint="use safetensors or pt")
+    if shard_bytes <= 0:
+        raise UsageError("shard_bytes must be positive")
+    check_algo(algo)
+    user_meta = _json_ready(meta, "meta")
+    tensors = st.check_writable(obj, folder)
+    data_record = _data_record(data, algo) if data is not None else None
+    folder.mkdir(parents=True, exist_ok=True)
+    groups = _split(tensors, shard_bytes)
+    stem, suffix = SHARD_STEMS[shard_format]
+    weight_map: dict[str, str] = {}
+    entries: list[TensorDigest] = []
+    for i, names in enumerate(groups, 1):
+        shard = f"{stem}-{i:05d}-of-{len(groups):05d}{suffix}"
+        save({n: tensors[n] for n in names}, folder / shard, algo=algo)
+        entries.extend(_meta_fingerprint(read_meta(folder / shard), folder / shard).entries)
+        weight_map.update(dict.fromkeys(names, shard))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = folder / INDEX_NAMES[shard_format]
+    body = (json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                       indent=2) + "\n").encode()
+    return _publish_index(index, body, algo, from_entries(EXACT, entries), seed, data_record,
+                          user_meta)
+
+
+def _split(tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name in sorted(tensors):
+        size = tensors[name].numel() * tensors[name].element_size()
+        if groups[-1] and used + size > shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    return groups
+
+
+def _publish_index(index: Path, body: bytes, algo: str, fp: Fingerprint, seed: int | None,
+                   data_record: dict[str, Any] | None, user_meta: Any) -> SaveReport:
+    hasher = new_hasher(algo)
+    hasher.update(body)
+    digest = hasher.hexdigest()
+    record = _meta_record(index, "sharded", algo, digest, len(body), fp, seed, data_record,
+                          user_meta)
+    sidecar, meta_file = sidecar_path(index, algo), meta_path_for(index)
+    with _atomic_target(index) as staged:
+        view = memoryview(body)
+        while view:
+            view = view[os.write(staged.fd, view) :]
+        staged.companions[sidecar] = format_sidecar_line(digest, index.name)
+        staged.companions[meta_file] = json.dumps(record, indent=2) + "\n"
+    return SaveReport(os.fspath(index.parent), algo, digest, fp.root, os.fspath(sidecar),
+                      os.fspath(meta_file), len(body))
+
+
+# ------------------------------------------------------------------ load
+
+
+def load_sharded(folder: Path, *, map_location: Any, sidecar: SidecarPolicy,
+                 mmap: bool = False) -> tuple[dict[str, Any], LoadReport]:
+    """Verify the index, every shard, the index's tensor list and the whole fingerprint."""
+    index = find_index(folder)
+    meta = read_meta(index) if meta_path_for(index).exists() else None
+    expected = _expected_digest(index, meta, sidecar)
+    digest = _check_digest(index, expected, None)
+    weight_map = read_index(index)
+    shards = sorted(set(weight_map.values()))
+    _check_shards_exist(folder, index, weight_map, shards)
+    merged: dict[str, Any] = {}
+    reports = []
+    for shard in shards:
+        obj, report = _load_file(folder / shard, map_location, sidecar, None, mmap)
+        _check_shard_names(index, shard, obj, {n for n, s in weight_map.items() if s == shard})
+        merged.update(obj)
+        reports.append(report)
+    fp_root = _check_fingerprint(index, merged, meta, None)
+    report = LoadReport(
+        path=os.fspath(folder), format=f"sharded-{reports[0].format}",
+        algo=expected[0] if expected else None, digest=digest,
+        digest_source=expected[2] if expected else None, fingerprint=fp_root,
+        fingerprint_verified=fp_root is not None, sidecar_policy=sidecar, weights_only=True,
+        tensors=len(merged), shards=tuple(shards),
+        warnings=_summarise_warnings(index, reports, expected is None and sidecar == "warn"),
+    )
+    return merged, report
+
+
+def _check_shards_exist(folder: Path, index: Path, weight_map: dict[str, str],
+                        shards: list[str]) -> None:
+    missing = [s for s in shards if not (folder / s).is_file()]
+    if missing:
+        lost = sorted(n for n, s in weight_map.items() if s in missing)
+        raise IntegrityError(
+            f"{index}: names {len(missing)} shard(s) that do not exist: {', '.join(missing)} "
+            f"({len(lost)} tensors lost, e.g. {', '.join(lost[:5])})",
+            path=index, tensors=lost,
+            hint="copy the missing shards from the source; torchverity verify checks the folder",
+        )
+
+
+def _check_shard_names(index: Path, shard: str, obj: Any, listed: set[str]) -> None:
+    if not isinstance(obj, Mapping):
+        raise FormatError(f"{shard}: shard holds a {type(obj).__name__}, not a state_dict",
+                          path=index.parent / shard)
+    absent, extra = sorted(listed - set(obj)), sorted(set(obj) - listed)
+    if absent or extra:
+        raise IntegrityError(
+            f"{index}: shard {shard} does not hold what the index says: "
+            f"missing {absent[:5] or 'none'}, not in the index {extra[:5] or 'none'}",
+            path=index, tensors=absent + extra,
+            hint="the index and its shards come from different saves; restore them together",
+        )
+
+
+def _summarise_warnings(index: Path, reports: list[LoadReport], index_unverified: bool,
+                        ) -> tuple[str, ...]:
+    notes = [f"{index}: no sidecar: the index was not verified"] if index_unverified else []
+    unverified = [Path(r.path).name for r in reports if r.warnings]
+    if unverified:
+        notes.append(f"{len(unverified)} of {len(reports)} shards could not be fully verified "
+                     f"(no sidecar or meta.json), e.g. {unverified[0]}")
+    return tuple(notes)
