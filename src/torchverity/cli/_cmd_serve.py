@@ -81,6 +81,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     except SystemExit:  # uvicorn exits when it cannot bind
         raise InputError(f"cannot listen on {args.host}:{args.port}",
                          hint="is the port in use? pick another with --port") from None
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        out.info("torchverity serve: stopped")
     return 0
 
 

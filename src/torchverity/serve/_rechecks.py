@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -73,10 +73,10 @@ class ServiceState:
         failure = self._golden_failure()
         if failure:
             raise IntegrityError(
-                f"golden check failed before serving: {failure}: the model does not compute "
-                "what was recorded", path=str(self.golden_path),
-                hint=f"torchverity golden check --golden {self.golden_path} "
-                     "--model ... --weights ...",
+                f"{failure}: the model does not compute what was recorded, so it is not "
+                "served", path=str(self.golden_path),
+                hint="see which part moved: torchverity golden check --model MODULE:CALLABLE "
+                     f"--weights CKPT --golden {self.golden_path}",
             )
 
     def recheck(self) -> Readiness:
@@ -109,15 +109,15 @@ class ServiceState:
     def _golden_failure(self) -> str | None:
         if self.golden_path is None:
             return None
-        from torchverity import golden
+        from torchverity.golden import check
 
-        result: Any = golden.check(self.model, self.golden_path)
+        result = check(self.model, self.golden_path)
         with self._lock:
             self._golden = "passed" if result.ok else "failed"
         if result.ok:
             return None
-        failures = [str(f) for f in result.failures][:3]
-        return f"golden check failed: {'; '.join(failures) or 'outputs differ'}"
+        failures = "; ".join(f.message for f in result.failures[:3])
+        return f"golden check failed: {failures or 'outputs differ'}"
 
 
 async def recheck_forever(state: ServiceState, interval: float) -> None:

@@ -1,0 +1,548 @@
+"""The model service, end to end over real HTTP: uvicorn on 127.0.0.1, real files, real torch.
+
+Both directions everywhere: tampered requests, corrupted weights and corrupted
+memory are refused with the right problem type (and the model never runs on
+refused input); clean traffic, clean weights and clean re-checks raise nothing.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+import httpx
+import torch
+import uvicorn
+
+import torchverity
+from torchverity.errors import IntegrityError, ServiceError
+from torchverity.serve import Client, ContentDigestMiddleware, create_app, format_digest
+from torchverity.serve._problem import (
+    BODY_TOO_LARGE,
+    DIGEST_INVALID,
+    DIGEST_MISMATCH,
+    DIGEST_REQUIRED,
+    DIGEST_UNSUPPORTED,
+    INVALID_INPUT,
+    INVALID_JSON,
+    NOT_READY,
+    UNSUPPORTED_MEDIA_TYPE,
+)
+
+MODEL_SOURCE = textwrap.dedent(
+    """
+    import torch
+
+    GOLDEN_INPUT = torch.linspace(-1, 1, 8).reshape(2, 4)
+
+    class Mlp(torch.nn.Module):
+        input_spec = ["x:float32:-1,4"]
+
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(4, 8)
+            self.fc2 = torch.nn.Linear(8, 3)
+            self.calls = 0  # how often the model ran on request data (not the golden probe)
+
+        def forward(self, x):
+            if x.shape != GOLDEN_INPUT.shape or not torch.equal(x, GOLDEN_INPUT):
+                self.calls += 1
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    def build():
+        torch.manual_seed(0)
+        return Mlp()
+    """
+)
+
+
+@dataclass
+class Service:
+    url: str
+    app: Any
+    model: Any
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.torchverity
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def start(app: Any) -> Service:
+    """Serve ``app`` with uvicorn on a free 127.0.0.1 port (the socket is bound first: no race)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    state = getattr(app.state, "torchverity", None)
+    return Service(url, app, state.model if state else None, server, thread)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model module, verified weights (sidecar + meta.json) and a golden record."""
+    root = tmp_path_factory.mktemp("serve")
+    (root / "tvserve_model.py").write_text(MODEL_SOURCE)
+    sys.path.insert(0, str(root))
+    from tvserve_model import GOLDEN_INPUT, build
+
+    model = build()
+    torchverity.save(model.state_dict(), root / "model.pt")
+    torchverity.golden.record(model, GOLDEN_INPUT, root / "golden.json")
+    yield root
+    sys.path.remove(str(root))
+
+
+@pytest.fixture(scope="module")
+def service(workspace: Path) -> Iterator[Service]:
+    app = create_app("tvserve_model:build", workspace / "model.pt",
+                     golden=workspace / "golden.json", recheck_interval=0.1, max_body=1 << 20)
+    svc = start(app)
+    yield svc
+    svc.stop()
+
+
+def post(url: str, body: bytes, **headers: str) -> httpx.Response:
+    headers = {"Content-Type": "application/json", **headers}
+    return httpx.post(url + "/predict", content=body, headers=headers)
+
+
+def request_body(rows: int = 2) -> bytes:
+    data = torch.arange(rows * 4, dtype=torch.float32).div(10).tolist()
+    doc = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [rows, 4], "data": data}]}
+    return json.dumps(doc).encode()
+
+
+def sha256_field(body: bytes) -> str:
+    return f"sha-256=:{base64.b64encode(hashlib.sha256(body).digest()).decode()}:"
+
+
+def problem(response: httpx.Response, status: int, kind: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    doc = response.json()
+    assert doc["type"] == kind and doc["status"] == status and doc["detail"]
+    return doc
+
+
+# ------------------------------------------------ clean traffic
+
+
+def test_predict_answers_what_the_model_computes(service: Service) -> None:
+    x = torch.randn(5, 4)
+    with Client(service.url) as client:
+        out = client.predict({"x": x})["output"]
+        with torch.no_grad():
+            assert torch.equal(out, service.model(x))
+        assert client.fingerprint == service.state.fingerprint_header
+        assert client.ready() and client.health()
+
+
+def test_metadata_traces_answers_to_the_verified_weights(service: Service,
+                                                          workspace: Path) -> None:
+    with Client(service.url) as client:
+        meta = client.metadata()
+    sidecar_hex = (workspace / "model.pt.sha256").read_text().split()[0]
+    params = meta["parameters"]
+    assert meta["name"] == "Mlp" and meta["platform"] == "pytorch"
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    assert params["weights"]["digest"] == sidecar_hex
+    assert params["weights"]["verified_by"] == "sidecar"
+    assert params["weights"]["fingerprint_verified"] == params["fingerprint"]["root"]
+    assert params["golden"]["status"] == "passed" and params["ready"] is True
+    assert params["torch_version"] == torch.__version__
+
+
+def test_every_response_carries_fingerprint_and_digest(service: Service) -> None:
+    for path in ("/health", "/ready", "/metadata", "/no-such-path"):
+        r = httpx.get(service.url + path)
+        assert r.headers["torchverity-fingerprint"] == service.state.fingerprint_header
+        assert r.headers["content-digest"] == sha256_field(r.content)
+
+
+def test_want_content_digest_is_honoured(service: Service) -> None:
+    r = httpx.get(service.url + "/health", headers={"Want-Content-Digest": "sha-256=1, sha-512=9"})
+    digest = base64.b64encode(hashlib.sha512(r.content).digest()).decode()
+    assert r.headers["content-digest"] == f"sha-512=:{digest}:"
+    r = httpx.get(service.url + "/health", headers={"Want-Content-Digest": "sha-256=0, md5=10"})
+    assert "content-digest" not in r.headers  # nothing acceptable was asked for
+    with Client(service.url, algorithm="sha-512") as client:
+        assert client.predict(torch.zeros(1, 4))["output"].shape == (1, 3)
+
+
+def test_request_digests_in_every_accepted_form(service: Service) -> None:
+    body = request_body()
+    sha512 = base64.b64encode(hashlib.sha512(body).digest()).decode()
+    for field in (sha256_field(body), f"sha-512=:{sha512}:",
+                  f"md5=:AAAA:, {sha256_field(body)}",  # unsupported ignored beside a supported one
+                  f"{sha256_field(body)};note=1"):  # parameters are allowed by the syntax
+        assert post(service.url, body, **{"Content-Digest": field}).status_code == 200, field
+    assert post(service.url, body).status_code == 200  # verify-if-present: no digest is fine
+
+
+def test_checksum_envelope_for_clients_without_headers(service: Service) -> None:
+    payload = request_body().decode()
+    checksum = sha256_field(payload.encode())
+    ok = post(service.url, json.dumps({"payload": payload, "checksum": checksum}).encode())
+    assert ok.status_code == 200
+    assert ok.json()["outputs"] == post(service.url, request_body()).json()["outputs"]
+    tampered = payload.replace("0.1", "0.2")
+    bad = post(service.url, json.dumps({"payload": tampered, "checksum": checksum}).encode())
+    assert problem(bad, 400, DIGEST_MISMATCH)["mismatching-digests"][0]["header"] == "checksum"
+    worse = post(service.url, json.dumps({"payload": payload, "checksum": "sha-1=:AA==:"}).encode())
+    problem(worse, 400, DIGEST_UNSUPPORTED)
+
+
+# ------------------------------------------------ tampered and malformed requests
+
+
+def test_tampered_body_is_refused_before_the_model_runs(service: Service) -> None:
+    body = request_body()
+    tampered = body.replace(b"0.1", b"0.9")
+    calls = service.model.calls
+    r = post(service.url, tampered, **{"Content-Digest": sha256_field(body)})
+    doc = problem(r, 400, DIGEST_MISMATCH)
+    assert doc["mismatching-digests"] == [{"algorithm": "sha-256", "header": "content-digest"}]
+    computed = base64.b64encode(hashlib.sha256(tampered).digest()).decode()
+    assert computed not in r.text and computed not in str(r.headers)  # never revealed
+    assert service.model.calls == calls
+
+
+def test_unsupported_algorithm(service: Service) -> None:
+    r = post(service.url, request_body(), **{"Content-Digest": "md5=:1B2M2Y8AsgTpgAmY7PhCfg==:"})
+    doc = problem(r, 400, DIGEST_UNSUPPORTED)
+    assert doc["unsupported-algorithms"] == [{"algorithm": "md5", "header": "content-digest"}]
+    assert r.headers["want-content-digest"] == "sha-256=10, sha-512=5"
+
+
+@pytest.mark.parametrize("field", [
+    "sha-256=abc",                       # a token, not a byte sequence
+    "sha-256=:not*base64:",              # not base64
+    "sha-256=:AAAA:",                    # wrong length for sha-256
+    "SHA-256=:AAAA:",                    # keys are lowercase
+    "sha-256=:" + "A" * 43 + "=:,",      # trailing comma
+    "sha-256=?1",                        # a boolean
+    "",                                  # empty
+])
+def test_malformed_digest_field(service: Service, field: str) -> None:
+    calls = service.model.calls
+    problem(post(service.url, request_body(), **{"Content-Digest": field}), 400, DIGEST_INVALID)
+    assert service.model.calls == calls
+
+
+def test_oversized_body(service: Service) -> None:
+    big = b" " * ((1 << 20) + 1)
+    doc = problem(post(service.url, big), 413, BODY_TOO_LARGE)
+    assert doc["max-body-bytes"] == 1 << 20
+
+
+def tensor_doc(name: str = "x", datatype: str = "FP32", shape: Any = (1, 4),
+               data: str = "[1, 2, 3, 4]") -> bytes:
+    return (f'{{"inputs": [{{"name": "{name}", "datatype": "{datatype}", '
+            f'"shape": {list(shape)}, "data": {data}}}]}}').encode()
+
+
+@pytest.mark.parametrize(("body", "headers", "status", "kind", "says"), [
+    (b'{"inputs": []}', {"Content-Type": "text/plain"}, 415, UNSUPPORTED_MEDIA_TYPE, "text/plain"),
+    (b"{not json", {}, 422, INVALID_JSON, "not valid JSON"),
+    (tensor_doc(data="[NaN, 1, 2, 3]"), {}, 422, INVALID_JSON, "NaN"),
+    (tensor_doc(data="[1e39, 1, 2, 3]"), {}, 422, INVALID_INPUT, "infinite"),
+    (tensor_doc(shape=(2, 3), data="[1, 2, 3, 4, 5, 6]"), {}, 422, INVALID_INPUT,
+     "shape [2, 3] given, the model takes [-1, 4]"),
+    (tensor_doc(datatype="INT64"), {}, 422, INVALID_INPUT,
+     "datatype INT64 given, the model takes FP32"),
+    (tensor_doc(data="[1, 2, 3]"), {}, 422, INVALID_INPUT,
+     "data has 3 values, shape [1, 4] needs 4"),
+    (tensor_doc(name="y"), {}, 422, INVALID_INPUT, "x: missing"),
+    (tensor_doc(data='["a", 2, 3, 4]'), {}, 422, INVALID_INPUT, "not a FP32 array"),
+    (tensor_doc(datatype="FP99"), {}, 422, INVALID_INPUT, "does not fit the schema"),
+    (b'{"inputs": "x"}', {}, 422, INVALID_INPUT, "does not fit the schema"),
+    (b"[" * 100_000, {}, 422, INVALID_JSON, "not valid JSON"),
+])
+def test_bad_input_is_a_4xx_problem_never_a_500(
+    service: Service, body: bytes, headers: dict[str, str], status: int, kind: str, says: str
+) -> None:
+    calls = service.model.calls
+    doc = problem(post(service.url, body, **headers), status, kind)
+    assert says in json.dumps(doc)
+    assert service.model.calls == calls
+
+
+# ------------------------------------------------ the middleware in any ASGI app
+
+
+@pytest.fixture(scope="module")
+def echo_service() -> Iterator[Service]:
+    """ContentDigestMiddleware(policy="require") mounted in a plain Starlette app."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    async def echo(request: Request) -> Response:
+        return Response(await request.body(), media_type="application/octet-stream")
+
+    app = Starlette(routes=[Route("/echo", echo, methods=["POST"])])
+    app.add_middleware(ContentDigestMiddleware, policy="require", max_body=64 * 1024)
+    svc = start(app)
+    yield svc
+    svc.stop()
+
+
+def test_require_policy_in_a_plain_starlette_app(echo_service: Service) -> None:
+    body = os.urandom(40_000)
+    r = httpx.post(echo_service.url + "/echo", content=body,
+                   headers={"Content-Digest": format_digest("sha-512", body)})
+    assert r.status_code == 200 and r.content == body
+    assert r.headers["content-digest"] == format_digest("sha-256", body)
+    missing = httpx.post(echo_service.url + "/echo", content=body)
+    problem(missing, 400, DIGEST_REQUIRED)
+    assert missing.headers["want-content-digest"] == "sha-256=10, sha-512=5"
+
+
+def test_streamed_body_is_hashed_as_it_arrives(echo_service: Service) -> None:
+    chunks = [os.urandom(8192) for _ in range(6)]
+    body = b"".join(chunks)
+    r = httpx.post(echo_service.url + "/echo", content=iter(chunks),  # chunked, no length
+                   headers={"Content-Digest": format_digest("sha-256", body)})
+    assert r.status_code == 200 and r.content == body
+    chunks[3] = bytes(8192)
+    r = httpx.post(echo_service.url + "/echo", content=iter(chunks),
+                   headers={"Content-Digest": format_digest("sha-256", body)})
+    problem(r, 400, DIGEST_MISMATCH)
+    too_many = iter([os.urandom(8192) for _ in range(10)])  # 80 KiB > 64 KiB, length unknown
+    problem(httpx.post(echo_service.url + "/echo", content=too_many,
+                       headers={"Content-Digest": format_digest("sha-256", body)}),
+            413, BODY_TOO_LARGE)
+
+
+# ------------------------------------------------ the client checks the service
+
+
+def test_client_refuses_other_weights_and_tampered_responses(service: Service) -> None:
+    with Client(service.url, fingerprint="sha256:" + "0" * 64) as client, \
+            pytest.raises(IntegrityError, match="answers from other weights"):
+        client.metadata()
+
+    def tamper(request: httpx.Request) -> httpx.Response:
+        real = httpx.get(str(request.url))
+        return httpx.Response(200, content=real.content.replace(b"alive", b"alivE"),
+                              headers=dict(real.headers))
+
+    with Client(service.url, transport=httpx.MockTransport(tamper)) as client, \
+            pytest.raises(IntegrityError, match="does not match its Content-Digest"):
+        client.health()
+    with Client(service.url) as client, pytest.raises(ServiceError, match="422") as err:
+        client.predict({"x": torch.zeros(2, 5)})
+    assert err.value.status == 422 and err.value.problem_type == INVALID_INPUT
+
+
+# ------------------------------------------------ weights and memory
+
+
+def _corrupt_byte(path: Path) -> None:
+    """Flip one bit inside the last tensor's data (well past the zip headers)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_corrupted_weights_refuse_to_start(workspace: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "model.pt"
+    for suffix in ("", ".sha256", ".meta.json"):
+        bad.with_name("model.pt" + suffix).write_bytes(
+            (workspace / ("model.pt" + suffix)).read_bytes())
+    _corrupt_byte(bad)
+    env = {**os.environ, "PYTHONPATH": str(workspace), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchverity", "serve", "--model", "tvserve_model:build",
+         "--weights", str(bad), "--port", "1"],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "torchverity: error:" in proc.stderr and "digest does not match" in proc.stderr
+    assert "model.pt" in proc.stderr and "next:" in proc.stderr
+    assert "Uvicorn running" not in proc.stderr
+
+
+def test_unverifiable_or_failing_weights_refuse_in_process(workspace: Path,
+                                                           tmp_path: Path) -> None:
+    from tvserve_model import build
+
+    bare = tmp_path / "bare.pt"
+    torch.save(build().state_dict(), bare)
+    with pytest.raises(IntegrityError, match="refusing to serve unverified weights"):
+        create_app(build, bare)
+    torchverity.write_manifest(tmp_path)  # a manifest digest is accepted instead of a sidecar
+    app = create_app(build, bare)
+    assert app.state.torchverity.weights.digest_source == "manifest"
+    other = build()
+    with torch.no_grad():
+        other.fc2.bias[1] += 1e-3  # a small change the golden record must notice
+    with pytest.raises(IntegrityError, match="golden check failed"):
+        create_app(other, golden=workspace / "golden.json")
+
+
+def test_cli_serves_verified_weights(workspace: Path) -> None:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(workspace), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchverity", "serve", "--model", "tvserve_model:build",
+         "--weights", str(workspace / "model.pt"), "--golden", str(workspace / "golden.json"),
+         "--port", str(port), "--json", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        report = json.loads(_read_json_doc(proc))
+        assert report["ok"] and report["golden"] == "passed"
+        with Client(f"http://127.0.0.1:{port}", fingerprint=report["fingerprint"]) as client:
+            _wait_ready(client)
+            assert client.predict(torch.ones(1, 4))["output"].shape == (1, 3)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    assert proc.returncode == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _read_json_doc(proc: subprocess.Popen[str]) -> str:
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("}"):
+            return "".join(lines)
+    raise AssertionError(f"no report; stderr: {proc.stderr.read() if proc.stderr else ''}")
+
+
+def _wait_ready(client: Client) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if client.ready():
+                return
+        except ServiceError:
+            pass
+        assert time.monotonic() < deadline, "the service did not become ready"
+        time.sleep(0.05)
+
+
+def test_memory_corruption_turns_readiness_off_within_the_interval(workspace: Path) -> None:
+    from tvserve_model import build
+
+    svc = start(create_app(build, workspace / "model.pt", golden=workspace / "golden.json",
+                           recheck_interval=0.1))
+    try:
+        with Client(svc.url) as client:
+            deadline = time.monotonic() + 0.6
+            while time.monotonic() < deadline:  # clean re-checks: no false alarm
+                assert client.ready()
+            assert client.metadata()["parameters"]["rechecks"]["count"] >= 2
+            with torch.no_grad():
+                svc.model.fc1.weight.view(-1)[5] = svc.model.fc1.weight.view(-1)[5].neg()
+            flipped = time.monotonic()
+            while client.ready():
+                assert time.monotonic() - flipped < 2.0, "corruption not noticed"
+                time.sleep(0.02)
+            r = httpx.get(svc.url + "/ready")
+            assert "fc1.weight" in problem(r, 503, NOT_READY)["detail"]
+            calls = svc.model.calls
+            problem(post(svc.url, request_body()), 503, NOT_READY)
+            assert svc.model.calls == calls  # corrupted memory serves no answers
+    finally:
+        svc.stop()
+
+
+# ------------------------------------------------ schema fuzzing and load
+
+
+def test_openapi_documents_every_problem(service: Service) -> None:
+    spec = httpx.get(service.url + "/openapi.json").json()
+    predict = spec["paths"]["/predict"]["post"]
+    for status in ("400", "413", "415", "422", "503"):
+        assert "application/problem+json" in predict["responses"][status]["content"]
+    assert "InferRequest" in spec["components"]["schemas"]
+
+
+def test_schemathesis_finds_no_server_error(service: Service) -> None:
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(service.url + "/openapi.json")
+    statuses: list[int] = []
+    for op in schema.get_all_operations():
+        operation = op.ok()
+        modes = list(schemathesis.GenerationMode)  # valid and deliberately invalid data
+        if operation.method.upper() != "POST":  # nothing to make invalid without a body
+            modes = [schemathesis.GenerationMode.POSITIVE]
+        for mode in modes:
+
+            @given(case=operation.as_strategy(generation_mode=mode))
+            @settings(max_examples=20, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))
+            def fuzz(case: Any) -> None:
+                response = case.call_and_validate(
+                    base_url=service.url, checks=[schemathesis.checks.not_a_server_error])
+                statuses.append(response.status_code)
+
+            fuzz()
+    assert len(statuses) >= 40 and max(statuses) < 500
+    assert {200, 422} <= set(statuses)
+    assert service.state.readiness().ready  # fuzzing did not disturb the service
+
+
+def test_load_zero_errors(service: Service) -> None:
+    total, concurrency = 2000, 8
+    body = {"x": torch.randn(4, 4)}
+    latencies: list[float] = []
+
+    def worker(n: int) -> list[float]:
+        times = []
+        with Client(service.url, fingerprint=service.state.fingerprint_header) as client:
+            for _ in range(n):
+                t0 = time.perf_counter()
+                client.predict(body)
+                times.append(time.perf_counter() - t0)
+        return times
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for times in pool.map(worker, [total // concurrency] * concurrency):
+            latencies += times
+    assert len(latencies) == total  # every answer verified (digest and fingerprint), no error
+    q = statistics.quantiles(latencies, n=100)
+    print(f"\nload: {total} requests, concurrency {concurrency}: "
+          f"p50 {q[49] * 1000:.1f} ms, p99 {q[98] * 1000:.1f} ms")
