@@ -273,14 +273,13 @@ def _add_routes(app: FastAPI, state: ServiceState, executor: ThreadPoolExecutor)
         status = state.readiness()
         if not status.ready:
             raise _not_ready(status.reason)
-        req = _parse_request(request.headers.get("content-type"), await request.body())
-        args = build_inputs([t.model_dump() for t in req.inputs], state.spec)
+        body = await request.body()
         loop = asyncio.get_running_loop()
-        outputs = await loop.run_in_executor(executor, _forward, state.model, args)
-        return _json_response({
-            "model_name": state.name, "model_version": _version(state), "id": req.id,
-            "outputs": outputs, "parameters": {"fingerprint": state.fingerprint_header},
-        })
+        # Parsing, inference and encoding run off the event loop, so /health and
+        # /ready stay responsive under load.
+        answer = await loop.run_in_executor(
+            executor, _answer, state, request.headers.get("content-type"), body)
+        return Response(answer, media_type="application/json")
 
 
 def _not_ready(reason: str | None) -> ProblemError:
@@ -313,6 +312,17 @@ def _metadata(state: ServiceState) -> dict[str, Any]:
             "rechecks": {"count": status.checks, "last_at": status.last_check},
         },
     }
+
+
+def _answer(state: ServiceState, content_type: str | None, body: bytes) -> bytes:
+    """The whole prediction: parse, validate against the spec, run, encode."""
+    req = _parse_request(content_type, body)
+    args = build_inputs([t.model_dump() for t in req.inputs], state.spec)
+    outputs = _forward(state.model, args)
+    return json.dumps({
+        "model_name": state.name, "model_version": _version(state), "id": req.id,
+        "outputs": outputs, "parameters": {"fingerprint": state.fingerprint_header},
+    }, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _forward(model: torch.nn.Module, args: list[torch.Tensor]) -> list[dict[str, Any]]:

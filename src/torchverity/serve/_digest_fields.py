@@ -417,13 +417,17 @@ async def _read_body(
 
 def _replay(chunks: list[bytes], receive: Receive) -> Receive:
     """Hand the checked chunks to the app, then defer to the server (for disconnects)."""
-    pending = list(chunks) or [b""]
+    pending = iter(chunks or [b""])
+    last = len(chunks) - 1
+    sent = 0
 
     async def replay() -> Message:
-        if pending:
-            chunk = pending.pop(0)
-            return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
-        return await receive()
+        nonlocal sent
+        chunk = next(pending, None)
+        if chunk is None:
+            return await receive()
+        sent += 1
+        return {"type": "http.request", "body": chunk, "more_body": sent <= last}
 
     return replay
 
