@@ -1,0 +1,140 @@
+"""The Ray engine: one actor per worker, each holding its own copy of the model.
+
+Actors read and verify their inputs (the inputs must be on storage every node
+sees at the same path), run the model, and return the output bytes with
+their digest. The driver hashes the bytes again as it receives them, writes
+the file (temp, fsync, rename) and keeps the journal, so the guarantees are
+those of the local engine. Ray's own retries are off: the driver decides
+every retry and records it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from torchverity.batch._item import ItemResult, OutputWriteError, compute, write_output
+from torchverity.batch._journal import FAILED, WorkItem
+from torchverity.batch._model import ModelFactory
+from torchverity.errors import BatchError, require_extra
+
+EngineEvent = ItemResult | OutputWriteError
+
+
+class _Worker:
+    """The actor body: builds the model once, then processes items one at a time."""
+
+    def __init__(self, factory: ModelFactory) -> None:
+        self._fn, self._identity = factory.load()
+
+    def identity(self) -> dict[str, str]:
+        return self._identity
+
+    def process(self, work: WorkItem) -> ItemResult:
+        result, view = compute(work, self._fn)
+        if view is None:
+            return result
+        return dataclasses.replace(result, payload=bytes(view))
+
+
+class RayEngine:
+    """Runs the per-item function on ``workers`` Ray actors (one CPU each)."""
+
+    name = "ray"
+
+    def __init__(self, factory: ModelFactory, identity: dict[str, str], out: Path,
+                 workers: int, address: str | None = None) -> None:
+        self._ray = require_extra("ray", extra="ray", feature="the Ray engine (--engine ray)")
+        self._owns = not self._ray.is_initialized()
+        if self._owns:
+            self._init(address, workers)
+        self.capacity = workers
+        self._out = out
+        self._factory = factory
+        self._actor_cls = self._ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(
+            _Worker
+        )
+        self._actors = [self._start_actor(identity) for _ in range(workers)]
+        self._identity = identity
+        self._load = {i: 0 for i in range(workers)}
+        self._refs: dict[Any, tuple[int, WorkItem]] = {}
+
+    def _init(self, address: str | None, workers: int) -> None:
+        options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+        if address:
+            options["address"] = address
+        else:
+            import os
+
+            if not os.environ.get("RAY_ADDRESS"):
+                options["num_cpus"] = workers
+        self._ray.init(**options)
+
+    def _start_actor(self, identity: dict[str, str]) -> Any:
+        actor = self._actor_cls.remote(self._factory)
+        try:
+            got = self._ray.get(actor.identity.remote())
+        except self._ray.exceptions.RayError as exc:
+            raise BatchError(
+                f"a Ray worker could not load the model: {_cause(exc)}",
+                hint="the model module and weights must be importable/readable on every node",
+            ) from None
+        if got != identity:
+            raise BatchError(
+                f"a Ray worker loaded a different model: {got} instead of {identity}",
+                hint="every node must see the same weights file and model code",
+            )
+        return actor
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._refs)
+
+    def submit(self, work: WorkItem) -> None:
+        slot = min(self._load, key=self._load.__getitem__)
+        self._load[slot] += 1
+        self._refs[self._actors[slot].process.remote(work)] = (slot, work)
+
+    def wait(self, timeout: float) -> list[EngineEvent]:
+        if not self._refs:
+            return []
+        ready, _ = self._ray.wait(list(self._refs), num_returns=1, timeout=timeout)
+        if ready:  # collect everything else that is already done too
+            ready, _ = self._ray.wait(list(self._refs), num_returns=len(self._refs), timeout=0)
+        events: list[EngineEvent] = []
+        for ref in ready:
+            slot, work = self._refs.pop(ref)
+            self._load[slot] -= 1
+            events.append(self._receive(ref, slot, work))
+        return events
+
+    def _receive(self, ref: Any, slot: int, work: WorkItem) -> EngineEvent:
+        try:
+            result: ItemResult = self._ray.get(ref)
+        except self._ray.exceptions.RayActorError as exc:
+            self._actors[slot] = self._start_actor(self._identity)
+            return ItemResult(work.id, FAILED, error=f"Ray worker died: {_cause(exc)}")
+        except self._ray.exceptions.RayError as exc:
+            return ItemResult(work.id, FAILED, error=f"Ray task failed: {_cause(exc)}")
+        if result.payload is None:
+            return result
+        if hashlib.sha256(result.payload).hexdigest() != result.output_digest:
+            return ItemResult(work.id, FAILED,
+                              error="output bytes changed between worker and driver")
+        try:
+            write_output(self._out, work, memoryview(result.payload))
+        except OutputWriteError as exc:
+            return exc
+        return dataclasses.replace(result, payload=None)
+
+    def close(self) -> None:
+        for actor in self._actors:
+            self._ray.kill(actor)
+        if self._owns:
+            self._ray.shutdown()
+
+
+def _cause(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__

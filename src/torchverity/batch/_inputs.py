@@ -1,0 +1,151 @@
+"""The input manifest: list a job's inputs once, then re-verify each when it is read.
+
+An input's identity is its key (its path relative to the inputs folder, or to
+the list file's folder) and the SHA-256 of its bytes at listing time. Workers
+read an input exactly once, hash the very bytes they hand to the model, and
+compare with the manifest, so a file that changed after listing is never
+processed with the wrong bytes (not even when it changes between a check and
+a read: there is no second read).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchverity.digest import digest_files
+from torchverity.errors import InputError, UsageError
+
+DIGEST_ALGO = "sha256"
+# Defined here (not in _journal, which imports this module) so listing can skip job folders.
+JOURNAL_NAME = "batch-journal.sqlite"
+
+
+@dataclass(frozen=True)
+class InputRecord:
+    """One line of the input manifest."""
+
+    key: str
+    path: str
+    size: int
+    mtime_ns: int
+    digest: str
+
+
+class InputChanged(Exception):
+    """The input's bytes are not those listed in the manifest (or it is gone)."""
+
+
+def list_inputs(spec: Path, *, exclude: Path | None = None) -> list[InputRecord]:
+    """List a folder (recursively, sorted) or a list file (one path per line) and digest all."""
+    if spec.is_dir():
+        keyed = _walk(spec.resolve(), exclude.resolve() if exclude else None)
+    elif spec.is_file():
+        keyed = _read_list(spec)
+    else:
+        raise InputError(
+            f"{spec}: no such folder or list file",
+            path=spec,
+            hint="--inputs takes a folder of input files or a text file with one path per line",
+        )
+    if not keyed:
+        raise InputError(f"{spec}: no input files found", path=spec)
+    stats = [_stat(path) for _, path in keyed]
+    digests = digest_files([p for _, p in keyed], DIGEST_ALGO)
+    return [
+        InputRecord(key, os.fspath(path), d.size, st.st_mtime_ns, d.hexdigest)
+        for (key, path), st, d in zip(keyed, stats, digests, strict=True)
+    ]
+
+
+def _walk(root: Path, exclude: Path | None) -> list[tuple[str, Path]]:
+    found: list[tuple[str, Path]] = []
+    for folder, dirs, files in os.walk(root):
+        here = Path(folder)
+        # Output folders may live inside the inputs folder: never list a job's outputs.
+        dirs[:] = sorted(
+            d for d in dirs
+            if here / d != exclude and not (here / d / JOURNAL_NAME).exists()
+        )
+        for name in sorted(files):
+            path = here / name
+            if path.is_file():
+                found.append((path.relative_to(root).as_posix(), path))
+    return sorted(found)
+
+
+def _read_list(list_file: Path) -> list[tuple[str, Path]]:
+    base = list_file.resolve().parent
+    try:
+        lines = list_file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{list_file}: cannot read the input list: {exc}",
+                         path=list_file) from None
+    found: dict[str, Path] = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        path = (base / line.strip()).resolve()
+        key = _list_key(path, base)
+        if key in found:
+            raise UsageError(
+                f"{list_file}:{number}: '{line.strip()}' is listed twice",
+                hint="each input may appear once: an input is one item with one output",
+            )
+        if not path.is_file():
+            raise InputError(f"{list_file}:{number}: {path}: no such file", path=path)
+        found[key] = path
+    return sorted(found.items())
+
+
+def _list_key(path: Path, base: Path) -> str:
+    """Relative to the list's folder when inside it, else the absolute path without its root."""
+    try:
+        return path.relative_to(base).as_posix()
+    except ValueError:
+        return path.as_posix().lstrip("/")
+
+
+def _stat(path: Path) -> os.stat_result:
+    try:
+        return path.stat()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot stat: {exc.strerror or exc}", path=path) from None
+
+
+def manifest_root(records: Sequence[InputRecord]) -> str:
+    """One digest over the whole input manifest (its sha256sum lines, sorted by key)."""
+    h = hashlib.sha256()
+    for line in manifest_lines(records):
+        h.update(line.encode())
+    return h.hexdigest()
+
+
+def manifest_lines(records: Sequence[InputRecord]) -> Iterator[str]:
+    """``<hex>  <key>`` lines: ``sha256sum -c`` run in the inputs folder checks them."""
+    for r in sorted(records, key=lambda r: r.key):
+        yield f"{r.digest}  {r.key}\n"
+
+
+def read_verified(path: str, size: int, digest: str) -> bytes:
+    """Read an input once and return its bytes if they are the listed ones.
+
+    Raises :class:`InputChanged` naming what differs; the caller records the
+    item as ``input-changed`` and never runs the model on these bytes.
+    """
+    try:
+        with io.FileIO(path, "r") as fh:
+            now = os.fstat(fh.fileno()).st_size
+            if now != size:
+                raise InputChanged(f"size is {now} bytes, was {size} when listed")
+            data = fh.readall()
+    except FileNotFoundError:
+        raise InputChanged("the input file is gone") from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != digest:
+        raise InputChanged(f"sha256 is {actual[:16]}…, was {digest[:16]}… when listed")
+    return data

@@ -1,0 +1,165 @@
+"""One item's work, the same on every engine: verified input -> model -> output bytes -> file.
+
+The output is written as the journal requires for exactly-once: a temp file
+beside the final name, flushed and fsynced, then renamed over the
+deterministic name. The driver records it as committed only after that (and
+after an fsync of the folder), so a crash leaves either nothing, a temp file,
+or a renamed but uncommitted output; the next run removes both kinds of orphan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchverity.batch._inputs import InputChanged, read_verified
+from torchverity.batch._journal import CHANGED, COMMITTED, FAILED, WorkItem
+
+TMP_SUFFIX = ".tvtmp"
+DATA_DIR = "data"
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """What the per-item function receives: the verified bytes of one input.
+
+    ``data`` are exactly the bytes whose SHA-256 (``digest``) the input
+    manifest lists; read them instead of reopening ``path``, which may have
+    changed since.
+    """
+
+    key: str
+    path: str
+    data: bytes
+    digest: str
+    index: int
+
+
+ItemFn = Callable[[BatchItem], Any]
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What happened to one attempt at one item."""
+
+    id: int
+    status: str
+    output_digest: str | None = None
+    output_size: int | None = None
+    error: str | None = None
+    payload: bytes | None = None  # only when the driver writes (Ray): bytes to store
+
+
+class OutputWriteError(Exception):
+    """Writing an output failed for a reason that retrying the item cannot fix."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        self.path = path
+        self.error = error
+        super().__init__(f"{path}: {error.strerror or error}")
+
+
+def compute(work: WorkItem, fn: ItemFn) -> tuple[ItemResult, memoryview | None]:
+    """Read and verify the input, run ``fn``; return the result and the output bytes."""
+    try:
+        data = read_verified(work.path, work.size, work.digest)
+    except InputChanged as exc:
+        return ItemResult(work.id, CHANGED, error=f"input changed since listing: {exc}"), None
+    try:
+        view = to_bytes(fn(BatchItem(work.key, work.path, data, work.digest, work.id)))
+    except Exception as exc:  # the user's code: any error is this item's failure
+        return ItemResult(work.id, FAILED, error=f"{type(exc).__name__}: {exc}"), None
+    digest = hashlib.sha256(view).hexdigest()
+    return ItemResult(work.id, COMMITTED, output_digest=digest, output_size=len(view)), view
+
+
+def process(work: WorkItem, fn: ItemFn, out: Path) -> ItemResult:
+    """``compute`` then store the output under its final name (local engine: in the worker)."""
+    result, view = compute(work, fn)
+    if view is not None:
+        write_output(out, work, view)
+    return result
+
+
+def to_bytes(obj: Any) -> memoryview:
+    """The bytes to store for what ``fn`` returned (bytes-like, str, tensor or state)."""
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return memoryview(obj).cast("B")
+    if isinstance(obj, str):
+        return memoryview(obj.encode("utf-8"))
+    if obj is None:
+        raise TypeError("the item function returned None; return bytes, str or tensors")
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getbuffer()
+
+
+def output_path(out: Path, relative: str) -> Path:
+    return out / relative
+
+
+def temp_path(final: Path, attempt: int) -> Path:
+    return final.with_name(f".{final.name}.{attempt}{TMP_SUFFIX}")
+
+
+def write_output(out: Path, work: WorkItem, data: memoryview) -> None:
+    """Temp file, fsync, rename over the deterministic name. OSError -> OutputWriteError."""
+    final = output_path(out, work.output)
+    tmp = temp_path(final, work.attempt)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except OSError as exc:
+        _discard(tmp)
+        raise OutputWriteError(final, exc) from None
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def _discard(path: Path) -> None:
+    # The folder itself may be failing; the next run's cleanup removes what is left.
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
+
+
+def fsync_dirs(folders: set[Path]) -> None:
+    """Make renames durable: the folder entries must reach the disk before the commit."""
+    for folder in folders:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EBADF):  # filesystems without dir fsync
+                raise OutputWriteError(folder, exc) from None
+        finally:
+            os.close(fd)
+
+
+def file_sha256(path: Path) -> tuple[str, int] | None:
+    """Digest and size of a stored output, or None when it is missing."""
+    from torchverity.digest import digest_file
+    from torchverity.errors import InputError
+
+    try:
+        d = digest_file(path, "sha256", threads=False)
+    except InputError:
+        return None
+    return d.hexdigest, d.size

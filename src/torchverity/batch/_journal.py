@@ -1,0 +1,335 @@
+"""The batch journal: one SQLite file in the output folder, the job's single source of truth.
+
+Write-ahead logging keeps the file consistent whatever moment the process is
+killed at. Commit points (outputs recorded as committed, failures recorded)
+run with ``synchronous=FULL`` so they are on disk before anything that depends
+on them; bookkeeping that can be lost harmlessly (an item marked running)
+runs with ``synchronous=NORMAL``. Only the driver process opens it for
+writing. The schema is documented in docs/formats/batch.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchverity.batch._inputs import JOURNAL_NAME, InputRecord
+from torchverity.errors import BatchError, FormatError
+
+SCHEMA_VERSION = 1
+PENDING, RUNNING, COMMITTED, FAILED, CHANGED = (
+    "pending", "running", "committed", "failed", "input-changed"
+)
+STATES = (PENDING, RUNNING, COMMITTED, FAILED, CHANGED)
+
+_SCHEMA = f"""
+CREATE TABLE job (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE items (
+    id INTEGER PRIMARY KEY,
+    key TEXT NOT NULL UNIQUE,
+    path TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    mtime_ns INTEGER NOT NULL,
+    digest TEXT NOT NULL,
+    output TEXT NOT NULL UNIQUE,
+    state TEXT NOT NULL CHECK (state IN ({", ".join(repr(s) for s in STATES)})),
+    attempts INTEGER NOT NULL DEFAULT 0,
+    interrupted INTEGER NOT NULL DEFAULT 0,
+    output_digest TEXT,
+    output_size INTEGER,
+    error TEXT,
+    updated REAL
+);
+CREATE INDEX items_state ON items (state);
+CREATE TABLE events (
+    at REAL NOT NULL,
+    item INTEGER REFERENCES items (id),
+    kind TEXT NOT NULL,
+    detail TEXT NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """What a worker needs to process one item (plain values: it travels to Ray actors)."""
+
+    id: int
+    key: str
+    path: str
+    size: int
+    digest: str
+    output: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class ItemRow:
+    """One item as the journal records it."""
+
+    id: int
+    key: str
+    path: str
+    size: int
+    mtime_ns: int
+    digest: str
+    output: str
+    state: str
+    attempts: int
+    interrupted: int
+    output_digest: str | None
+    output_size: int | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A state change to record at the next commit point."""
+
+    id: int
+    state: str
+    output_digest: str | None = None
+    output_size: int | None = None
+    error: str | None = None
+
+
+class Journal:
+    """The driver's handle on the journal file."""
+
+    def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
+        self.path = path
+        self._conn = conn
+
+    # ------------------------------------------------------------ opening
+
+    @classmethod
+    def create(cls, out: Path, job: dict[str, str], records: Sequence[InputRecord],
+               outputs: Sequence[str]) -> Journal:
+        """A new journal holding the job description and every input as ``pending``.
+
+        Built under a temporary name and renamed into place once complete, so a
+        journal that exists is always a whole one, whenever a crash happens.
+        """
+        path = out / JOURNAL_NAME
+        building = out / f".{JOURNAL_NAME}.building"
+        discard_building(out)
+        journal = cls(building, _connect(building, out))
+        journal._fill(job, records, outputs)
+        journal._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        journal.close()
+        try:
+            os.replace(building, path)
+            fd = os.open(out, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise BatchError(f"{path}: cannot create the batch journal: {exc.strerror or exc}",
+                             out=out) from None
+        return cls(path, _connect(path, out))
+
+    def _fill(self, job: dict[str, str], records: Sequence[InputRecord],
+              outputs: Sequence[str]) -> None:
+        journal = self
+        with journal._transaction(durable=True):
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    journal._conn.execute(statement)
+            rows = [("schema", str(SCHEMA_VERSION)), *job.items()]
+            journal._conn.executemany("INSERT INTO job VALUES (?, ?)", rows)
+            journal._conn.executemany(
+                "INSERT INTO items (id, key, path, size, mtime_ns, digest, output, state)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending')",
+                [
+                    (i, r.key, r.path, r.size, r.mtime_ns, r.digest, o)
+                    for i, (r, o) in enumerate(zip(records, outputs, strict=True), 1)
+                ],
+            )
+
+    @classmethod
+    def open(cls, out: Path) -> Journal:
+        """Open an existing journal, refusing a missing, corrupt or foreign one."""
+        path = out / JOURNAL_NAME
+        if not path.is_file():
+            raise BatchError(
+                f"{out}: no batch journal ({JOURNAL_NAME}) in this folder",
+                out=out,
+                hint="name the --out folder of a 'torchverity batch run' job",
+            )
+        journal = cls(path, _connect(path, out))
+        journal._check()
+        return journal
+
+    def _check(self) -> None:
+        try:
+            status = self._conn.execute("PRAGMA quick_check").fetchone()[0]
+            schema = self._conn.execute("SELECT value FROM job WHERE key = 'schema'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise _corrupt(self.path, str(exc)) from None
+        if status != "ok":
+            raise _corrupt(self.path, status)
+        if schema is None or schema[0] != str(SCHEMA_VERSION):
+            raise FormatError(
+                f"{self.path}: journal schema {schema[0] if schema else '?'} is not "
+                f"{SCHEMA_VERSION}",
+                path=self.path,
+                hint="finish or verify this job with the torchverity version that started it",
+            )
+
+    def close(self) -> None:
+        self._conn.close()
+
+    # ------------------------------------------------------------ reading
+
+    def job(self) -> dict[str, str]:
+        return dict(self._query("SELECT key, value FROM job"))
+
+    def counts(self) -> dict[str, int]:
+        found = dict(self._query("SELECT state, COUNT(*) FROM items GROUP BY state"))
+        return {state: int(found.get(state, 0)) for state in STATES}
+
+    def items(self, *states: str) -> list[ItemRow]:
+        sql = f"SELECT {', '.join(ItemRow.__dataclass_fields__)} FROM items"
+        params: tuple[str, ...] = ()
+        if states:
+            sql += f" WHERE state IN ({', '.join('?' * len(states))})"
+            params = states
+        return [ItemRow(*row) for row in self._query(sql + " ORDER BY id", params)]
+
+    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        try:
+            return self._conn.execute(sql, params).fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise _corrupt(self.path, str(exc)) from None
+
+    # ------------------------------------------------------------ writing
+
+    def recover(self) -> list[ItemRow]:
+        """Items a killed run left ``running`` go back to ``pending``; returns them."""
+        interrupted = self.items(RUNNING)
+        if interrupted:
+            with self._transaction(durable=True):
+                self._conn.execute(
+                    "UPDATE items SET state = 'pending', interrupted = interrupted + 1,"
+                    " updated = ? WHERE state = 'running'", (time.time(),)
+                )
+                self._events((r.id, "interrupted", f"attempt {r.attempts}") for r in interrupted)
+        return interrupted
+
+    def mark_running(self, ids: Sequence[int]) -> None:
+        """Count an attempt for each item. Losing this in a crash is harmless: not durable."""
+        with self._transaction(durable=False):
+            self._conn.executemany(
+                "UPDATE items SET state = 'running', attempts = attempts + 1, updated = ?"
+                " WHERE id = ?", [(time.time(), i) for i in ids]
+            )
+
+    def record(self, outcomes: Sequence[Outcome]) -> None:
+        """A commit point: every outcome is on disk when this returns."""
+        now = time.time()
+        with self._transaction(durable=True):
+            self._conn.executemany(
+                "UPDATE items SET state = ?, output_digest = ?, output_size = ?, error = ?,"
+                " updated = ? WHERE id = ?",
+                [(o.state, o.output_digest, o.output_size, o.error, now, o.id) for o in outcomes],
+            )
+            self._events((o.id, o.state, o.error) for o in outcomes if o.error)
+
+    def reset(self, ids: Iterable[int], why: str) -> None:
+        """Send committed items back to ``pending`` (their output was lost or damaged)."""
+        rows = [(i, "repaired", why) for i in ids]
+        with self._transaction(durable=True):
+            self._conn.executemany(
+                "UPDATE items SET state = 'pending', output_digest = NULL, output_size = NULL,"
+                " error = ? WHERE id = ?", [(why, i) for i, _, _ in rows]
+            )
+            self._events(rows)
+
+    def set_job(self, values: dict[str, str]) -> None:
+        with self._transaction(durable=True):
+            self._conn.executemany("INSERT OR REPLACE INTO job VALUES (?, ?)", values.items())
+
+    def _events(self, rows: Iterable[tuple[int, str, str | None]]) -> None:
+        now = time.time()
+        self._conn.executemany(
+            "INSERT INTO events VALUES (?, ?, ?, ?)", [(now, i, k, d or "") for i, k, d in rows]
+        )
+
+    def _transaction(self, *, durable: bool) -> _Transaction:
+        return _Transaction(self, durable)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT with the sync level of this commit point."""
+
+    def __init__(self, journal: Journal, durable: bool) -> None:
+        self._journal = journal
+        self._durable = durable
+
+    def __enter__(self) -> None:
+        conn = self._journal._conn
+        conn.execute(f"PRAGMA synchronous = {'FULL' if self._durable else 'NORMAL'}")
+        conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        conn = self._journal._conn
+        if exc_type is None:
+            try:
+                conn.execute("COMMIT")
+                return
+            except sqlite3.Error as error:
+                exc = error
+        if conn.in_transaction:  # SQLite has already rolled back after some errors
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.Error):
+            raise _write_failed(self._journal.path, exc) from None
+
+
+def discard_building(out: Path) -> None:
+    """Remove a journal that a crash left half-built (and its WAL files)."""
+    for suffix in ("", "-wal", "-shm"):
+        (out / f".{JOURNAL_NAME}.building{suffix}").unlink(missing_ok=True)
+
+
+def _connect(path: Path, out: Path) -> sqlite3.Connection:
+    try:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = FULL")
+    except sqlite3.DatabaseError as exc:
+        if "not a database" in str(exc) or "malformed" in str(exc):
+            raise _corrupt(path, str(exc)) from None
+        raise _write_failed(path, exc) from None
+    return conn
+
+
+def _corrupt(path: Path, detail: str) -> FormatError:
+    return FormatError(
+        f"{path}: the batch journal is damaged ({detail})",
+        path=path,
+        hint="restore it from a backup, or start the job again in an empty --out folder; "
+        "never trust outputs whose journal is gone",
+    )
+
+
+def _write_failed(path: Path, error: sqlite3.Error) -> BatchError:
+    return BatchError(
+        f"{path}: cannot write the batch journal: {error}",
+        out=path.parent,
+        hint="check free space and permissions of the --out folder, then rerun the same "
+        "command to resume",
+    )
+
+
+def job_value(job: dict[str, str], key: str) -> Any:
+    """A JSON value stored in the job table."""
+    return json.loads(job[key])

@@ -1,0 +1,81 @@
+"""What builds the per-item function: a ``module:callable`` with verified weights, or a given fn.
+
+A factory is small and picklable, so Ray actors receive it and build their own
+copy of the model (once per actor). ``identity()`` is what enters the job
+fingerprint; every actor reports it back and the driver refuses an actor
+whose model differs from its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torchverity.batch._item import ItemFn
+
+
+class ModelFactory(Protocol):
+    def identity(self) -> dict[str, str]: ...
+
+    def load(self) -> tuple[ItemFn, dict[str, str]]: ...
+
+
+@dataclass(frozen=True)
+class GivenFn:
+    """The Python API's per-item function; ``name`` identifies it in the job fingerprint."""
+
+    fn: ItemFn
+    name: str
+    model_fingerprint: str | None = None
+
+    def identity(self) -> dict[str, str]:
+        ident = {"model": self.name}
+        if self.model_fingerprint:
+            ident["model_fingerprint"] = self.model_fingerprint
+        return ident
+
+    def load(self) -> tuple[ItemFn, dict[str, str]]:
+        return self.fn, self.identity()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """``build = module:callable``; ``build(state) -> fn`` with weights, ``build() -> fn`` without.
+
+    The weights are loaded with ``torchverity.load(..., sidecar="require")``:
+    their SHA-256 sidecar must match before any item is processed.
+    """
+
+    spec: str
+    weights: str | None = None
+
+    def identity(self) -> dict[str, str]:
+        return self._weights()[1]
+
+    def load(self) -> tuple[ItemFn, dict[str, str]]:
+        from torchverity._loader import import_callable
+
+        build = import_callable(self.spec)
+        state, ident = self._weights()
+        fn = build() if self.weights is None else build(state)
+        if not callable(fn):
+            from torchverity.errors import UsageError
+
+            raise UsageError(
+                f"'{self.spec}' returned a {type(fn).__name__}, not a per-item function",
+                hint="build(state) must return fn(item) -> bytes | str | tensor; "
+                "see docs/batch.md",
+            )
+        return fn, ident
+
+    def _weights(self) -> tuple[Any, dict[str, str]]:
+        ident = {"model": self.spec}
+        if self.weights is None:
+            return None, ident
+        from torchverity.checkpoint import load
+        from torchverity.fingerprint import fingerprint
+
+        state, report = load(self.weights, sidecar="require", with_report=True)
+        ident["weights_sha256"] = str(report.digest)
+        ident["model_fingerprint"] = report.fingerprint or fingerprint(state, mode="exact").root
+        return state, ident

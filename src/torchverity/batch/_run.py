@@ -1,0 +1,461 @@
+"""The driver: open or start a job, clean up after a crash, schedule items, record outcomes.
+
+Ordering that makes outputs exactly-once, whatever moment the process dies:
+
+1. a worker writes ``data/<key><suffix>`` through a temp file, fsync and rename;
+2. the driver fsyncs the folders of a group of such renames;
+3. then records the group as committed in one durable journal transaction.
+
+A crash before 3 leaves files the journal does not call committed; the next
+run deletes them (orphans) and processes those items again. Committed
+outputs are re-hashed on every resume and redone if damaged or missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from torchverity.batch._bag import BAG_INFO_TXT, BAGIT_TXT, write_bag
+from torchverity.batch._inputs import list_inputs, manifest_lines, manifest_root
+from torchverity.batch._item import (
+    DATA_DIR,
+    TMP_SUFFIX,
+    ItemResult,
+    OutputWriteError,
+    file_sha256,
+    fsync_dirs,
+)
+from torchverity.batch._journal import (
+    CHANGED,
+    COMMITTED,
+    FAILED,
+    JOURNAL_NAME,
+    PENDING,
+    ItemRow,
+    Journal,
+    Outcome,
+    WorkItem,
+)
+from torchverity.batch._model import ModelFactory
+from torchverity.digest import atomic_write_text
+from torchverity.errors import BatchError, UsageError
+from torchverity.manifest import SHA256SUM_NAME, ManifestEntry
+
+JOB_FORMAT = "torchverity-batch-job/1"
+INPUTS_MANIFEST = "inputs-sha256.txt"
+# Outcomes wait for a commit point at most this long / this many: bounds both the
+# work a crash can lose and the fsyncs per item.
+COMMIT_INTERVAL_S = 0.25
+COMMIT_EVERY = 256
+MAX_BACKOFF_S = 10.0
+
+
+class Engine(Protocol):
+    name: str
+    capacity: int
+
+    @property
+    def in_flight(self) -> int: ...
+
+    def submit(self, work: WorkItem) -> None: ...
+
+    def wait(self, timeout: float) -> list[ItemResult | OutputWriteError]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ItemProblem:
+    """An input that did not end with a committed output, and why."""
+
+    key: str
+    state: str
+    attempts: int
+    error: str | None
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """The outcome of ``run_batch``: counts over the whole job, and this run's share."""
+
+    out: str
+    fingerprint: str
+    engine: str
+    total: int
+    committed: int
+    failed: int
+    changed: int
+    pending: int
+    processed: int
+    retries: int
+    resumed: bool
+    interrupted: int
+    orphans_removed: int
+    repaired: tuple[str, ...]
+    seconds: float
+    items_per_s: float
+    problems: tuple[ItemProblem, ...]
+    manifest: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.committed == self.total
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What a run is asked to do (the parts that define outputs enter the fingerprint)."""
+
+    inputs: Path
+    out: Path
+    suffix: str = ".out"
+    workers: int = 1
+    retries: int = 2
+    backoff: float = 0.1
+    engine: str = "local"
+    ray_address: str | None = None
+    force: bool = False
+    settings: tuple[tuple[str, str], ...] = ()
+
+
+def job_fingerprint(config: JobConfig, identity: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    """SHA-256 of the canonical JSON job description, and that description."""
+    from torchverity import __version__
+
+    doc = {
+        "format": JOB_FORMAT,
+        "torchverity": __version__,
+        "model": identity,
+        "inputs": os.fspath(config.inputs.resolve()),
+        "suffix": config.suffix,
+        "settings": dict(config.settings),
+    }
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest(), doc
+
+
+def execute(config: JobConfig, factory: ModelFactory,
+            progress: Callable[[int, int], None] | None = None) -> BatchReport:
+    """Run (or resume) a job to the end; see the module docstring for the guarantees."""
+    _check_config(config)
+    start = time.perf_counter()
+    out = config.out.resolve()
+    identity = factory.identity()  # verifies the weights before anything else happens
+    fingerprint, doc = job_fingerprint(config, identity)
+    _prepare_out(out)
+    journal, resumed = _open_or_create(config, out, fingerprint, doc)
+    try:
+        interrupted, orphans, repaired = _recover(journal, out) if resumed else (0, 0, [])
+        engine = _make_engine(config, factory, identity, out)
+        try:
+            processed, retries = _Scheduler(journal, engine, out, config, progress).run()
+        finally:
+            engine.close()
+        manifest = _finish(journal, out)
+        seconds = time.perf_counter() - start
+        return _report(journal, out, fingerprint, engine.name, resumed, interrupted, orphans,
+                       repaired, processed, retries, seconds, manifest)
+    finally:
+        journal.close()
+
+
+def _check_config(config: JobConfig) -> None:
+    if config.workers < 1:
+        raise UsageError(f"--workers must be at least 1, not {config.workers}")
+    if config.retries < 0:
+        raise UsageError(f"--retries must be 0 or more, not {config.retries}")
+    if config.engine not in ("local", "ray"):
+        raise UsageError(f"unknown engine '{config.engine}'", hint="use --engine local or ray")
+    bad_suffix = not config.suffix or "/" in config.suffix or config.suffix.endswith(TMP_SUFFIX)
+    if bad_suffix:
+        raise UsageError(
+            f"output suffix '{config.suffix}' cannot work",
+            hint=f"use a non-empty suffix without '/' that does not end in {TMP_SUFFIX}",
+        )
+
+
+def _prepare_out(out: Path) -> None:
+    """Create the output folder and prove it takes a file, before any work is done."""
+    probe = out / f".torchverity-write-probe-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise BatchError(
+            f"{out}: the output folder is not writable: {exc.strerror or exc}",
+            out=out,
+            hint="choose a writable --out folder (check its permissions, mount options and "
+            "free space)",
+        ) from None
+
+
+def _open_or_create(config: JobConfig, out: Path, fingerprint: str,
+                    doc: dict[str, Any]) -> tuple[Journal, bool]:
+    if config.force:
+        _discard_job(out)
+    elif (out / JOURNAL_NAME).exists():
+        journal = Journal.open(out)
+        _check_same_job(journal, out, fingerprint, doc)
+        return journal, True
+    elif _has_files(out / DATA_DIR):
+        raise BatchError(
+            f"{out}: holds outputs in {DATA_DIR}/ but no journal ({JOURNAL_NAME} was deleted?): "
+            "nothing says which outputs are complete",
+            out=out,
+            hint="move the folder away and rerun, or rerun with --force to delete those "
+            "outputs and start the job again",
+        )
+    return _create(config, out, fingerprint, doc), False
+
+
+def _check_same_job(journal: Journal, out: Path, fingerprint: str, doc: dict[str, Any]) -> None:
+    job = journal.job()
+    if job.get("fingerprint") == fingerprint:
+        return
+    old = json.loads(job.get("job", "{}"))
+    changed = sorted(k for k in set(old) | set(doc) if old.get(k) != doc.get(k))
+    journal.close()
+    raise BatchError(
+        f"{out}: this folder holds a different job (job fingerprint "
+        f"{job.get('fingerprint', '?')[:16]}…, now {fingerprint[:16]}…; differs in: "
+        f"{', '.join(changed) or 'unknown'}); resuming would mix outputs of two jobs",
+        out=out,
+        hint="use a new --out folder, or rerun with --force to delete this job's outputs and "
+        "start again",
+    )
+
+
+def _discard_job(out: Path) -> None:
+    for name in (JOURNAL_NAME, f"{JOURNAL_NAME}-wal", f"{JOURNAL_NAME}-shm", SHA256SUM_NAME,
+                 BAGIT_TXT, BAG_INFO_TXT, INPUTS_MANIFEST):
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / DATA_DIR, ignore_errors=True)
+
+
+def _has_files(folder: Path) -> bool:
+    return folder.is_dir() and any(files for _, _, files in os.walk(folder))
+
+
+def _create(config: JobConfig, out: Path, fingerprint: str, doc: dict[str, Any]) -> Journal:
+    records = list_inputs(config.inputs, exclude=out)
+    outputs = [f"{DATA_DIR}/{r.key}{config.suffix}" for r in records]
+    folders = {(out / o).parent for o in outputs}
+    try:
+        for folder in sorted(folders):
+            folder.mkdir(parents=True, exist_ok=True)
+        fsync_dirs({out, *folders, *(f.parent for f in folders)})
+    except (OSError, OutputWriteError) as exc:
+        raise BatchError(f"{out}: cannot create the output folders: {exc}", out=out) from None
+    atomic_write_text(out / INPUTS_MANIFEST, "".join(manifest_lines(records)))
+    job = {
+        "fingerprint": fingerprint,
+        "job": json.dumps(doc, sort_keys=True),
+        "inputs_root": manifest_root(records),
+        "created": str(time.time()),
+    }
+    return Journal.create(out, job, records, outputs)
+
+
+def _recover(journal: Journal, out: Path) -> tuple[int, int, list[str]]:
+    """After a crash: requeue running items, delete orphans, re-verify committed outputs."""
+    interrupted = len(journal.recover())
+    items = journal.items()
+    committed = {i.output: i for i in items if i.state == COMMITTED}
+    uncommitted = {i.output for i in items if i.state != COMMITTED}
+    orphans = 0
+    for folder, _, files in os.walk(out / DATA_DIR):
+        for name in files:
+            path = Path(folder) / name
+            if name.endswith(TMP_SUFFIX) or path.relative_to(out).as_posix() in uncommitted:
+                path.unlink()
+                orphans += 1
+    rows = list(committed.values())
+    damaged = [r for r, found in zip(rows, stored_digests(out, rows), strict=True)
+               if found is None or found[0] != r.output_digest]
+    for row in damaged:
+        (out / row.output).unlink(missing_ok=True)
+    if damaged:
+        journal.reset([r.id for r in damaged], "committed output was damaged or missing")
+    return interrupted, orphans, [r.key for r in damaged]
+
+
+def stored_digests(out: Path, rows: list[ItemRow]) -> list[tuple[str, int] | None]:
+    """SHA-256 and size of each row's output file (None when missing), on all cores."""
+    if not rows:
+        return []
+    with ThreadPoolExecutor(max_workers=min(len(rows), os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda r: file_sha256(out / r.output), rows))
+
+
+def _make_engine(config: JobConfig, factory: ModelFactory, identity: dict[str, str],
+                 out: Path) -> Engine:
+    if config.engine == "ray":
+        from torchverity.batch._engine_ray import RayEngine
+
+        return RayEngine(factory, identity, out, config.workers, config.ray_address)
+    from torchverity.batch._engine_local import LocalEngine
+
+    fn, got = factory.load()
+    if got != identity:
+        raise BatchError(f"the model changed while loading: {got} instead of {identity}")
+    return LocalEngine(fn, out, config.workers)
+
+
+class _Scheduler:
+    """Feeds the engine, applies retries with backoff, and groups outcomes into commit points."""
+
+    def __init__(self, journal: Journal, engine: Engine, out: Path, config: JobConfig,
+                 progress: Callable[[int, int], None] | None) -> None:
+        self.journal = journal
+        self.engine = engine
+        self.out = out
+        self.config = config
+        self.progress = progress or (lambda done, total: None)
+        self.todo: deque[WorkItem] = deque()
+        self.delayed: list[tuple[float, int, WorkItem]] = []
+        self.running: dict[int, WorkItem] = {}
+        self.failures: dict[int, int] = {}
+        self.buffer: list[Outcome] = []
+        self.folders: set[Path] = set()
+        self.last_commit = time.monotonic()
+        self.processed = 0
+        self.retries = 0
+
+    def run(self) -> tuple[int, int]:
+        counts = self.journal.counts()
+        self.total = sum(counts.values())
+        self.done = self.total - counts[PENDING]
+        self.progress(self.done, self.total)
+        for row in self.journal.items(PENDING):
+            self.todo.append(WorkItem(row.id, row.key, row.path, row.size, row.digest,
+                                      row.output, row.attempts + 1))
+        fatal: OutputWriteError | None = None
+        try:
+            while fatal is None and (self.todo or self.delayed or self.engine.in_flight):
+                self._release_delayed()
+                self._submit()
+                fatal = self._collect()
+                self._maybe_commit(force=fatal is not None or not self.engine.in_flight)
+        except BatchError as exc:  # the journal itself could not be written
+            raise self._stopped(exc.message, None) from None
+        if fatal is not None:
+            what = f"cannot write output {fatal.path}: {fatal.error.strerror or fatal.error}"
+            raise self._stopped(what, os.fspath(fatal.path))
+        return self.processed, self.retries
+
+    def _release_delayed(self) -> None:
+        now = time.monotonic()
+        while self.delayed and self.delayed[0][0] <= now:
+            self.todo.append(heapq.heappop(self.delayed)[2])
+
+    def _submit(self) -> None:
+        room = 2 * self.engine.capacity - self.engine.in_flight
+        batch = [self.todo.popleft() for _ in range(min(room, len(self.todo)))]
+        if not batch:
+            return
+        if any(o.state == PENDING for o in self.buffer):
+            self._commit()  # a retry's "pending" must land before its new "running"
+        self.journal.mark_running([w.id for w in batch])
+        for work in batch:
+            self.running[work.id] = work
+            self.engine.submit(work)
+
+    def _collect(self) -> OutputWriteError | None:
+        timeout = COMMIT_INTERVAL_S
+        if self.delayed:
+            timeout = max(0.0, min(timeout, self.delayed[0][0] - time.monotonic()))
+        if not self.engine.in_flight:
+            time.sleep(timeout)
+            return None
+        fatal = None
+        for event in self.engine.wait(timeout):
+            if isinstance(event, OutputWriteError):
+                fatal = fatal or event
+            else:
+                self._outcome(event)
+        return fatal
+
+    def _outcome(self, result: ItemResult) -> None:
+        work = self.running.pop(result.id)
+        if result.status == FAILED:
+            failures = self.failures.get(work.id, 0) + 1
+            self.failures[work.id] = failures
+            if failures <= self.config.retries:
+                self.retries += 1
+                self.buffer.append(Outcome(work.id, PENDING, error=result.error))
+                delay = min(MAX_BACKOFF_S, self.config.backoff * 2 ** (failures - 1))
+                retry = WorkItem(work.id, work.key, work.path, work.size, work.digest,
+                                 work.output, work.attempt + 1)
+                heapq.heappush(self.delayed, (time.monotonic() + delay, work.id, retry))
+                return
+        if result.status == COMMITTED:
+            self.folders.add((self.out / work.output).parent)
+            self.processed += 1
+        self.buffer.append(
+            Outcome(work.id, result.status, result.output_digest, result.output_size, result.error)
+        )
+        self.done += 1
+        self.progress(self.done, self.total)
+
+    def _maybe_commit(self, force: bool) -> None:
+        due = time.monotonic() - self.last_commit >= COMMIT_INTERVAL_S
+        if self.buffer and (force or due or len(self.buffer) >= COMMIT_EVERY):
+            self._commit()
+
+    def _commit(self) -> None:
+        fsync_dirs(self.folders)  # the renames are on disk before the journal says so
+        self.journal.record(self.buffer)
+        self.buffer, self.folders = [], set()
+        self.last_commit = time.monotonic()
+
+    def _stopped(self, what: str, item: str | None) -> BatchError:
+        return BatchError(
+            f"{what}; the job stopped with {self.journal.counts()[COMMITTED]} of {self.total} "
+            "items committed",
+            out=self.out,
+            item=item,
+            hint="free space or fix permissions of the --out folder, then rerun the same "
+            "command: it resumes where it stopped",
+        )
+
+
+def _finish(journal: Journal, out: Path) -> str | None:
+    """When every item has its final state, write the bag manifest of the outputs."""
+    counts = journal.counts()
+    if counts[PENDING] or not counts[COMMITTED]:
+        return None
+    rows = journal.items(COMMITTED)
+    entries = [ManifestEntry(r.output, int(r.output_size or 0), str(r.output_digest))
+               for r in rows]
+    return os.fspath(write_bag(out, entries))
+
+
+def _report(journal: Journal, out: Path, fingerprint: str, engine: str, resumed: bool,
+            interrupted: int, orphans: int, repaired: list[str], processed: int, retries: int,
+            seconds: float, manifest: str | None) -> BatchReport:
+    counts = journal.counts()
+    problems = tuple(
+        ItemProblem(r.key, r.state, r.attempts, r.error)
+        for r in journal.items(FAILED, CHANGED, PENDING)
+    )
+    return BatchReport(
+        out=os.fspath(out), fingerprint=fingerprint, engine=engine,
+        total=sum(counts.values()), committed=counts[COMMITTED], failed=counts[FAILED],
+        changed=counts[CHANGED], pending=counts[PENDING], processed=processed, retries=retries,
+        resumed=resumed, interrupted=interrupted, orphans_removed=orphans,
+        repaired=tuple(repaired), seconds=round(seconds, 3),
+        items_per_s=round(processed / seconds, 1) if seconds > 0 else 0.0,
+        problems=problems, manifest=manifest,
+    )

@@ -1,0 +1,170 @@
+"""``torchverity batch run|verify``: exactly-once batch jobs with a journal, and reconciliation."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torchverity._console import Output, _is_tty
+
+if TYPE_CHECKING:
+    from torchverity.batch import BatchReport, BatchVerifyResult
+
+_MAX_LISTED = 20
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "batch", help="run batch inference with a crash-safe journal; verify its outputs",
+        description="Batch jobs where every input ends with exactly one verified output "
+        "or a recorded reason (see docs/batch.md).",
+    )
+    sub = p.add_subparsers(dest="batch_command", metavar="SUBCOMMAND")
+    run = sub.add_parser(
+        "run", parents=[common], help="run or resume a job",
+        description="Run MODEL over every input file. Rerunning the same command after a "
+        "crash resumes the job with no lost and no duplicated outputs.",
+    )
+    run.add_argument("--inputs", required=True, type=Path,
+                     help="folder of input files, or a text file with one path per line")
+    run.add_argument("--model", required=True, metavar="MODULE:CALLABLE",
+                     help="build(state) -> fn(item) -> bytes|str|tensor (build() without "
+                     "--weights)")
+    run.add_argument("--weights", type=Path,
+                     help="checkpoint, verified against its .sha256 sidecar before any item")
+    run.add_argument("--out", required=True, type=Path,
+                     help="output folder: data/, journal, manifest-sha256.txt")
+    run.add_argument("--workers", type=int, default=1, help="parallel workers (default 1)")
+    run.add_argument("--engine", choices=("local", "ray"), default="local",
+                     help="local threads or Ray actors (extra 'ray')")
+    run.add_argument("--ray-address", help="Ray cluster to join (default: RAY_ADDRESS or a "
+                     "new local one)")
+    run.add_argument("--retries", type=int, default=2,
+                     help="retries per failing item, with backoff (default 2)")
+    run.add_argument("--suffix", default=".out", help="appended to each input's key to name "
+                     "its output (default .out)")
+    run.add_argument("--force", action="store_true",
+                     help="start over: delete this folder's previous job and outputs")
+    run.set_defaults(func=_run)
+    verify = sub.add_parser(
+        "verify", parents=[common], help="reconcile outputs with inputs by identity",
+        description="Check that every input has exactly one output whose digest matches the "
+        "journal, nothing extra; write/check manifest-sha256.txt. Exit 1 with the problems.",
+    )
+    verify.add_argument("out", type=Path, help="the --out folder of a batch job")
+    verify.set_defaults(func=_verify)
+    p.set_defaults(func=lambda args, out: _help(p, out))
+
+
+def _help(parser: argparse.ArgumentParser, out: Output) -> int:
+    parser.print_help(out.err)
+    return 2
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.batch import run_model_batch
+
+    with _progress(out) as progress:
+        report = run_model_batch(
+            args.inputs, args.model, args.out, weights=args.weights, workers=args.workers,
+            retries=args.retries, engine=args.engine, ray_address=args.ray_address,
+            force=args.force, suffix=args.suffix, progress=progress,
+        )
+    if out.json_mode:
+        out.data({"ok": report.ok, **_as_dict(report)})
+    else:
+        _print_report(report, out)
+    return 0 if report.ok else 1
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    from torchverity._console import to_jsonable
+
+    data: dict[str, Any] = to_jsonable(obj)
+    return data
+
+
+def _print_report(report: BatchReport, out: Output) -> None:
+    if report.resumed:
+        out.info(
+            f"resumed job {report.fingerprint[:16]}…: {report.interrupted} interrupted items "
+            f"requeued, {report.orphans_removed} orphan files removed, "
+            f"{len(report.repaired)} damaged outputs redone"
+        )
+    for key in report.repaired:
+        out.warn(f"{key}: its committed output was damaged or missing; processed again")
+    rows = [
+        ("committed", report.committed), ("failed", report.failed),
+        ("input-changed", report.changed), ("pending", report.pending),
+        ("total", report.total), ("processed now", report.processed),
+        ("retries", report.retries), ("time", f"{report.seconds:.2f} s"),
+        ("items/s", report.items_per_s),
+    ]
+    out.table(["", "items"], rows, title=f"batch {report.out} ({report.engine})")
+    for problem in report.problems[:_MAX_LISTED]:
+        out.line(f"{problem.state}: {problem.key}: {problem.error or ''}".rstrip(": "))
+    if len(report.problems) > _MAX_LISTED:
+        out.line(f"... and {len(report.problems) - _MAX_LISTED} more (see --json)")
+    if report.ok:
+        out.line(f"ok: {report.committed} outputs committed; check them with: "
+                 f"torchverity batch verify {report.out}")
+
+
+def _verify(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.batch import verify_batch
+
+    result = verify_batch(args.out)
+    if out.json_mode:
+        out.data(_as_dict(result) | {"ok": result.ok})
+    else:
+        _print_verify(result, out)
+    return 0 if result.ok else 1
+
+
+def _print_verify(result: BatchVerifyResult, out: Output) -> None:
+    for problem in result.problems[:_MAX_LISTED]:
+        where = ": ".join(x for x in (problem.key, problem.path) if x)
+        out.line(f"{problem.kind}: {where}: {problem.detail}")
+    if len(result.problems) > _MAX_LISTED:
+        out.line(f"... and {len(result.problems) - _MAX_LISTED} more (see --json)")
+    if result.ok:
+        note = " (written now)" if result.manifest_written else ""
+        out.line(f"ok: {result.items} inputs, each with exactly one verified output; "
+                 f"manifest {result.manifest}{note}")
+    else:
+        out.line(f"FAILED: {len(result.problems)} problems in {result.out} "
+                 f"({result.committed} of {result.items} inputs committed)")
+
+
+@contextmanager
+def _progress(out: Output) -> Iterator[Callable[[int, int], None]]:
+    """A bar with items/s and ETA on stderr when it is a terminal; otherwise nothing."""
+    if out.json_mode or not _is_tty(out.err):
+        yield lambda done, total: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = [
+        TextColumn("batch"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[rate]} items/s"),
+        TimeRemainingColumn(),
+    ]
+    with Progress(*columns, console=Console(file=out.err), transient=True) as bar:
+        task = bar.add_task("batch", total=None, rate="-")
+
+        def advance(done: int, total: int) -> None:
+            speed = bar.tasks[0].speed
+            bar.update(task, completed=done, total=total,
+                       rate=f"{speed:.1f}" if speed else "-")
+
+        yield advance
