@@ -1,0 +1,759 @@
+"""TrainingGuard: catch, locate and recover from training anomalies without host syncs.
+
+Three lines in a plain loop::
+
+    guard = TrainingGuard(model, optimizer, log="events.jsonl")
+    for batch in loader:
+        optimizer.zero_grad()
+        loss = loss_fn(model(batch.x), batch.y)
+        loss.backward()
+        guard.check(loss)          # after backward, before the update
+        guard.step()               # replaces optimizer.step(); skips the update when told to
+    guard.close()                  # reads the last flags, writes the summary
+
+What it detects, every step, with statistics and flags kept on the device:
+
+* ``nonfinite_loss`` / ``nonfinite_grad``: NaN or Inf, the gradient named by parameter;
+* ``loss_spike`` / ``grad_norm_spike``: value above ``mean + sigma * std`` of a rolling
+  window of accepted steps (OLMo's defaults: 6 sigma, 128 steps, 64 before it is armed);
+* ``loss_jump``: the relative-change rule ``|Δloss| / |prev| > rel_change`` for
+  ``rel_patience`` steps in a row;
+* ``layer_grad_spike`` / ``update_ratio_spike`` (opt-in): the same rolling rule per
+  parameter, on gradient norms and on ``|Δp| / |p|``;
+* ``weights_changed``: a device checksum of every parameter and optimizer-state tensor
+  is taken right after each update and compared at the next ``check``: any bit that
+  changed in between is caught and the tensor named, however small the change;
+* ``replay_mismatch``: with ``replay_every=K`` (and a ``step_fn``) every K-th step is
+  run twice from the same RNG state and must give the same loss and gradients.
+
+The host reads the flags every ``check_every`` steps (one transfer). A step is
+skipped on the device (parameters and optimizer state restored from a copy
+taken before the update) so ``step()`` is always called. Policies per kind:
+``record``, ``warn``, ``skip``, ``stop`` (raise :class:`TrainingAnomalyError`),
+``rollback`` (reload the last checkpoint verified by torchverity and go on) and
+``replay`` (re-run the anomalous step to classify it as ``transient`` or
+``reproducible``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from torchverity._guard_events import (
+    ACTIONS,
+    DEFAULT_POLICIES,
+    KIND_INDEX,
+    KINDS,
+    LATCHING,
+    POLICIES,
+    SKIPPING,
+    AnomalyEvent,
+    AnomalyWarning,
+    EventLog,
+    GuardSummary,
+    Tally,
+)
+from torchverity._guard_checksum import PackedChecksum
+from torchverity._guard_stats import RollingStats
+from torchverity.errors import TrainingAnomalyError, UsageError
+
+__all__ = ["AnomalyEvent", "AnomalyWarning", "GuardConfig", "GuardSummary", "Reducer",
+           "TrainingGuard"]
+
+
+class Reducer(Protocol):
+    """Combines the device-side flag vector across ranks (e.g. one ``all_reduce(MAX)``)."""
+
+    def reduce(self, flags: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Detector settings. Every field can be passed to :class:`TrainingGuard` by name."""
+
+    check_every: int = 10
+    window: int = 128
+    min_samples: int = 64
+    sigma: float = 6.0
+    rel_floor: float = 1e-3
+    abs_floor: float = 1e-8
+    rel_change: float | None = 5.0
+    rel_patience: int = 3
+    per_layer: bool = False
+    update_ratio: bool = False
+    at_rest: bool = True
+    rest_every: int = 1
+    optimizer_state: bool = True
+    replay_every: int | None = None
+    replay_tolerance: float | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
+
+    def validate(self) -> None:
+        for name in ("check_every", "window", "rest_every", "rel_patience", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"TrainingGuard: {name} must be >= 1")
+        if not 1 <= self.min_samples <= self.window:
+            raise UsageError("TrainingGuard: min_samples must be between 1 and window")
+        for name in ("replay_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UsageError(f"TrainingGuard: {name} must be >= 1 or None")
+
+
+@dataclass
+class _Pending:
+    """What ``check`` leaves on the device for ``step``."""
+
+    parts: list[torch.Tensor]
+    metrics: torch.Tensor
+    thresholds: torch.Tensor
+    loss: torch.Tensor
+    gnorm: torch.Tensor
+    gvec: torch.Tensor
+    layer_vec: torch.Tensor
+    replay_vec: torch.Tensor
+    rest_vec: torch.Tensor
+    rest_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Row:
+    step: int
+    row: torch.Tensor
+    rest_names: tuple[str, ...]
+
+
+@dataclass
+class _History:
+    """What a replay of one step needs: its batch, RNG state and original results."""
+
+    batch: Any
+    rng: tuple[torch.Tensor, tuple[torch.Tensor, ...]]
+    grad_sums: torch.Tensor
+    loss: torch.Tensor
+    grad_norms: torch.Tensor
+
+
+_N_SCALARS = 5  # loss, grad_norm, loss threshold, grad-norm threshold, applied
+
+
+def _torch_rng() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()
+    return torch.get_rng_state(), cuda
+
+
+def _set_torch_rng(state: tuple[torch.Tensor, tuple[torch.Tensor, ...]]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1]:
+        torch.cuda.set_rng_state_all(list(state[1]))
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class TrainingGuard:
+    """Guards a model/optimizer pair; see the module documentation for the loop."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        log: str | Path | None = None,
+        policy: str | None = None,
+        policies: Mapping[str, str] | None = None,
+        step_fn: Callable[[Any], torch.Tensor] | None = None,
+        checkpoint_dir: str | Path | None = None,
+        reducer: Reducer | None = None,
+        start_step: int = 0,
+        **options: Any,
+    ) -> None:
+        try:
+            self.config = GuardConfig(**options)
+        except TypeError:
+            unknown = sorted(set(options) - {f.name for f in dataclasses.fields(GuardConfig)})
+            raise UsageError(f"TrainingGuard got unknown options: {', '.join(unknown)}") from None
+        self.config.validate()
+        self.model, self.optimizer, self.step_fn, self.reducer = model, optimizer, step_fn, reducer
+        self.policies = self._resolve_policies(policy, policies, checkpoint_dir)
+        self._check_policy_needs(checkpoint_dir)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.global_step = start_step
+        self.rank = _rank()
+        self.events: list[AnomalyEvent] = []
+        self.checkpoints: list[Path] = []
+        self._tally = Tally()
+        self._log = EventLog(log, self.rank)
+        self._setup_params()
+        self._setup_device_state()
+        self._rows: list[_Row] = []
+        self._pending: _Pending | None = None
+        self._history: dict[int, _History] = {}
+        self._rng_next = _torch_rng() if self._replaying else None
+        self._steps_since_checkpoint = 0
+        self._log.write({"event": "start", "step": start_step, "config": self.config,
+                         "policies": self.policies, "parameters": list(self._names)})
+        if self.checkpoint_dir is not None:
+            self.save_checkpoint()
+
+    # ------------------------------------------------------------ setup
+
+    @staticmethod
+    def _resolve_policies(policy: str | None, policies: Mapping[str, str] | None,
+                          checkpoint_dir: str | Path | None) -> dict[str, str]:
+        resolved = dict(DEFAULT_POLICIES)
+        if checkpoint_dir is not None:
+            resolved["weights_changed"] = "rollback"
+        if policy is not None:
+            resolved = dict.fromkeys(KINDS, policy)
+        resolved.update(policies or {})
+        for kind, pol in resolved.items():
+            if kind not in KIND_INDEX:
+                raise UsageError(f"unknown anomaly kind '{kind}'",
+                                 hint=f"kinds: {', '.join(KINDS)}")
+            if pol not in POLICIES:
+                raise UsageError(f"unknown policy '{pol}' for {kind}",
+                                 hint=f"policies: {', '.join(POLICIES)}")
+        return resolved
+
+    def _check_policy_needs(self, checkpoint_dir: str | Path | None) -> None:
+        used = set(self.policies.values())
+        if "rollback" in used and checkpoint_dir is None:
+            raise UsageError(
+                "policy 'rollback' needs checkpoint_dir= (where verified checkpoints go)")
+        if ("replay" in used or self.config.replay_every) and self.step_fn is None:
+            raise UsageError(
+                "replay needs step_fn=: a function that runs forward on a batch, returns the loss",
+                hint="then call guard.train_step(batch), or guard.check(loss, batch=batch)",
+            )
+
+    def _setup_params(self) -> None:
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if not named:
+            raise UsageError("TrainingGuard: the model has no trainable parameters")
+        self._names = tuple(n for n, _ in named)
+        self._params: list[torch.Tensor] = [p for _, p in named]
+        self._device = self._params[0].device
+        self._param_names = {id(p): n for n, p in named}
+
+    def _setup_device_state(self) -> None:
+        cfg, dev, n = self.config, self._device, len(self._params)
+        self._replaying = "replay" in self.policies.values() or cfg.replay_every is not None
+        skipping = [self.policies[k] in SKIPPING for k in KINDS]
+        self._skip_mask = torch.tensor(skipping, device=dev)
+        self._latch_mask = torch.tensor([self.policies[k] in LATCHING for k in KINDS], device=dev)
+        self._needs_backup = any(skipping) or cfg.update_ratio
+        self._latched = torch.zeros((), dtype=torch.bool, device=dev)
+        self._false = torch.zeros((), dtype=torch.bool, device=dev)
+        self._zeros_n = torch.zeros(n, dtype=torch.float32, device=dev)
+        self._zero = torch.zeros((), dtype=torch.float32, device=dev)
+        self._empty = torch.zeros(0, dtype=torch.float32, device=dev)
+        self.stats = RollingStats(2 + (n if cfg.per_layer else 0), cfg.window, dev)
+        self.ratio_stats = RollingStats(n, cfg.window, dev) if cfg.update_ratio else None
+        self._prev_loss = torch.zeros((), dtype=torch.float32, device=dev)
+        self._has_prev = torch.zeros((), dtype=torch.bool, device=dev)
+        self._consec = torch.zeros((), dtype=torch.int64, device=dev)
+        self._rest_sums, self._grad_sums = PackedChecksum(), PackedChecksum()
+        self._rest_record: torch.Tensor | None = None
+        self._rest_tensors: list[torch.Tensor] = []
+        self._rest_names: tuple[str, ...] = ()
+        self._backup: list[torch.Tensor] = []
+        self._backed: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------ tensors covered
+
+    def _state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for p, state in self.optimizer.state.items():
+            name = self._param_names.get(id(p))
+            if name is None:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device == self._device:
+                    yield f"optimizer.{name}.{key}", value
+
+    def _covered(self) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+        """Parameters and (optionally) optimizer-state tensors on the guard's device."""
+        names: list[str] = list(self._names)
+        tensors: list[torch.Tensor] = list(self._params)
+        if self.config.optimizer_state:
+            for name, value in self._state_items():
+                names.append(name)
+                tensors.append(value)
+        return tuple(names), tensors
+
+    # ------------------------------------------------------------ per-step API
+
+    def check(self, loss: torch.Tensor, *, batch: Any = None) -> None:
+        """Compute this step's flags on the device (after backward, before the update)."""
+        if self._pending is not None:
+            raise UsageError("TrainingGuard.check() called twice in one step",
+                             hint="call guard.step() after each check()")
+        self._pending = self._detect(loss.detach().float().mean(), self._zeros_n)
+        if self._replaying and batch is not None:
+            self._remember(batch, self._pending)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Run ``optimizer.step()`` under the guard: skipped on the device when flagged."""
+        self.before_update()
+        result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        self.after_update()
+        return result
+
+    def train_step(self, batch: Any) -> torch.Tensor:
+        """One whole guarded step with ``step_fn``: zero_grad, forward, backward, check, step."""
+        if self.step_fn is None:
+            raise UsageError("train_step() needs step_fn= given to TrainingGuard")
+        self._rng_next = _torch_rng()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.step_fn(batch)
+        loss.backward()
+        loss_d = loss.detach().float().mean()
+        every = self.config.replay_every
+        replay_vec = self._zeros_n
+        if every is not None and self.global_step % every == 0:
+            replay_vec = self._audit(batch, loss_d)
+        self._pending = self._detect(loss_d, replay_vec)
+        self._remember(batch, self._pending)
+        self.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def before_update(self) -> None:
+        """Copy parameters and optimizer state so a flagged update can be undone on device."""
+        if self._pending is None:
+            raise UsageError("TrainingGuard.step() called before check(loss)",
+                             hint="call guard.check(loss) after loss.backward()")
+        if not self._needs_backup:
+            return
+        _, current = self._covered()
+        if len(current) != len(self._backed) or any(
+            a is not b for a, b in zip(current, self._backed, strict=True)
+        ):
+            self._backed = current
+            self._backup = [torch.empty_like(t) for t in current]
+        torch._foreach_copy_(self._backup, self._backed)
+
+    def after_update(self) -> None:
+        """Decide on the device whether the update stands, record checksums, maybe read flags."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        ratio, ratio_vec = self._update_ratios()
+        pending.parts[KIND_INDEX["update_ratio_spike"]] = ratio_vec.any()
+        flags = torch.stack(pending.parts).float()
+        if self.reducer is not None:
+            flags = self.reducer.reduce(flags)
+        hit = flags > 0
+        skip = (hit & self._skip_mask).any() | self._latched
+        self._latched.logical_or_((hit & self._latch_mask).any())
+        applied = ~skip
+        if self._needs_backup:
+            self._select(applied)
+        accept = applied & ~hit.any()
+        self.stats.push(pending.metrics, accept)
+        if self.ratio_stats is not None:
+            self.ratio_stats.push(ratio, accept)
+        self._record_at_rest()
+        scalars = torch.stack([pending.loss, pending.gnorm, pending.thresholds[0],
+                               pending.thresholds[1], applied.float()])
+        row = torch.cat([flags, scalars, pending.gvec, pending.layer_vec.float(), ratio,
+                         ratio_vec.float(), pending.replay_vec.float(), pending.rest_vec.float()])
+        self._rows.append(_Row(self.global_step, row, pending.rest_names))
+        self.global_step += 1
+        self._steps_since_checkpoint += 1
+        if self._replaying:
+            self._rng_next = _torch_rng()
+        if len(self._rows) >= self.config.check_every:
+            self.flush()
+
+    # ------------------------------------------------------------ detectors (device only)
+
+    def _detect(self, loss: torch.Tensor, replay_vec: torch.Tensor) -> _Pending:
+        cfg = self.config
+        gvec = self._grad_norms()
+        gnorm = torch.linalg.vector_norm(gvec)
+        metrics = torch.stack([loss, gnorm])
+        if cfg.per_layer:
+            metrics = torch.cat([metrics, gvec])
+        thr, ready = self.stats.threshold(cfg.sigma, cfg.min_samples, cfg.rel_floor, cfg.abs_floor)
+        over = metrics > thr
+        finite_loss, finite_g = torch.isfinite(loss), torch.isfinite(gvec)
+        nf_grad = ~finite_g.all()
+        layer_vec = (ready & over[2:] & finite_g) if cfg.per_layer else self._zeros_n.bool()
+        rest_vec, rest_names = self._verify_at_rest()
+        parts = [
+            ~finite_loss,
+            nf_grad,
+            ready & over[0] & finite_loss,
+            ready & over[1] & ~nf_grad,
+            self._loss_jump(loss, finite_loss),
+            layer_vec.any(),
+            self._false,
+            rest_vec.any() if rest_names else self._false,
+            replay_vec.bool().any(),
+        ]
+        return _Pending(parts, metrics, thr[:2], loss, gnorm, gvec, layer_vec, replay_vec,
+                        rest_vec, rest_names)
+
+    def _grad_norms(self) -> torch.Tensor:
+        grads = [p.grad for p in self._params]
+        present = [g for g in grads if g is not None]
+        if len(present) == len(grads):
+            return torch.stack(torch._foreach_norm(present, 2, dtype=torch.float32))
+        norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else [])
+        return torch.stack([next(norms) if g is not None else self._zero for g in grads])
+
+    def _loss_jump(self, loss: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        if self.config.rel_change is None:
+            return self._false
+        change = (loss - self._prev_loss).abs() / (self._prev_loss.abs() + 1e-12)
+        jump = self._has_prev & finite & (change > self.config.rel_change)
+        self._consec.copy_(torch.where(jump, self._consec + 1, 0))
+        self._prev_loss.copy_(torch.where(finite, loss, self._prev_loss))
+        self._has_prev.logical_or_(finite)
+        return self._consec >= self.config.rel_patience
+
+    def _verify_at_rest(self) -> tuple[torch.Tensor, tuple[str, ...]]:
+        record, self._rest_record = self._rest_record, None
+        if record is None:
+            return self._empty, ()
+        now = self._rest_sums(self._rest_tensors)
+        return (now != record).any(dim=1), self._rest_names
+
+    def _record_at_rest(self) -> None:
+        if not self.config.at_rest or self.global_step % self.config.rest_every:
+            return
+        self._rest_names, self._rest_tensors = self._covered()
+        self._rest_record = self._rest_sums(self._rest_tensors)
+
+    def refresh(self) -> None:
+        """Re-record the at-rest checksums after changing parameters outside ``step()``."""
+        if self.config.at_rest:
+            self._rest_names, self._rest_tensors = self._covered()
+            self._rest_record = self._rest_sums(self._rest_tensors)
+
+    @torch.no_grad()
+    def _update_ratios(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.ratio_stats is None:
+            return self._zeros_n, self._zeros_n.bool()
+        before = self._backup[: len(self._params)]
+        delta = torch._foreach_sub(self._params, before)
+        dn = torch.stack(torch._foreach_norm(delta, 2, dtype=torch.float32))
+        pn = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
+        ratio = dn / (pn + 1e-12)
+        cfg = self.config
+        thr, ready = self.ratio_stats.threshold(cfg.sigma, cfg.min_samples, cfg.rel_floor,
+                                                cfg.abs_floor)
+        return ratio, ready & (ratio > thr) & torch.isfinite(ratio)
+
+    @torch.no_grad()
+    def _select(self, applied: torch.Tensor) -> None:
+        for cur, old in zip(self._backed, self._backup, strict=True):
+            torch.where(applied, cur, old, out=old)
+        torch._foreach_copy_(self._backed, self._backup)
+        # State the optimizer created during this step had no copy: reset it to
+        # zero on a skip, the initial value of every built-in optimizer's buffers.
+        known = {id(t) for t in self._backed}
+        for _, value in self._state_items():
+            if id(value) not in known:
+                torch.where(applied, value, torch.zeros((), dtype=value.dtype,
+                                                        device=value.device), out=value)
+
+    # ------------------------------------------------------------ replay
+
+    def _remember(self, batch: Any, pending: _Pending) -> None:
+        assert self._rng_next is not None
+        grads = [p.grad if p.grad is not None else self._zero for p in self._params]
+        self._history[self.global_step] = _History(
+            batch, self._rng_next, self._grad_sums(grads), pending.loss, pending.gvec)
+
+    def _rerun(self, batch: Any, rng: tuple[torch.Tensor, tuple[torch.Tensor, ...]]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``step_fn`` again from ``rng``; returns (loss, grad checksums); grads are left."""
+        assert self.step_fn is not None
+        saved = _torch_rng()
+        _set_torch_rng(rng)
+        try:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.step_fn(batch)
+            loss.backward()
+        finally:
+            _set_torch_rng(saved)
+        grads = [p.grad if p.grad is not None else self._zero for p in self._params]
+        return loss.detach().float().mean(), self._grad_sums(grads)
+
+    def _tolerance(self) -> float:
+        if self.config.replay_tolerance is not None:
+            return self.config.replay_tolerance
+        return 0.0 if torch.are_deterministic_algorithms_enabled() else 1e-6
+
+    def _audit(self, batch: Any, loss: torch.Tensor) -> torch.Tensor:
+        """Device flag per parameter: the replay's gradient differs from the original."""
+        assert self._rng_next is not None
+        grads = [p.grad if p.grad is not None else self._zero for p in self._params]
+        first_sums, first_norms = self._grad_sums(grads), self._grad_norms()
+        loss2, sums2 = self._rerun(batch, self._rng_next)
+        tol = self._tolerance()
+        if tol == 0:
+            per_param = (first_sums != sums2).any(dim=1)
+            loss_diff = loss.view(1).view(torch.int32) != loss2.view(1).view(torch.int32)
+        else:
+            norms2 = self._grad_norms()
+            per_param = ~torch.isclose(first_norms, norms2, rtol=tol, atol=0.0, equal_nan=True)
+            loss_diff = ~torch.isclose(loss, loss2, rtol=tol, atol=0.0, equal_nan=True).view(1)
+        return (per_param | loss_diff).float()
+
+    def _replay(self, step: int) -> tuple[str, tuple[str, ...]]:
+        """Re-run a flagged step (parameters are still as they were then) and classify it."""
+        hist = self._history.get(step)
+        if hist is None:
+            return "unavailable", ()
+        loss2, sums2 = self._rerun(hist.batch, hist.rng)
+        norms2 = self._grad_norms()
+        self.optimizer.zero_grad(set_to_none=True)
+        tol = self._tolerance()
+        if tol == 0:
+            a, b = hist.grad_sums.cpu().tolist(), sums2.cpu().tolist()
+            same = [x == y for x, y in zip(a, b, strict=True)]
+        else:
+            close = torch.isclose(hist.grad_norms, norms2, rtol=tol, atol=0.0, equal_nan=True)
+            same = close.cpu().tolist()
+        differing = tuple(n for n, ok in zip(self._names, same, strict=True) if not ok)
+        l1, l2 = float(hist.loss), float(loss2)
+        same_loss = (math.isnan(l1) and math.isnan(l2)) or abs(l1 - l2) <= tol * abs(l1)
+        return ("reproducible" if same_loss and not differing else "transient"), differing
+
+    # ------------------------------------------------------------ host side
+
+    def flush(self) -> list[AnomalyEvent]:
+        """Read the flags of the steps since the last read (one device-to-host transfer)."""
+        rows, self._rows = self._rows, []
+        if not rows:
+            return []
+        flat = torch.cat([r.row for r in rows]).cpu().tolist()
+        events: list[AnomalyEvent] = []
+        offset = 0
+        for r in rows:
+            size = len(KINDS) + _N_SCALARS + 5 * len(self._params) + len(r.rest_names)
+            events.extend(self._read_row(r, flat[offset: offset + size]))
+            offset += size
+        self._act(events)
+        self._history.clear()
+        self._log.flush()
+        return events
+
+    def _read_row(self, r: _Row, values: list[float]) -> list[AnomalyEvent]:
+        k, n = len(KINDS), len(self._params)
+        flags = values[:k]
+        loss, gnorm, loss_thr, gnorm_thr, applied = values[k: k + _N_SCALARS]
+        vec = values[k + _N_SCALARS:]
+        gvec, layer, ratio, ratio_hit, replay = (vec[i * n: (i + 1) * n] for i in range(5))
+        rest = vec[5 * n:]
+        self._log.write({"event": "metrics", "step": r.step, "loss": loss, "grad_norm": gnorm,
+                         "applied": bool(applied)})
+        if not applied:
+            self._tally.skipped += 1
+        ctx = _RowContext(self._names, loss, gnorm, loss_thr, gnorm_thr, gvec, layer, ratio,
+                          ratio_hit, replay, r.rest_names, rest)
+        events = []
+        for kind, flag in zip(KINDS, flags, strict=True):
+            if flag > 0:
+                policy = self.policies[kind]
+                values_, thresholds, suspects = ctx.describe(kind)
+                events.append(AnomalyEvent(r.step, kind, policy, ACTIONS[policy], values_,
+                                           thresholds, suspects, self.rank))
+        return events
+
+    def _act(self, events: list[AnomalyEvent]) -> None:
+        replayed = self._do_replay(events)
+        events = [replayed.get(id(e), e) for e in events]
+        for event in events:
+            self._tally.anomalies[event.kind] += 1
+            self.events.append(event)
+            self._log.write(event.to_dict())
+            if event.policy == "warn":
+                warnings.warn(f"torchverity: training anomaly at {event.describe()}",
+                              AnomalyWarning, stacklevel=3)
+        stops = [e for e in events if e.policy == "stop"]
+        if any(e.policy == "rollback" for e in events) and not stops:
+            self.rollback(min(e.step for e in events if e.policy == "rollback"))
+        self._latched.zero_()
+        if stops:
+            self._stop(stops[0])
+        elif not events:
+            self._maybe_checkpoint()
+
+    def _do_replay(self, events: list[AnomalyEvent]) -> dict[int, AnomalyEvent]:
+        todo = [e for e in events if e.policy == "replay"]
+        if not todo:
+            return {}
+        first = min(e.step for e in todo)
+        verdict, differing = self._replay(first)
+        self._tally.replays[verdict] += 1
+        self._log.write({"event": "replay", "step": first, "classification": verdict,
+                         "differing": list(differing)})
+        return {id(e): dataclasses.replace(e, replay=verdict) for e in todo if e.step == first}
+
+    def _stop(self, event: AnomalyEvent) -> None:
+        self._tally.stopped = True
+        self._log.flush()
+        where = f"; replay says {event.replay}" if event.replay else ""
+        hint = (f"see every event with: torchverity report {self._log.path}"
+                if self._log.path else "pass log='events.jsonl' to TrainingGuard to keep events")
+        raise TrainingAnomalyError(
+            f"training anomaly at {event.describe()}{where}",
+            step=event.step, kind=event.kind, values=event.values, thresholds=event.thresholds,
+            suspects=event.suspects, rank=event.rank, hint=hint,
+        )
+
+    # ------------------------------------------------------------ checkpoints
+
+    def _guard_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": self.global_step, "stats": self.stats.state_dict(),
+                                 "prev_loss": self._prev_loss.clone()}
+        if self.ratio_stats is not None:
+            state["ratio_stats"] = self.ratio_stats.state_dict()
+        return state
+
+    def save_checkpoint(self) -> Path:
+        """Save model, optimizer, guard statistics and RNG states with ``torchverity.save``."""
+        from torchverity.checkpoint import save
+        from torchverity.determinism import capture_rng
+
+        if self.checkpoint_dir is None:
+            raise UsageError("save_checkpoint() needs checkpoint_dir= given to TrainingGuard")
+        path = self.checkpoint_dir / f"guard-step{self.global_step:08d}.pt"
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "guard": self._guard_state(), "rng": capture_rng().to_state()}
+        report = save(state, path, meta={"torchverity_guard_step": self.global_step})
+        self.checkpoints.append(path)
+        self._tally.checkpoints += 1
+        self._steps_since_checkpoint = 0
+        self._log.write({"event": "checkpoint", "step": self.global_step, "path": str(path),
+                         "digest": report.digest, "fingerprint": report.fingerprint})
+        self._prune_checkpoints()
+        return path
+
+    def _prune_checkpoints(self) -> None:
+        while len(self.checkpoints) > self.config.keep_checkpoints:
+            old = self.checkpoints.pop(0)
+            for p in old.parent.glob(old.name + "*"):
+                p.unlink(missing_ok=True)
+
+    def _maybe_checkpoint(self) -> None:
+        every = self.config.checkpoint_every
+        if self.checkpoint_dir is None or every is None or self._steps_since_checkpoint < every:
+            return
+        if self._rest_record is not None:
+            changed = (self._rest_sums(self._rest_tensors) != self._rest_record).any(dim=1)
+            if bool(changed.any()):  # corrupted since the last update: never checkpoint it
+                return
+        self.save_checkpoint()
+
+    def rollback(self, step: int | None = None) -> Path:
+        """Reload the newest checkpoint (verified by ``torchverity.load``) and continue."""
+        from torchverity.checkpoint import load
+        from torchverity.determinism import RngState, restore_rng
+
+        if not self.checkpoints:
+            raise UsageError("no checkpoint to roll back to", hint="give checkpoint_dir=")
+        path = self.checkpoints[-1]
+        state = load(path, sidecar="require")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.stats.load_state_dict(state["guard"]["stats"])
+        self._prev_loss.copy_(state["guard"]["prev_loss"])
+        if self.ratio_stats is not None:
+            self.ratio_stats.load_state_dict(state["guard"]["ratio_stats"])
+        restore_rng(RngState.from_state(state["rng"]))
+        self._backed, self._backup = [], []
+        self._consec.zero_()
+        self.refresh()
+        self._tally.rollbacks += 1
+        self._log.write({"event": "rollback", "step": self.global_step, "anomaly_step": step,
+                         "checkpoint": str(path), "restored_step": state["guard"]["step"]})
+        return path
+
+    # ------------------------------------------------------------ end
+
+    def summary(self) -> GuardSummary:
+        return self._tally.summary(self.global_step, self.rank)
+
+    def close(self) -> GuardSummary:
+        """Read the remaining flags, write the summary event and close the log."""
+        try:
+            self.flush()
+        finally:
+            summary = self.summary()
+            self._log.write({"event": "summary", **dataclasses.asdict(summary)})
+            self._log.close()
+        return summary
+
+    def __enter__(self) -> TrainingGuard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self._log.close()
+
+
+@dataclass(frozen=True)
+class _RowContext:
+    """Host copy of one step's row, turned into event values and suspects per kind."""
+
+    names: tuple[str, ...]
+    loss: float
+    gnorm: float
+    loss_thr: float
+    gnorm_thr: float
+    gvec: list[float]
+    layer: list[float]
+    ratio: list[float]
+    ratio_hit: list[float]
+    replay: list[float]
+    rest_names: tuple[str, ...]
+    rest: list[float]
+
+    def _named(self, flags: list[float]) -> tuple[str, ...]:
+        return tuple(n for n, f in zip(self.names, flags, strict=True) if f > 0)
+
+    def _top(self, k: int = 3) -> tuple[str, ...]:
+        # NaN norms sort last: the finite largest contributors are the suspects.
+        pairs = zip(self.gvec, self.names, strict=True)
+        ranked = sorted(pairs, key=lambda x: -x[0] if x[0] == x[0] else 0)
+        return tuple(n for _, n in ranked[:k])
+
+    def describe(self, kind: str) -> tuple[dict[str, float], dict[str, float], tuple[str, ...]]:
+        base = {"loss": self.loss, "grad_norm": self.gnorm}
+        if kind == "nonfinite_loss":
+            return base, {}, self._named([0.0 if math.isfinite(g) else 1.0 for g in self.gvec])
+        if kind == "nonfinite_grad":
+            return base, {}, self._named([0.0 if math.isfinite(g) else 1.0 for g in self.gvec])
+        if kind == "loss_spike":
+            return base, {"loss": self.loss_thr}, self._top()
+        if kind == "grad_norm_spike":
+            return base, {"grad_norm": self.gnorm_thr}, self._top()
+        if kind == "loss_jump":
+            return base, {}, ()
+        if kind == "layer_grad_spike":
+            hit = self._named(self.layer)
+            return {f"grad_norm[{n}]": self.gvec[self.names.index(n)] for n in hit}, {}, hit
+        if kind == "update_ratio_spike":
+            hit = self._named(self.ratio_hit)
+            return {f"update_ratio[{n}]": self.ratio[self.names.index(n)] for n in hit}, {}, hit
+        if kind == "weights_changed":
+            hit = tuple(n for n, f in zip(self.rest_names, self.rest, strict=True) if f > 0)
+            return base, {}, hit
+        return base, {}, self._named(self.replay)

@@ -1,0 +1,357 @@
+"""TrainingGuard: faults injected into real training are caught, located and handled; clean runs
+raise nothing; the per-step path never synchronises with the host."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchverity import faults
+from torchverity._console import dumps
+from torchverity.errors import TrainingAnomalyError, UsageError
+from torchverity.guard import AnomalyWarning, TrainingGuard
+
+X = torch.randn(512, 16, generator=torch.Generator().manual_seed(1))
+Y = X @ torch.randn(16, 1, generator=torch.Generator().manual_seed(2)) + 0.1
+
+
+def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    i = (step * 32) % 512
+    return X[i: i + 32], Y[i: i + 32]
+
+
+def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+@dataclass
+class Run:
+    guard: TrainingGuard
+    model: torch.nn.Module
+    final_loss: float
+    detected_at: dict[int, int]  # anomaly step -> step after which the host knew
+
+
+def train(
+    steps: int,
+    plan: Callable[[faults.FaultInjector], Any] | None = None,
+    poison: Callable[[int, torch.Tensor], torch.Tensor] | None = None,  # applied to targets
+    close: bool = True,
+    **options: Any,
+) -> Run:
+    model, opt = make_model()
+
+    def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    options.setdefault("step_fn", step_fn)
+    options.setdefault("min_samples", 20)
+    options.setdefault("window", 64)
+    guard = TrainingGuard(model, opt, **options)
+    injector = faults.FaultInjector(model)
+    if plan:
+        plan(injector)
+    detected: dict[int, int] = {}
+    for step in range(steps):
+        injector.begin_step(step)
+        x, y = batch_at(step)
+        if poison:
+            y = poison(step, y)
+        guard.train_step((x, y))
+        for e in guard.events:
+            detected.setdefault(e.step, step)
+    if close:
+        guard.close()
+        for e in guard.events:
+            detected.setdefault(e.step, steps)
+    with torch.no_grad():
+        final = float(torch.nn.functional.mse_loss(model(X), Y))
+    return Run(guard, model, final, detected)
+
+
+@pytest.fixture(scope="module")
+def clean() -> Run:
+    return train(300, check_every=10, per_layer=True, update_ratio=True)
+
+
+def test_clean_run_of_300_steps_raises_nothing(clean: Run) -> None:
+    assert clean.guard.events == []
+    summary = clean.guard.summary()
+    assert summary.steps == 300 and summary.clean and summary.skipped == 0
+    assert clean.final_loss < 0.05
+
+
+@pytest.mark.parametrize(
+    ("name", "how"), [("0.weight", {"bit": 30}), ("2.bias", {"value": math.nan})]
+)
+def test_faults_in_parameters_stop_the_run_within_one_interval_naming_the_tensor(
+    name: str, how: dict[str, float]
+) -> None:
+    with pytest.raises(TrainingAnomalyError) as info:
+        train(60, lambda inj: inj.parameter(name, step=45, index=0, **how), check_every=10,
+              close=False)
+    err = info.value
+    assert (err.step, err.kind, err.suspects) == (45, "weights_changed", [name])
+    assert err.hint == "pass log='events.jsonl' to TrainingGuard to keep events"
+
+
+@pytest.mark.parametrize(
+    ("name", "how"), [("0.weight", {"bit": 30}), ("2.weight", {"value": math.nan})]
+)
+def test_faults_in_gradients_are_caught_within_one_interval_and_named(
+    name: str, how: dict[str, float]
+) -> None:
+    run = train(60, lambda inj: inj.gradient(name, step=45, index=3, **how), check_every=10)
+    at_45 = [e for e in run.guard.events if e.step == 45]
+    assert at_45 and {e.step for e in run.guard.events} == {45}
+    assert run.detected_at[45] - 45 < 10
+    assert all(e.suspects[:1] == (name,) for e in at_45), [e.describe() for e in at_45]
+    assert run.guard.summary().skipped == 1
+    assert math.isfinite(run.final_loss)
+
+
+@pytest.mark.parametrize("how", [{"bit": 30}, {"value": math.nan}])
+def test_activation_fault_is_caught_at_its_step(how: dict[str, float]) -> None:
+    run = train(60, lambda inj: inj.activation("1", step=45, index=5, **how), check_every=10)
+    kinds = {e.kind for e in run.guard.events if e.step == 45}
+    assert kinds & {"nonfinite_loss", "loss_spike", "nonfinite_grad", "grad_norm_spike"}
+    assert {e.step for e in run.guard.events} == {45}
+    assert run.guard.summary().skipped == 1
+
+
+def test_lowest_mantissa_bit_flip_between_steps_is_caught_and_named() -> None:
+    bit = faults.mantissa_lsb(torch.float32)
+    run = train(30, lambda inj: inj.parameter("2.weight", step=17, index=7, bit=bit),
+                check_every=5, policies={"weights_changed": "record"})
+    assert [(e.step, e.kind, e.suspects) for e in run.guard.events] == [
+        (17, "weights_changed", ("2.weight",))
+    ]
+
+
+def test_flip_in_optimizer_state_is_named() -> None:
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, check_every=1, policies={"weights_changed": "record"})
+    for step in range(6):
+        if step == 4:
+            faults.flip_bit(opt.state[model[0].bias]["exp_avg_sq"], index=2, bit=0)
+        opt.zero_grad()
+        x, y = batch_at(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+    assert [(e.step, e.suspects) for e in guard.events] == [(4, ("optimizer.0.bias.exp_avg_sq",))]
+
+
+def test_stop_raises_with_step_kind_values_and_suspects(tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    with pytest.raises(TrainingAnomalyError) as info:
+        train(40, lambda inj: inj.gradient("0.bias", step=23, value=math.nan),
+              check_every=4, policy="stop", log=log, close=False)
+    err = info.value
+    assert (err.step, err.kind, err.suspects) == (23, "nonfinite_grad", ["0.bias"])
+    assert math.isnan(err.values["grad_norm"])
+    assert err.exit_code == 1
+    assert "training anomaly at step 23: nonfinite_grad" in err.message
+    assert "in 0.bias" in err.message
+    assert err.hint == f"see every event with: torchverity report {log}"
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["step"] for x in lines if x["event"] == "anomaly"] == [23]
+
+
+def test_skip_lets_the_run_finish_close_to_the_clean_run(clean: Run) -> None:
+    def plan(inj: faults.FaultInjector) -> None:
+        for step in (40, 90, 150, 220):
+            inj.gradient("0.weight", step=step, index=step % 50, bit=30)
+        inj.gradient("2.bias", step=260, value=math.nan)
+
+    run = train(300, plan, check_every=10)
+    assert sorted({e.step for e in run.guard.events}) == [40, 90, 150, 220, 260]
+    assert run.guard.summary().skipped == 5
+    assert all(torch.isfinite(p).all() for p in run.model.parameters())
+    assert run.final_loss == pytest.approx(clean.final_loss, rel=0.25, abs=5e-3)
+
+
+def test_unguarded_fault_ruins_the_run_the_guard_saves() -> None:
+    run = train(120, lambda inj: inj.gradient("0.weight", step=60, value=math.nan),
+                policy="record")
+    assert not math.isfinite(run.final_loss)
+
+
+def test_warn_policy_warns(recwarn: pytest.WarningsRecorder) -> None:
+    train(30, lambda inj: inj.parameter("0.bias", step=12, index=4, bit=0), check_every=5,
+          policies={"weights_changed": "warn"})
+    messages = [str(w.message) for w in recwarn if issubclass(w.category, AnomalyWarning)]
+    assert len(messages) == 1
+    assert messages[0].startswith("torchverity: training anomaly at step 12: weights_changed (")
+    assert messages[0].endswith(") in 0.bias")
+
+
+def test_check_interval_1_and_10_find_the_same_events() -> None:
+    def plan(inj: faults.FaultInjector) -> None:
+        inj.parameter("0.weight", step=33, index=1, bit=29)
+        inj.gradient("2.weight", step=47, value=math.nan)
+
+    every1 = train(60, plan, check_every=1, policies={"weights_changed": "record"})
+    every10 = train(60, plan, check_every=10, policies={"weights_changed": "record"})
+    assert dumps([e.to_dict() for e in every1.guard.events]) == dumps(
+        [e.to_dict() for e in every10.guard.events])
+    assert [e.kind for e in every1.guard.events] == ["weights_changed", "nonfinite_grad"]
+    assert all(every1.detected_at[s] == s for s in every1.detected_at)
+    assert every1.final_loss == every10.final_loss
+
+
+def test_spike_detector_catches_poisoned_batch_and_replay_says_reproducible() -> None:
+    run = train(50, poison=lambda s, y: y * 1e3 if s == 40 else y, check_every=5,
+                policies={"loss_spike": "replay", "grad_norm_spike": "replay"})
+    at_40 = {e.kind: e for e in run.guard.events}
+    assert set(at_40) >= {"loss_spike"} and {e.step for e in run.guard.events} == {40}
+    assert at_40["loss_spike"].replay == "reproducible"
+    assert at_40["loss_spike"].values["loss"] > at_40["loss_spike"].thresholds["loss"]
+    assert run.guard.summary().replays == {"reproducible": 1}
+
+
+def test_one_off_activation_fault_replays_as_transient(tmp_path: Path) -> None:
+    log = tmp_path / "ev.jsonl"
+    run = train(50, lambda inj: inj.activation("0", step=33, index=2, bit=30), check_every=5,
+                policy="replay", log=log)
+    assert {e.step for e in run.guard.events} == {33}
+    assert {e.replay for e in run.guard.events} == {"transient"}
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    replays = [r for r in records if r["event"] == "replay"]
+    assert [(r["step"], r["classification"]) for r in replays] == [(33, "transient")]
+
+
+def test_replay_audit_every_k_steps_is_silent_when_clean_and_catches_a_one_off_fault() -> None:
+    clean_run = train(40, check_every=10, replay_every=4)
+    assert clean_run.guard.events == []
+    # A tiny fault (a low mantissa bit) moves nothing a threshold could see; the
+    # bit-exact replay still notices the step did not compute the same thing twice.
+    bit = faults.mantissa_lsb(torch.float32)
+    run = train(40, lambda inj: inj.activation("0", step=24, index=9, bit=bit + 3),
+                check_every=10, replay_every=4, replay_tolerance=0.0,
+                policies={"replay_mismatch": "skip"})
+    assert [(e.step, e.kind) for e in run.guard.events] == [(24, "replay_mismatch")]
+    assert run.guard.events[0].suspects == ("2.weight",)  # the layer after the fault
+
+
+class PeerReducer:
+    """Combines local flags with those of a simulated peer rank, as all_reduce(MAX) would."""
+
+    def __init__(self, peer_flags: dict[int, int]) -> None:
+        self.calls = 0
+        self.peer = peer_flags
+
+    def reduce(self, flags: torch.Tensor) -> torch.Tensor:
+        other = torch.zeros_like(flags)
+        if self.calls in self.peer:
+            other[self.peer[self.calls]] = 1.0
+        self.calls += 1
+        return torch.maximum(flags, other)
+
+
+def test_reducer_makes_every_rank_skip_together() -> None:
+    reducer = PeerReducer({15: 1})  # the peer saw non-finite gradients at step 15
+    run = train(30, check_every=10, reducer=reducer)
+    assert reducer.calls == 30
+    assert [(e.step, e.kind, e.suspects) for e in run.guard.events] == [(15, "nonfinite_grad", ())]
+    assert run.guard.summary().skipped == 1
+
+
+def test_event_log_has_metrics_for_every_step_and_a_summary(tmp_path: Path) -> None:
+    log = tmp_path / "run" / "events.jsonl"
+    train(25, lambda inj: inj.gradient("0.weight", step=21, value=math.nan), check_every=10,
+          log=log)
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    assert records[0]["event"] == "start" and records[-1]["event"] == "summary"
+    assert [r["step"] for r in records if r["event"] == "metrics"] == list(range(25))
+    anomaly = next(r for r in records if r["event"] == "anomaly")
+    assert anomaly["values"]["grad_norm"] == "nan"
+    assert (anomaly["step"], anomaly["action"], anomaly["rank"]) == (21, "skipped", 0)
+    assert records[-1]["anomalies"] == {"nonfinite_grad": 1} and records[-1]["skipped"] == 1
+
+
+# ------------------------------------------------------------ no host sync
+
+
+_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__",
+                 "__index__", "nonzero", "__array__")
+
+
+@contextmanager
+def count_syncs() -> Iterator[list[str]]:
+    calls: list[str] = []
+    originals = {m: getattr(torch.Tensor, m) for m in _SYNC_METHODS}
+
+    def wrap(name: str, fn: Any) -> Any:
+        def counted(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+            calls.append(name)
+            return fn(self, *a, **k)
+
+        return counted
+
+    try:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, wrap(name, fn))
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def test_hot_path_never_reads_the_device() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+
+    def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    guard = TrainingGuard(model, opt, check_every=50, per_layer=True, update_ratio=True,
+                          step_fn=step_fn, replay_every=3,
+                          policies={"loss_spike": "replay", "loss_jump": "stop"})
+    with count_syncs() as calls:
+        for step in range(24):
+            guard.train_step(batch_at(step))
+            x, y = batch_at(step + 1)
+            opt.zero_grad()
+            loss = step_fn((x, y))
+            loss.backward()
+            guard.check(loss)
+            guard.step()
+    assert calls == []
+    with count_syncs() as calls:
+        guard.flush()
+    assert calls, "the wrapper must see the host read at flush time"
+
+
+# ------------------------------------------------------------ usage errors
+
+
+def test_misuse_is_reported() -> None:
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt)
+    with pytest.raises(UsageError, match=r"step\(\) called before check"):
+        guard.step()
+    loss = model(X[:4]).sum()
+    loss.backward()
+    guard.check(loss)
+    with pytest.raises(UsageError, match="called twice"):
+        guard.check(loss)
+    with pytest.raises(UsageError, match="needs checkpoint_dir"):
+        TrainingGuard(model, opt, policy="rollback")
+    with pytest.raises(UsageError, match="unknown policy 'explode'"):
+        TrainingGuard(model, opt, policies={"loss_spike": "explode"})
+    with pytest.raises(UsageError, match="replay needs step_fn"):
+        TrainingGuard(model, opt, replay_every=5)
+    with pytest.raises(UsageError, match="unknown options: chek_every"):
+        TrainingGuard(model, opt, chek_every=5)
