@@ -1,0 +1,675 @@
+"""A bounded, non-executing walker over pickle opcodes (protocols 0-5).
+
+The walker never imports or calls anything: it runs a symbolic stack machine
+in which every value is a small inert description (a constant, a container,
+a global *name*, "the result of calling X"). That is enough to recover every
+global a real unpickler would resolve, including names assembled on the
+stack for STACK_GLOBAL from memo entries or STRING opcodes, calls whose result
+is popped, INST/OBJ of protocols 0/1, and the objects that BUILD mutates.
+
+Work and memory are bounded: payloads larger than ``KEEP_BYTES`` are skipped
+without being read into memory, containers keep at most ``KEEP_ITEMS`` items,
+and the opcode count, memo size and stack depth have hard limits. Exceeding a
+limit is reported as an error (the file cannot be checked), never ignored.
+"""
+
+from __future__ import annotations
+
+import io
+import pickletools
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+KEEP_BYTES = 1 << 16  # strings and bytes above this are skipped, not kept
+KEEP_ITEMS = 256  # items kept per container (enough for names and small configs)
+_CHUNK = 1 << 20
+
+_OPS: dict[int, pickletools.OpcodeInfo] = {ord(op.code): op for op in pickletools.opcodes}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Hard bounds on the work one pickle stream may cause."""
+
+    max_ops: int = 20_000_000
+    max_memo: int = 5_000_000
+    max_stack: int = 1_000_000
+    max_line: int = 1 << 16
+    max_expansion: int = 100_000_000  # items an object graph may expand to (billion laughs)
+    max_inflate: int = 1 << 30  # decompressed bytes per compressed stream (zip bombs)
+
+
+class PickleError(Exception):
+    """The stream cannot be parsed (or exceeds a limit); ``offset`` locates it."""
+
+    def __init__(self, message: str, offset: int) -> None:
+        super().__init__(message)
+        self.offset = offset
+
+
+class Truncated(PickleError):
+    """The stream ended before STOP."""
+
+
+class Readable(Protocol):
+    """What ByteSource needs from the stream under it (files and our readers fit)."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
+
+    def seekable(self) -> bool: ...
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+
+
+class ByteSource:
+    """Sequential reads over ``length`` bytes of a binary stream, with cheap skips."""
+
+    def __init__(self, raw: Readable, length: int | None = None) -> None:
+        self._raw = raw
+        self._remaining = length  # bytes not yet pulled from raw (None: until EOF)
+        self._buf = b""
+        self._pos = 0
+        self.offset = 0  # bytes consumed from this source
+
+    def _fill(self, need: int) -> bool:
+        while len(self._buf) - self._pos < need:
+            want = max(_CHUNK, need)
+            if self._remaining is not None:
+                want = min(want, self._remaining)
+            chunk = self._raw.read(want) if want > 0 else b""
+            if not chunk:
+                return False
+            if self._remaining is not None:
+                self._remaining -= len(chunk)
+            self._buf = self._buf[self._pos :] + chunk
+            self._pos = 0
+        return True
+
+    def at_end(self) -> bool:
+        return not self._fill(1)
+
+    def read(self, n: int) -> bytes:
+        if not self._fill(n):
+            raise Truncated(f"stream ends inside a {n}-byte field", self.offset)
+        data = self._buf[self._pos : self._pos + n]
+        self._pos += n
+        self.offset += n
+        return data
+
+    def readline(self, limit: int) -> bytes:
+        while True:
+            end = self._buf.find(b"\n", self._pos)
+            if end >= 0:
+                line = self._buf[self._pos : end]
+                if len(line) > limit:
+                    break
+                self.offset += end + 1 - self._pos
+                self._pos = end + 1
+                return line
+            have = len(self._buf) - self._pos
+            if have > limit:
+                break
+            if not self._fill(have + 1):
+                raise Truncated("stream ends inside a text field", self.offset)
+        raise PickleError(f"text field longer than {limit} bytes", self.offset)
+
+    def skip(self, n: int) -> None:
+        """Skip ``n`` bytes without keeping them (seeks on files: big payloads cost nothing)."""
+        have = len(self._buf) - self._pos
+        if n <= have:
+            self._pos += n
+            self.offset += n
+            return
+        rest = n - have
+        self._buf, self._pos = b"", 0
+        if self._remaining is not None and rest > self._remaining:
+            raise Truncated(f"stream ends inside a {n}-byte payload", self.offset)
+        if self._raw.seekable():
+            self._raw.seek(rest, io.SEEK_CUR)
+        else:
+            while rest:
+                chunk = self._raw.read(min(rest, _CHUNK))
+                if not chunk:
+                    raise Truncated(f"stream ends inside a {n}-byte payload", self.offset)
+                rest -= len(chunk)
+            rest = n - have
+        if self._remaining is not None:
+            self._remaining -= rest
+        self.offset += n
+
+
+# ------------------------------------------------------------ symbolic values
+
+
+@dataclass(frozen=True)
+class GlobalRef:
+    """A global the pickle resolves: where, how, and the name it asks for."""
+
+    module: str
+    name: str
+    offset: int
+    opcode: str
+    dynamic: bool = False  # the name is computed at load time (not a constant)
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+@dataclass(eq=False)
+class Value:
+    """A symbolic value. ``kind`` is const|global|tuple|list|dict|set|made|opaque|mark."""
+
+    kind: str
+    const: Any = None
+    ref: GlobalRef | None = None
+    items: list[Value] = field(default_factory=list)
+    truncated: bool = False
+    callee: Value | None = None
+    args: Value | None = None
+    via: str = ""  # the opcode that made a 'made' value
+    state: Value | None = None  # last BUILD state applied
+    weight: int = 1  # items this value expands to when every shared reference is copied
+
+
+OPAQUE = Value("opaque")
+
+
+def _const(v: Any) -> Value:
+    return Value("const", const=v)
+
+
+def _container(kind: str, items: list[Value]) -> Value:
+    weight = 1 + sum(v.weight for v in items)
+    return Value(kind, items=items[:KEEP_ITEMS], truncated=len(items) > KEEP_ITEMS, weight=weight)
+
+
+def _extend(target: Value, items: list[Value]) -> None:
+    target.weight += sum(v.weight for v in items)
+    room = KEEP_ITEMS - len(target.items)
+    if room > 0:
+        target.items.extend(items[:room])
+    if len(items) > room:
+        target.truncated = True
+
+
+def const_str(v: Value | None) -> str | None:
+    return v.const if v is not None and v.kind == "const" and isinstance(v.const, str) else None
+
+
+def dict_get(v: Value | None, key: str) -> Value | None:
+    """Look up a string key in a symbolic dict (flat key/value item list)."""
+    if v is None or v.kind != "dict":
+        return None
+    for k, val in zip(v.items[0::2], v.items[1::2], strict=False):
+        if const_str(k) == key:
+            return val
+    return None
+
+
+@dataclass(frozen=True)
+class Build:
+    """A BUILD opcode: the object it mutates (with what made it) and where."""
+
+    offset: int
+    inst: Value
+    state: Value
+
+
+@dataclass
+class StreamReport:
+    """What one pickle stream holds, as far as it could be read."""
+
+    protocol: int = 0
+    start: int = 0
+    globals: list[GlobalRef] = field(default_factory=list)
+    builds: list[Build] = field(default_factory=list)
+    calls: list[tuple[int, str, Value]] = field(default_factory=list)  # (offset, opcode, made)
+    opcodes: dict[str, int] = field(default_factory=dict)  # opcode name -> first offset
+    # APPEND/SETITEM-style opcodes applied to something other than a plain list/dict.
+    odd_targets: list[tuple[int, str, Value]] = field(default_factory=list)
+    error: str | None = None
+    error_offset: int | None = None
+    result: Value | None = None
+    ops: int = 0
+
+
+BuildHook = Callable[[Build, ByteSource], None]
+
+
+class Walker:
+    """Walk one pickle stream symbolically. ``on_build`` may consume inline payloads."""
+
+    def __init__(
+        self, src: ByteSource, limits: Limits, on_build: BuildHook | None = None
+    ) -> None:
+        self.src = src
+        self.limits = limits
+        self.on_build = on_build
+        self.stack: list[Value] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, Value] = {}
+        self.report = StreamReport(start=src.offset)
+        self._op_offset = src.offset
+
+    # -- stack helpers
+    def push(self, v: Value) -> None:
+        if len(self.stack) >= self.limits.max_stack:
+            raise PickleError(f"stack deeper than {self.limits.max_stack}", self._op_offset)
+        if v.weight > self.limits.max_expansion:
+            raise PickleError(
+                f"object graph expands to more than {self.limits.max_expansion} items through "
+                "shared references (memo expansion bomb)", self._op_offset,
+            )
+        self.stack.append(v)
+
+    def pop(self) -> Value:
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+            raise PickleError("stack underflow", self._op_offset)
+        return self.stack.pop()
+
+    def pop_mark(self) -> list[Value]:
+        if not self.marks:
+            raise PickleError("no MARK on the stack", self._op_offset)
+        start = self.marks.pop()
+        items = self.stack[start:]
+        del self.stack[start:]
+        return items
+
+    def top(self) -> Value:
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+            raise PickleError("stack underflow", self._op_offset)
+        return self.stack[-1]
+
+    def put(self, key: int) -> None:
+        if key < 0:
+            raise PickleError("negative memo key", self._op_offset)
+        if len(self.memo) >= self.limits.max_memo and key not in self.memo:
+            raise PickleError(f"memo larger than {self.limits.max_memo} entries", self._op_offset)
+        self.memo[key] = self.top()
+
+    def get(self, key: int) -> None:
+        value = self.memo.get(key)
+        if value is None:
+            raise PickleError(f"memo key {key} was never stored", self._op_offset)
+        self.push(value)
+
+    # -- argument readers (bounded)
+    def _text(self) -> str:
+        return self.src.readline(self.limits.max_line).decode("latin-1")
+
+    def _payload(self, n: int, *, text: bool) -> Value:
+        if n < 0:
+            raise PickleError("negative length", self._op_offset)
+        if n > KEEP_BYTES:
+            self.src.skip(n)
+            return OPAQUE
+        data = self.src.read(n)
+        if not text:
+            return _const(data)
+        try:
+            return _const(data.decode("utf-8", "surrogatepass"))
+        except UnicodeDecodeError:
+            raise PickleError("invalid UTF-8 in a string", self._op_offset) from None
+
+    def _global(self, module: str, name: str, opcode: str, dynamic: bool = False) -> Value:
+        ref = GlobalRef(module, name, self._op_offset, opcode, dynamic)
+        self.report.globals.append(ref)
+        return Value("global", ref=ref)
+
+    def _made(self, via: str, callee: Value, args: Value) -> Value:
+        made = Value("made", callee=callee, args=args, via=via, weight=1 + args.weight)
+        self.report.calls.append((self._op_offset, via, made))
+        return made
+
+    # -- main loop
+    def run(self) -> StreamReport:
+        try:
+            self._loop()
+        except PickleError as exc:
+            self.report.error, self.report.error_offset = str(exc), exc.offset
+        return self.report
+
+    def _loop(self) -> None:
+        src, report = self.src, self.report
+        while True:
+            self._op_offset = src.offset
+            code = src.read(1)[0]
+            info = _OPS.get(code)
+            if info is None:
+                raise PickleError(f"unknown opcode 0x{code:02x}", self._op_offset)
+            report.ops += 1
+            if report.ops > self.limits.max_ops:
+                raise PickleError(f"more than {self.limits.max_ops} opcodes", self._op_offset)
+            report.opcodes.setdefault(info.name, self._op_offset)
+            if info.name == "STOP":
+                report.result = self.pop() if self.stack else None
+                return
+            handler = _HANDLERS.get(info.name)
+            if handler is None:
+                raise PickleError(f"unsupported opcode {info.name}", self._op_offset)
+            handler(self)
+
+
+def _proto(w: Walker) -> None:
+    w.report.protocol = w.src.read(1)[0]
+    if w.report.protocol > 5:
+        raise PickleError(f"unsupported protocol {w.report.protocol}", w._op_offset)
+
+
+def _int_text(w: Walker) -> None:
+    text = w._text().strip()
+    if text in ("00", "01"):
+        w.push(_const(text == "01"))
+        return
+    try:
+        w.push(_const(int(text.rstrip("L") or "0")))
+    except ValueError:
+        raise PickleError(f"bad integer literal {text[:40]!r}", w._op_offset) from None
+
+
+def _float_text(w: Walker) -> None:
+    try:
+        w.push(_const(float(w._text())))
+    except ValueError:
+        raise PickleError("bad float literal", w._op_offset) from None
+
+
+def _long_n(size: int) -> Callable[[Walker], None]:
+    def handler(w: Walker) -> None:
+        (n,) = struct.unpack("<B" if size == 1 else "<i", w.src.read(size))
+        if n < 0:
+            raise PickleError("negative length", w._op_offset)
+        if n > 64:  # a huge integer is data, never a name or a length we need
+            w.src.skip(n)
+            w.push(OPAQUE)
+            return
+        w.push(_const(int.from_bytes(w.src.read(n), "little", signed=True)))
+
+    return handler
+
+
+def _sized(fmt: str, *, text: bool) -> Callable[[Walker], None]:
+    size = struct.calcsize(fmt)
+
+    def handler(w: Walker) -> None:
+        (n,) = struct.unpack(fmt, w.src.read(size))
+        w.push(w._payload(n, text=text))
+
+    return handler
+
+
+def _fixed(fmt: str) -> Callable[[Walker], None]:
+    size = struct.calcsize(fmt)
+    return lambda w: w.push(_const(struct.unpack(fmt, w.src.read(size))[0]))
+
+
+def _string_text(w: Walker) -> None:
+    raw = w._text()
+    if len(raw) < 2 or raw[0] != raw[-1] or raw[0] not in "'\"":
+        raise PickleError("STRING literal is not quoted", w._op_offset)
+    try:
+        w.push(_const(raw[1:-1].encode("latin-1").decode("unicode_escape")))
+    except UnicodeDecodeError:
+        raise PickleError("bad escape in STRING literal", w._op_offset) from None
+
+
+def _unicode_text(w: Walker) -> None:
+    w.push(_const(w.src.readline(w.limits.max_line).decode("raw_unicode_escape")))
+
+
+def _binstring(fmt: str) -> Callable[[Walker], None]:
+    size = struct.calcsize(fmt)
+
+    def handler(w: Walker) -> None:
+        (n,) = struct.unpack(fmt, w.src.read(size))
+        v = w._payload(n, text=False)
+        # Protocol 0-2 strings load as str under the default ASCII/latin-1 encodings.
+        w.push(_const(v.const.decode("latin-1")) if v.kind == "const" else v)
+
+    return handler
+
+
+def _global_op(w: Walker) -> None:
+    module, name = w._text(), w._text()
+    w.push(w._global(module, name, "GLOBAL"))
+
+
+def _stack_global(w: Walker) -> None:
+    name_v, module_v = w.pop(), w.pop()
+    module, name = const_str(module_v), const_str(name_v)
+    if module is None or name is None:
+        w.push(w._global(module or "?", name or "?", "STACK_GLOBAL", dynamic=True))
+        return
+    w.push(w._global(module, name, "STACK_GLOBAL"))
+
+
+def _inst(w: Walker) -> None:
+    module, name = w._text(), w._text()
+    cls = w._global(module, name, "INST")
+    args = _container("tuple", w.pop_mark())
+    w.push(w._made("INST", cls, args))
+
+
+def _obj(w: Walker) -> None:
+    items = w.pop_mark()
+    if not items:
+        raise PickleError("OBJ without a class", w._op_offset)
+    w.push(w._made("OBJ", items[0], _container("tuple", items[1:])))
+
+
+def _ext(size: int) -> Callable[[Walker], None]:
+    fmt = {1: "<B", 2: "<H", 4: "<i"}[size]
+
+    def handler(w: Walker) -> None:
+        (code,) = struct.unpack(fmt, w.src.read(size))
+        # Resolved through copyreg's runtime registry: the name is not in the file.
+        w.push(w._global("copyreg.extension", str(code), f"EXT{size}", dynamic=True))
+
+    return handler
+
+
+def _reduce(w: Walker) -> None:
+    args, func = w.pop(), w.pop()
+    w.push(w._made("REDUCE", func, args))
+
+
+def _newobj(w: Walker) -> None:
+    args, cls = w.pop(), w.pop()
+    w.push(w._made("NEWOBJ", cls, args))
+
+
+def _newobj_ex(w: Walker) -> None:
+    w.pop()  # kwargs
+    args, cls = w.pop(), w.pop()
+    w.push(w._made("NEWOBJ_EX", cls, args))
+
+
+def _build(w: Walker) -> None:
+    state = w.pop()
+    inst = w.top()
+    inst.state = state
+    event = Build(w._op_offset, inst, state)
+    w.report.builds.append(event)
+    if w.on_build is not None:
+        w.on_build(event, w.src)
+
+
+def _persid(w: Walker) -> None:
+    w._text()
+    w.push(OPAQUE)
+
+
+def _binpersid(w: Walker) -> None:
+    w.pop()
+    w.push(OPAQUE)
+
+
+def _mark(w: Walker) -> None:
+    if len(w.marks) >= w.limits.max_stack:
+        raise PickleError(f"more than {w.limits.max_stack} nested MARKs", w._op_offset)
+    w.marks.append(len(w.stack))
+
+
+def _pop(w: Walker) -> None:
+    if w.marks and len(w.stack) == w.marks[-1]:
+        w.marks.pop()  # POP of a bare MARK, as CPython does
+        return
+    w.pop()
+
+
+def _pop_mark(w: Walker) -> None:
+    w.pop_mark()
+
+
+def _to_seq(kind: str) -> Callable[[Walker], None]:
+    return lambda w: w.push(_container(kind, w.pop_mark()))
+
+
+def _tuple_n(n: int) -> Callable[[Walker], None]:
+    def handler(w: Walker) -> None:
+        items = [w.pop() for _ in range(n)][::-1]
+        w.push(_container("tuple", items))
+
+    return handler
+
+
+def _add_to_top(w: Walker, opcode: str, items: list[Value]) -> None:
+    target = w.top()
+    plain = "dict" if opcode.startswith("SETITEM") else "set" if opcode == "ADDITEMS" else "list"
+    if target.kind != plain:
+        w.report.odd_targets.append((w._op_offset, opcode, target))
+    _extend(target, items)
+
+
+def _append(w: Walker) -> None:
+    item = w.pop()
+    _add_to_top(w, "APPEND", [item])
+
+
+def _appends(w: Walker) -> None:
+    items = w.pop_mark()
+    _add_to_top(w, "APPENDS", items)
+
+
+def _additems(w: Walker) -> None:
+    items = w.pop_mark()
+    _add_to_top(w, "ADDITEMS", items)
+
+
+def _setitem(w: Walker) -> None:
+    value, key = w.pop(), w.pop()
+    _add_to_top(w, "SETITEM", [key, value])
+
+
+def _setitems(w: Walker) -> None:
+    items = w.pop_mark()
+    if len(items) % 2:
+        raise PickleError("SETITEMS with an odd number of items", w._op_offset)
+    _add_to_top(w, "SETITEMS", items)
+
+
+def _memo_text(action: str) -> Callable[[Walker], None]:
+    def handler(w: Walker) -> None:
+        text = w._text()
+        try:
+            key = int(text)
+        except ValueError:
+            raise PickleError(f"bad memo key {text[:20]!r}", w._op_offset) from None
+        w.put(key) if action == "put" else w.get(key)
+
+    return handler
+
+
+def _memo_bin(fmt: str, action: str) -> Callable[[Walker], None]:
+    size = struct.calcsize(fmt)
+
+    def handler(w: Walker) -> None:
+        (key,) = struct.unpack(fmt, w.src.read(size))
+        w.put(key) if action == "put" else w.get(key)
+
+    return handler
+
+
+def _push(kind: str, const: Any = None) -> Callable[[Walker], None]:
+    if kind == "const":
+        return lambda w: w.push(_const(const))
+    return lambda w: w.push(Value(kind))
+
+
+_HANDLERS: dict[str, Callable[[Walker], None]] = {
+    "PROTO": _proto,
+    "FRAME": lambda w: w.src.skip(8),
+    "NONE": _push("const", None),
+    "NEWTRUE": _push("const", True),
+    "NEWFALSE": _push("const", False),
+    "INT": _int_text,
+    "LONG": _int_text,
+    "BININT": _fixed("<i"),
+    "BININT1": _fixed("<B"),
+    "BININT2": _fixed("<H"),
+    "LONG1": _long_n(1),
+    "LONG4": _long_n(4),
+    "FLOAT": _float_text,
+    "BINFLOAT": _fixed(">d"),
+    "STRING": _string_text,
+    "BINSTRING": _binstring("<i"),
+    "SHORT_BINSTRING": _binstring("<B"),
+    "BINBYTES": _sized("<I", text=False),
+    "SHORT_BINBYTES": _sized("<B", text=False),
+    "BINBYTES8": _sized("<Q", text=False),
+    "BYTEARRAY8": _sized("<Q", text=False),
+    "UNICODE": _unicode_text,
+    "BINUNICODE": _sized("<I", text=True),
+    "SHORT_BINUNICODE": _sized("<B", text=True),
+    "BINUNICODE8": _sized("<Q", text=True),
+    "EMPTY_LIST": lambda w: w.push(Value("list")),
+    "EMPTY_DICT": lambda w: w.push(Value("dict")),
+    "EMPTY_TUPLE": lambda w: w.push(Value("tuple")),
+    "EMPTY_SET": lambda w: w.push(Value("set")),
+    "LIST": _to_seq("list"),
+    "TUPLE": _to_seq("tuple"),
+    "FROZENSET": _to_seq("set"),
+    "DICT": _to_seq("dict"),
+    "TUPLE1": _tuple_n(1),
+    "TUPLE2": _tuple_n(2),
+    "TUPLE3": _tuple_n(3),
+    "APPEND": _append,
+    "APPENDS": _appends,
+    "ADDITEMS": _additems,
+    "SETITEM": _setitem,
+    "SETITEMS": _setitems,
+    "MARK": _mark,
+    "POP": _pop,
+    "POP_MARK": _pop_mark,
+    "DUP": lambda w: w.push(w.top()),
+    "PUT": _memo_text("put"),
+    "BINPUT": _memo_bin("<B", "put"),
+    "LONG_BINPUT": _memo_bin("<I", "put"),
+    "MEMOIZE": lambda w: w.put(len(w.memo)),
+    "GET": _memo_text("get"),
+    "BINGET": _memo_bin("<B", "get"),
+    "LONG_BINGET": _memo_bin("<I", "get"),
+    "GLOBAL": _global_op,
+    "STACK_GLOBAL": _stack_global,
+    "INST": _inst,
+    "OBJ": _obj,
+    "EXT1": _ext(1),
+    "EXT2": _ext(2),
+    "EXT4": _ext(4),
+    "REDUCE": _reduce,
+    "NEWOBJ": _newobj,
+    "NEWOBJ_EX": _newobj_ex,
+    "BUILD": _build,
+    "PERSID": _persid,
+    "BINPERSID": _binpersid,
+    "NEXT_BUFFER": lambda w: w.push(OPAQUE),
+    "READONLY_BUFFER": lambda w: None,
+}
+
+
+def walk_stream(src: ByteSource, limits: Limits, on_build: BuildHook | None = None) -> StreamReport:
+    """Walk one pickle stream from the source's current position up to its STOP."""
+    return Walker(src, limits, on_build).run()

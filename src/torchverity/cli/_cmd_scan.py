@@ -1,0 +1,74 @@
+"""``torchverity scan``: is a pickle-bearing file safe to load, and what does it need?"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from torchverity._console import Output
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "scan", parents=[common], help="check checkpoints/pickles for code without running them",
+        description="Statically scan torch checkpoints (zip and legacy), pickles, .npy/.npz and "
+        "joblib files. Verdicts: safe, needs-allowlist (with the exact safe_globals code), unsafe, "
+        "malformed. Nothing from the files is imported or run. Exit 1 if any file is unsafe or "
+        "malformed.",
+    )
+    p.add_argument("paths", nargs="+", type=Path, help="files or folders (scanned recursively)")
+    p.add_argument("--all", action="store_true", help="list torch-allowlisted globals too")
+    p.set_defaults(func=_run)
+
+
+def _global_rows(result: Any, show_all: bool) -> list[list[str]]:
+    rows: list[list[str]] = []
+    seen: set[str] = set()
+    for g in result.globals:
+        if g.name in seen or (g.category == "torch" and not show_all):
+            continue
+        seen.add(g.name)
+        rows.append([g.name, g.category, f"{g.entry}@{g.offset} {g.opcode}", g.reason])
+    return rows
+
+
+def _print_result(result: Any, out: Output, show_all: bool) -> None:
+    out.line(f"{result.path}: {result.verdict} ({result.format}): {result.reason}")
+    rows = _global_rows(result, show_all)
+    if rows:
+        out.table(["global", "class", "where", "why"], rows)
+    for problem in result.problems:
+        out.line(f"  problem: {problem}")
+    plan = result.plan
+    if plan is None or result.verdict == "malformed":
+        return
+    if not plan.loadable:
+        out.line("  torch.load(weights_only=True) cannot read this file:")
+        for note in plan.notes:
+            out.line(f"    {note}")
+        out.line(f"  convert it: torchverity migrate {result.path} NEW.safetensors")
+    elif plan.needs:
+        out.line(f"  torch.load(weights_only=True) will ask for {len(plan.needs)} globals:")
+        for line in plan.code.rstrip("\n").splitlines():
+            out.line(f"    {line}")
+        if result.verdict == "unsafe":
+            out.line("  do not allowlist code you have not read; extract the data instead: "
+                     f"torchverity migrate {result.path} NEW.safetensors")
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.scan import scan
+
+    report = scan(*args.paths)
+    if out.json_mode:
+        out.data({"ok": report.ok, "files": report.results})
+    else:
+        for result in report.results:
+            _print_result(result, out, args.all)
+    counts: dict[str, int] = {}
+    for r in report.results:
+        counts[r.verdict] = counts.get(r.verdict, 0) + 1
+    summary = ", ".join(f"{n} {v}" for v, n in counts.items())
+    out.info(f"scanned {len(report.results)} files: {summary}")
+    return 0 if report.ok else 1
