@@ -45,6 +45,8 @@ from torchverity.fingerprint import dtype_name
 from torchverity.golden import bitwise_equal, compare_tensors, device_name, tolerance, unravel
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Integers up to 256 are exact in each of these, which the known-answer tests need.
+SUPPORTED_DTYPES = (torch.float64, *DTYPES)
 KERNELS = ("matmul", "conv2d", "reduce")
 TESTS = ("known-answer", "repeat", "reference")
 MEMORY_DTYPE = "int32"
@@ -314,6 +316,10 @@ def run_selftest(
     256 MiB on accelerators; 0 skips it).
     """
     dev = resolve_device(device)
+    unsupported = [dtype_name(d) for d in dtypes if d not in SUPPORTED_DTYPES]
+    if unsupported:
+        raise UsageError(f"selftest cannot test {', '.join(unsupported)}",
+                         hint="use float64, float32, float16 or bfloat16")
     if memory_mb is None:
         memory_mb = 32 if dev.type == "cpu" else 256
     words = memory_mb * (1 << 20) // 4
@@ -349,7 +355,9 @@ def _sync(device: torch.device) -> None:
 # ------------------------------------------------------------ fault drill
 
 
-_FLIP_BIT = {torch.float32: 21, torch.float64: 50, torch.float16: 8, torch.bfloat16: 5}
+_FLIP_BIT = {
+    torch.float32: 21, torch.float64: 50, torch.float16: 8, torch.bfloat16: 5, torch.int32: 13,
+}
 _INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -358,9 +366,10 @@ class FaultyKernels(TorchDispatchMode):
 
     Inside ``with FaultyKernels(...)``, every ``every``-th call of the named
     aten operators (``mm``, ``addmm``, ``bmm``, ``convolution``, ``sum`` by
-    default) gets one bit of one element of its result flipped. ``bit`` picks
-    the bit (default: a high mantissa bit, a change of 6-25%); ``hits``
-    records ``(operator, call number, flat index)`` of every perturbation.
+    default; in-place ones such as ``fill_`` simulate stuck memory bits) gets
+    one bit of one element of its floating-point or int32 result flipped.
+    ``bit`` picks the bit (default: a high mantissa bit, a change of 6-25%);
+    ``hits`` records ``(operator, call number, flat index)`` of every flip.
     """
 
     def __init__(
