@@ -355,3 +355,45 @@ def test_misuse_is_reported() -> None:
         TrainingGuard(model, opt, replay_every=5)
     with pytest.raises(UsageError, match="unknown options: chek_every"):
         TrainingGuard(model, opt, chek_every=5)
+
+
+# ------------------------------------------------------------ rollback
+
+
+def test_rollback_reloads_the_verified_checkpoint_and_the_run_finishes(
+    tmp_path: Path, clean: Run
+) -> None:
+    def plan(inj: faults.FaultInjector) -> None:
+        inj.parameter("0.weight", step=130, index=11, bit=30)  # corrupted at rest
+        inj.parameter("2.weight", step=210, index=3, bit=0)  # the smallest possible change
+
+    log = tmp_path / "events.jsonl"
+    run = train(300, plan, check_every=10, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=50,
+                log=log)
+    assert [(e.step, e.kind, e.action, e.suspects) for e in run.guard.events
+            if e.kind == "weights_changed"] == [
+        (130, "weights_changed", "rolled_back", ("0.weight",)),
+        (210, "weights_changed", "rolled_back", ("2.weight",)),
+    ]
+    assert run.guard.summary().rollbacks == 2
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    rollbacks = [r for r in records if r["event"] == "rollback"]
+    assert [(r["anomaly_step"], r["restored_step"]) for r in rollbacks] == [(130, 100), (210, 200)]
+    # Two rollbacks cost 40 of 300 steps of progress; the run still lands near the clean one.
+    assert run.final_loss == pytest.approx(clean.final_loss, rel=0.5)
+    kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert kept == [
+        "guard-step00000250.pt", "guard-step00000250.pt.meta.json", "guard-step00000250.pt.sha256",
+        "guard-step00000300.pt", "guard-step00000300.pt.meta.json", "guard-step00000300.pt.sha256",
+    ]
+
+
+def test_rollback_refuses_a_checkpoint_corrupted_on_disk(tmp_path: Path) -> None:
+    from torchverity.errors import IntegrityError
+    from torchverity.inject import flip_bit
+
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, checkpoint_dir=tmp_path, check_every=1)
+    flip_bit(guard.checkpoints[-1], offset=guard.checkpoints[-1].stat().st_size // 2, bit=3)
+    with pytest.raises(IntegrityError):
+        guard.rollback()

@@ -632,6 +632,7 @@ class TrainingGuard:
 
         if self.checkpoint_dir is None:
             raise UsageError("save_checkpoint() needs checkpoint_dir= given to TrainingGuard")
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         path = self.checkpoint_dir / f"guard-step{self.global_step:08d}.pt"
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "guard": self._guard_state(), "rng": capture_rng().to_state()}
