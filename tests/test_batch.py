@@ -325,43 +325,51 @@ def test_cli_exit_code_and_summary_when_items_fail(tmp_path: Path, model_dir: Pa
 # ------------------------------------------------------------ weights and job identity
 
 
-def test_weights_are_verified_before_the_first_item(tmp_path: Path, model_dir: Path) -> None:
+def test_weights_are_verified_before_the_first_item(
+    tmp_path: Path, model_dir: Path, run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import torch
 
     import torchverity
 
+    monkeypatch.syspath_prepend(str(model_dir))
     files = make_inputs(tmp_path / "in", 8, nested=False)
     weights = tmp_path / "w.pt"
     torchverity.save({"w": torch.full((4,), 0.5)}, weights)
     out = tmp_path / "out"
-    env = cli_env(model_dir)
     base = ["batch", "run", "--inputs", tmp_path / "in", "--model", "tvbatch_model:build",
-            "--out", out, "--json"]
-    good = subprocess.run(cli(*base, "--weights", weights), env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert good.returncode == 0, good.stderr
+            "--out", out]
+    good = run_cli(*base, "--weights", weights, "--json")
+    assert good.code == 0, good.err
     assert_exactly_once(out, files, scale=2.0)
-    job = json.loads(Journal.open(out).job()["job"])
+    journal = Journal.open(out)
+    job = json.loads(journal.job()["job"])
+    journal.close()
     assert job["model"]["weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
-    assert len(job["model"]["model_fingerprint"]) == 64
+    assert job["model"]["model_fingerprint"] == torchverity.fingerprint(
+        {"w": torch.full((4,), 0.5)}).root
 
-    # Different weights (re-saved, so the sidecar matches): the job is another job.
+    # Other weights (re-saved, so their sidecar matches) make another job: refused.
     torchverity.save({"w": torch.full((4,), 0.25)}, weights)
-    refused = subprocess.run(cli(*base, "--weights", weights), env=env, capture_output=True,
-                             text=True, timeout=60)
-    assert refused.returncode == 2
-    assert "holds a different job" in refused.stderr and "differs in: model" in refused.stderr
-    assert "--force" in refused.stderr
+    refused = run_cli(*base, "--weights", weights)
+    assert refused.code == 2
+    assert "holds a different job" in refused.err and "differs in: model" in refused.err
+    assert "--force" in refused.err
 
     # Corrupted weights: refused before any item, nothing written.
     raw = bytearray(weights.read_bytes())
     raw[-100] ^= 0x01
     weights.write_bytes(raw)
     fresh = tmp_path / "fresh"
-    bad = subprocess.run(cli(*base[:-2], fresh, "--weights", weights), env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1, bad.stderr
-    assert "w.pt" in bad.stderr and "sha256" in bad.stderr
+    bad = run_cli(*base[:-1], fresh, "--weights", weights)
+    assert bad.code == 1, bad.err
+    assert "w.pt" in bad.err and "sha256" in bad.err
+    assert not fresh.exists()
+
+    # No sidecar at all: the weights cannot be verified, so the job does not start.
+    (tmp_path / "w.pt.sha256").unlink()
+    missing = run_cli(*base[:-1], fresh, "--weights", weights)
+    assert missing.code != 0 and "sidecar" in missing.err
     assert not fresh.exists()
 
 

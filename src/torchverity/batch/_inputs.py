@@ -14,10 +14,10 @@ import hashlib
 import io
 import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchverity.digest import digest_files
 from torchverity.errors import InputError, UsageError
 
 DIGEST_ALGO = "sha256"
@@ -54,12 +54,22 @@ def list_inputs(spec: Path, *, exclude: Path | None = None) -> list[InputRecord]
         )
     if not keyed:
         raise InputError(f"{spec}: no input files found", path=spec)
-    stats = [_stat(path) for _, path in keyed]
-    digests = digest_files([p for _, p in keyed], DIGEST_ALGO)
-    return [
-        InputRecord(key, os.fspath(path), d.size, st.st_mtime_ns, d.hexdigest)
-        for (key, path), st, d in zip(keyed, stats, digests, strict=True)
-    ]
+    with ThreadPoolExecutor(max_workers=_cpu_count()) as pool:
+        return list(pool.map(lambda kp: _record(*kp), keyed))
+
+
+def _record(key: str, path: Path) -> InputRecord:
+    from torchverity.batch._item import file_sha256
+
+    st = _stat(path)
+    found = file_sha256(path)
+    if found is None:
+        raise InputError(f"{path}: vanished while the inputs were listed", path=path)
+    return InputRecord(key, os.fspath(path), found[1], st.st_mtime_ns, found[0])
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _walk(root: Path, exclude: Path | None) -> list[tuple[str, Path]]:

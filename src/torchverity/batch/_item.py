@@ -80,14 +80,6 @@ def compute(work: WorkItem, fn: ItemFn) -> tuple[ItemResult, memoryview | None]:
     return ItemResult(work.id, COMMITTED, output_digest=digest, output_size=len(view)), view
 
 
-def process(work: WorkItem, fn: ItemFn, out: Path) -> ItemResult:
-    """``compute`` then store the output under its final name (local engine: in the worker)."""
-    result, view = compute(work, fn)
-    if view is not None:
-        write_output(out, work, view)
-    return result
-
-
 def to_bytes(obj: Any) -> memoryview:
     """The bytes to store for what ``fn`` returned (bytes-like, str, tensor or state)."""
     if isinstance(obj, (bytes, bytearray, memoryview)):
@@ -153,13 +145,22 @@ def fsync_dirs(folders: set[Path]) -> None:
             os.close(fd)
 
 
+# Files up to this size are read in one call: cheaper than a streaming pass with its
+# fixed 8 MiB buffer, which dominates for the many small files of a batch.
+_WHOLE_READ_MAX = 8 * 1024 * 1024
+
+
 def file_sha256(path: Path) -> tuple[str, int] | None:
-    """Digest and size of a stored output, or None when it is missing."""
+    """SHA-256 and size of a file (an input or a stored output), or None when it is missing."""
     from torchverity.digest import digest_file
     from torchverity.errors import InputError
 
     try:
+        with io.FileIO(path, "r") as fh:
+            if os.fstat(fh.fileno()).st_size <= _WHOLE_READ_MAX:
+                data = fh.readall()
+                return hashlib.sha256(data).hexdigest(), len(data)
         d = digest_file(path, "sha256", threads=False)
-    except InputError:
+    except (FileNotFoundError, InputError):
         return None
     return d.hexdigest, d.size

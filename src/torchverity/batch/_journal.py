@@ -106,6 +106,7 @@ class Journal:
     def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
         self.path = path
         self._conn = conn
+        self._sync = "FULL"  # _connect's setting
 
     # ------------------------------------------------------------ opening
 
@@ -275,9 +276,12 @@ class _Transaction:
         self._durable = durable
 
     def __enter__(self) -> None:
-        conn = self._journal._conn
-        conn.execute(f"PRAGMA synchronous = {'FULL' if self._durable else 'NORMAL'}")
-        conn.execute("BEGIN IMMEDIATE")
+        journal = self._journal
+        level = "FULL" if self._durable else "NORMAL"
+        if journal._sync != level:
+            journal._conn.execute(f"PRAGMA synchronous = {level}")
+            journal._sync = level
+        journal._conn.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         conn = self._journal._conn

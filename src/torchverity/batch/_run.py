@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import itertools
 import json
 import os
 import shutil
@@ -59,6 +60,8 @@ INPUTS_MANIFEST = "inputs-sha256.txt"
 COMMIT_INTERVAL_S = 0.25
 COMMIT_EVERY = 256
 MAX_BACKOFF_S = 10.0
+# Items marked running per journal transaction (a crash counts them all as interrupted).
+CLAIM_AHEAD = 64
 
 
 class Engine(Protocol):
@@ -326,6 +329,7 @@ class _Scheduler:
         self.todo: deque[WorkItem] = deque()
         self.delayed: list[tuple[float, int, WorkItem]] = []
         self.running: dict[int, WorkItem] = {}
+        self.claimed: set[int] = set()
         self.failures: dict[int, int] = {}
         self.buffer: list[Outcome] = []
         self.folders: set[Path] = set()
@@ -363,14 +367,21 @@ class _Scheduler:
     def _submit(self) -> None:
         room = 2 * self.engine.capacity - self.engine.in_flight
         batch = [self.todo.popleft() for _ in range(min(room, len(self.todo)))]
-        if not batch:
-            return
-        if any(o.state == PENDING for o in self.buffer):
-            self._commit()  # a retry's "pending" must land before its new "running"
-        self.journal.mark_running([w.id for w in batch])
+        if any(w.id not in self.claimed for w in batch):
+            self._claim(batch)
         for work in batch:
+            self.claimed.discard(work.id)
             self.running[work.id] = work
             self.engine.submit(work)
+
+    def _claim(self, batch: list[WorkItem]) -> None:
+        """Mark the batch and the items just behind it running: one transaction per chunk."""
+        if any(o.state == PENDING for o in self.buffer):
+            self._commit()  # a retry's "pending" must land before its new "running"
+        ahead = [w for w in itertools.islice(self.todo, CLAIM_AHEAD) if w.id not in self.claimed]
+        ids = [w.id for w in batch if w.id not in self.claimed] + [w.id for w in ahead]
+        self.journal.mark_running(ids)
+        self.claimed.update(ids)
 
     def _collect(self) -> OutputWriteError | None:
         timeout = COMMIT_INTERVAL_S
