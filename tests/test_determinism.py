@@ -137,7 +137,8 @@ def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torc
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(16, 1))
-    return model, torch.optim.AdamW(model.parameters(), 1e-2), torch.randn(64, 8), torch.randn(64, 1)
+    opt = torch.optim.AdamW(model.parameters(), 1e-2)
+    return model, opt, torch.randn(64, 8), torch.randn(64, 1)
 
 
 def test_reproducibility_check_passes_a_deterministic_loop_and_leaves_state_alone() -> None:

@@ -85,7 +85,7 @@ def test_injector_applies_each_fault_once_at_its_step() -> None:
 
 def test_injector_rejects_unknown_names_and_ambiguous_faults() -> None:
     inj = faults.FaultInjector(_model())
-    with pytest.raises(UsageError, match="no parameter named 'fc.weight'"):
+    with pytest.raises(UsageError, match=r"no parameter named 'fc\.weight'"):
         inj.parameter("fc.weight", step=0, bit=1)
     with pytest.raises(UsageError, match="no module named 'head'"):
         inj.activation("head", step=0, bit=1)

@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
+from torchverity._guard_checksum import PackedChecksum
 from torchverity._guard_events import (
     ACTIONS,
     DEFAULT_POLICIES,
@@ -61,7 +62,6 @@ from torchverity._guard_events import (
     GuardSummary,
     Tally,
 )
-from torchverity._guard_checksum import PackedChecksum
 from torchverity._guard_stats import RollingStats
 from torchverity.errors import TrainingAnomalyError, UsageError
 
