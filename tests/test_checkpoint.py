@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -243,8 +244,6 @@ def test_missing_sidecar_policies(tmp_path: Path) -> None:
     assert "no sidecar" in report.warnings[0] and "no meta.json" in report.warnings[1]
     with pytest.raises(IntegrityError, match="sidecar='require'"):
         torchverity.load(path, sidecar="require")
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _equal(torchverity.load(path, sidecar="ignore"), _state())
@@ -261,7 +260,7 @@ def test_truncated_empty_and_foreign_files(tmp_path: Path, suffix: str) -> None:
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(IntegrityError):
         torchverity.load(path)
-    with pytest.raises(FormatError, match=r"cannot load|not a valid \.safetensors"):
+    with pytest.raises(FormatError, match=r"truncated"):
         torchverity.load(path, sidecar="ignore")
     path.write_bytes(b"")
     with pytest.raises(FormatError, match="file is empty"):
@@ -502,15 +501,38 @@ def test_kill_9_during_save_never_tears_the_checkpoint(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
-        obj, report = torchverity.load(path, sidecar="require", with_report=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)  # an interrupted rename is fine
+            obj, report = torchverity.load(path, sidecar="require", with_report=True)
         assert report.verified
         value = obj["w"][0, 0].item()
         assert torch.all(obj["w"] == value)
-        assert read_meta(path)["user"] in (None, {"i": int(value) - 2})
-    # The stale temp files of killed saves are swept by the next save.
+        if not report.warnings:
+            assert read_meta(path)["user"] in (None, {"i": int(value) - 2})
+    # The stale temp files of killed saves are swept (or replaced) by the next save.
     torchverity.save(first, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "big.pt", "big.pt.meta.json", "big.pt.sha256"]
+
+
+def test_crash_between_renames_is_recovered_from_pending_records(tmp_path: Path) -> None:
+    from torchverity.checkpoint import pending_name
+
+    path, newer = tmp_path / "m.pt", tmp_path / "newer.pt"
+    torchverity.save(_state(0), path)
+    torchverity.save(_state(1), newer)
+    # The state a crash leaves after the checkpoint's rename, before its companions'.
+    for suffix in (".sha256", ".meta.json"):
+        shutil.copy(f"{newer}{suffix}", pending_name(Path(f"{path}{suffix}")))
+    shutil.copy(newer, path)
+    with pytest.warns(CheckpointWarning, match="interrupted"):
+        obj, report = torchverity.load(path, sidecar="require", with_report=True)
+    assert _equal(obj, _state(1)) and report.verified
+    _flip(path, path.stat().st_size // 2)
+    with pytest.raises(IntegrityError):
+        torchverity.load(path)  # pending records that do not match are not an excuse
+    torchverity.save(_state(2), path)
+    assert not any(p.name.endswith(".pending") for p in tmp_path.iterdir())
 
 
 # ------------------------------------------------------------------ sharded folders

@@ -42,6 +42,7 @@ import torch
 
 from torchverity import _safetensors as st
 from torchverity.digest import (
+    ALGORITHMS,
     DEFAULT_ALGO,
     check_algo,
     digest_file,
@@ -235,10 +236,11 @@ class _Staged:
 def _atomic_target(target: Path) -> Iterator[_Staged]:
     """Stage a temp file beside ``target``; on success publish it and its companions.
 
-    Companions (sidecar, meta.json) are fully written and fsynced *before* the
-    checkpoint is renamed, so the renames run back to back: a crash leaves the
-    old trio or the new one, except in the microseconds between renames, when
-    load refuses loudly instead of loading unverified bytes.
+    Companions (sidecar, meta.json) are fully written and fsynced as
+    ``.NAME.pending`` files *before* the checkpoint is renamed, then renamed
+    after it. A crash between those renames leaves the new checkpoint with its
+    records still pending; ``load`` finds them because they match the file's
+    digest (see :func:`_pending_records`).
     """
     folder = target.parent
     if not folder.is_dir():
@@ -257,7 +259,7 @@ def _atomic_target(target: Path) -> Iterator[_Staged]:
         os.close(staged.fd)
         staged.fd = -1
         for final, text in staged.companions.items():
-            temps.append((_temp_name(final), final))
+            temps.append((pending_name(final), final))
             _write_synced(temps[-1][0], text)
         for tmp, final in temps:
             os.replace(tmp, final)
@@ -275,8 +277,13 @@ def _temp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
 
 
+def pending_name(final: Path) -> Path:
+    """Where a companion waits until the checkpoint is renamed (found by load after a crash)."""
+    return final.with_name(f".{final.name}.pending")
+
+
 def _write_synced(path: Path, text: str) -> None:
-    with open(path, "x", encoding="utf-8", newline="\n") as fh:
+    with open(path, "w", encoding="utf-8", newline="\n") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())
@@ -461,7 +468,10 @@ def _meta_record(target: Path, fmt: str, algo: str, digest: str, size: int, fp: 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and check ``FILE.meta.json`` (pass the checkpoint or the meta file)."""
     p = Path(path)
-    mp = p if p.name.endswith(META_SUFFIX) else meta_path_for(p)
+    return _read_meta_file(p if p.name.endswith(META_SUFFIX) else meta_path_for(p))
+
+
+def _read_meta_file(mp: Path) -> dict[str, Any]:
     try:
         data = json.loads(mp.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -530,15 +540,22 @@ def _replace(report: LoadReport, **changes: Any) -> LoadReport:
 
 def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: str | None,
                mmap: bool) -> tuple[Any, LoadReport]:
-    meta = read_meta(p) if meta_path_for(p).exists() else None
-    expected = _expected_digest(p, meta, policy) if p.is_file() else None
+    notes = []
+    expected: tuple[str, str, str] | None
+    pending = _pending_records(p) if policy != "ignore" else None
+    if pending is not None:
+        expected, meta = pending
+        notes.append(f"{p}: its save was interrupted after the file was renamed; verified "
+                     "against the pending records (the next save replaces them)")
+    else:
+        meta = read_meta(p) if meta_path_for(p).exists() else None
+        expected = _expected_digest(p, meta, policy) if p.is_file() else None
     try:
         fmt = file_format(p)
     except FormatError:
         if p.stat().st_size:  # damage that hit the magic bytes is damage
             _check_digest(p, expected, None)
         raise
-    notes = []
     if expected is None and policy == "warn":
         notes.append(f"{p}: no sidecar: the file's bytes were not verified "
                      f"(write one with: torchverity hash --write {p})")
@@ -549,7 +566,7 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
             obj = {k: v.to(map_location) for k, v in obj.items()}
     else:
         digest = _check_digest(p, expected, meta)
-        obj = _torch_load(p, map_location, full_pickle, mmap and fmt == "pt")
+        obj = _torch_load(p, fmt, map_location, full_pickle, mmap and fmt == "pt")
         fp = None
     fp_root = _check_fingerprint(p, obj, meta, fp)
     if fp_root is None and policy == "warn":
@@ -561,6 +578,31 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
         weights_only=not full_pickle, tensors=_count_tensors(obj), warnings=tuple(notes),
     )
     return obj, report
+
+
+def _pending_records(p: Path) -> tuple[tuple[str, str, str], dict[str, Any] | None] | None:
+    """The records of an interrupted save, if they describe the file now at ``p``.
+
+    Costs one extra digest pass, and only when ``.NAME.<algo>.pending`` exists.
+    """
+    for algo in ALGORITHMS:
+        side = pending_name(sidecar_path(p, algo))
+        if not side.is_file() or not p.is_file():
+            continue
+        hexd = _first_word(side)
+        if hexd is None or digest_file(p, algo).hexdigest != hexd:
+            return None  # a save that died before its rename: the old records stand
+        mp = pending_name(meta_path_for(p))
+        return (algo, hexd, "sidecar"), _read_meta_file(mp) if mp.is_file() else None
+    return None
+
+
+def _first_word(path: Path) -> str | None:
+    try:
+        words = path.read_text(encoding="utf-8").split()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return words[0].lower() if words else None
 
 
 def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
@@ -646,7 +688,16 @@ def _trusted(p: Path, trust_sha256: str | None) -> bool:
     return True
 
 
-def _torch_load(p: Path, map_location: Any, full_pickle: bool, mmap: bool) -> Any:
+def _torch_load(p: Path, fmt: FileFormat, map_location: Any, full_pickle: bool,
+                mmap: bool) -> Any:
+    import zipfile
+
+    if fmt == "pt" and not zipfile.is_zipfile(p):
+        raise FormatError(
+            f"{p}: damaged or truncated PyTorch zip archive (its central directory, written "
+            "last, is missing: the save was interrupted or the copy is partial)", path=p,
+            hint=f"restore a good copy; torchverity verify {p} checks it against its sidecar",
+        )
     try:
         return torch.load(p, map_location=map_location, weights_only=not full_pickle, mmap=mmap)
     except Exception as exc:
@@ -654,18 +705,16 @@ def _torch_load(p: Path, map_location: Any, full_pickle: bool, mmap: bool) -> An
 
 
 def _explained_load_error(p: Path, exc: Exception) -> Exception:
-    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    from torchverity.explain import explain_exception, with_file
+
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = f"{type(exc).__name__}: {first}"
     hint = f"torchverity inspect {p}"
-    try:
-        from torchverity.explain import explain_exception
-    except ImportError:  # issue 4 lands the explanations; until then keep torch's words
-        explanation = None
-    else:
-        explanation = explain_exception(exc)
+    explanation = explain_exception(exc)
     if explanation is not None:
-        text = f"{text} ({explanation.cause})"
-        hint = f"{explanation.fix}; {explanation.command}" if explanation.command \
-            else explanation.fix
+        explanation = with_file(explanation, os.fspath(p))
+        text = f"{text} (likely cause: {explanation.cause.rstrip('.')})"
+        hint = f"{explanation.fix.rstrip('.')}; check with: {explanation.command}"
     if "weights_only" in str(exc) or "Unsupported global" in str(exc):
         return UnsafeFileError(
             f"{p}: refused by the weights_only loader: {text}", path=p,
@@ -770,7 +819,7 @@ def read_unverified(path: str | os.PathLike[str]) -> Any:
     fmt = file_format(p)
     if fmt == "safetensors":
         return st.map_tensors(p, st.read_header(p))
-    return _torch_load(p, "cpu", False, fmt == "pt")
+    return _torch_load(p, fmt, "cpu", False, fmt == "pt")
 
 
 # ================================================================== model check

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -307,8 +308,6 @@ def _exact_digests(leaves: list[tuple[str, Any]], workers: int | None) -> list[T
 
 
 def _cpu_count() -> int:
-    import os
-
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
@@ -322,3 +321,27 @@ def fingerprint_tensor(tensor: torch.Tensor, name: str = "", *, mode: Mode = "au
 def numel_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     """Bytes a tensor of ``shape`` and ``dtype`` occupies (used to validate headers)."""
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def fingerprint_file(path: str | os.PathLike[str], *, mode: Mode = "exact") -> Fingerprint:
+    """Fingerprint a checkpoint file or sharded folder without executing code from it.
+
+    A .safetensors file streams each tensor's bytes through its hash with one
+    small buffer (memory stays flat whatever the size); .pt files go through
+    PyTorch's restricted ``weights_only`` unpickler with memory-mapped storages.
+    """
+    from pathlib import Path
+
+    from torchverity import _safetensors as st
+    from torchverity.checkpoint import file_format, read_unverified
+
+    p = Path(path)
+    if mode == "exact" and p.is_file() and file_format(p) == "safetensors":
+        header = st.read_header(p)
+        hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape) for e in header.entries}
+        st.iter_tensor_bytes(p, header, lambda name, chunk: hashers[name].update(chunk))
+        return from_entries(EXACT, [
+            TensorDigest(e.name, dtype_name(e.dtype), e.shape, hashers[e.name].hexdigest())
+            for e in header.entries
+        ])
+    return fingerprint(read_unverified(p), mode=mode)

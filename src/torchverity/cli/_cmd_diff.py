@@ -1,0 +1,47 @@
+"""``torchverity diff``: compare two checkpoints tensor by tensor, down to the bit."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from torchverity._console import Output
+from torchverity.errors import EXIT_CHECK_FAILED
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "diff",
+        parents=[common],
+        help="compare two checkpoints tensor by tensor (bit flips, drift, shape changes)",
+        description="Compare A and B (.pt, .safetensors or sharded folders, in any mix). Each "
+        "value change is classified: bit-flip (which bit: sign, exponent or mantissa), "
+        "few-bits, drift (within --rtol/--atol) or large. Exit 0 when equal within "
+        "tolerance, 1 otherwise. Never executes code from the files.",
+    )
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+    p.add_argument("--all", action="store_true", help="also list identical tensors")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.diff import diff
+
+    result = diff(args.a, args.b, rtol=args.rtol, atol=args.atol)
+    code = 0 if result.equal else EXIT_CHECK_FAILED
+    if out.json_mode:
+        out.data({"ok": result.equal, **result.to_dict()})
+        return code
+    shown = result.entries if args.all else result.changed
+    if shown:
+        out.table(("tensor", "change", "detail"),
+                  [(e.name, e.kind if e.status == "values_changed" else e.status.replace("_", " "),
+                    e.describe()) for e in shown])
+    counts = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in result.counts.items() if n)
+    verdict = "equal" if result.equal else "DIFFERENT"
+    tolerance = f" within rtol={args.rtol} atol={args.atol}" if args.rtol or args.atol else ""
+    out.line(f"{verdict}{tolerance}: {len(result.entries)} entries ({counts})")
+    return code

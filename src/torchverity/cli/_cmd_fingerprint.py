@@ -1,0 +1,39 @@
+"""``torchverity fingerprint``: the content fingerprint of a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from torchverity._console import Output
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "fingerprint",
+        parents=[common],
+        help="content fingerprint of a checkpoint (same for .pt, .safetensors, shards)",
+        description="Print the root digest over every tensor's name, dtype, shape and bytes. "
+        "It depends only on content: the same tensors saved in any format, order or layout "
+        "give the same root. Never executes code from the file.",
+    )
+    p.add_argument("path", metavar="PATH", help="a .pt/.bin/.safetensors file or sharded folder")
+    p.add_argument("--tensors", action="store_true", help="also list each tensor's digest")
+    p.add_argument("--mode", choices=("exact", "device"), default="exact",
+                   help="exact: SHA-256 (default); device: the tvsum64x2 device checksum")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.fingerprint import fingerprint_file
+
+    fp = fingerprint_file(args.path, mode=args.mode)
+    if out.json_mode:
+        out.data({"ok": True, "path": args.path, **fp.to_dict()})
+        return 0
+    out.line(f"{fp.root}  {args.path}  ({fp.algo}, {len(fp.entries)} entries)")
+    if args.tensors:
+        rows = [(e.name, e.dtype, "x".join(map(str, e.shape)) or "()", e.digest)
+                for e in fp.entries]
+        out.table(("name", "dtype", "shape", "digest"), rows)
+    return 0

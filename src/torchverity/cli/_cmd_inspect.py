@@ -1,0 +1,98 @@
+"""``torchverity inspect``: what a checkpoint holds, whether it is intact and safe to load."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from torchverity._console import Output
+from torchverity.errors import EXIT_CHECK_FAILED
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = subparsers.add_parser(
+        "inspect",
+        parents=[common],
+        help="tensors, sizes, fingerprint, meta.json, sidecar and scan verdict of a checkpoint",
+        description="Show a checkpoint's tensors (names, shapes, dtypes, bytes), element count, "
+        "bytes per dtype, content fingerprint, meta.json summary, whether the sidecar matches "
+        "and, for pickle files, the scan verdict and weights_only plan. Never executes code "
+        "from the file. Exit 1 if the sidecar or meta.json disagrees or the scan finds it "
+        "unsafe.",
+    )
+    p.add_argument("path", metavar="PATH", help="a .pt/.bin/.safetensors file or sharded folder")
+    p.add_argument("--limit", type=int, default=50,
+                   help="list at most this many tensors (default 50; 0 lists all)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.inspect import inspect
+
+    result = inspect(args.path)
+    bad = (result.sidecar.status == "mismatched" or result.fingerprint_matches_meta is False
+           or (result.scan is not None and not result.scan.ok))
+    if out.json_mode:
+        out.data({"ok": not bad, **result.to_dict()})
+    else:
+        _print(result, args.limit, out)
+    return EXIT_CHECK_FAILED if bad else 0
+
+
+def _print(r: Any, limit: int, out: Output) -> None:
+    out.line(f"{r.path}: {r.format} checkpoint, {_size(r.size)}"
+             + (f", {len(r.shards)} shards" if r.shards else ""))
+    s = r.sidecar
+    side = {"ok": f"matches {s.sidecar}", "missing": "no sidecar",
+            "mismatched": f"DOES NOT MATCH {s.sidecar} (expected {s.expected})"}[s.status]
+    out.line(f"  {s.algo:<11} {s.actual}  {side}")
+    if r.scan is not None:
+        plan = r.scan.plan
+        how = ("" if plan is None else
+               " (weights_only loads it as is)" if plan.loadable and not plan.needs else
+               f" (weights_only needs: {', '.join(plan.needs)})")
+        out.line(f"  scan        {r.scan.verdict}{how}")
+    if r.fingerprint:
+        match = {None: "", True: "  matches meta.json", False: "  DOES NOT MATCH meta.json"}
+        out.line(f"  fingerprint {r.fingerprint}{match[r.fingerprint_matches_meta]}")
+    if r.meta:
+        _print_meta(r.meta, out)
+    if r.not_loaded:
+        out.line(f"  tensors     {r.not_loaded}")
+        return
+    by_dtype = ", ".join(f"{d} {_size(n)}" for d, n in r.bytes_by_dtype.items())
+    out.line(f"  tensors     {len(r.tensors)} tensors, {r.parameters:,} elements ({by_dtype})")
+    shown = r.tensors if limit <= 0 else r.tensors[:limit]
+    out.table(("name", "dtype", "shape", "bytes"),
+              [(t.name, t.dtype, "x".join(map(str, t.shape)) or "()", _size(t.nbytes))
+               for t in shown])
+    if len(shown) < len(r.tensors):
+        out.line(f"  ... {len(r.tensors) - len(shown)} more (--limit 0 lists all)")
+    for name, value in r.values.items():
+        out.line(f"  {name} = {value}")
+
+
+def _print_meta(meta: dict[str, Any], out: Output) -> None:
+    if "error" in meta:
+        out.line(f"  meta.json   {meta['error']}")
+        return
+    parts = [f"saved {meta['created']}", f"torch {meta['torch']}"]
+    if meta.get("git_commit"):
+        parts.append(f"git {meta['git_commit'][:12]}")
+    if meta.get("seed") is not None:
+        parts.append(f"seed {meta['seed']}")
+    if meta.get("data"):
+        parts.append(f"data {meta['data'].get('kind')} {meta['data'].get('digest', '')[:16]}...")
+    out.line(f"  meta.json   {', '.join(parts)}")
+    if meta.get("user") is not None:
+        out.line(f"  user meta   {json.dumps(meta['user'], sort_keys=True)}")
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
