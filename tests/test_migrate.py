@@ -1,0 +1,193 @@
+"""Migration of legacy checkpoints, with real torch files and a sentinel for payloads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import pickle_corpus
+from torchverity.errors import FormatError, IntegrityError, UnsafeFileError, UsageError
+from torchverity.migrate import Inert, inert_load, migrate
+
+
+def _training_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4, betas=(0.8, 0.99))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    return model, opt, sched
+
+
+def _loads_weights_only(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch.load(path, weights_only=True)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_whole_objects_become_a_clean_state_dict(tmp_path: Path, suffix: str) -> None:
+    model, opt, sched = _training_state()
+    src = tmp_path / "legacy.pt"
+    torch.save({"model": model, "optimizer": opt, "scheduler": sched, "epoch": 12,
+                "args": argparse.Namespace(lr=3e-4, depth=3, name="run1"),
+                "best": np.float64(0.25), "hist": np.arange(4.0),
+                "config": pickle_corpus.UserConfig()}, src)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        torch.load(src, weights_only=True)
+    result = migrate(src, tmp_path / f"clean{suffix}")
+    assert result.mode == "inert" and result.verified
+    assert "torch.nn.modules.linear.Linear" in result.placeholders
+    out = _loads_weights_only(Path(result.target))  # plain torch/safetensors, weights only
+    expected = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for name, tensor in expected.items():
+        assert torch.equal(out[name], tensor), name
+    first = next(iter(model.parameters()))
+    assert torch.equal(out["optimizer.state.model.0.weight.exp_avg"], opt.state[first]["exp_avg"])
+    assert torch.equal(out["hist"], torch.arange(4.0, dtype=torch.float64))
+    meta = json.loads(Path(result.meta_path or "").read_text())["user"]["content"]
+    assert meta["epoch"] == 12 and meta["best"] == 0.25
+    assert meta["args"] == {"$class": "argparse.Namespace", "lr": 3e-4, "depth": 3,
+                            "name": "run1"}
+    assert meta["optimizer"]["defaults"]["betas"] == [0.8, 0.99]
+    assert meta["optimizer"]["param_groups"][0]["params"][0] == {"$tensor": "model.0.weight"}
+    assert meta["scheduler"]["step_size"] == 5 and meta["scheduler"]["gamma"] == 0.5
+    assert meta["config"]["layers"] == [4, 4]
+    assert Path(result.sidecar or "").read_text().startswith(result.digest)
+
+
+def test_output_loads_into_the_model_with_torchverity(tmp_path: Path) -> None:
+    import torchverity
+
+    model, _, _ = _training_state()
+    src = tmp_path / "whole.pt"
+    torch.save(model, src)
+    result = migrate(src, tmp_path / "model.safetensors")
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 2))
+    torchverity.load(result.target, model=fresh, sidecar="require")
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_legacy_format_and_protocol_4(tmp_path: Path) -> None:
+    model, _, _ = _training_state()
+    legacy = tmp_path / "old.pt"
+    torch.save({"net": model}, legacy, _use_new_zipfile_serialization=False)
+    p4 = tmp_path / "p4.pt"
+    torch.save({"sd": model.state_dict(), "step": 3}, p4, pickle_protocol=4)
+    for src in (legacy, p4):
+        result = migrate(src, tmp_path / f"{src.stem}.safetensors")
+        out = _loads_weights_only(Path(result.target))
+        prefix = "net" if src is legacy else "sd"
+        assert set(out) == {f"{prefix}.{k}" for k in model.state_dict()}
+        assert torch.equal(out[f"{prefix}.0.weight"], model[0].weight)
+
+
+def test_shared_and_view_tensors_are_written_compactly(tmp_path: Path) -> None:
+    base = torch.arange(12.0)
+    src = tmp_path / "views.pt"
+    torch.save({"a": base, "view": base[2:6], "tied": base}, src)
+    result = migrate(src, tmp_path / "views.safetensors")
+    out = _loads_weights_only(Path(result.target))
+    assert torch.equal(out["view"], base[2:6]) and set(out) == {"a", "view"}
+    meta = json.loads(Path(result.meta_path or "").read_text())["user"]["content"]
+    assert meta["tied"] == {"$tensor": "a"}
+
+
+def test_malicious_files_are_refused_without_running(tmp_path: Path) -> None:
+    sentinel = tmp_path / "SENTINEL"
+    cases = {c.name: c for c in pickle_corpus.malicious(tmp_path / "bad", sentinel)}
+    for name in ("torch_zip_reduce", "torch_legacy", "global_os_system", "pkgutil_resolve_name"):
+        with pytest.raises(UnsafeFileError, match="refused") as info:
+            migrate(cases[name].path, tmp_path / f"{name}.safetensors")
+        assert info.value.exit_code == 1 and info.value.globals_found
+        assert not (tmp_path / f"{name}.safetensors").exists()
+    with pytest.raises(FormatError):
+        migrate(cases["memo_expansion_bomb"].path, tmp_path / "x.safetensors")
+    assert not sentinel.exists()
+
+
+def test_inert_unpickler_runs_nothing_even_when_forced(tmp_path: Path) -> None:
+    """Bypass the refusal: the inert unpickler itself turns payloads into placeholders."""
+    sentinel = tmp_path / "SENTINEL"
+    cases = {c.name: c for c in pickle_corpus.malicious(tmp_path / "bad", sentinel)}
+    evil, placeholders = inert_load(cases["torch_zip_reduce"].path, "torch-zip")
+    assert "posix.system" in placeholders and isinstance(evil["x"], Inert)
+    assert evil["x"]._tv_args == (f"touch {sentinel}",) and torch.equal(evil["w"], torch.ones(3))
+    for name in ("builtins_exec", "getattr_import", "functools_partial", "dotted_name", "obj",
+                 "inst", "nested_loads", "subprocess_check_call"):
+        obj, _ = inert_load(cases[name].path, "pickle")
+        assert isinstance(obj, Inert) or obj is not None
+    assert not sentinel.exists()
+
+
+def test_trust_sha256_is_checked_and_needed(tmp_path: Path) -> None:
+    import hashlib
+
+    sentinel = tmp_path / "SENTINEL"
+    evil = next(c for c in pickle_corpus.malicious(tmp_path / "bad", sentinel)
+                if c.name == "torch_zip_reduce").path
+    with pytest.raises(IntegrityError, match="not the trusted"):
+        migrate(evil, tmp_path / "o.safetensors", trust_sha256="0" * 64)
+    assert not sentinel.exists()
+    digest = hashlib.sha256(evil.read_bytes()).hexdigest()
+    # Trusted, yet inert unpickling still comes first: the payload stays a placeholder.
+    result = migrate(evil, tmp_path / "o.safetensors", trust_sha256=digest)
+    assert result.mode == "inert" and "posix.system" in result.placeholders
+    assert not sentinel.exists()
+
+
+def test_damaged_tensor_data_is_caught(tmp_path: Path) -> None:
+    src = tmp_path / "damaged.pt"
+    model, _, _ = _training_state()
+    torch.save({"m": model}, src)
+    data = bytearray(src.read_bytes())
+    pos = data.find(b"damaged/data/0") + 200
+    data[pos] ^= 0x01  # a single bit flip inside a storage: torch.load would not notice
+    src.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="damaged"):
+        migrate(src, tmp_path / "out.safetensors")
+
+
+def test_usage_errors(tmp_path: Path) -> None:
+    npy = tmp_path / "a.npy"
+    np.save(npy, np.arange(3))
+    with pytest.raises(UsageError, match="not migrated"):
+        migrate(npy, tmp_path / "a.safetensors")
+    src = tmp_path / "s.pt"
+    torch.save({"w": torch.ones(1)}, src)
+    with pytest.raises(UsageError, match="different target"):
+        migrate(src, src)
+    plain = tmp_path / "plain.pkl"
+    plain.write_bytes(pickle.dumps({"w": torch.ones(2), "n": 1}))
+    assert migrate(plain, tmp_path / "plain.safetensors").tensors == 1
+
+
+def test_cli(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    src = pickle_corpus.user_class_checkpoint(tmp_path / "user.pt")
+    res = run_cli("migrate", str(src), str(tmp_path / "user.safetensors"))
+    assert res.code == 0, res.err
+    assert "read back bit for bit (inert unpickling)" in res.out and "UserConfig" in res.out
+    res = run_cli("migrate", "--json", str(src), str(tmp_path / "user2.pt"))
+    doc = json.loads(res.out)
+    assert doc["ok"] and doc["result"]["tensors"] == 2 and doc["result"]["mode"] == "inert"
+    sentinel = tmp_path / "SENTINEL"
+    evil = next(c for c in pickle_corpus.malicious(tmp_path / "bad", sentinel)
+                if c.name == "torch_zip_reduce").path
+    res = run_cli("migrate", str(evil), str(tmp_path / "evil.safetensors"))
+    assert res.code == 1 and "refused" in res.err and "posix.system" in res.err
+    assert not sentinel.exists()
