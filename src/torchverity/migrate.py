@@ -86,7 +86,7 @@ class Inert:
     def __call__(self, *args: Any, **kwargs: Any) -> Inert:
         # A payload may call what an earlier call returned: record that call, run nothing.
         call = type(f"{type(self).__name__}()", (Inert,), {"_tv_name": f"{self._tv_name}(...)"})
-        return call(*args, **kwargs)  # type: ignore[no-any-return]
+        return call(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<inert {self._tv_name}>"
