@@ -62,7 +62,9 @@ class RayEngine:
         self._refs: dict[Any, tuple[int, WorkItem]] = {}
 
     def _init(self, address: str | None, workers: int) -> None:
-        options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+        import logging
+
+        options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
         if address:
             options["address"] = address
         else:

@@ -107,7 +107,7 @@ class BatchReport:
     orphans_removed: int
     repaired: tuple[str, ...]
     seconds: float
-    items_per_s: float
+    items_per_s: float  # over the processing phase (start-up and listing excluded)
     problems: tuple[ItemProblem, ...]
     manifest: str | None
 
@@ -162,13 +162,15 @@ def execute(config: JobConfig, factory: ModelFactory,
         interrupted, orphans, repaired = _recover(journal, out) if resumed else (0, 0, [])
         engine = _make_engine(config, factory, identity, out)
         try:
+            work_start = time.perf_counter()
             processed, retries = _Scheduler(journal, engine, out, config, progress).run()
+            work_seconds = time.perf_counter() - work_start
         finally:
             engine.close()
         manifest = _finish(journal, out)
         seconds = time.perf_counter() - start
         return _report(journal, out, fingerprint, engine.name, resumed, interrupted, orphans,
-                       repaired, processed, retries, seconds, manifest)
+                       repaired, processed, retries, seconds, work_seconds, manifest)
     finally:
         journal.close()
 
@@ -455,7 +457,7 @@ def _finish(journal: Journal, out: Path) -> str | None:
 
 def _report(journal: Journal, out: Path, fingerprint: str, engine: str, resumed: bool,
             interrupted: int, orphans: int, repaired: list[str], processed: int, retries: int,
-            seconds: float, manifest: str | None) -> BatchReport:
+            seconds: float, work_seconds: float, manifest: str | None) -> BatchReport:
     counts = journal.counts()
     problems = tuple(
         ItemProblem(r.key, r.state, r.attempts, r.error)
@@ -467,6 +469,6 @@ def _report(journal: Journal, out: Path, fingerprint: str, engine: str, resumed:
         changed=counts[CHANGED], pending=counts[PENDING], processed=processed, retries=retries,
         resumed=resumed, interrupted=interrupted, orphans_removed=orphans,
         repaired=tuple(repaired), seconds=round(seconds, 3),
-        items_per_s=round(processed / seconds, 1) if seconds > 0 else 0.0,
+        items_per_s=round(processed / work_seconds, 1) if work_seconds > 0 else 0.0,
         problems=problems, manifest=manifest,
     )
