@@ -1,0 +1,159 @@
+"""Read a TrainingGuard event log (JSONL): summary, anomaly table, and a plot.
+
+>>> from torchverity.report import summarize          # doctest: +SKIP
+>>> summarize("events.jsonl").counts                   # doctest: +SKIP
+{'nonfinite_grad': 2}
+
+The log format is documented in ``docs/formats/events.md``. A run that
+crashed leaves a log without a ``summary`` event and perhaps a torn last
+line; both are reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchverity.errors import FormatError, InputError, require_extra
+
+
+@dataclass(frozen=True)
+class EventReport:
+    """What an event log says about a run."""
+
+    path: str
+    steps: int
+    counts: dict[str, int]
+    anomalies: tuple[dict[str, Any], ...]
+    skipped: int
+    rollbacks: int
+    replays: dict[str, int]
+    checkpoints: int
+    first_anomaly_step: int | None
+    final_loss: float | None
+    finished: bool
+    torn_last_line: bool
+
+    @property
+    def clean(self) -> bool:
+        return not self.anomalies
+
+
+def _number(value: Any) -> float:
+    """JSON numbers, or the strings ``"nan"``/``"inf"``/``"-inf"`` the log uses for them."""
+    return float(value) if isinstance(value, (int, float, str)) else math.nan
+
+
+def iter_events(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Yield the log's records one by one; a torn (unterminated) last line is skipped."""
+    for record, _torn in _records(Path(path)):
+        if record is not None:
+            yield record
+
+
+def _records(p: Path) -> Iterator[tuple[dict[str, Any] | None, bool]]:
+    try:
+        fh = p.open("r", encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{p}: no such file", path=p,
+                         hint="pass the log= path given to TrainingGuard") from None
+    except OSError as exc:
+        raise InputError(f"{p}: cannot read: {exc.strerror}", path=p) from None
+    with fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if not isinstance(record, dict) or "event" not in record:
+                    raise ValueError("not an event object")
+            except ValueError as exc:
+                if not line.endswith("\n"):  # the writer died mid-line: the run crashed
+                    yield None, True
+                    return
+                raise FormatError(f"{p}:{number}: not a torchverity event line ({exc})", path=p,
+                                  hint="event logs are written by TrainingGuard(log=...)") from None
+            yield record, False
+
+
+def summarize(path: str | Path) -> EventReport:
+    """Summarise an event log (streamed: memory does not grow with the number of steps)."""
+    p = Path(path)
+    counts: Counter[str] = Counter()
+    replays: Counter[str] = Counter()
+    anomalies: list[dict[str, Any]] = []
+    steps, skipped, rollbacks, checkpoints = 0, 0, 0, 0
+    final_loss: float | None = None
+    finished = torn = False
+    for record, torn_line in _records(p):
+        torn = torn or torn_line
+        if record is None:
+            continue
+        kind = record["event"]
+        if kind == "metrics":
+            steps += 1
+            skipped += 0 if record.get("applied", True) else 1
+            final_loss = _number(record.get("loss"))
+        elif kind == "anomaly":
+            anomalies.append(record)
+            counts[str(record.get("kind"))] += 1
+        elif kind == "replay":
+            replays[str(record.get("classification"))] += 1
+        elif kind == "rollback":
+            rollbacks += 1
+        elif kind == "checkpoint":
+            checkpoints += 1
+        elif kind == "summary":
+            finished = True
+    first = min((int(a["step"]) for a in anomalies), default=None)
+    return EventReport(str(p), steps, dict(counts), tuple(anomalies), skipped, rollbacks,
+                       dict(replays), checkpoints, first, final_loss, finished, torn)
+
+
+def plot(path: str | Path, out: str | Path) -> Path:
+    """Draw loss and gradient norm per step, with anomalies marked, into a PNG."""
+    require_extra("matplotlib", extra="plot", feature="torchverity report --plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps: list[int] = []
+    losses: list[float] = []
+    norms: list[float] = []
+    marks: list[tuple[int, str]] = []
+    for record in iter_events(path):
+        if record["event"] == "metrics":
+            steps.append(int(record["step"]))
+            losses.append(_number(record.get("loss")))
+            norms.append(_number(record.get("grad_norm")))
+        elif record["event"] == "anomaly":
+            marks.append((int(record["step"]), str(record.get("kind"))))
+    fig, (ax_loss, ax_norm) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
+    ax_loss.plot(steps, losses, lw=1, color="tab:blue")
+    ax_norm.plot(steps, norms, lw=1, color="tab:green")
+    ax_loss.set_ylabel("loss")
+    ax_norm.set_ylabel("grad norm")
+    ax_norm.set_xlabel("step")
+    for ax in (ax_loss, ax_norm):
+        if all(v > 0 for v in (losses if ax is ax_loss else norms) if math.isfinite(v)):
+            ax.set_yscale("log")
+        for i, (step, _kind) in enumerate(marks):
+            ax.axvline(step, color="tab:red", ls="--", lw=0.8,
+                       label="anomaly" if i == 0 and ax is ax_loss else None)
+    for step, kind in sorted(set(marks)):
+        ax_loss.annotate(kind, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
+                         va="top", ha="right", fontsize=7, color="tab:red")
+    if marks:
+        ax_loss.legend(loc="upper right")
+    ax_loss.set_title(f"{Path(path).name}: {len(steps)} steps, {len(marks)} anomalies")
+    fig.tight_layout()
+    target = Path(out)
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return target

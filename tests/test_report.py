@@ -1,0 +1,105 @@
+"""``torchverity report``: real guard logs summarised, tabulated, plotted; bad logs rejected."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchverity import faults
+from torchverity.guard import TrainingGuard
+from torchverity.report import summarize
+
+
+def _guarded_run(log: Path, steps: int = 40, *, close: bool = True) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = torch.randn(256, 8), torch.randn(256, 1)
+
+    def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    guard = TrainingGuard(model, opt, log=log, check_every=5, step_fn=step_fn,
+                          policies={"nonfinite_loss": "replay", "nonfinite_grad": "skip"})
+    inj = faults.FaultInjector(model)
+    inj.gradient("2.bias", step=12, value=math.nan)
+    inj.activation("1", step=27, index=1, value=math.inf)
+    for step in range(steps):
+        inj.begin_step(step)
+        guard.train_step((x[step % 8 * 32:][:32], y[step % 8 * 32:][:32]))
+    if close:
+        guard.close()
+
+
+@pytest.fixture(scope="module")
+def log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("report") / "events.jsonl"
+    _guarded_run(path)
+    return path
+
+
+def test_summary_counts_what_happened(log: Path) -> None:
+    report = summarize(log)
+    assert report.steps == 40 and report.finished and not report.torn_last_line
+    assert [(a["step"], a["kind"]) for a in report.anomalies] == [
+        (12, "nonfinite_grad"), (27, "nonfinite_loss"), (27, "nonfinite_grad")
+    ]
+    assert report.counts == {"nonfinite_grad": 2, "nonfinite_loss": 1}
+    assert report.replays == {"transient": 1}
+    # Step 12, then 27 held (replay latches) until the host read after step 29.
+    assert report.skipped == 4 and report.first_anomaly_step == 12
+    assert report.final_loss is not None and math.isfinite(report.final_loss)
+
+
+def test_cli_report_table(log: Path, run_cli: Any,
+                          golden: Callable[[str, str], None]) -> None:
+    res = run_cli("report", log)
+    assert res.code == 0, res.err
+    text = res.out.replace(str(log), "events.jsonl")
+    golden("report_table.txt", text)
+    assert res.err == ""
+
+
+def test_cli_report_json_and_plot(log: Path, tmp_path: Path, run_cli: Any) -> None:
+    png = tmp_path / "run.png"
+    res = run_cli("report", log, "--plot", png, "--json")
+    assert res.code == 0
+    data = json.loads(res.out)
+    assert data["ok"] and data["steps"] == 40 and data["plot"] == str(png)
+    assert data["counts"] == {"nonfinite_grad": 2, "nonfinite_loss": 1}
+    assert data["anomalies"][1]["replay"] == "transient"
+    head = png.read_bytes()[:8]
+    assert head == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_crashed_run_with_torn_last_line_is_reported_not_fatal(
+    tmp_path: Path, run_cli: Any
+) -> None:
+    log = tmp_path / "crashed.jsonl"
+    _guarded_run(log, steps=20, close=False)
+    with log.open("a") as fh:
+        fh.write('{"event": "metrics", "step": 2')  # the process died mid-line
+    report = summarize(log)
+    assert not report.finished and report.torn_last_line and report.steps == 20
+    res = run_cli("report", log)
+    assert res.code == 0
+    assert "no summary event: the run did not finish" in res.err
+    assert "its last line is torn" in res.err
+
+
+def test_bad_inputs_exit_2(tmp_path: Path, run_cli: Any) -> None:
+    res = run_cli("report", tmp_path / "missing.jsonl")
+    assert res.code == 2
+    assert "missing.jsonl: no such file" in res.err
+    assert "next: pass the log= path given to TrainingGuard" in res.err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"event": "start"}\nhello\n{"event": "summary"}\n')
+    res = run_cli("report", bad)
+    assert res.code == 2
+    assert "bad.jsonl:2: not a torchverity event line" in res.err
