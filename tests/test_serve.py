@@ -418,7 +418,7 @@ def test_cli_serves_verified_weights(workspace: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchverity", "serve", "--model", "tvserve_model:build",
          "--weights", str(workspace / "model.pt"), "--golden", str(workspace / "golden.json"),
-         "--port", str(port), "--json", "--log-level", "warning"],
+         "--port", str(port), "--device", "cpu", "--json", "--log-level", "warning"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:

@@ -32,6 +32,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="an input, e.g. x:float32:-1,4 (-1 = any size); repeat for more; "
                    "default: the model's input_spec attribute")
     p.add_argument("--name", help="model name in /metadata (default: the model's class name)")
+    p.add_argument("--device", help="move the model there after verifying (cpu, cuda, cuda:1...)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--digest-policy", choices=("require", "verify-if-present", "ignore"),
@@ -64,7 +65,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     app = create_app(
         args.model, args.weights, golden=args.golden, input_spec=args.input_spec,
         name=args.name, digest_policy=args.digest_policy, max_body=args.max_body,
-        recheck_interval=args.recheck_interval or None,
+        recheck_interval=args.recheck_interval or None, device=args.device,
     )
     report = _report(app.state.torchverity, args)
     if out.json_mode:
@@ -108,7 +109,7 @@ def _print_report(report: dict[str, Any], out: Output) -> None:
     spec = ", ".join(f"{i['name']}:{i['datatype']}{i['shape']}" for i in report["inputs"])
     out.line(f"inputs:      {spec}")
     if report["url"]:
-        out.line(f"serving on   {report['url']}  (/predict /health /ready /metadata)")
+        out.line(f"starting on  {report['url']}  (/predict /health /ready /metadata)")
     if weights["fingerprint_verified"] is None:
         out.warn(f"{weights['path']}: no meta.json, so the content fingerprint was not checked "
                  "against a record (the file digest was)")

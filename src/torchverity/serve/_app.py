@@ -157,17 +157,22 @@ def create_app(
     max_body: int = DEFAULT_MAX_BODY,
     recheck_interval: float | None = DEFAULT_RECHECK_INTERVAL,
     response_digest: str | None = "sha-256",
+    device: str | torch.device | None = None,
 ) -> FastAPI:
     """Verify, load and golden-check the model, then return the FastAPI app serving it.
 
     ``model`` is a module, a factory, or ``"module:callable"``; ``weights`` a
     checkpoint with a sidecar (or listed in its folder's manifest). Without
     ``weights`` the module's in-memory weights are served as they are (their
-    fingerprint is still watched). Raises IntegrityError, InputError or
+    fingerprint is still watched). ``device`` moves the model after the
+    weights were verified; on an accelerator the re-checks use the on-device
+    fingerprint (no copy to the host). Raises IntegrityError, InputError or
     UsageError instead of returning a service that should not run.
     """
     module = build_model(model)
     info = load_verified(module, weights) if weights is not None else None
+    if device is not None:
+        module.to(device)
     module.eval()
     state = ServiceState(
         model=module, name=name or type(module).__name__, spec=model_spec(module, input_spec),
