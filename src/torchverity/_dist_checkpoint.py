@@ -1,0 +1,316 @@
+"""Verified checkpoints in a ``torch.distributed`` job.
+
+``save_rank0``
+    Rank 0 writes through :func:`torchverity.save`, re-reads the file against
+    the digest computed while writing, and only then releases the other ranks.
+``save_dcp`` / ``load_dcp``
+    ``torch.distributed.checkpoint`` folders record offsets but no content
+    hash, and their ``.metadata`` is a pickle. After a save each rank hashes
+    the files it wrote, rank 0 writes a standard ``torchverity.manifest.json``
+    (``torchverity verify DIR`` checks it) plus per-rank tensor fingerprints;
+    a load verifies the files (split across ranks) before ``.metadata`` is
+    unpickled, and the loaded tensors against the fingerprints afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchverity._dist_comm import (
+    DEFAULT_TIMEOUT_S,
+    Comm,
+    all_gather_json,
+    broadcast_status,
+    open_comm,
+)
+from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_files
+from torchverity.errors import FormatError, IntegrityError
+from torchverity.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestEntry,
+    list_files,
+    read_manifest,
+    resolve_inside,
+)
+
+SHARDS_NAME = "torchverity.shards.json"
+SHARDS_FORMAT = "torchverity-dcp-shards"
+SHARDS_VERSION = 1
+_WRITER_PREFIX = re.compile(r"^__(\d+)_")
+
+
+@dataclass(frozen=True)
+class DcpLoadReport:
+    """What ``load_dcp`` verified before and after loading."""
+
+    path: str
+    algo: str
+    files_verified: int
+    fingerprints_verified: bool
+    rank: int
+
+
+# ------------------------------------------------------------------ rank-0 save
+
+
+def save_rank0(
+    obj: Any,
+    path: str | os.PathLike[str],
+    *,
+    group: dist.ProcessGroup | None = None,
+    check: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    **save_kwargs: Any,
+) -> Any:
+    """Save on the group's first rank, verify the written file, then release every rank.
+
+    With ``check=model`` the replicas are compared first and nothing is saved
+    if they disagree (a checkpoint of a corrupted replica is worse than none).
+    Every rank returns the :class:`~torchverity.checkpoint.SaveReport` (with
+    ``written=False`` on the others) or raises the same failure.
+    """
+    from torchverity.checkpoint import SaveReport, save
+    from torchverity.distributed import check_replicas
+    from torchverity.verify import verify_file
+
+    c = open_comm(group, timeout, "save_rank0")
+    path = Path(path)
+    if check is not None:
+        check_replicas(check, optimizer, group, timeout=timeout).raise_if_failed()
+    report, error = None, None
+    if c.index == 0:
+        try:
+            report = save(obj, path, all_ranks=True, **save_kwargs)
+            result = verify_file(path)
+            if not result.ok:
+                raise IntegrityError(
+                    f"{path}: the file read back does not match the digest computed while "
+                    "writing it (the storage corrupted it)",
+                    path=path, expected=report.digest, actual=result.entries[0].actual,
+                    hint="save again to another disk and check the storage's health",
+                )
+        except Exception as exc:  # every rank must hear about any failure, then it is re-raised
+            error = exc
+    failed = broadcast_status(c, error is not None, f"the verified save of {path}")
+    if error is not None:
+        raise error
+    if failed:
+        raise IntegrityError(
+            f"rank {c.ranks[0]} could not write a verified checkpoint {path}; rank {c.rank} "
+            "holds the only copy of its state",
+            path=path, hint=f"see rank {c.ranks[0]}'s error, then torchverity verify {path}",
+        )
+    return report or SaveReport(os.fspath(path), save_kwargs.get("algo", DEFAULT_ALGO), "", "",
+                                None, None, written=False)
+
+
+# ------------------------------------------------------------------ DCP save
+
+
+def _owner(rel: str, position: int, world: int) -> int:
+    """Which group index hashes ``rel``: the rank that wrote it, when the name says so."""
+    name = rel.rsplit("/", 1)[-1]
+    match = _WRITER_PREFIX.match(name)
+    if match:
+        return int(match.group(1)) % world
+    if name in (".metadata", SHARDS_NAME):
+        return 0
+    return position % world
+
+
+def _my_files(c: Comm, files: list[str]) -> list[str]:
+    return [f for i, f in enumerate(files) if _owner(f, i, c.world) == c.index]
+
+
+def _written_files(metadata: Any) -> set[str]:
+    """The files a save wrote, from its own metadata (listing the folder would race rank 0)."""
+    storage = getattr(metadata, "storage_data", None)
+    paths = {getattr(info, "relative_path", None) for info in (storage or {}).values()}
+    if None in paths or not paths:
+        raise FormatError(
+            "save_dcp: the storage writer did not report the files it wrote",
+            hint="use the default FileSystemWriter (pass a folder path as checkpoint_id)",
+        )
+    return {str(p) for p in paths} | {".metadata"}
+
+
+def _local_tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's own piece of every tensor: DTensor local shards, or the full tensor."""
+    if isinstance(state, Mapping):
+        for key, value in state.items():
+            yield from _local_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            yield from _local_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+    elif hasattr(state, "state_dict") and not isinstance(state, torch.Tensor):
+        yield from _local_tensors(state.state_dict(), prefix)
+    elif isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        yield prefix, local.detach()
+
+
+def _shard_fingerprint(state: Any, algo: str | None = None) -> dict[str, Any]:
+    from torchverity.fingerprint import fingerprint
+
+    mode = {None: "auto", "sha256": "exact"}.get(algo, "device")
+    return fingerprint(dict(_local_tensors(state)), mode=mode).to_dict()  # type: ignore[arg-type]
+
+
+def save_dcp(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    group: dist.ProcessGroup | None = None,
+    algo: str = DEFAULT_ALGO,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> Manifest:
+    """``torch.distributed.checkpoint.save`` plus a manifest and per-rank fingerprints.
+
+    Call it on every rank. Each rank hashes the files it wrote (in parallel
+    across ranks); rank 0 writes ``torchverity.manifest.json`` so that
+    ``torchverity verify PATH`` and :func:`load_dcp` can check the folder.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    c = open_comm(group, timeout, "save_dcp")
+    root = Path(path)
+    written = _written_files(dcp.save(state_dict, checkpoint_id=root, process_group=group))
+    fingerprints = all_gather_json(c, _shard_fingerprint(state_dict),
+                                   "the shard fingerprint exchange")
+    error: Exception | None = None
+    if c.index == 0:
+        record = {"format": SHARDS_FORMAT, "version": SHARDS_VERSION, "world_size": c.world,
+                  "ranks": {str(i): fp for i, fp in enumerate(fingerprints)}}
+        atomic_write_text(root / SHARDS_NAME, json.dumps(record, indent=2) + "\n")
+    files = sorted({*written, SHARDS_NAME}, key=str.encode)
+    mine = _my_files(c, files)
+    digests = digest_files([root / f for f in mine], algo) if mine else []
+    ours = [{"path": f, "size": d.size, "digest": d.hexdigest}
+            for f, d in zip(mine, digests, strict=True)]
+    entries = tuple(sorted(
+        (ManifestEntry(e["path"], e["size"], e["digest"])
+         for share in all_gather_json(c, ours, "the shard digest exchange") for e in share),
+        key=lambda e: e.path.encode(),
+    ))
+    manifest = Manifest(algo=algo, entries=entries)
+    if c.index == 0:
+        try:
+            atomic_write_text(root / MANIFEST_NAME, json.dumps(manifest.to_dict(), indent=2) + "\n")
+        except Exception as exc:  # released to every rank below, then re-raised here
+            error = exc
+    if broadcast_status(c, error is not None, f"the manifest of {root}"):
+        raise error or IntegrityError(
+            f"rank {c.ranks[0]} could not write the manifest of {root}", path=root,
+            hint=f"see rank {c.ranks[0]}'s error, then torchverity manifest {root}",
+        )
+    return manifest
+
+
+# ------------------------------------------------------------------ DCP load
+
+
+def _check_share(c: Comm, root: Path, manifest: Manifest, record: Path) -> list[dict[str, Any]]:
+    """Verify this rank's share of the manifest; rank 0 also looks for unlisted files."""
+    expected = {e.path: e for e in manifest.entries}
+    mine = _my_files(c, sorted(expected, key=str.encode))
+    present = [f for f in mine if resolve_inside(root, f, record).is_file()]
+    actual = dict(zip(present, digest_files([root / f for f in present], manifest.algo)
+                      if present else [], strict=True))
+    problems = []
+    for f in mine:
+        got = actual.get(f)
+        if got is None:
+            problems.append({"path": f, "status": "missing", "rank": c.rank})
+        elif got.hexdigest != expected[f].digest or expected[f].size not in (-1, got.size):
+            problems.append({"path": f, "status": "mismatched", "rank": c.rank})
+    if c.index == 0:
+        problems += [{"path": f, "status": "extra", "rank": c.rank}
+                     for f in list_files(root)[0] if f not in expected]
+    return problems
+
+
+def load_dcp(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    group: dist.ProcessGroup | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> DcpLoadReport:
+    """Verify a distributed checkpoint folder, then load it in place into ``state_dict``.
+
+    The ranks split the files of the manifest between them and agree on the
+    verdict before ``torch.distributed.checkpoint.load`` unpickles
+    ``.metadata``. After loading, each rank's tensors are compared with the
+    fingerprints recorded for the same rank when the world size is unchanged.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    c = open_comm(group, timeout, "load_dcp")
+    root = Path(path)
+    record = root / MANIFEST_NAME
+    manifest = read_manifest(record)
+    problems = [p for share in all_gather_json(c, _check_share(c, root, manifest, record),
+                                                "the checkpoint verification exchange")
+                for p in share]
+    if problems:
+        listed = "; ".join(f"{p['path']} {p['status']} (checked by rank {p['rank']})"
+                           for p in problems[:5])
+        raise IntegrityError(
+            f"{root}: {len(problems)} file(s) of the distributed checkpoint do not match its "
+            f"manifest: {listed}; nothing was loaded",
+            path=root, tensors=[p["path"] for p in problems],
+            hint=f"torchverity verify {root}; load an older verified checkpoint",
+        )
+    dcp.load(state_dict, checkpoint_id=root, process_group=group)
+    verified = _check_fingerprints(c, root, state_dict)
+    return DcpLoadReport(os.fspath(root), manifest.algo, len(manifest.entries), verified, c.rank)
+
+
+def _check_fingerprints(c: Comm, root: Path, state_dict: dict[str, Any]) -> bool:
+    from torchverity.fingerprint import Fingerprint
+
+    recorded = _read_shards(root / SHARDS_NAME)
+    mine = recorded.get("ranks", {}).get(str(c.index)) if recorded else None
+    usable = mine is not None and recorded is not None and recorded.get("world_size") == c.world
+    if usable and mine is not None:
+        expected = Fingerprint.from_dict(mine)
+        actual = Fingerprint.from_dict(_shard_fingerprint(state_dict, expected.algo))
+        differing = expected.differing(actual)
+    else:
+        differing = []
+    reports = all_gather_json(c, {"rank": c.rank, "usable": usable, "differing": differing},
+                              "the loaded fingerprint exchange")
+    bad = [r for r in reports if r["differing"]]
+    if bad:
+        where = "; ".join(f"rank {r['rank']}: {', '.join(r['differing'][:3])}" for r in bad)
+        raise IntegrityError(
+            f"{root}: tensors loaded from the distributed checkpoint differ from the fingerprints "
+            f"recorded at save: {where}",
+            path=root, tensors=[t for r in bad for t in r["differing"]],
+            hint="the files verified, so memory or the load path corrupted them: reload, and "
+            "check the named rank's device",
+        )
+    return all(r["usable"] for r in reports)
+
+
+def _read_shards(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path}: unreadable shard fingerprints: {exc}", path=path) from None
+    if not isinstance(data, dict) or data.get("format") != SHARDS_FORMAT:
+        raise FormatError(f"{path}: not a {SHARDS_FORMAT} file", path=path)
+    return data

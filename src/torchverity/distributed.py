@@ -1,0 +1,562 @@
+"""Integrity checks across the ranks of a ``torch.distributed`` job.
+
+In data-parallel training every replica must hold bit-identical parameters
+after each step, and every rank must receive the same reduced gradients. A
+GPU that computes a wrong result or a link that corrupts a gradient breaks
+that silently. These checks make it loud and name the rank:
+
+``check_replicas(model, optimizer)``
+    Each rank digests its parameters, buffers and optimizer state where they
+    live (no tensor leaves the device); the ranks exchange 16 bytes per tensor
+    and a majority vote names the odd rank(s) and the tensors that differ.
+``GradientCheck(model)``
+    After backward (and, with :meth:`GradientCheck.comm_hook`, right after
+    each DDP bucket's all-reduce) the reduced gradients are compared the same way.
+``replay_audit(model, loss_fn, batch)``
+    Each rank recomputes its neighbour's micro-batch; a rank whose loss and
+    gradients are not reproduced by the others is named.
+``FlagReducer(group)``
+    One ``all_reduce(MAX)`` of a guard's anomaly flags, so all ranks skip,
+    stop or roll back together (``TrainingGuard(reducer=FlagReducer())``).
+``save_rank0`` / ``save_dcp`` / ``load_dcp``
+    Verified checkpoints: rank 0 writes and re-checks while the others wait;
+    ``torch.distributed.checkpoint`` folders get a manifest (each rank hashes
+    the files it wrote) and are verified before anything is unpickled.
+
+Every collective waits at most ``timeout`` seconds, so a dead or stuck rank
+raises :class:`~torchverity.errors.DistributedTimeoutError` instead of hanging.
+
+>>> import torchverity.distributed as tvd               # doctest: +SKIP
+>>> result = tvd.check_replicas(ddp_model, optimizer)   # doctest: +SKIP
+>>> result.raise_if_failed()                            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchverity._dist_checkpoint import load_dcp, save_dcp, save_rank0
+from torchverity._dist_comm import (
+    DEFAULT_TIMEOUT_S,
+    Comm,
+    HashMode,
+    all_gather,
+    all_reduce_max,
+    current_rank,
+    digest_rows,
+    layout_row,
+    open_comm,
+    row_bytes,
+)
+from torchverity.errors import ReplicaMismatchError
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "FlagReducer",
+    "GradientCheck",
+    "ReplayAuditResult",
+    "ReplayComparison",
+    "ReplicaCheckResult",
+    "TensorDisagreement",
+    "check_replicas",
+    "current_rank",
+    "load_dcp",
+    "replay_audit",
+    "save_dcp",
+    "save_rank0",
+]
+
+_NO_THIRD_OPINION = (
+    "with two replicas the faulty one cannot be named without a third opinion: run "
+    "torchverity.distributed.replay_audit with 3 or more ranks, or compare each rank with the "
+    "last verified checkpoint"
+)
+
+
+# ------------------------------------------------------------------ results
+
+
+@dataclass(frozen=True)
+class TensorDisagreement:
+    """One tensor whose digest is not the same on every rank.
+
+    ``groups`` lists global ranks that agree with each other, largest group
+    first; ``odd_ranks`` are those outside a strict majority (empty when no
+    value holds more than half of the ranks).
+    """
+
+    name: str
+    groups: tuple[tuple[int, ...], ...]
+    odd_ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReplicaCheckResult:
+    """The same outcome on every rank of the group, so all ranks can act alike."""
+
+    kind: str
+    rank: int
+    ranks: tuple[int, ...]
+    tensors_checked: int
+    bytes_exchanged: int
+    disagreements: tuple[TensorDisagreement, ...]
+    step: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.disagreements
+
+    @property
+    def tensors(self) -> list[str]:
+        return [d.name for d in self.disagreements]
+
+    @property
+    def odd_ranks(self) -> tuple[int, ...]:
+        return tuple(sorted({r for d in self.disagreements for r in d.odd_ranks}))
+
+    @property
+    def attributed(self) -> bool:
+        """Every disagreement has a majority, so the odd ranks are known."""
+        return bool(self.disagreements) and all(d.odd_ranks for d in self.disagreements)
+
+    def summary(self) -> str:
+        where = f" at step {self.step}" if self.step is not None else ""
+        world = len(self.ranks)
+        if self.ok:
+            return (f"{self.kind} agree on all {world} ranks{where}: {self.tensors_checked} "
+                    f"tensors compared, {self.bytes_exchanged} bytes exchanged")
+        names = _short_list(self.tensors)
+        count = f"{len(self.disagreements)} of {self.tensors_checked} tensors"
+        if self.attributed:
+            odd = ", ".join(map(str, self.odd_ranks))
+            return (f"rank {odd} disagrees with the majority of {world} ranks in {self.kind}"
+                    f"{where}: {count} differ: {names}")
+        if world == 2:
+            return (f"ranks {self.ranks[0]} and {self.ranks[1]} disagree in {self.kind}{where}: "
+                    f"{count} differ: {names}; {_NO_THIRD_OPINION}")
+        return (f"{self.kind} disagree across {world} ranks{where} with no majority: {count} "
+                f"differ: {names}")
+
+    def raise_if_failed(self) -> ReplicaCheckResult:
+        """Raise :class:`ReplicaMismatchError` on every rank when the ranks disagree."""
+        if not self.ok:
+            raise ReplicaMismatchError(
+                self.summary(),
+                kind=self.kind,
+                ranks=self.odd_ranks,
+                tensors=self.tensors,
+                step=self.step,
+                rank=self.rank,
+                hint=_recovery_hint(self.odd_ranks),
+            )
+        return self
+
+
+def _recovery_hint(odd: Sequence[int]) -> str:
+    who = f"rank {', '.join(map(str, odd))}" if odd else "the job"
+    return (f"stop and restart {who} from the last verified checkpoint (torchverity verify "
+            "CHECKPOINT); if the same rank is named again, take its device out of service")
+
+
+def _short_list(names: Sequence[str], limit: int = 5) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+# ------------------------------------------------------------------ comparing
+
+
+def _compare(c: Comm, kind: str, names: Sequence[str], values: Sequence[Any], mode: HashMode,
+             step: int | None) -> ReplicaCheckResult:
+    """Exchange per-tensor digests (two tiny all_gathers) and vote."""
+    a, b = layout_row(names, values, mode)
+    header = all_gather(c, torch.tensor([len(names), a, b], dtype=torch.int64),
+                        f"the {kind} layout exchange")
+    _check_layout(c, kind, header, step)
+    rows = digest_rows(values, mode, c.device)
+    gathered = all_gather(c, rows, f"the {kind} digest exchange").cpu()
+    return ReplicaCheckResult(
+        kind=kind,
+        rank=c.rank,
+        ranks=c.ranks,
+        tensors_checked=len(names),
+        bytes_exchanged=row_bytes(len(names), c.world),
+        disagreements=_vote(c.ranks, names, gathered),
+        step=step,
+    )
+
+
+def _check_layout(c: Comm, kind: str, header: torch.Tensor, step: int | None) -> None:
+    rows = [tuple(r) for r in header.cpu().tolist()]
+    if len(set(rows)) == 1:
+        return
+    groups = _groups(c.ranks, rows)
+    odd = _odd(groups, c.world)
+    raise ReplicaMismatchError(
+        f"ranks {list(c.ranks)} do not hold the same set of {kind} (names, dtypes or shapes "
+        f"differ; groups that agree: {[list(g) for g in groups]}), so they cannot be compared",
+        kind=f"{kind}-layout", ranks=odd, step=step, rank=c.rank,
+        hint="build the model and optimizer identically on every rank and call the check at the "
+        "same point (after optimizer.step()) on all of them",
+    )
+
+
+def _groups(ranks: Sequence[int], values: Sequence[Any]) -> tuple[tuple[int, ...], ...]:
+    by_value: dict[Any, list[int]] = {}
+    for r, v in zip(ranks, values, strict=True):
+        by_value.setdefault(v, []).append(r)
+    return tuple(tuple(g) for g in sorted(by_value.values(), key=lambda g: (-len(g), g[0])))
+
+
+def _odd(groups: Sequence[Sequence[int]], world: int) -> tuple[int, ...]:
+    if len(groups[0]) * 2 <= world:
+        return ()
+    return tuple(sorted(r for g in groups[1:] for r in g))
+
+
+def _vote(ranks: Sequence[int], names: Sequence[str],
+          gathered: torch.Tensor) -> tuple[TensorDisagreement, ...]:
+    """``gathered`` is ``[world, n, 2]``; only differing rows reach Python."""
+    differs = (gathered != gathered[:1]).any(dim=2).any(dim=0)
+    out = []
+    for i in differs.nonzero().flatten().tolist():
+        groups = _groups(ranks, [tuple(r) for r in gathered[:, i].tolist()])
+        out.append(TensorDisagreement(names[i], groups, _odd(groups, len(ranks))))
+    return tuple(out)
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside DDP/DataParallel wrappers, so names carry no ``module.`` prefix."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while isinstance(model, (DistributedDataParallel, DataParallel)):
+        model = model.module
+    return model
+
+
+# ------------------------------------------------------------------ replicas
+
+
+_PLAIN = (bool, int, float, str, tuple, type(None))
+
+
+def _replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                   buffers: bool) -> tuple[list[str], list[Any]]:
+    module = _unwrap(model)
+    skip = set() if buffers else {n for n, _ in module.named_buffers()}
+    names: list[str] = []
+    values: list[Any] = []
+    for name, value in module.state_dict(keep_vars=True).items():
+        if name in skip:
+            continue
+        names.append(name)
+        values.append(value.detach() if isinstance(value, torch.Tensor) else value)
+    if optimizer is not None:
+        param_names = {id(p): n for n, p in module.named_parameters()}
+        for p, state in optimizer.state.items():
+            pname = param_names.get(id(p), f"param{len(names)}")
+            for key, value in state.items():
+                names.append(f"optimizer.{pname}.{key}")
+                values.append(value.detach() if isinstance(value, torch.Tensor) else value)
+        for i, group in enumerate(optimizer.param_groups):
+            for key, value in group.items():
+                if key != "params" and isinstance(value, _PLAIN):
+                    names.append(f"optimizer.param_groups.{i}.{key}")
+                    values.append(value)
+    return names, values
+
+
+def check_replicas(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    step: int | None = None,
+    buffers: bool = True,
+    mode: HashMode = "auto",
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> ReplicaCheckResult:
+    """Compare this rank's parameters, buffers (and optimizer state) with the other replicas.
+
+    Call it on every rank of ``group`` (the data-parallel replica group; under
+    HSDP the replicate group of each shard) at the same point, e.g. after
+    ``optimizer.step()`` every N steps. Accelerator tensors are digested on
+    their device; CPU tensors through a zero-copy 128-bit BLAKE3
+    (``mode="device"`` forces the device sums everywhere). Only 16 bytes per
+    tensor per rank are exchanged. Every rank returns the same result; call
+    :meth:`ReplicaCheckResult.raise_if_failed` to stop on disagreement.
+
+    Pass ``buffers=False`` when buffers legitimately differ between ranks:
+    plain BatchNorm under DDP keeps per-rank running statistics until the next
+    forward broadcasts rank 0's (SyncBatchNorm keeps them equal).
+    """
+    c = open_comm(group, timeout, "check_replicas")
+    names, values = _replica_state(model, optimizer, buffers)
+    return _compare(c, "parameters", names, values, mode, step)
+
+
+# ------------------------------------------------------------------ gradients
+
+CommHook = Callable[[Any, "dist.GradBucket"], "torch.futures.Future[torch.Tensor]"]
+
+
+class GradientCheck:
+    """Verify that every rank holds the same reduced gradients.
+
+    Post-backward use (works with DDP and with manual all-reduce)::
+
+        check = GradientCheck(ddp_model)
+        loss.backward()
+        check.check(step=step).raise_if_failed()   # before optimizer.step()
+
+    With ``ddp_model.register_comm_hook(None, check.comm_hook())`` each bucket
+    is also digested right after its all-reduce, on the communication path, so
+    a mismatch names the bucket as well as the parameters. ``comm_hook(inner)``
+    wraps any other hook (e.g. fp16 compression) instead of the plain all-reduce.
+    """
+
+    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None = None, *,
+                 mode: HashMode = "auto", timeout: float | None = DEFAULT_TIMEOUT_S) -> None:
+        self._module = _unwrap(model)
+        self._group = group
+        self._mode = mode
+        self._timeout = timeout
+        self._params = [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
+        self._param_names = {id(p): n for n, p in self._params}
+        self._buckets: dict[int, tuple[str, torch.Tensor]] = {}
+
+    def comm_hook(self, inner: CommHook | None = None) -> CommHook:
+        """A DDP communication hook that digests each bucket after ``inner`` reduced it."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        reduce = inner or allreduce_hook
+
+        def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            label = self._bucket_label(bucket)
+            index = bucket.index()
+
+            def record(fut: torch.futures.Future[Any]) -> torch.Tensor:
+                value = fut.value()
+                reduced = value[0] if isinstance(value, (list, tuple)) else value
+                # Digest rows are enqueued on the tensor's device: no host sync here.
+                self._buckets[index] = (label, digest_rows([reduced], self._mode, reduced.device))
+                return reduced
+
+            return reduce(state, bucket).then(record)
+
+        # DDP inspects the annotations, which postponed evaluation turned into strings.
+        hook.__annotations__ = {"state": Any, "bucket": dist.GradBucket,
+                                "return": torch.futures.Future[torch.Tensor]}
+        return hook
+
+    def _bucket_label(self, bucket: dist.GradBucket) -> str:
+        names = [self._param_names.get(id(p), "?") for p in bucket.parameters()]
+        return f"bucket {bucket.index()} ({_short_list(names, 3)})"
+
+    def check(self, step: int | None = None) -> ReplicaCheckResult:
+        """Compare the gradients (and any recorded buckets) of the last backward pass."""
+        c = open_comm(self._group, self._timeout, "GradientCheck")
+        buckets = [self._buckets[i] for i in sorted(self._buckets)]
+        self._buckets.clear()
+        names = [f"{n}.grad" for n, _ in self._params]
+        values: list[Any] = [p.grad for _, p in self._params]
+        result = _compare(c, "gradients", names, values, self._mode, step)
+        if not buckets:
+            return result
+        return _merge_buckets(c, result, buckets, step)
+
+
+def _merge_buckets(c: Comm, grads: ReplicaCheckResult,
+                   buckets: list[tuple[str, torch.Tensor]], step: int | None) -> ReplicaCheckResult:
+    labels = [label for label, _ in buckets]
+    rows = torch.cat([row.to(c.device) for _, row in buckets])
+    a, b = layout_row(labels, [None] * len(labels), "auto")
+    header = all_gather(c, torch.tensor([len(labels), a, b], dtype=torch.int64),
+                        "the gradient bucket layout exchange")
+    _check_layout(c, "gradient buckets", header, step)
+    gathered = all_gather(c, rows, "the gradient bucket digest exchange").cpu()
+    return ReplicaCheckResult(
+        kind="gradients",
+        rank=c.rank,
+        ranks=c.ranks,
+        tensors_checked=grads.tensors_checked + len(labels),
+        bytes_exchanged=grads.bytes_exchanged + row_bytes(len(labels), c.world),
+        disagreements=_vote(c.ranks, labels, gathered) + grads.disagreements,
+        step=step,
+    )
+
+
+# ------------------------------------------------------------------ replay
+
+Batch = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ReplayComparison:
+    """Rank ``batch_of`` computed its own micro-batch; ``replayed_by`` recomputed it."""
+
+    batch_of: int
+    replayed_by: int
+    tensors: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.tensors
+
+
+@dataclass(frozen=True)
+class ReplayAuditResult:
+    """Cross-rank replay outcome, identical on every rank."""
+
+    rank: int
+    ranks: tuple[int, ...]
+    comparisons: tuple[ReplayComparison, ...]
+    suspects: tuple[int, ...]
+    bytes_exchanged: int
+    step: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(cmp.ok for cmp in self.comparisons)
+
+    @property
+    def failed(self) -> tuple[ReplayComparison, ...]:
+        return tuple(cmp for cmp in self.comparisons if not cmp.ok)
+
+    @property
+    def attributed(self) -> bool:
+        return bool(self.suspects)
+
+    @property
+    def tensors(self) -> list[str]:
+        return sorted({t for cmp in self.failed for t in cmp.tensors})
+
+    def summary(self) -> str:
+        where = f" at step {self.step}" if self.step is not None else ""
+        if self.ok:
+            return (f"replay audit{where}: all {len(self.ranks)} micro-batches reproduced "
+                    "bit for bit by a neighbour rank")
+        pairs = "; ".join(
+            f"batch of rank {cmp.batch_of} replayed by rank {cmp.replayed_by}: "
+            f"{_short_list(cmp.tensors, 3)} differ" for cmp in self.failed
+        )
+        if self.suspects:
+            who = ", ".join(map(str, self.suspects))
+            return (f"replay audit{where}: rank {who} computes results no other rank reproduces "
+                    f"({pairs})")
+        if len(self.ranks) == 2:
+            return f"replay audit{where}: the two ranks disagree ({pairs}); {_NO_THIRD_OPINION}"
+        return (f"replay audit{where}: results differ but no rank fails all its comparisons, "
+                f"a transient fault is likely; rerun the audit ({pairs})")
+
+    def raise_if_failed(self) -> ReplayAuditResult:
+        if not self.ok:
+            raise ReplicaMismatchError(
+                self.summary(), kind="replay", ranks=self.suspects, tensors=self.tensors,
+                step=self.step, rank=self.rank, hint=_recovery_hint(self.suspects),
+            )
+        return self
+
+
+def replay_audit(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    batch: Batch,
+    *,
+    group: dist.ProcessGroup | None = None,
+    step: int | None = None,
+    seed: int = 0,
+    mode: HashMode = "auto",
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+) -> ReplayAuditResult:
+    """Recompute the next rank's micro-batch here and compare loss and gradient digests.
+
+    ``loss_fn(module, batch)`` returns the scalar loss of one micro-batch
+    (``module`` is the model without its DDP wrapper, so no gradient is
+    all-reduced). Each rank computes its own batch and its neighbour's with the
+    same parameters and the same RNG seed, so dropout matches; ``.grad``,
+    buffers and the RNG state are left as they were. The comparison is exact:
+    on GPUs enable ``torch.use_deterministic_algorithms(True)`` for the audit.
+    With 3 or more ranks a rank whose every comparison fails is named.
+    """
+    c = open_comm(group, timeout, "replay_audit")
+    module = _unwrap(model)
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    from torchverity._dist_replay import exchange_batch, replay_rows
+
+    neighbour, batch_bytes = exchange_batch(c, batch)
+    own = replay_rows(module, loss_fn, batch, params, seed, mode, c.device)
+    other = replay_rows(module, loss_fn, neighbour, params, seed, mode, c.device)
+    gathered = all_gather(c, torch.stack([own, other]), "the replay digest exchange").cpu()
+    names = ["loss", *(f"{n}.grad" for n, _ in params)]
+    comparisons = _replay_comparisons(c, names, gathered)
+    return ReplayAuditResult(
+        rank=c.rank, ranks=c.ranks, comparisons=comparisons,
+        suspects=_replay_suspects(c.ranks, comparisons),
+        bytes_exchanged=batch_bytes + row_bytes(2 * len(names), c.world, header=False),
+        step=step,
+    )
+
+
+def _replay_comparisons(c: Comm, names: Sequence[str],
+                        gathered: torch.Tensor) -> tuple[ReplayComparison, ...]:
+    """``gathered[i, 0]``: rank i's own batch; ``gathered[i, 1]``: its replay of rank i+1's."""
+    out = []
+    for i in range(c.world):
+        j = (i - 1) % c.world  # rank j replayed rank i's batch
+        differs = (gathered[i, 0] != gathered[j, 1]).any(dim=1)
+        tensors = tuple(names[k] for k in differs.nonzero().flatten().tolist())
+        out.append(ReplayComparison(c.ranks[i], c.ranks[j], tensors))
+    return tuple(out)
+
+
+def _replay_suspects(ranks: Sequence[int],
+                     comparisons: Sequence[ReplayComparison]) -> tuple[int, ...]:
+    # A faulty rank spoils both comparisons it takes part in (its own batch and
+    # its replay of the next one); a healthy neighbour spoils at most one.
+    if len(ranks) < 3:
+        return ()
+    suspects = []
+    for r in ranks:
+        mine = [cmp for cmp in comparisons if r in (cmp.batch_of, cmp.replayed_by)]
+        if mine and all(not cmp.ok for cmp in mine):
+            suspects.append(r)
+    return tuple(suspects)
+
+
+# ------------------------------------------------------------------ guard
+
+
+class FlagReducer:
+    """Combine a guard's device-side anomaly flags across ranks with one ``all_reduce(MAX)``.
+
+    Implements the reducer protocol of :class:`torchverity.TrainingGuard`: a
+    flag raised on any rank is raised on all, so every rank skips, stops or
+    rolls back the same step. The reduction is enqueued on the flags' device
+    (no host sync on NCCL); outside torch.distributed it returns ``flags``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *,
+                 timeout: float | None = None) -> None:
+        self._group = group
+        self._timeout = timeout
+        self._comm: Comm | None = None
+
+    def reduce(self, flags: torch.Tensor) -> torch.Tensor:
+        if not (dist.is_available() and dist.is_initialized()):
+            return flags
+        if self._comm is None:
+            self._comm = open_comm(self._group, self._timeout, "FlagReducer")
+        if self._comm.world == 1:
+            return flags
+        # gloo has no MAX for bool; int32 holds every flag value we use.
+        wire = torch.int32 if flags.dtype == torch.bool else flags.dtype
+        buf = flags.to(device=self._comm.device, dtype=wire, copy=True)
+        all_reduce_max(self._comm, buf, "combining anomaly flags")
+        return buf.to(device=flags.device, dtype=flags.dtype)
