@@ -413,9 +413,7 @@ def _plan_notes(report: StreamReport) -> tuple[bool, list[str]]:
     return not notes, notes
 
 
-def plan_load(
-    path: str, container: Container, findings: Sequence[GlobalFinding]
-) -> LoadPlan | None:
+def plan_load(path: str, container: Container) -> LoadPlan | None:
     """Predict every global ``torch.load(weights_only=True)`` asks for, in one pass."""
     if container.format not in ("torch-zip", "torch-legacy"):
         return None
@@ -423,7 +421,7 @@ def plan_load(
     if entry is None:
         return LoadPlan(container.torch_entry, False, (), "", ("torch finds no pickle to load",))
     allowed = torch_allowlist()
-    categories = {f.name: f.category for f in findings}
+    categories: dict[str, str] = {}
     needs: list[str] = []
     notes: list[str] = []
     loadable = True
@@ -435,6 +433,7 @@ def plan_load(
             name = ".".join(_torch_name(ref))
             if name not in allowed:
                 needs.append(name)
+                categories.setdefault(name, classify(ref, report.protocol)[0])
         for build in report.builds:
             built = _build_type(build)
             if built == "numpy.dtype(?)":
@@ -506,7 +505,7 @@ def scan_file(path: str | os.PathLike[str], *, limits: Limits | None = None) -> 
     findings = _findings(container)
     problems = list(dict.fromkeys([*container.problems, *_stream_errors(container)]))
     verdict, reason = _verdict(findings, problems)
-    plan = plan_load(p, container, findings) if verdict != MALFORMED else None
+    plan = plan_load(p, container) if verdict != MALFORMED else None
     return ScanResult(p, verdict, tuple(findings), plan, reason, container.format, tuple(problems))
 
 

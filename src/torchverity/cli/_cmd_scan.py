@@ -43,7 +43,10 @@ def _print_result(result: Any, out: Output, show_all: bool) -> None:
     plan = result.plan
     if plan is None or result.verdict == "malformed":
         return
-    if not plan.loadable:
+    dangerous = bool(result.names("dangerous"))
+    if dangerous:
+        out.line("  do not load this file: it would run code (migrate refuses it too)")
+    elif not plan.loadable:
         out.line("  torch.load(weights_only=True) cannot read this file:")
         for note in plan.notes:
             out.line(f"    {note}")

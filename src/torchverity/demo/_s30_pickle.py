@@ -1,0 +1,70 @@
+"""Demo step: a legacy checkpoint is scanned, planned and migrated; a malicious one is refused."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchverity.demo import DemoContext
+
+TITLE = "Pickle safety: scan, weights_only plan, migrate, and a refused payload"
+
+
+@dataclass
+class RunConfig:
+    """A training script's own config class, pickled into an old-style checkpoint."""
+
+    lr: float = 3e-4
+    layers: list[int] = field(default_factory=lambda: [16, 32, 4])
+
+
+class _Payload:
+    """What an attacker would put in a checkpoint: a command run at unpickling time."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return os.system, (f"touch {self.sentinel}",)
+
+
+def run(ctx: DemoContext) -> None:
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    legacy = ctx.workdir / "legacy.pt"
+    torch.save({"model": model, "optimizer": opt, "config": RunConfig(), "epoch": 9}, legacy)
+    ctx.say("an old-style checkpoint pickles the whole model, optimizer and a config class;")
+    try:
+        torch.load(legacy, weights_only=True)
+        refused = False
+    except Exception as exc:
+        refused = "Unsupported global" in str(exc)
+    ctx.expect(refused, "plain torch.load(weights_only=True) refuses it, naming one global")
+    _, out, _ = ctx.cli("scan", str(legacy), expect=1)
+    ctx.expect("RunConfig" in out and "torch.optim.sgd.SGD" in out,
+               "scan names every global at once without running any")
+
+    clean = ctx.workdir / "clean.safetensors"
+    ctx.cli("migrate", str(legacy), str(clean))
+    state = torch.load(clean, weights_only=True) if clean.suffix == ".pt" else _st_load(clean)
+    ctx.expect(all(torch.equal(state[f"model.{k}"], v) for k, v in model.state_dict().items()),
+               "migrate wrote a clean state_dict, equal bit for bit, loadable weights-only")
+
+    sentinel = ctx.workdir / "PAYLOAD-RAN"
+    evil = ctx.workdir / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": _Payload(sentinel)}, evil)
+    ctx.say("a checkpoint with a payload that would run 'touch' when unpickled:")
+    ctx.cli("scan", str(evil), expect=1)
+    ctx.cli("migrate", str(evil), str(ctx.workdir / "evil.safetensors"), expect=1)
+    ctx.expect(not sentinel.exists(), "the payload was refused and never ran")
+
+
+def _st_load(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
