@@ -1,0 +1,119 @@
+"""inspect: contents, integrity and safety of a checkpoint, without running code from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import torchverity
+from torchverity.inspect import inspect
+
+
+def _ckpt() -> dict[str, Any]:
+    return {
+        "model": {"w": torch.ones(4, 3), "b": torch.zeros(4, dtype=torch.bfloat16)},
+        "epoch": 2,
+    }
+
+
+def test_clean_checkpoint_reports_everything(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    saved = torchverity.save(_ckpt(), path, meta={"step": 9}, seed=3)
+    r = inspect(path)
+    assert r.format == "pt" and r.size == path.stat().st_size
+    assert r.sidecar.status == "ok" and r.sidecar.actual == saved.digest
+    assert r.scan is not None and r.scan.verdict == "safe"
+    assert r.fingerprint == saved.fingerprint and r.fingerprint_matches_meta is True
+    assert [(t.name, t.dtype, t.shape, t.nbytes) for t in r.tensors] == [
+        ("model.b", "bfloat16", (4,), 8), ("model.w", "float32", (4, 3), 48)]
+    assert r.parameters == 16 and r.bytes_by_dtype == {"float32": 48, "bfloat16": 8}
+    assert r.values == {"epoch": "2"}
+    assert r.meta is not None and r.meta["seed"] == 3 and r.meta["user"] == {"step": 9}
+
+
+def test_cli_clean_and_json(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    path = tmp_path / "m.pt"
+    torchverity.save(_ckpt(), path, meta={"step": 9})
+    r = run_cli("inspect", path)
+    assert r.code == 0, r.err
+    assert f"matches {path}.sha256" in r.out
+    assert "scan        safe (weights_only loads it as is)" in r.out
+    assert "matches meta.json" in r.out and 'user meta   {"step": 9}' in r.out
+    assert "2 tensors, 16 elements (float32 48 B, bfloat16 8 B)" in r.out
+    assert "model.w  float32   4x3" in r.out and "epoch = 2" in r.out
+    data = json.loads(run_cli("inspect", "--json", path).out)
+    assert data["ok"] is True and data["parameters"] == 16
+    assert data["sidecar"]["status"] == "ok" and data["scan"]["verdict"] == "safe"
+
+
+def test_damaged_file_fails(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    path = tmp_path / "m.safetensors"
+    torchverity.save(_ckpt()["model"], path)
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0x10
+    path.write_bytes(bytes(data))
+    r = inspect(path)
+    assert r.sidecar.status == "mismatched" and r.fingerprint_matches_meta is False
+    cli = run_cli("inspect", path)
+    assert cli.code == 1 and "DOES NOT MATCH" in cli.out
+
+
+def test_meta_from_another_save_fails(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torchverity.save({"w": torch.ones(2)}, a)
+    torchverity.save({"w": torch.zeros(2)}, b)
+    shutil.copy(f"{b}.meta.json", f"{a}.meta.json")
+    r = inspect(a)
+    assert r.sidecar.status == "ok" and r.fingerprint_matches_meta is False
+    assert run_cli("inspect", a).code == 1
+
+
+def test_plain_torch_file_without_records(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    path = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(3)}, path)
+    r = run_cli("inspect", path)
+    assert r.code == 0 and "no sidecar" in r.out and "meta.json" not in r.out
+
+
+class _Evil:
+    def __init__(self, sentinel: str) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def test_malicious_pickle_is_never_opened(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    sentinel = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(2), "x": _Evil(str(sentinel))}, path)
+    r = inspect(path)
+    assert r.scan.verdict == "unsafe" and r.tensors == ()
+    assert r.not_loaded is not None and "not opened" in r.not_loaded
+    cli = run_cli("inspect", path)
+    assert cli.code == 1 and "scan        unsafe" in cli.out
+    assert not sentinel.exists()
+
+
+def test_sharded_folder(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    state = {f"layer{i}.w": torch.full((64,), float(i)) for i in range(4)}
+    torchverity.save(state, tmp_path / "shards", shard_bytes=600)
+    r = inspect(tmp_path / "shards")
+    assert r.format == "sharded" and len(r.shards) == 2 and len(r.tensors) == 4
+    assert r.sidecar.status == "ok" and r.fingerprint_matches_meta is True
+    assert run_cli("inspect", tmp_path / "shards").code == 0
+
+
+def test_bad_input_exit_2(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    r = run_cli("inspect", empty)
+    assert r.code == 2 and "file is empty" in r.err
+    r = run_cli("inspect", tmp_path / "absent.pt")
+    assert r.code == 2 and "no such file" in r.err
