@@ -595,3 +595,32 @@ def test_sharded_index_that_lies_about_names(tmp_path: Path) -> None:
     index.write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(FormatError, match="not a file in this folder"):
         torchverity.load(folder, sidecar="ignore")
+
+
+# ------------------------------------------------------------------ torch.distributed
+
+_RANK = """
+import json, sys, torch, torch.distributed as dist, torchverity
+rank, folder = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{folder}/rendezvous", rank=rank,
+                        world_size=2)
+shared = torchverity.save({"w": torch.full((4,), float(rank))}, f"{folder}/shared.pt")
+own = torchverity.save({"w": torch.full((4,), float(rank))}, f"{folder}/rank{rank}.pt",
+                       all_ranks=True)
+dist.barrier()
+dist.destroy_process_group()
+print(json.dumps([shared.written, own.written]))
+"""
+
+
+def test_only_rank_0_writes_unless_all_ranks(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, str(r), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [json.loads(o.strip().splitlines()[-1]) for o, _ in outs] == [[True, True],
+                                                                         [False, True]]
+    assert torchverity.load(tmp_path / "shared.pt", sidecar="require")["w"][0].item() == 0.0
+    assert torchverity.load(tmp_path / "rank1.pt", sidecar="require")["w"][0].item() == 1.0
