@@ -25,8 +25,8 @@ from pickle_corpus import Case
 from torchverity._pickle_ops import Limits
 from torchverity.scan import DANGEROUS, UNKNOWN, scan, scan_file
 
-# Small bounds so the exhaustion cases trip quickly; ordinary files are far below them.
-LIMITS = Limits(max_inflate=8 << 20, max_stack=100_000)
+# The default bounds: exhaustion cases must trip them, ordinary files stay far below.
+LIMITS = Limits()
 
 
 @pytest.fixture(scope="module")
@@ -226,3 +226,25 @@ def test_load_and_inspect_never_run_payloads(corpus: dict[str, Any]) -> None:
             with contextlib.suppress(Exception):
                 torchverity.inspect(case.path)
     assert not sentinel.exists()
+
+
+@pytest.mark.parametrize(
+    ("limits", "data", "message"),
+    [
+        (Limits(max_ops=1000), b"\x80\x02]" + b"K\x01a" * 600 + b".", "more than 1000 opcodes"),
+        (Limits(max_memo=10), b"\x80\x02]" + b"q\x00" * 5 + b"".join(
+            b"r" + i.to_bytes(4, "little") for i in range(20)) + b".", "memo larger than 10"),
+        (Limits(max_line=100), b"cos\n" + b"x" * 200 + b"\n.", "longer than 100 bytes"),
+    ],
+)
+def test_explicit_bounds(tmp_path: Path, limits: Limits, data: bytes, message: str) -> None:
+    path = tmp_path / "bounded.pkl"
+    path.write_bytes(data)
+    result = scan_file(path, limits=limits)
+    assert result.verdict == "malformed" and message in result.reason
+
+
+def test_inflate_bound(corpus: dict[str, Any]) -> None:
+    bomb = next(c for c in corpus["malicious"] if c.name == "zip_bomb").path
+    assert "compression ratio over" in scan_file(bomb).reason
+    assert "more than 1048576 bytes" in scan_file(bomb, limits=Limits(max_inflate=1 << 20)).reason

@@ -80,11 +80,16 @@ class ZipMember:
 # ------------------------------------------------------------------ readers
 
 
+# Real pickles compress far less than this; a bomb of zeros reaches ~1000:1.
+_BOMB_RATIO = 200
+_BOMB_MIN_BYTES = 16 << 20
+
+
 class _Inflating(io.RawIOBase):
-    """A decompressing reader that stops at ``limit`` output bytes (zip bombs)."""
+    """A decompressing reader bounded in output size and compression ratio (zip bombs)."""
 
     def __init__(self, raw: BinaryIO, decompressor: object, limit: int) -> None:
-        self._raw, self._d, self._limit, self._out = raw, decompressor, limit, 0
+        self._raw, self._d, self._limit, self._out, self._in = raw, decompressor, limit, 0, 0
         self._pending = b""
 
     def readable(self) -> bool:
@@ -97,6 +102,7 @@ class _Inflating(io.RawIOBase):
             chunk = self._raw.read(1 << 16)
             if not chunk:
                 return 0
+            self._in += len(chunk)
             self._pending = self._d.decompress(chunk)  # type: ignore[attr-defined]
         n = min(len(buffer), len(self._pending))
         buffer[:n] = self._pending[:n]
@@ -104,6 +110,11 @@ class _Inflating(io.RawIOBase):
         self._out += n
         if self._out > self._limit:
             raise PickleError(f"decompresses to more than {self._limit} bytes", self._out)
+        if self._out > _BOMB_MIN_BYTES and self._out > _BOMB_RATIO * self._in:
+            raise PickleError(
+                f"compression ratio over {_BOMB_RATIO}:1 ({self._in} bytes inflate past "
+                f"{self._out}): a decompression bomb", self._out,
+            )
         return n
 
 

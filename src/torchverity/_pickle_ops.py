@@ -345,7 +345,7 @@ class Walker:
                 raise PickleError(f"more than {self.limits.max_ops} opcodes", self._op_offset)
             report.opcodes.setdefault(info.name, self._op_offset)
             if info.name == "STOP":
-                report.result = self.pop() if self.stack else None
+                report.result = self.pop()
                 return
             handler = _HANDLERS.get(info.name)
             if handler is None:
