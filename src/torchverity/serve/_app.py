@@ -187,23 +187,24 @@ def create_app(
 
 
 def _build_app(state: ServiceState, interval: float | None) -> FastAPI:
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-infer")
-
     @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # One inference thread: requests queue for the model instead of
+        # oversubscribing the cores with parallel forwards.
+        app.state.executor = ThreadPoolExecutor(1, thread_name_prefix="torchverity-infer")
         task = asyncio.create_task(recheck_forever(state, interval)) if interval else None
         try:
             yield
         finally:
             if task:
                 task.cancel()
-            executor.shutdown(wait=False, cancel_futures=True)
+            app.state.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title=f"torchverity serve: {state.name}", version=__version__,
                   lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.torchverity = state
     _add_error_handlers(app)
-    _add_routes(app, state, executor)
+    _add_routes(app, state)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 
@@ -245,7 +246,7 @@ def _clean_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
 # ------------------------------------------------ routes
 
 
-def _add_routes(app: FastAPI, state: ServiceState, executor: ThreadPoolExecutor) -> None:
+def _add_routes(app: FastAPI, state: ServiceState) -> None:
     docs = _problem_docs(400, 413)
 
     @app.get("/health", response_model=Health, responses=docs, summary="Liveness")
@@ -284,7 +285,8 @@ def _add_routes(app: FastAPI, state: ServiceState, executor: ThreadPoolExecutor)
         # Parsing, inference and encoding run off the event loop, so /health and
         # /ready stay responsive under load.
         answer = await loop.run_in_executor(
-            executor, _answer, state, request.headers.get("content-type"), body)
+            request.app.state.executor, _answer, state, request.headers.get("content-type"),
+            body)
         return Response(answer, media_type="application/json")
 
 
