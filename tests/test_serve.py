@@ -495,7 +495,10 @@ def test_openapi_documents_every_problem(service: Service) -> None:
     predict = spec["paths"]["/predict"]["post"]
     for status in ("400", "413", "415", "422", "503"):
         assert "application/problem+json" in predict["responses"][status]["content"]
-    assert "InferRequest" in spec["components"]["schemas"]
+    model_input = spec["components"]["schemas"]["ModelInput"]["properties"]
+    assert model_input["name"]["enum"] == ["x"] and model_input["datatype"]["enum"] == ["FP32"]
+    example = predict["requestBody"]["content"]["application/json"]["example"]
+    assert post(service.url, json.dumps(example).encode()).status_code == 200
 
 
 def test_schemathesis_finds_no_server_error(service: Service) -> None:

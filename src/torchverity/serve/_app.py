@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +50,13 @@ from torchverity.serve._problem import (
     problem_schema,
 )
 from torchverity.serve._rechecks import ServiceState, recheck_forever
-from torchverity.serve._spec import DATATYPES, build_inputs, encode_outputs, model_spec
+from torchverity.serve._spec import (
+    DATATYPES,
+    TensorSpec,
+    build_inputs,
+    encode_outputs,
+    model_spec,
+)
 from torchverity.serve._weights import load_verified
 
 FINGERPRINT_HEADER = "TorchVerity-Fingerprint"
@@ -205,7 +212,7 @@ def _build_app(state: ServiceState, interval: float | None) -> FastAPI:
     app.state.torchverity = state
     _add_error_handlers(app)
     _add_routes(app, state)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app, state.spec)  # type: ignore[method-assign]
     return app
 
 
@@ -401,8 +408,9 @@ def _open_envelope(doc: Mapping[str, Any]) -> Any:
     return _parse_json(payload)
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema plus the request models ``/predict`` parses itself."""
+def _openapi(app: FastAPI, spec: Sequence[TensorSpec]) -> dict[str, Any]:
+    """FastAPI's schema plus the request models ``/predict`` parses itself, with the
+    input names, datatypes and ranks this model accepts."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -411,8 +419,33 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(model_schema.pop("$defs", {}))
         components[model.__name__] = model_schema
+    components["ModelInput"] = _model_input_schema(components["InferTensor"], spec)
+    components["InferRequest"]["properties"]["inputs"]["items"] = {
+        "$ref": "#/components/schemas/ModelInput"}
+    body = schema["paths"]["/predict"]["post"]["requestBody"]["content"]["application/json"]
+    body["example"] = {"inputs": [_example_input(s) for s in spec]}
     app.openapi_schema = schema
     return schema
+
+
+def _example_input(spec: TensorSpec) -> dict[str, Any]:
+    shape = [1 if d == -1 else d for d in spec.shape]
+    value: Any = False if spec.datatype == "BOOL" else 0
+    return {"name": spec.name, "datatype": spec.datatype, "shape": shape,
+            "data": [value] * math.prod(shape)}
+
+
+def _model_input_schema(tensor: Mapping[str, Any], spec: Sequence[TensorSpec]) -> dict[str, Any]:
+    ranks = {len(s.shape) for s in spec}
+    properties = {
+        **tensor["properties"],
+        "name": {"type": "string", "enum": [s.name for s in spec]},
+        "datatype": {"type": "string", "enum": sorted({s.datatype for s in spec})},
+    }
+    if len(ranks) == 1:
+        rank = ranks.pop()
+        properties["shape"] = {**properties["shape"], "minItems": rank, "maxItems": rank}
+    return {**tensor, "title": "ModelInput", "properties": properties}
 
 
 class FingerprintHeaderMiddleware:
