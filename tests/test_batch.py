@@ -168,7 +168,8 @@ def test_sigkill_at_random_moments_then_resume_gives_exactly_one_output_per_inpu
 def test_clean_rerun_of_a_finished_job_changes_nothing(tmp_path: Path) -> None:
     files = make_inputs(tmp_path / "in", 40)
     out = tmp_path / "out"
-    first = run_batch(tmp_path / "in", _transform, out, workers=2)
+    # Durable by one syncfs per commit point here; the other tests fsync every output.
+    first = run_batch(tmp_path / "in", _transform, out, workers=2, durability="group")
     assert first.ok and not first.resumed and first.processed == 40 and not first.problems
     stamp = {p: p.stat().st_mtime_ns for p in (out / "data").rglob("*.out")}
     again = run_batch(tmp_path / "in", _transform, out, workers=2)
@@ -528,6 +529,8 @@ def test_bad_usage_is_refused_before_any_work(tmp_path: Path) -> None:
     make_inputs(tmp_path / "in", 2, nested=False)
     with pytest.raises(Exception, match="output suffix"):
         run_batch(tmp_path / "in", _transform, tmp_path / "out", suffix="")
+    with pytest.raises(Exception, match="unknown durability"):
+        run_batch(tmp_path / "in", _transform, tmp_path / "out", durability="sometimes")
     with pytest.raises(Exception, match="no such folder or list file"):
         run_batch(tmp_path / "missing", _transform, tmp_path / "out")
     assert not (tmp_path / "out" / JOURNAL_NAME).exists()

@@ -60,6 +60,7 @@ def run_batch(
     ray_address: str | None = None,
     force: bool = False,
     suffix: str = ".out",
+    durability: str = "file",
     name: str | None = None,
     model_fingerprint: str | None = None,
     settings: Mapping[str, str] | None = None,
@@ -70,13 +71,15 @@ def run_batch(
     ``name`` (default ``module:qualname`` of ``fn``), ``model_fingerprint``
     and ``settings`` identify the job: resuming with other values is refused
     unless ``force=True``, which deletes the previous outputs and starts over.
-    ``progress(done, total)`` is called as items reach a final state. With
+    ``progress(done, total)`` is called as items reach a final state.
+    ``durability="file"`` fsyncs every output before its rename; ``"group"``
+    (Linux) makes them durable with one ``syncfs`` per commit point instead. With
     ``engine="ray"`` the function must be picklable.
     """
     label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
     factory = GivenFn(fn, label, model_fingerprint)
     return execute(_config(inputs, out, workers, retries, backoff, engine, ray_address, force,
-                           suffix, settings), factory, progress)
+                           suffix, durability, settings), factory, progress)
 
 
 def run_model_batch(
@@ -92,6 +95,7 @@ def run_model_batch(
     ray_address: str | None = None,
     force: bool = False,
     suffix: str = ".out",
+    durability: str = "file",
     settings: Mapping[str, str] | None = None,
     progress: Progress | None = None,
 ) -> BatchReport:
@@ -103,14 +107,15 @@ def run_model_batch(
     """
     factory = ModelSpec(model, os.fspath(weights) if weights is not None else None)
     return execute(_config(inputs, out, workers, retries, backoff, engine, ray_address, force,
-                           suffix, settings), factory, progress)
+                           suffix, durability, settings), factory, progress)
 
 
 def _config(inputs: PathLike, out: PathLike, workers: int, retries: int, backoff: float,
-            engine: str, ray_address: str | None, force: bool, suffix: str,
+            engine: str, ray_address: str | None, force: bool, suffix: str, durability: str,
             settings: Mapping[str, str] | None) -> JobConfig:
     return JobConfig(
         inputs=Path(inputs), out=Path(out), suffix=suffix, workers=workers, retries=retries,
         backoff=backoff, engine=engine, ray_address=ray_address, force=force,
+        durability=durability,
         settings=tuple(sorted((str(k), str(v)) for k, v in (settings or {}).items())),
     )

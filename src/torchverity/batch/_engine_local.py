@@ -2,9 +2,10 @@
 
 Reading, hashing, fsync and torch all release the GIL, so threads keep the
 cores busy without copying the model into other processes. At most
-``workers`` threads run the model at once; extra threads only write outputs
-(temp, fsync, rename), so one item's fsync overlaps the next item's compute
-and the filesystem can group concurrent fsyncs into one journal commit. The
+``workers`` threads run the model at once; the other threads read and verify
+inputs and hash and write outputs (temp, fsync, rename) meanwhile, so the
+checks overlap the model's compute and the filesystem can group concurrent
+fsyncs into one journal commit. The
 driver alone records outcomes in the journal.
 """
 
@@ -14,12 +15,20 @@ import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from torchverity.batch._item import ItemFn, ItemResult, OutputWriteError, compute, write_output
+from torchverity.batch._item import (
+    ItemFn,
+    ItemResult,
+    OutputWriteError,
+    committed,
+    read_input,
+    run_fn,
+    write_output,
+)
 from torchverity.batch._journal import WorkItem
 
 EngineEvent = ItemResult | OutputWriteError
-# Threads that may be waiting in fsync while the model threads go on computing.
-WRITER_THREADS = 4
+# Threads that verify, hash and fsync while the model threads go on computing.
+HELPER_THREADS = 4
 
 
 class LocalEngine:
@@ -27,10 +36,11 @@ class LocalEngine:
 
     name = "local"
 
-    def __init__(self, fn: ItemFn, out: Path, workers: int) -> None:
-        self.capacity = workers + WRITER_THREADS
+    def __init__(self, fn: ItemFn, out: Path, workers: int, *, fsync: bool) -> None:
+        self.capacity = workers + HELPER_THREADS
         self._fn = fn
         self._out = out
+        self._fsync = fsync
         self._compute_slots = threading.BoundedSemaphore(workers)
         self._pool = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="tv-batch")
         self._futures: set[Future[ItemResult]] = set()
@@ -43,10 +53,17 @@ class LocalEngine:
         self._futures.add(self._pool.submit(self._process, work))
 
     def _process(self, work: WorkItem) -> ItemResult:
+        # Only the model holds a compute slot: reading and hashing the input, hashing
+        # and writing the output overlap with other items' compute.
+        data = read_input(work)
+        if isinstance(data, ItemResult):
+            return data
         with self._compute_slots:
-            result, view = compute(work, self._fn)
-        if view is not None:
-            write_output(self._out, work, view)
+            view = run_fn(work, self._fn, data)
+        if isinstance(view, ItemResult):
+            return view
+        result = committed(work, view)
+        write_output(self._out, work, view, fsync=self._fsync)
         return result
 
     def wait(self, timeout: float) -> list[EngineEvent]:

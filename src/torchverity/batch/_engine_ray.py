@@ -45,13 +45,14 @@ class RayEngine:
     name = "ray"
 
     def __init__(self, factory: ModelFactory, identity: dict[str, str], out: Path,
-                 workers: int, address: str | None = None) -> None:
+                 workers: int, address: str | None = None, *, fsync: bool = True) -> None:
         self._ray = require_extra("ray", extra="ray", feature="the Ray engine (--engine ray)")
         self._owns = not self._ray.is_initialized()
         if self._owns:
             self._init(address, workers)
         self.capacity = workers
         self._out = out
+        self._fsync = fsync
         self._factory = factory
         self._actor_cls = self._ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(
             _Worker
@@ -126,7 +127,7 @@ class RayEngine:
             return ItemResult(work.id, FAILED,
                               error="output bytes changed between worker and driver")
         try:
-            write_output(self._out, work, memoryview(result.payload))
+            write_output(self._out, work, memoryview(result.payload), fsync=self._fsync)
         except OutputWriteError as exc:
             return exc
         return dataclasses.replace(result, payload=None)

@@ -31,7 +31,9 @@ from torchverity.batch._bag import BAG_INFO_TXT, BAGIT_TXT, write_bag
 from torchverity.batch._inputs import list_inputs, manifest_lines, manifest_root
 from torchverity.batch._item import (
     DATA_DIR,
+    DURABILITY,
     TMP_SUFFIX,
+    Durability,
     ItemResult,
     OutputWriteError,
     file_sha256,
@@ -61,7 +63,7 @@ COMMIT_INTERVAL_S = 0.25
 COMMIT_EVERY = 256
 MAX_BACKOFF_S = 10.0
 # Items marked running per journal transaction (a crash counts them all as interrupted).
-CLAIM_AHEAD = 64
+CLAIM_AHEAD = 16
 
 
 class Engine(Protocol):
@@ -129,6 +131,7 @@ class JobConfig:
     engine: str = "local"
     ray_address: str | None = None
     force: bool = False
+    durability: str = "file"
     settings: tuple[tuple[str, str], ...] = ()
 
 
@@ -160,10 +163,12 @@ def execute(config: JobConfig, factory: ModelFactory,
     journal, resumed = _open_or_create(config, out, fingerprint, doc)
     try:
         interrupted, orphans, repaired = _recover(journal, out) if resumed else (0, 0, [])
-        engine = _make_engine(config, factory, identity, out)
+        durability = Durability(out, config.durability)
+        engine = _make_engine(config, factory, identity, out, durability.per_file)
         try:
             work_start = time.perf_counter()
-            processed, retries = _Scheduler(journal, engine, out, config, progress).run()
+            scheduler = _Scheduler(journal, engine, out, config, durability, progress)
+            processed, retries = scheduler.run()
             work_seconds = time.perf_counter() - work_start
         finally:
             engine.close()
@@ -180,6 +185,9 @@ def _check_config(config: JobConfig) -> None:
         raise UsageError(f"--workers must be at least 1, not {config.workers}")
     if config.retries < 0:
         raise UsageError(f"--retries must be 0 or more, not {config.retries}")
+    if config.durability not in DURABILITY:
+        raise UsageError(f"unknown durability '{config.durability}'",
+                         hint=f"use one of: {', '.join(DURABILITY)}")
     if config.engine not in ("local", "ray"):
         raise UsageError(f"unknown engine '{config.engine}'", hint="use --engine local or ray")
     bad_suffix = not config.suffix or "/" in config.suffix or config.suffix.endswith(TMP_SUFFIX)
@@ -305,25 +313,27 @@ def stored_digests(out: Path, rows: list[ItemRow]) -> list[tuple[str, int] | Non
 
 
 def _make_engine(config: JobConfig, factory: ModelFactory, identity: dict[str, str],
-                 out: Path) -> Engine:
+                 out: Path, fsync: bool) -> Engine:
     if config.engine == "ray":
         from torchverity.batch._engine_ray import RayEngine
 
-        return RayEngine(factory, identity, out, config.workers, config.ray_address)
+        return RayEngine(factory, identity, out, config.workers, config.ray_address,
+                         fsync=fsync)
     from torchverity.batch._engine_local import LocalEngine
 
     fn, got = factory.load()
     if got != identity:
         raise BatchError(f"the model changed while loading: {got} instead of {identity}")
-    return LocalEngine(fn, out, config.workers)
+    return LocalEngine(fn, out, config.workers, fsync=fsync)
 
 
 class _Scheduler:
     """Feeds the engine, applies retries with backoff, and groups outcomes into commit points."""
 
     def __init__(self, journal: Journal, engine: Engine, out: Path, config: JobConfig,
-                 progress: Callable[[int, int], None] | None) -> None:
+                 durability: Durability, progress: Callable[[int, int], None] | None) -> None:
         self.journal = journal
+        self.durability = durability
         self.engine = engine
         self.out = out
         self.config = config
@@ -428,7 +438,8 @@ class _Scheduler:
             self._commit()
 
     def _commit(self) -> None:
-        fsync_dirs(self.folders)  # the renames are on disk before the journal says so
+        # The outputs and their renames are on disk before the journal says so.
+        self.durability.commit_point(self.folders)
         self.journal.record(self.buffer)
         self.buffer, self.folders = [], set()
         self.last_commit = time.monotonic()

@@ -46,6 +46,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                      help="retries per failing item, with backoff (default 2)")
     run.add_argument("--suffix", default=".out", help="appended to each input's key to name "
                      "its output (default .out)")
+    run.add_argument("--durability", choices=("file", "group"), default="file",
+                     help="file: fsync every output (default); group: one syncfs of the "
+                     "output filesystem per commit point (Linux)")
     run.add_argument("--force", action="store_true",
                      help="start over: delete this folder's previous job and outputs")
     run.set_defaults(func=_run)
@@ -71,7 +74,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         report = run_model_batch(
             args.inputs, args.model, args.out, weights=args.weights, workers=args.workers,
             retries=args.retries, engine=args.engine, ray_address=args.ray_address,
-            force=args.force, suffix=args.suffix, progress=progress,
+            force=args.force, suffix=args.suffix, durability=args.durability,
+            progress=progress,
         )
     if out.json_mode:
         out.data({"ok": report.ok, **_as_dict(report)})
