@@ -1,0 +1,82 @@
+"""Trainer integrations (extras): the TrainingGuard as a Lightning or Hugging Face callback.
+
+* ``torchverity.integrations.lightning.GuardCallback`` (``pip install 'torchverity[lightning]'``)
+* ``torchverity.integrations.hf.GuardCallback`` (``pip install 'torchverity[hf]'``)
+
+Both run the same detectors and policies as :class:`torchverity.TrainingGuard`
+and record every checkpoint the trainer saves: a ``FILE.sha256`` sidecar and
+a ``FILE.meta.json`` with the content fingerprint, exactly what
+``torchverity.save`` writes, so ``torchverity verify`` and ``torchverity.load``
+check those files like their own.
+
+This module imports neither Lightning nor transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_file, write_sidecar
+from torchverity.errors import FormatError
+
+log = logging.getLogger("torchverity.integrations")
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """What was recorded next to a checkpoint file written by a trainer."""
+
+    path: str
+    algo: str
+    digest: str
+    fingerprint: str | None
+    sidecar: str
+    meta: str | None
+
+
+def record_checkpoint_file(
+    path: str | os.PathLike[str], content: Any = None, *, source: str,
+    user: dict[str, Any] | None = None, algo: str = DEFAULT_ALGO,
+) -> CheckpointRecord:
+    """Write the sidecar and, when ``content`` (the object saved) is given, the meta.json.
+
+    ``content`` must be what loading the file returns, so that
+    ``torchverity.load`` can compare fingerprints; objects that cannot be
+    fingerprinted (custom classes in hyperparameters) get the sidecar only.
+    """
+    from torchverity.checkpoint import META_FORMAT, META_VERSION, environment, meta_path_for
+    from torchverity.fingerprint import fingerprint
+
+    p = Path(path)
+    digest = digest_file(p, algo)
+    sidecar = write_sidecar(p, digest)
+    if content is None:
+        return CheckpointRecord(str(p), algo, digest.hexdigest, None, str(sidecar), None)
+    try:
+        fp = fingerprint(content, mode="exact")
+    except FormatError as exc:
+        log.warning("%s: sidecar written, no meta.json: %s", p, exc.message)
+        return CheckpointRecord(str(p), algo, digest.hexdigest, None, str(sidecar), None)
+    record = {
+        "format": META_FORMAT,
+        "version": META_VERSION,
+        "file": p.name,
+        "file_format": "safetensors" if p.suffix == ".safetensors" else "pt",
+        "size": digest.size,
+        "digest": {"algo": algo, "hex": digest.hexdigest},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "environment": environment(),
+        "seed": None,
+        "data": None,
+        "fingerprint": fp.to_dict(),
+        "user": {"source": source, **(user or {})},
+    }
+    meta = meta_path_for(p)
+    atomic_write_text(meta, json.dumps(record, indent=2) + "\n")
+    return CheckpointRecord(str(p), algo, digest.hexdigest, fp.root, str(sidecar), str(meta))

@@ -1,0 +1,113 @@
+"""Hugging Face ``TrainerCallback``: TrainingGuard detectors and policies, verified checkpoints.
+
+    from torchverity.integrations.hf import GuardCallback
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[GuardCallback(log="ev.jsonl")])
+
+The loss is taken from the model's output (``output.loss``, what every
+Transformers model returns when labels are given) by a forward hook, averaged
+over gradient-accumulation micro-batches; ``on_pre_optimizer_step`` computes
+the flags and copies the parameters, ``on_optimizer_step`` decides and
+records the at-rest checksums. Note that the Trainer clips gradients before
+``on_pre_optimizer_step``, so the gradient-norm rule sees clipped norms (NaN
+and Inf still show), and that with ``logging_nan_inf_filter=True`` (its
+default) the Trainer itself reads the loss on the host every step.
+
+On every save, each weight file of ``checkpoint-N/`` gets a sidecar, the
+safetensors model file a meta.json with its fingerprint, and the folder a
+``torchverity.manifest.json``, so ``torchverity verify checkpoint-N`` checks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchverity.errors import UsageError, require_extra
+from torchverity.guard import GuardSummary, TrainingGuard
+from torchverity.integrations import CheckpointRecord, record_checkpoint_file
+
+_TrainerCallback: Any = require_extra(
+    "transformers", extra="hf", feature="the Hugging Face callback"
+).TrainerCallback
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+class GuardCallback(_TrainerCallback):
+    """Runs a :class:`TrainingGuard` inside ``Trainer.train``; options are TrainingGuard's."""
+
+    def __init__(self, *, log: str | Path | None = None, record_checkpoints: bool = True,
+                 **guard_options: Any) -> None:
+        if "step_fn" in guard_options:
+            raise UsageError("the Hugging Face callback does not replay steps",
+                             hint="use TrainingGuard in a plain loop for replay audits")
+        self.log_path = log
+        self.record_checkpoints = record_checkpoints
+        self.guard_options = guard_options
+        self.guard: TrainingGuard | None = None
+        self.summary: GuardSummary | None = None
+        self.checkpoints: list[CheckpointRecord] = []
+        self._losses: list[torch.Tensor] = []
+        self._hook: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                       optimizer: Any = None, **kwargs: Any) -> None:
+        self.guard = TrainingGuard(model, optimizer, log=self.log_path,
+                                   start_step=state.global_step, **self.guard_options)
+        self._hook = model.register_forward_hook(self._capture_loss)
+
+    def _capture_loss(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if not module.training:
+            return
+        loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+        if isinstance(loss, torch.Tensor):
+            self._losses.append(loss.detach())
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.guard is None:
+            return
+        if not self._losses:
+            raise UsageError(
+                "GuardCallback saw no loss in the model's output",
+                hint="pass labels so the model returns .loss (custom compute_loss is not seen)",
+            )
+        loss = torch.stack(self._losses).mean()
+        self._losses.clear()
+        self.guard.check(loss)
+        self.guard.before_update()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.guard is not None:
+            self.guard.after_update()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.record_checkpoints or not state.is_world_process_zero:
+            return
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            self.checkpoints.extend(record_checkpoint_folder(folder, state.global_step))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        if self.guard is not None:
+            self.summary = self.guard.close()
+
+
+def record_checkpoint_folder(folder: Path, step: int | None = None) -> list[CheckpointRecord]:
+    """Sidecars for the weight files, meta.json for safetensors, a manifest for the folder."""
+    from safetensors.torch import load_file
+
+    from torchverity.manifest import write_manifest
+
+    records = []
+    for path in sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES):
+        # safetensors holds only tensors: reading it back runs no code.
+        content = load_file(str(path)) if path.suffix == ".safetensors" else None
+        records.append(record_checkpoint_file(path, content, source="hf",
+                                              user={"global_step": step}))
+    write_manifest(folder)
+    return records

@@ -1,0 +1,106 @@
+"""PyTorch Lightning callback: TrainingGuard detectors and policies, verified checkpoints.
+
+    from torchverity.integrations.lightning import GuardCallback
+    trainer = lightning.Trainer(callbacks=[GuardCallback(log="events.jsonl")])
+
+Hooks used: ``on_before_backward`` (keeps the loss tensor), then
+``on_before_optimizer_step`` (flags computed on the device, parameters copied
+so the update can be undone) and ``on_train_batch_end`` (decision, at-rest
+checksums, host read every ``check_every`` steps). The trainer's
+``CheckpointIO`` is wrapped so every file it saves gets a sidecar and a
+meta.json with the fingerprint of the saved dictionary. Replay needs a step
+function and is not offered here; use the plain-loop guard for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchverity.errors import UsageError, require_extra
+from torchverity.guard import GuardSummary, TrainingGuard
+from torchverity.integrations import CheckpointRecord, record_checkpoint_file
+
+_pl = require_extra("lightning.pytorch", extra="lightning", feature="the Lightning callback")
+_plugins = require_extra("lightning.fabric.plugins", extra="lightning",
+                         feature="the Lightning callback")
+_Callback: Any = _pl.Callback
+_CheckpointIO: Any = _plugins.CheckpointIO
+
+
+class _RecordingIO(_CheckpointIO):
+    """Delegates to the trainer's CheckpointIO, then records what was written."""
+
+    def __init__(self, inner: Any, records: list[CheckpointRecord]) -> None:
+        self.inner = inner
+        self.records = records
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
+                        storage_options: Any = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        user = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
+        self.records.append(record_checkpoint_file(path, checkpoint, source="lightning",
+                                                   user=user))
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.load_checkpoint(path, *args, **kwargs)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+        for suffix in (".sha256", ".meta.json"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
+
+
+class GuardCallback(_Callback):
+    """Runs a :class:`TrainingGuard` inside ``Trainer.fit``; options are TrainingGuard's."""
+
+    def __init__(self, *, log: str | Path | None = None, record_checkpoints: bool = True,
+                 **guard_options: Any) -> None:
+        if "step_fn" in guard_options:
+            raise UsageError("the Lightning callback does not replay steps",
+                             hint="use TrainingGuard in a plain loop for replay audits")
+        self.log_path = log
+        self.record_checkpoints = record_checkpoints
+        self.guard_options = guard_options
+        self.guard: TrainingGuard | None = None
+        self.summary: GuardSummary | None = None
+        self.checkpoints: list[CheckpointRecord] = []
+        self._loss: torch.Tensor | None = None
+        self._updating = False
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        if self.record_checkpoints and stage == "fit" and not isinstance(io, _RecordingIO):
+            trainer.strategy.checkpoint_io = _RecordingIO(io, self.checkpoints)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if len(trainer.optimizers) != 1:
+            raise UsageError("GuardCallback guards exactly one optimizer",
+                             hint="use TrainingGuard per optimizer in manual optimization")
+        self.guard = TrainingGuard(pl_module, trainer.optimizers[0], log=self.log_path,
+                                   start_step=trainer.global_step, **self.guard_options)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        self._loss = loss.detach()
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.guard is None or self._loss is None:
+            return
+        self.guard.check(self._loss)
+        self.guard.before_update()
+        self._updating = True
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.guard is not None and self._updating:
+            self._updating = False
+            self.guard.after_update()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.guard is not None:
+            self.summary = self.guard.close()
