@@ -60,12 +60,14 @@ MODEL_SOURCE = textwrap.dedent(
             super().__init__()
             self.fc1 = torch.nn.Linear(4, 8)
             self.fc2 = torch.nn.Linear(8, 3)
+            # Not in the state_dict, so not fingerprinted: only the golden check sees it.
+            self.register_buffer("shift", torch.zeros(3), persistent=False)
             self.calls = 0  # how often the model ran on request data (not the golden probe)
 
         def forward(self, x):
             if x.shape != GOLDEN_INPUT.shape or not torch.equal(x, GOLDEN_INPUT):
                 self.calls += 1
-            return self.fc2(torch.relu(self.fc1(x)))
+            return self.fc2(torch.relu(self.fc1(x))) + self.shift
 
     def build():
         torch.manual_seed(0)
@@ -483,6 +485,26 @@ def test_memory_corruption_turns_readiness_off_within_the_interval(workspace: Pa
             calls = svc.model.calls
             problem(post(svc.url, request_body()), 503, NOT_READY)
             assert svc.model.calls == calls  # corrupted memory serves no answers
+    finally:
+        svc.stop()
+
+
+def test_wrong_computation_fails_the_golden_recheck(workspace: Path) -> None:
+    from tvserve_model import build
+
+    svc = start(create_app(build, workspace / "model.pt", golden=workspace / "golden.json",
+                           recheck_interval=0.1))
+    try:
+        with Client(svc.url) as client:
+            assert client.ready()
+            svc.model.shift[1] = 1e-4  # outputs move; the weights' fingerprint does not
+            deadline = time.monotonic() + 2.0
+            while client.ready():
+                assert time.monotonic() < deadline, "wrong outputs not noticed"
+                time.sleep(0.02)
+            meta = client.metadata()["parameters"]
+        assert meta["golden"]["status"] == "failed"
+        assert meta["not_ready_reason"].startswith("golden check failed")
     finally:
         svc.stop()
 
