@@ -402,6 +402,32 @@ def test_input_list_file_and_output_folder_inside_the_inputs(tmp_path: Path) -> 
         run_batch(listing, _transform, tmp_path / "dup")
 
 
+def test_a_second_run_on_the_same_folder_is_refused_while_the_first_works(
+    tmp_path: Path,
+) -> None:
+    import threading
+
+    make_inputs(tmp_path / "in", 4, nested=False)
+    out = tmp_path / "out"
+    started, release = threading.Event(), threading.Event()
+
+    def slow(item: BatchItem) -> bytes:
+        started.set()
+        release.wait(30)
+        return expected_output(item.data)
+
+    first = threading.Thread(target=run_batch, args=(tmp_path / "in", slow, out))
+    first.start()
+    try:
+        assert started.wait(30)
+        with pytest.raises(BatchError, match="another 'torchverity batch run' is working"):
+            run_batch(tmp_path / "in", slow, out)
+    finally:
+        release.set()
+        first.join(30)
+    assert verify_batch(out).ok
+
+
 # ------------------------------------------------------------ journal faults
 
 

@@ -13,6 +13,7 @@ outputs are re-hashed on every resume and redone if damaged or missing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import itertools
@@ -21,7 +22,7 @@ import os
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ from torchverity.manifest import SHA256SUM_NAME, ManifestEntry
 
 JOB_FORMAT = "torchverity-batch-job/1"
 INPUTS_MANIFEST = "inputs-sha256.txt"
+LOCK_NAME = ".batch.lock"
 # Outcomes wait for a commit point at most this long / this many: bounds both the
 # work a crash can lose and the fsyncs per item.
 COMMIT_INTERVAL_S = 0.25
@@ -160,6 +162,13 @@ def execute(config: JobConfig, factory: ModelFactory,
     identity = factory.identity()  # verifies the weights before anything else happens
     fingerprint, doc = job_fingerprint(config, identity)
     _prepare_out(out)
+    with _exclusive(out):
+        return _run_locked(config, factory, progress, out, identity, fingerprint, doc, start)
+
+
+def _run_locked(config: JobConfig, factory: ModelFactory,
+                progress: Callable[[int, int], None] | None, out: Path, identity: dict[str, str],
+                fingerprint: str, doc: dict[str, Any], start: float) -> BatchReport:
     journal, resumed = _open_or_create(config, out, fingerprint, doc)
     try:
         interrupted, orphans, repaired = _recover(journal, out) if resumed else (0, 0, [])
@@ -212,6 +221,26 @@ def _prepare_out(out: Path) -> None:
             hint="choose a writable --out folder (check its permissions, mount options and "
             "free space)",
         ) from None
+
+
+@contextlib.contextmanager
+def _exclusive(out: Path) -> Iterator[None]:
+    """One driver per output folder: a second one would delete the first one's work."""
+    import fcntl
+
+    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BatchError(
+                f"{out}: another 'torchverity batch run' is working in this folder",
+                out=out,
+                hint="wait for it to finish (or stop it), then rerun to resume",
+            ) from None
+        yield  # the kernel drops the lock when this process dies, even by SIGKILL
+    finally:
+        os.close(fd)
 
 
 def _open_or_create(config: JobConfig, out: Path, fingerprint: str,
