@@ -156,6 +156,22 @@ def test_subgroup_of_replicas_and_layout_mismatch(four: list[dict[str, Any]]) ->
     assert "do not hold the same set of parameters" in layout["message"]
 
 
+@pytest.mark.timeout(180)
+def test_training_guard_with_flag_reducer_acts_on_every_rank(four: list[dict[str, Any]]) -> None:
+    for rank, record in enumerate(four):
+        events = record["guard"]["events"]
+        assert [(e["step"], e["kind"], e["action"]) for e in events] == [
+            (3, "nonfinite_loss", "skipped")
+        ]
+        assert events[0]["rank"] == rank
+    assert _same_on_all(four, "guard")["replicas"]["ok"] is True
+    # Without the reducer only rank 2 skips, and the replicas drift apart: caught and named.
+    assert [len(r["guard_without_reducer"]["events"]) for r in four] == [0, 0, 1, 0]
+    drift = [r["guard_without_reducer"]["replicas"] for r in four]
+    assert all(d == drift[0] for d in drift)
+    assert drift[0]["odd_ranks"] == [2] and "fc1.weight" in drift[0]["tensors"]
+
+
 # ------------------------------------------------------------------ 2 ranks
 
 
@@ -435,6 +451,9 @@ def scenario_four(rank: int, world: int) -> dict[str, Any]:
         with torch.no_grad():
             model.fc2.bias.copy_(saved)
 
+    out["guard"] = _guard_run(rank, model, ddp, opt, tvd.FlagReducer())
+    out["guard_without_reducer"] = _guard_run(rank, model, ddp, opt, None)
+
     odd = torch.nn.Linear(3, 4 if rank == 3 else 3)
     try:
         tvd.check_replicas(odd)
@@ -442,6 +461,27 @@ def scenario_four(rank: int, world: int) -> dict[str, Any]:
     except ReplicaMismatchError as exc:
         out["layout"] = {"error": type(exc).__name__, "ranks": exc.ranks, "message": exc.message}
     return out
+
+
+def _guard_run(rank: int, model: Any, ddp: Any, opt: Any, reducer: Any) -> dict[str, Any]:
+    """A real TrainingGuard; at guard step 3 only rank 2 reports a NaN loss."""
+    import torch
+
+    import torchverity.distributed as tvd
+    from torchverity.guard import TrainingGuard
+
+    guard = TrainingGuard(model, opt, reducer=reducer, check_every=1)
+    for i in range(6):
+        opt.zero_grad()
+        loss = _loss(ddp, _batch(rank, 500 + i))
+        loss.backward()
+        reported = loss * torch.nan if (i == 3 and rank == 2) else loss
+        guard.check(reported)
+        guard.step()
+    guard.close()
+    events = [{"step": e.step, "kind": e.kind, "action": e.action, "rank": e.rank}
+              for e in guard.events]
+    return {"events": events, "replicas": _result(tvd.check_replicas(ddp, opt))}
 
 
 def scenario_pair(rank: int, world: int, work: Path) -> dict[str, Any]:

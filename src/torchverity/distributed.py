@@ -245,6 +245,13 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 _PLAIN = (bool, int, float, str, tuple, type(None))
 
 
+def _local(value: Any) -> Any:
+    """A tensor's bytes on this rank: a DTensor (FSDP2, HSDP) contributes its local shard."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return (value.to_local() if hasattr(value, "to_local") else value).detach()
+
+
 def _replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                    buffers: bool) -> tuple[list[str], list[Any]]:
     module = _unwrap(model)
@@ -255,14 +262,14 @@ def _replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         if name in skip:
             continue
         names.append(name)
-        values.append(value.detach() if isinstance(value, torch.Tensor) else value)
+        values.append(_local(value))
     if optimizer is not None:
         param_names = {id(p): n for n, p in module.named_parameters()}
         for p, state in optimizer.state.items():
             pname = param_names.get(id(p), f"param{len(names)}")
             for key, value in state.items():
                 names.append(f"optimizer.{pname}.{key}")
-                values.append(value.detach() if isinstance(value, torch.Tensor) else value)
+                values.append(_local(value))
         for i, group in enumerate(optimizer.param_groups):
             for key, value in group.items():
                 if key != "params" and isinstance(value, _PLAIN):
