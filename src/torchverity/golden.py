@@ -743,10 +743,6 @@ def _encode_number(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
-def _decode_number(x: Any) -> float:
-    return float(x)
-
-
 def _output_to_json(o: OutputRecord) -> dict[str, Any]:
     return {
         "name": o.name,
@@ -766,10 +762,10 @@ def _output_from_json(d: Mapping[str, Any]) -> OutputRecord:
         dtype=str(d["dtype"]),
         shape=tuple(int(s) for s in d["shape"]),
         digest=str(d["digest"]),
-        summary={k: _decode_number(d["summary"][k]) for k in STATS},
+        summary={k: float(d["summary"][k]) for k in STATS},
         nonfinite=int(d["nonfinite"]),
         sample_index=tuple(int(i) for i in d["sample"]["index"]),
-        sample_values=tuple(_decode_number(v) for v in d["sample"]["values"]),
+        sample_values=tuple(float(v) for v in d["sample"]["values"]),
     )
 
 
