@@ -50,10 +50,16 @@ def test_ray_driver_killed_with_sigkill_then_resumed_gives_exactly_one_output_pe
     code = tmp_path / "code"
     code.mkdir()
     (code / "tvbatch_model.py").write_text(MODEL_SOURCE)
+    import torch
+
+    import torchverity
+
     files = make_inputs(tmp_path / "in", 300)
+    weights = tmp_path / "w.pt"
+    torchverity.save({"w": torch.full((4,), 0.75)}, weights)  # each actor verifies it
     out = tmp_path / "out"
     args = cli("batch", "run", "--inputs", tmp_path / "in", "--model", "tvbatch_model:build",
-               "--out", out, "--engine", "ray", "--workers", "2")
+               "--weights", weights, "--out", out, "--engine", "ray", "--workers", "2")
     # Ray workers import the model from the driver's working folder, as on a cluster.
     env = cli_env(code, TV_BATCH_DELAY="0.005", RAY_ADDRESS=ray_address)
     rng = random.Random(7)
@@ -74,7 +80,7 @@ def test_ray_driver_killed_with_sigkill_then_resumed_gives_exactly_one_output_pe
     assert report["engine"] == "ray" and report["resumed"] and report["ok"]
     assert report["committed"] == report["total"] == len(files)
     assert not report["problems"] and not report["repaired"]
-    assert_exactly_once(out, files)
+    assert_exactly_once(out, files, scale=3.0)
     verified = subprocess.run(cli("batch", "verify", out), env=env, capture_output=True,
                               text=True, timeout=60)
     assert verified.returncode == 0, verified.stdout + verified.stderr

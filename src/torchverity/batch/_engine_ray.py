@@ -57,8 +57,8 @@ class RayEngine:
         self._actor_cls = self._ray.remote(num_cpus=1, max_restarts=0, max_task_retries=0)(
             _Worker
         )
-        self._actors = [self._start_actor(identity) for _ in range(workers)]
         self._identity = identity
+        self._actors = self._start_actors(workers)
         self._load = {i: 0 for i in range(workers)}
         self._refs: dict[Any, tuple[int, WorkItem]] = {}
 
@@ -75,21 +75,23 @@ class RayEngine:
                 options["num_cpus"] = workers
         self._ray.init(**options)
 
-    def _start_actor(self, identity: dict[str, str]) -> Any:
-        actor = self._actor_cls.remote(self._factory)
+    def _start_actors(self, count: int) -> list[Any]:
+        """Start actors and wait until each has built its model (in parallel)."""
+        actors = [self._actor_cls.remote(self._factory) for _ in range(count)]
         try:
-            got = self._ray.get(actor.identity.remote())
+            found = self._ray.get([a.identity.remote() for a in actors])
         except self._ray.exceptions.RayError as exc:
             raise BatchError(
                 f"a Ray worker could not load the model: {_cause(exc)}",
                 hint="the model module and weights must be importable/readable on every node",
             ) from None
-        if got != identity:
-            raise BatchError(
-                f"a Ray worker loaded a different model: {got} instead of {identity}",
-                hint="every node must see the same weights file and model code",
-            )
-        return actor
+        for got in found:
+            if got != self._identity:
+                raise BatchError(
+                    f"a Ray worker loaded a different model: {got} instead of {self._identity}",
+                    hint="every node must see the same weights file and model code",
+                )
+        return actors
 
     @property
     def in_flight(self) -> int:
@@ -117,7 +119,7 @@ class RayEngine:
         try:
             result: ItemResult = self._ray.get(ref)
         except self._ray.exceptions.RayActorError as exc:
-            self._actors[slot] = self._start_actor(self._identity)
+            self._actors[slot] = self._start_actors(1)[0]
             return ItemResult(work.id, FAILED, error=f"Ray worker died: {_cause(exc)}")
         except self._ray.exceptions.RayError as exc:
             return ItemResult(work.id, FAILED, error=f"Ray task failed: {_cause(exc)}")
