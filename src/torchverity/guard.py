@@ -530,7 +530,8 @@ class TrainingGuard:
             same = close.cpu().tolist()
         differing = tuple(n for n, ok in zip(self._names, same, strict=True) if not ok)
         l1, l2 = float(hist.loss), float(loss2)
-        same_loss = (math.isnan(l1) and math.isnan(l2)) or abs(l1 - l2) <= tol * abs(l1)
+        same_loss = l1 == l2 or (math.isnan(l1) and math.isnan(l2)) or (
+            abs(l1 - l2) <= tol * abs(l1))
         return ("reproducible" if same_loss and not differing else "transient"), differing
 
     # ------------------------------------------------------------ host side
@@ -575,8 +576,7 @@ class TrainingGuard:
         return events
 
     def _act(self, events: list[AnomalyEvent]) -> None:
-        replayed = self._do_replay(events)
-        events = [replayed.get(id(e), e) for e in events]
+        events = self._resolve_actions(events)
         for event in events:
             self._tally.anomalies[event.kind] += 1
             self.events.append(event)
@@ -585,24 +585,38 @@ class TrainingGuard:
                 warnings.warn(f"torchverity: training anomaly at {event.describe()}",
                               AnomalyWarning, stacklevel=3)
         stops = [e for e in events if e.policy == "stop"]
-        if any(e.policy == "rollback" for e in events) and not stops:
-            self.rollback(min(e.step for e in events if e.policy == "rollback"))
+        rollbacks = [e for e in events if e.action == ACTIONS["rollback"]]
+        if rollbacks and not stops:
+            self.rollback(rollbacks[0].step)
         self._latched.zero_()
         if stops:
             self._stop(stops[0])
         elif not events:
             self._maybe_checkpoint()
 
-    def _do_replay(self, events: list[AnomalyEvent]) -> dict[int, AnomalyEvent]:
-        todo = [e for e in events if e.policy == "replay"]
-        if not todo:
-            return {}
-        first = min(e.step for e in todo)
-        verdict, differing = self._replay(first)
+    def _resolve_actions(self, events: list[AnomalyEvent]) -> list[AnomalyEvent]:
+        """Replay and rollback act once, for the first step that asked; later steps of the
+        same read were held by the latch, so for them the action taken was a skip."""
+        first: dict[str, int] = {}
+        for e in events:
+            if e.policy in ("replay", "rollback"):
+                first.setdefault(e.policy, e.step)
+        verdict = self._do_replay(first["replay"]) if "replay" in first else None
+        resolved = []
+        for e in events:
+            if e.policy in first and e.step != first[e.policy]:
+                e = dataclasses.replace(e, action=ACTIONS["skip"])
+            elif e.policy == "replay":
+                e = dataclasses.replace(e, replay=verdict)
+            resolved.append(e)
+        return resolved
+
+    def _do_replay(self, step: int) -> str:
+        verdict, differing = self._replay(step)
         self._tally.replays[verdict] += 1
-        self._log.write({"event": "replay", "step": first, "classification": verdict,
+        self._log.write({"event": "replay", "step": step, "classification": verdict,
                          "differing": list(differing)})
-        return {id(e): dataclasses.replace(e, replay=verdict) for e in todo if e.step == first}
+        return verdict
 
     def _stop(self, event: AnomalyEvent) -> None:
         self._tally.stopped = True
