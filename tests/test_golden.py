@@ -432,3 +432,20 @@ def test_cli_golden_refuses_malicious_weights_without_running_them(run_cli, mode
     assert result.code != 0
     assert not sentinel.exists()
     assert not (model_dir / "g.json").exists()
+
+
+def test_cli_golden_check_in_a_fresh_process_is_exact(run_cli, model_dir):
+    import os
+    import subprocess
+    import sys
+
+    model = ("--model", "tv_golden_cli_models:build", "--weights", "good.pt")
+    assert run_cli("golden", "record", *model, "--golden", "g.json", "--shape", "8,3,8,8").code == 0
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()),
+           "PYTHONPATH": str(model_dir)}
+    done = subprocess.run(
+        [sys.executable, "-m", "torchverity", "golden", "check", *model, "--golden", "g.json"],
+        cwd=model_dir, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "exact mode, same environment" in done.stdout
