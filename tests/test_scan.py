@@ -123,7 +123,9 @@ def _case(corpus: dict[str, Any], name: str) -> Case:
     return next(c for c in corpus["benign"] if c.name == name)
 
 
-@pytest.mark.parametrize("name", ["numpy_extras.pt", "whole_model.pt", "numpy_1x_names.pt"])
+@pytest.mark.parametrize(
+    "name", ["numpy_extras.pt", "whole_model.pt", "numpy_1x_names.pt", "rng_states.pt"]
+)
 def test_plan_is_exactly_what_torch_needs(corpus: dict[str, Any], name: str) -> None:
     path = _case(corpus, name).path
     plan = scan_file(path).plan

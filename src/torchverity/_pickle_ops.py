@@ -91,12 +91,14 @@ class ByteSource:
         return not self._fill(1)
 
     def read(self, n: int) -> bytes:
-        if not self._fill(n):
-            raise Truncated(f"stream ends inside a {n}-byte field", self.offset)
-        data = self._buf[self._pos : self._pos + n]
-        self._pos += n
+        pos = self._pos
+        if pos + n > len(self._buf):
+            if not self._fill(n):
+                raise Truncated(f"stream ends inside a {n}-byte field", self.offset)
+            pos = self._pos
+        self._pos = pos + n
         self.offset += n
-        return data
+        return self._buf[pos : pos + n]
 
     def readline(self, limit: int) -> bytes:
         while True:
@@ -333,24 +335,27 @@ class Walker:
         return self.report
 
     def _loop(self) -> None:
-        src, report = self.src, self.report
-        while True:
-            self._op_offset = src.offset
-            code = src.read(1)[0]
-            info = _OPS.get(code)
-            if info is None:
-                raise PickleError(f"unknown opcode 0x{code:02x}", self._op_offset)
-            report.ops += 1
-            if report.ops > self.limits.max_ops:
-                raise PickleError(f"more than {self.limits.max_ops} opcodes", self._op_offset)
-            report.opcodes.setdefault(info.name, self._op_offset)
-            if info.name == "STOP":
-                report.result = self.pop()
-                return
-            handler = _HANDLERS.get(info.name)
-            if handler is None:
-                raise PickleError(f"unsupported opcode {info.name}", self._op_offset)
-            handler(self)
+        src, report, opcodes = self.src, self.report, self.report.opcodes
+        max_ops, ops = self.limits.max_ops, 0
+        try:
+            while True:
+                offset = self._op_offset = src.offset
+                code = src.read(1)[0]
+                entry = _DISPATCH.get(code)
+                if entry is None:
+                    raise PickleError(f"unknown opcode 0x{code:02x}", offset)
+                ops += 1
+                if ops > max_ops:
+                    raise PickleError(f"more than {max_ops} opcodes", offset)
+                name, handler = entry
+                if name not in opcodes:
+                    opcodes[name] = offset
+                if handler is None:  # STOP
+                    report.result = self.pop()
+                    return
+                handler(self)
+        finally:
+            report.ops = ops
 
 
 def _proto(w: Walker) -> None:
@@ -667,6 +672,13 @@ _HANDLERS: dict[str, Callable[[Walker], None]] = {
     "BINPERSID": _binpersid,
     "NEXT_BUFFER": lambda w: w.push(OPAQUE),
     "READONLY_BUFFER": lambda w: None,
+}
+
+
+# Opcode byte -> (name, handler); STOP has no handler (it ends the loop).
+_DISPATCH: dict[int, tuple[str, Callable[[Walker], None] | None]] = {
+    code: (op.name, _HANDLERS.get(op.name)) for code, op in _OPS.items()
+    if op.name in _HANDLERS or op.name == "STOP"
 }
 
 

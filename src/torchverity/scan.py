@@ -54,6 +54,18 @@ _BENIGN: dict[str, str] = {
     **{f"{c}.multiarray.scalar": "numpy scalar from raw bytes" for c in _NP_CORE},
     **{f"{c}.numeric._frombuffer": "numpy array from a buffer" for c in _NP_CORE},
     "numpy.ndarray": "numpy array type",
+    "numpy.random._pickle.__generator_ctor": "numpy random generator state",
+    "numpy.random._pickle.__randomstate_ctor": "numpy random generator state",
+    "numpy.random._pickle.__bit_generator_ctor": "numpy random generator state",
+    "numpy.random._generator.Generator": "numpy random generator state",
+    "numpy.random.mtrand.RandomState": "numpy random generator state",
+    "numpy.random._pcg64.PCG64": "numpy bit generator state",
+    "numpy.random._pcg64.PCG64DXSM": "numpy bit generator state",
+    "numpy.random._mt19937.MT19937": "numpy bit generator state",
+    "numpy.random._philox.Philox": "numpy bit generator state",
+    "numpy.random._sfc64.SFC64": "numpy bit generator state",
+    "numpy.random.bit_generator.SeedSequence": "numpy seed sequence",
+    "numpy.random.bit_generator.__pyx_unpickle_SeedSequence": "numpy seed sequence state",
     "numpy.dtype": "numpy dtype",
     "argparse.Namespace": "plain attribute container (argparse)",
     "types.SimpleNamespace": "plain attribute container",
@@ -304,6 +316,17 @@ def _torch_name(ref: GlobalRef) -> tuple[str, str]:
     return IMPORT_MAPPING.get(ref.module, ref.module), ref.name
 
 
+# Rebuild functions whose result (the object BUILD then fills) is an instance of the
+# class given as their first argument, or of a fixed class.
+_RETURNS_FIRST_ARG = frozenset({
+    *(f"{c}.multiarray._reconstruct" for c in _NP_CORE),
+    "copyreg._reconstructor",
+    "numpy.random._pickle.__bit_generator_ctor",
+})
+_RETURNS = {
+    "numpy.random._pickle.__generator_ctor": "numpy.random._generator.Generator",
+    "numpy.random._pickle.__randomstate_ctor": "numpy.random.mtrand.RandomState",
+}
 _NUMPY_DTYPE_ARG = re.compile(r"^[<>|=]?[?bBhHiIlLqQpPefdgFDGSUVOMmbiufc]\d{0,4}(?:\[\w+\])?$")
 
 
@@ -313,10 +336,16 @@ def _build_type(build: Build) -> str | None:
     callee = inst.callee.ref if inst.kind == "made" and inst.callee is not None else None
     if callee is None or inst.via != "REDUCE":
         return None
-    module, name = _torch_name(callee)
-    if f"{module}.{name}" != "numpy.dtype" or inst.args is None or not inst.args.items:
+    qual = ".".join(_torch_name(callee))
+    first = inst.args.items[0] if inst.args is not None and inst.args.items else None
+    if qual in _RETURNS_FIRST_ARG or qual.rpartition(".")[2].startswith("__pyx_unpickle_"):
+        ref = first.ref if first is not None and first.kind == "global" else None
+        return ".".join(_torch_name(ref)) if ref is not None else None
+    if qual in _RETURNS:
+        return _RETURNS[qual]
+    if qual != "numpy.dtype" or first is None:
         return None
-    code = const_str(inst.args.items[0])
+    code = const_str(first)
     if code is None or not _NUMPY_DTYPE_ARG.match(code):
         return "numpy.dtype(?)"
     import numpy
@@ -442,7 +471,8 @@ def plan_load(path: str, container: Container) -> LoadPlan | None:
                 needs.append(built)
     needs = list(dict.fromkeys(needs))
     for name in needs:
-        categories.setdefault(name, BENIGN if _NUMPY_DTYPE_CLASS.match(name) else UNKNOWN)
+        known = _NUMPY_DTYPE_CLASS.match(name) or name in _BENIGN
+        categories.setdefault(name, BENIGN if known else UNKNOWN)
     code = _render_code(needs, categories, path) if needs and loadable else ""
     return LoadPlan(container.torch_entry, loadable, tuple(needs), code, tuple(notes))
 
