@@ -84,13 +84,15 @@ def test_base_install_imports_serve_and_names_the_extra() -> None:
         import sys
         for name in ("fastapi", "httpx"):
             sys.modules[name] = None  # as if the serve extra were not installed
+        import torch
         import torchverity.serve as serve
         from torchverity.errors import MissingExtraError
         from torchverity.cli import main
         serve.ContentDigestMiddleware  # pure ASGI: needs no extra
-        for name in ("create_app", "Client"):
+        for make in (lambda: serve.create_app(torch.nn.Linear(2, 2)),
+                     lambda: serve.Client("http://127.0.0.1:1")):
             try:
-                getattr(serve, name)
+                make()
             except MissingExtraError as exc:
                 print(exc.extra, exc.module)
         sys.exit(main(["serve", "--model", "m:f", "--weights", "w.pt"]))

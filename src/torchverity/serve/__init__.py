@@ -27,35 +27,31 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from torchverity.errors import require_extra
-
-# Public name -> (submodule, the serve-extra package it needs first, or None).
-_PUBLIC: dict[str, tuple[str, str | None]] = {
-    "create_app": ("_app", "fastapi"),
-    "build_model": ("_app", "fastapi"),
-    "FINGERPRINT_HEADER": ("_app", "fastapi"),
-    "Client": ("_client", "httpx"),
-    "ContentDigestMiddleware": ("_digest_fields", None),
-    "parse_digest_field": ("_digest_fields", None),
-    "verify_digest": ("_digest_fields", None),
-    "format_digest": ("_digest_fields", None),
-    "choose_algorithm": ("_digest_fields", None),
-    "Problem": ("_problem", None),
-    "ProblemError": ("_problem", None),
-    "TensorSpec": ("_spec", None),
-    "parse_spec": ("_spec", None),
+# Public name -> submodule. Every submodule imports on a base install; the
+# serve extra is required (MissingExtraError) when create_app or Client is used.
+_PUBLIC: dict[str, str] = {
+    "create_app": "_app",
+    "build_model": "_app",
+    "FINGERPRINT_HEADER": "_rechecks",
+    "Client": "_client",
+    "ContentDigestMiddleware": "_digest_fields",
+    "parse_digest_field": "_digest_fields",
+    "verify_digest": "_digest_fields",
+    "format_digest": "_digest_fields",
+    "choose_algorithm": "_digest_fields",
+    "Problem": "_problem",
+    "ProblemError": "_problem",
+    "TensorSpec": "_spec",
+    "parse_spec": "_spec",
 }
 
 __all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name: str) -> Any:
-    entry = _PUBLIC.get(name)
-    if entry is None:
+    module = _PUBLIC.get(name)
+    if module is None:
         raise AttributeError(f"module 'torchverity.serve' has no attribute '{name}'")
-    module, needs = entry
-    if needs is not None:
-        require_extra(needs, extra="serve", feature=f"torchverity.serve.{name}")
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value

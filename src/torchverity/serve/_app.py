@@ -2,11 +2,16 @@
 
 ``create_app`` does all verification before it returns, so a service built
 from corrupted weights, or one whose golden check fails, never starts.
+
+FastAPI, Starlette and pydantic (the ``serve`` extra) are imported inside the
+functions that use them, so this module imports on a base install. For the
+same reason annotations here are evaluated eagerly (no ``from __future__
+import annotations``): FastAPI reads route signatures at runtime, and names
+imported inside a function would not resolve from strings.
 """
 
-from __future__ import annotations
-
 import asyncio
+import functools
 import json
 import math
 import os
@@ -14,20 +19,14 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 import torch
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic_core import from_json
-from starlette.exceptions import HTTPException
 
 from torchverity import __version__
 from torchverity._loader import import_callable
-from torchverity.errors import UsageError
+from torchverity.errors import UsageError, require_extra
 from torchverity.serve._digest_fields import (
     DEFAULT_MAX_BODY,
     ContentDigestMiddleware,
@@ -49,7 +48,7 @@ from torchverity.serve._problem import (
     Send,
     problem_schema,
 )
-from torchverity.serve._rechecks import ServiceState, recheck_forever
+from torchverity.serve._rechecks import FINGERPRINT_HEADER, ServiceState, recheck_forever
 from torchverity.serve._spec import (
     DATATYPES,
     TensorSpec,
@@ -59,7 +58,10 @@ from torchverity.serve._spec import (
 )
 from torchverity.serve._weights import load_verified
 
-FINGERPRINT_HEADER = "TorchVerity-Fingerprint"
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.responses import Response
+
 DEFAULT_RECHECK_INTERVAL = 30.0
 
 Datatype = Literal["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "BF16", "FP32",
@@ -67,50 +69,54 @@ Datatype = Literal["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "
 assert set(get_args(Datatype)) == set(DATATYPES)
 
 
-class InferTensor(BaseModel):
-    """One tensor in Open Inference Protocol v2 JSON form (``data`` flat, row-major)."""
+@functools.cache
+def api_models() -> Any:
+    """The request and response models (pydantic), built on first use."""
+    from pydantic import BaseModel, ConfigDict, Field
 
-    model_config = ConfigDict(strict=True)
-    name: str
-    datatype: Datatype
-    shape: list[Annotated[int, Field(ge=0)]]
-    data: list[Any]
-    parameters: dict[str, Any] | None = None
+    class InferTensor(BaseModel):
+        """One tensor in Open Inference Protocol v2 JSON form (``data`` flat, row-major)."""
 
+        model_config = ConfigDict(strict=True)
+        name: str
+        datatype: Datatype
+        shape: list[Annotated[int, Field(ge=0)]]
+        data: list[Any]
+        parameters: dict[str, Any] | None = None
 
-class InferRequest(BaseModel):
-    model_config = ConfigDict(strict=True)
-    id: str | None = None
-    inputs: list[InferTensor] = Field(min_length=1)
-    parameters: dict[str, Any] | None = None
+    class InferRequest(BaseModel):
+        model_config = ConfigDict(strict=True)
+        id: str | None = None
+        inputs: list[InferTensor] = Field(min_length=1)
+        parameters: dict[str, Any] | None = None
 
+    class Envelope(BaseModel):
+        """For clients that cannot set headers: ``payload`` is the request JSON as text and
+        ``checksum`` its digest in Content-Digest form (``sha-256=:BASE64:``)."""
 
-class Envelope(BaseModel):
-    """For clients that cannot set headers: ``payload`` is the request JSON as text and
-    ``checksum`` its digest in Content-Digest form (``sha-256=:BASE64:``)."""
+        model_config = ConfigDict(strict=True, extra="forbid")
+        payload: str
+        checksum: str
 
-    model_config = ConfigDict(strict=True, extra="forbid")
-    payload: str
-    checksum: str
+    class InferResponse(BaseModel):
+        model_name: str
+        model_version: str
+        id: str | None = None
+        outputs: list[InferTensor]
+        parameters: dict[str, Any]
 
+    class Health(BaseModel):
+        status: str
 
-class InferResponse(BaseModel):
-    model_name: str
-    model_version: str
-    id: str | None = None
-    outputs: list[InferTensor]
-    parameters: dict[str, Any]
+    class Ready(BaseModel):
+        ready: bool
+        fingerprint: str
+        golden: str
+        checks: int
 
-
-class Health(BaseModel):
-    status: str
-
-
-class Ready(BaseModel):
-    ready: bool
-    fingerprint: str
-    golden: str
-    checks: int
+    return SimpleNamespace(InferTensor=InferTensor, InferRequest=InferRequest,
+                           Envelope=Envelope, InferResponse=InferResponse, Health=Health,
+                           Ready=Ready)
 
 
 _DESCRIPTIONS = {
@@ -131,12 +137,16 @@ def _problem_docs(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-def problem_response(problem: Problem) -> Response:
+def problem_response(problem: Problem) -> "Response":
+    from starlette.responses import Response
+
     return Response(problem.body(), status_code=problem.status, media_type=PROBLEM_MEDIA_TYPE,
                     headers=dict(problem.headers))
 
 
-def _json_response(data: Any) -> Response:
+def _json_response(data: Any) -> "Response":
+    from starlette.responses import Response
+
     body = json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
     return Response(body, media_type="application/json")
 
@@ -165,7 +175,7 @@ def create_app(
     recheck_interval: float | None = DEFAULT_RECHECK_INTERVAL,
     response_digest: str | None = "sha-256",
     device: str | torch.device | None = None,
-) -> FastAPI:
+) -> "FastAPI":
     """Verify, load and golden-check the model, then return the FastAPI app serving it.
 
     ``model`` is a module, a factory, or ``"module:callable"``; ``weights`` a
@@ -176,6 +186,7 @@ def create_app(
     fingerprint (no copy to the host). Raises IntegrityError, InputError or
     UsageError instead of returning a service that should not run.
     """
+    require_extra("fastapi", extra="serve", feature="torchverity.serve.create_app")
     module = build_model(model)
     info = load_verified(module, weights) if weights is not None else None
     if device is not None:
@@ -193,7 +204,9 @@ def create_app(
     return app
 
 
-def _build_app(state: ServiceState, interval: float | None) -> FastAPI:
+def _build_app(state: ServiceState, interval: float | None) -> "FastAPI":
+    from fastapi import FastAPI
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # One inference thread: requests queue for the model instead of
@@ -216,7 +229,12 @@ def _build_app(state: ServiceState, interval: float | None) -> FastAPI:
     return app
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: "FastAPI") -> None:
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+    from starlette.responses import Response
+
     async def on_problem(_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ProblemError)
         return problem_response(exc.problem)
@@ -253,18 +271,23 @@ def _clean_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
 # ------------------------------------------------ routes
 
 
-def _add_routes(app: FastAPI, state: ServiceState) -> None:
+def _add_routes(app: "FastAPI", state: ServiceState) -> None:
+    from fastapi import Request
+    from starlette.responses import Response
+
+    models = api_models()
     docs = _problem_docs(400, 413)
 
-    @app.get("/health", response_model=Health, responses=docs, summary="Liveness")
-    @app.get("/v2/health/live", response_model=Health, responses=docs, include_in_schema=False)
+    @app.get("/health", response_model=models.Health, responses=docs, summary="Liveness")
+    @app.get("/v2/health/live", response_model=models.Health, responses=docs,
+             include_in_schema=False)
     async def health() -> Response:
         return _json_response({"status": "alive"})
 
-    @app.get("/ready", response_model=Ready, responses=_problem_docs(400, 413, 503),
+    @app.get("/ready", response_model=models.Ready, responses=_problem_docs(400, 413, 503),
              summary="200 only while the weights hold their verified fingerprint and the "
                      "last golden check passed")
-    @app.get("/v2/health/ready", response_model=Ready, include_in_schema=False)
+    @app.get("/v2/health/ready", response_model=models.Ready, include_in_schema=False)
     async def ready() -> Response:
         status = state.readiness()
         if not status.ready:
@@ -277,7 +300,7 @@ def _add_routes(app: FastAPI, state: ServiceState) -> None:
     async def metadata() -> Response:
         return _json_response(_metadata(state))
 
-    @app.post("/predict", response_model=InferResponse,
+    @app.post("/predict", response_model=models.InferResponse,
               responses=_problem_docs(400, 413, 415, 422, 503),
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                   "schema": {"anyOf": [{"$ref": "#/components/schemas/InferRequest"},
@@ -355,13 +378,15 @@ def _forward(model: torch.nn.Module, args: list[torch.Tensor]) -> list[dict[str,
     return encode_outputs(result)
 
 
-def _parse_request(content_type: str | None, body: bytes) -> InferRequest:
+def _parse_request(content_type: str | None, body: bytes) -> Any:
+    from pydantic import ValidationError
+
     _check_media_type(content_type)
     doc = _parse_json(body)
     if isinstance(doc, dict) and set(doc) == {"payload", "checksum"}:
         doc = _open_envelope(doc)
     try:
-        return InferRequest.model_validate(doc)
+        return api_models().InferRequest.model_validate(doc)
     except ValidationError as exc:
         raise ProblemError(Problem(
             422, INVALID_INPUT, "Invalid Request",
@@ -385,6 +410,8 @@ def _check_media_type(content_type: str | None) -> None:
 def _parse_json(body: bytes) -> Any:
     """Strict JSON (no NaN/Infinity), parsed by pydantic's Rust parser: about 8x faster than
     ``json.loads`` on large float arrays, and bounded in nesting depth."""
+    from pydantic_core import from_json
+
     try:
         return from_json(body, allow_inf_nan=False)
     except ValueError as exc:
@@ -393,8 +420,10 @@ def _parse_json(body: bytes) -> Any:
 
 
 def _open_envelope(doc: Mapping[str, Any]) -> Any:
+    from pydantic import ValidationError
+
     try:
-        envelope = Envelope.model_validate(doc)
+        envelope = api_models().Envelope.model_validate(doc)
     except ValidationError as exc:
         raise ProblemError(Problem(422, INVALID_INPUT, "Invalid Request",
                                    "payload and checksum must both be strings",
@@ -408,14 +437,17 @@ def _open_envelope(doc: Mapping[str, Any]) -> Any:
     return _parse_json(payload)
 
 
-def _openapi(app: FastAPI, spec: Sequence[TensorSpec]) -> dict[str, Any]:
+def _openapi(app: "FastAPI", spec: Sequence[TensorSpec]) -> dict[str, Any]:
     """FastAPI's schema plus the request models ``/predict`` parses itself, with the
     input names, datatypes and ranks this model accepts."""
+    from fastapi.openapi.utils import get_openapi
+
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in (InferRequest, Envelope):
+    models = api_models()
+    for model in (models.InferRequest, models.Envelope):
         model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         components.update(model_schema.pop("$defs", {}))
         components[model.__name__] = model_schema

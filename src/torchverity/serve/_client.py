@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import torch
 
-from torchverity.errors import IntegrityError, ServiceError
-from torchverity.serve._app import FINGERPRINT_HEADER
+from torchverity.errors import IntegrityError, ServiceError, require_extra
 from torchverity.serve._digest_fields import HASHES, format_digest, verify_digest
 from torchverity.serve._problem import ProblemError
+from torchverity.serve._rechecks import FINGERPRINT_HEADER
 from torchverity.serve._spec import decode_outputs, encode_inputs
+
+if TYPE_CHECKING:
+    import httpx
 
 
 class Client:
@@ -49,8 +51,10 @@ class Client:
         self.algorithm = algorithm
         self.require_digest = require_digest
         self.fingerprint = fingerprint
-        self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport,
-                                  headers={"Want-Content-Digest": f"{algorithm}=10"})
+        self._httpx = require_extra("httpx", extra="serve", feature="torchverity.serve.Client")
+        self._http: httpx.Client = self._httpx.Client(
+            base_url=base_url, timeout=timeout, transport=transport,
+            headers={"Want-Content-Digest": f"{algorithm}=10"})
 
     def __enter__(self) -> Client:
         return self
@@ -107,7 +111,7 @@ class Client:
         url = str(self._http.base_url).rstrip("/") + path
         try:
             response = self._http.request(method, path, content=content, headers=headers)
-        except httpx.HTTPError as exc:
+        except self._httpx.HTTPError as exc:
             raise ServiceError(f"{method} {url}: cannot reach the service: {exc}", url=url,
                                hint="check that torchverity serve is running there") from None
         self._verify(response, url)

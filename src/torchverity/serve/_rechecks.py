@@ -26,6 +26,7 @@ from torchverity.serve._spec import TensorSpec
 from torchverity.serve._weights import WeightsInfo
 
 log = logging.getLogger("torchverity.serve")
+FINGERPRINT_HEADER = "TorchVerity-Fingerprint"
 GoldenStatus = Literal["passed", "failed", "not-configured"]
 
 
