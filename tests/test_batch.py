@@ -561,3 +561,25 @@ def test_bad_usage_is_refused_before_any_work(tmp_path: Path) -> None:
         run_batch(tmp_path / "missing", _transform, tmp_path / "out")
     assert not (tmp_path / "out" / JOURNAL_NAME).exists()
 
+
+
+def test_progress_bar_shows_items_per_second_and_eta_on_a_terminal() -> None:
+    import io
+
+    from torchverity._console import Output
+    from torchverity.cli._cmd_batch import _progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    err = Terminal()
+    with _progress(Output(stderr=err)) as advance:
+        for done in range(0, 11):
+            advance(done, 10)
+            time.sleep(0.01)
+    assert "items/s" in err.getvalue() and "10/10" in err.getvalue()
+    quiet = io.StringIO()  # not a terminal: nothing drawn
+    with _progress(Output(stderr=quiet)) as advance:
+        advance(1, 2)
+    assert quiet.getvalue() == ""

@@ -2,8 +2,10 @@
 
 Ordering that makes outputs exactly-once, whatever moment the process dies:
 
-1. a worker writes ``data/<key><suffix>`` through a temp file, fsync and rename;
-2. the driver fsyncs the folders of a group of such renames;
+1. a worker writes ``data/<key><suffix>`` through a temp file and a rename
+   (with an fsync of the file first, under the default ``file`` durability);
+2. the driver makes a group of such outputs durable: an fsync of their
+   folders, or one ``syncfs`` of the filesystem (``group`` durability);
 3. then records the group as committed in one durable journal transaction.
 
 A crash before 3 leaves files the journal does not call committed; the next
@@ -294,10 +296,12 @@ def _create(config: JobConfig, out: Path, fingerprint: str, doc: dict[str, Any])
     records = list_inputs(config.inputs, exclude=out)
     outputs = [f"{DATA_DIR}/{r.key}{config.suffix}" for r in records]
     folders = {(out / o).parent for o in outputs}
+    # Every new folder's entry lives in its parent: all of them up to OUT must be synced.
+    ancestors = {a for f in folders for a in (f, *f.parents) if a.is_relative_to(out)}
     try:
         for folder in sorted(folders):
             folder.mkdir(parents=True, exist_ok=True)
-        fsync_dirs({out, *folders, *(f.parent for f in folders)})
+        fsync_dirs(ancestors)
     except (OSError, OutputWriteError) as exc:
         raise BatchError(f"{out}: cannot create the output folders: {exc}", out=out) from None
     atomic_write_text(out / INPUTS_MANIFEST, "".join(manifest_lines(records)))
@@ -395,6 +399,10 @@ class _Scheduler:
                 self._maybe_commit(force=fatal is not None or not self.engine.in_flight)
         except BatchError as exc:  # the journal itself could not be written
             raise self._stopped(exc.message, None) from None
+        except KeyboardInterrupt:
+            if self.buffer:
+                self._commit()  # finished outputs stay done; the rest resumes next run
+            raise
         if fatal is not None:
             what = f"cannot write output {fatal.path}: {fatal.error.strerror or fatal.error}"
             raise self._stopped(what, os.fspath(fatal.path))
