@@ -247,6 +247,11 @@ def malicious(root: Path, sentinel: Path) -> list[Case]:
     renamed = root / "pytorch_model.bin"
     renamed.write_bytes(payload)
     cases.append(Case("plain_pickle_as_bin", renamed, unsafe, "os.system", _torch_load_unsafe))
+    archive = _torch_evil(root / "inner.pt", sentinel).read_bytes()
+    nested = root / "nested_archive.pkl"
+    nested.write_bytes(b"\x80\x02ctorch.storage\n_load_from_bytes\nB"
+                       + struct.pack("<I", len(archive)) + archive + b"\x85R.")
+    cases.append(Case("nested_torch_archive", nested, unsafe, "posix.system", _pickle_load))
     cases += _zip_tricks(root, sentinel, payload)
     cases += _numpy_tricks(root, sentinel, payload)
     cases += _exhaustion(root)
@@ -383,6 +388,8 @@ def benign(root: Path) -> list[Case]:
         ("weights.safetensors", _save_safetensors(model), safe, ()),
         ("plain_p2.pkl", lambda p: p.write_bytes(pickle.dumps({"a": [1, 2.0, "x"]}, 2)), safe, ()),
         ("plain_p5.pkl", lambda p: p.write_bytes(pickle.dumps({"a": (1, b"x")}, 5)), safe, ()),
+        ("plain_tensors.pkl", lambda p: p.write_bytes(pickle.dumps(
+            {"small": torch.ones(3), "big": torch.zeros(50_000)})), needs, ()),
         ("numeric.npy", lambda p: np.save(p, np.arange(10.0)), safe, ()),
         ("numeric.npz", lambda p: np.savez(p, a=np.arange(3), b=np.ones(2)), safe, ()),
         ("numpy_extras.pt", lambda p: torch.save({

@@ -32,6 +32,7 @@ from typing import BinaryIO, cast
 from torchverity._pickle_ops import (
     Build,
     ByteSource,
+    GlobalRef,
     Limits,
     PickleError,
     StreamReport,
@@ -54,6 +55,17 @@ class Entry:
 
     name: str
     streams: list[StreamReport] = field(default_factory=list)
+    base: int | None = None  # where the entry's bytes start in the file (None: compressed)
+
+
+@dataclass
+class Nested:
+    """An archive inside a pickle's bytes, loaded by ``torch.storage._load_from_bytes``."""
+
+    entry: str
+    ref: GlobalRef
+    offset: int
+    container: Container | None  # None: could not be scanned
 
 
 @dataclass
@@ -64,6 +76,7 @@ class Container:
     entries: list[Entry] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     torch_entry: str | None = None  # the entry torch.load unpickles (zip checkpoints)
+    nested: list[Nested] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -315,6 +328,8 @@ def _looks_like_pickle(
 
 def _walk_member(fh: BinaryIO, member: ZipMember, limits: Limits, container: Container) -> None:
     entry = Entry(member.name)
+    if member.method == 0:
+        entry.base = _data_start(fh, member, [])
     container.entries.append(entry)
     reader = _member_reader(fh, member, container.problems, limits)
     _walk_all(ByteSource(reader), limits, entry, _joblib_hook(limits, entry))
@@ -389,9 +404,11 @@ def _scan_npy_stream(src: ByteSource, limits: Limits, entry: Entry, container: C
 # ------------------------------------------------------------------- pickles
 
 
-def _scan_pickle_file(src: ByteSource, limits: Limits, name: str, fmt: str) -> Container:
+def _scan_pickle_file(
+    src: ByteSource, limits: Limits, name: str, fmt: str, base: int | None
+) -> Container:
     container = Container(fmt)
-    entry = Entry(name)
+    entry = Entry(name, base=base)
     container.entries.append(entry)
     first = walk_stream(src, limits, _joblib_hook(limits, entry))
     entry.streams.append(first)
@@ -450,24 +467,94 @@ def _opened(path: str) -> Iterator[tuple[BinaryIO, int]]:
         yield fh, size
 
 
+class _Region(io.RawIOBase):
+    """``length`` bytes of a file from ``start``, seen as a file of their own."""
+
+    def __init__(self, fh: BinaryIO, start: int, length: int) -> None:
+        self._fh, self._start, self._length, self._pos = fh, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
+        n = max(0, min(len(buffer), self._length - self._pos))
+        self._fh.seek(self._start + self._pos)
+        data = self._fh.read(n)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
 def scan_container(path: str, limits: Limits) -> Container:
     """Identify the file's format by its bytes (never its name) and walk every pickle in it."""
     with _opened(path) as (fh, size):
-        head = fh.read(16)
-        fh.seek(0)
-        if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
-            return scan_zip(fh, size, limits)
-        if head.startswith(b"\x93NUMPY"):
-            container = Container("npy")
-            _scan_npy_stream(ByteSource(fh, size), limits, Entry(path), container)
-            return container
-        if head.startswith(b"7z\xbc\xaf\x27\x1c"):
-            raise PickleError("7z archive: unpack it and scan the files inside", 0)
-        if _is_safetensors(head, size):
-            return Container("safetensors")
-        packed = _decompressor(head)
-        if packed is not None:
-            name, decompressor = packed
-            raw = io.BufferedReader(_Inflating(fh, decompressor, limits.max_inflate))
-            return _scan_pickle_file(ByteSource(raw), limits, path, f"pickle+{name}")
-        return _scan_pickle_file(ByteSource(fh, size), limits, path, "pickle")
+        return _scan_fh(fh, size, limits, path, 0)
+
+
+def _scan_fh(fh: BinaryIO, size: int, limits: Limits, name: str, depth: int) -> Container:
+    head = fh.read(16)
+    fh.seek(0)
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+        container = scan_zip(fh, size, limits)
+    elif head.startswith(b"\x93NUMPY"):
+        container = Container("npy")
+        _scan_npy_stream(ByteSource(fh, size), limits, Entry(name), container)
+    elif head.startswith(b"7z\xbc\xaf\x27\x1c"):
+        raise PickleError("7z archive: unpack it and scan the files inside", 0)
+    elif _is_safetensors(head, size):
+        container = Container("safetensors")
+    elif (packed := _decompressor(head)) is not None:
+        kind, decompressor = packed
+        raw = io.BufferedReader(_Inflating(fh, decompressor, limits.max_inflate))
+        container = _scan_pickle_file(ByteSource(raw), limits, name, f"pickle+{kind}", None)
+    else:
+        container = _scan_pickle_file(ByteSource(fh, size), limits, name, "pickle", 0)
+    _scan_nested(fh, container, limits, depth)
+    return container
+
+
+_NESTED_LOADER = "torch.storage._load_from_bytes"
+MAX_NESTING = 3
+
+
+def _scan_nested(fh: BinaryIO, container: Container, limits: Limits, depth: int) -> None:
+    """Scan archives that pickle.dumps(tensor) embeds as bytes (loaded with a full unpickler)."""
+    for entry in container.entries:
+        for report in entry.streams:
+            for offset, via, made in report.calls:
+                ref = made.callee.ref if made.callee is not None else None
+                if via != "REDUCE" or ref is None or ref.qualname != _NESTED_LOADER:
+                    continue
+                arg = made.args.items[0] if made.args is not None and made.args.items else None
+                inner = _open_nested(fh, entry, arg, limits, depth)
+                container.nested.append(Nested(entry.name, ref, offset, inner))
+
+
+def _open_nested(
+    fh: BinaryIO, entry: Entry, arg: Value | None, limits: Limits, depth: int
+) -> Container | None:
+    if arg is None or depth >= MAX_NESTING:
+        return None
+    if arg.kind == "const" and isinstance(arg.const, bytes):
+        region: BinaryIO = io.BytesIO(arg.const)
+        size = len(arg.const)
+    elif arg.kind == "blob" and entry.base is not None:
+        start, size = arg.const
+        region = cast(BinaryIO, io.BufferedReader(_Region(fh, entry.base + start, size)))
+    else:
+        return None
+    try:
+        return _scan_fh(region, size, limits, "nested", depth + 1)
+    except PickleError as exc:
+        return Container("unknown", problems=[f"nested archive: {exc}"])

@@ -160,9 +160,9 @@ class GlobalRef:
         return f"{self.module}.{self.name}"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Value:
-    """A symbolic value. ``kind`` is const|global|tuple|list|dict|set|made|opaque|mark."""
+    """A symbolic value. ``kind`` is const|global|tuple|list|dict|set|made|blob|opaque."""
 
     kind: str
     const: Any = None
@@ -306,8 +306,10 @@ class Walker:
         if n < 0:
             raise PickleError("negative length", self._op_offset)
         if n > KEEP_BYTES:
+            start = self.src.offset
             self.src.skip(n)
-            return OPAQUE
+            # Where the bytes are, so a nested archive in them can be scanned in place.
+            return OPAQUE if text else Value("blob", const=(start, n))
         data = self.src.read(n)
         if not text:
             return _const(data)
@@ -340,7 +342,13 @@ class Walker:
         try:
             while True:
                 offset = self._op_offset = src.offset
-                code = src.read(1)[0]
+                buf, pos = src._buf, src._pos
+                if pos < len(buf):  # the common case, inlined: the opcode byte is buffered
+                    code = buf[pos]
+                    src._pos = pos + 1
+                    src.offset = offset + 1
+                else:
+                    code = src.read(1)[0]
                 entry = _DISPATCH.get(code)
                 if entry is None:
                     raise PickleError(f"unknown opcode 0x{code:02x}", offset)
@@ -592,7 +600,8 @@ def _memo_bin(fmt: str, action: str) -> Callable[[Walker], None]:
     size = struct.calcsize(fmt)
 
     def handler(w: Walker) -> None:
-        (key,) = struct.unpack(fmt, w.src.read(size))
+        data = w.src.read(size)
+        key = data[0] if size == 1 else struct.unpack(fmt, data)[0]
         w.put(key) if action == "put" else w.get(key)
 
     return handler

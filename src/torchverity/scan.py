@@ -480,26 +480,50 @@ def plan_load(path: str, container: Container) -> LoadPlan | None:
 # -------------------------------------------------------------------- verdict
 
 
-def _findings(container: Container) -> list[GlobalFinding]:
+def _nested_reasons(container: Container) -> dict[int, tuple[str, str]]:
+    """Class of each ``_load_from_bytes`` global: benign only if every archive it loads was
+    scanned (the archive's own globals are then reported as findings of their own)."""
+    scanned: dict[int, bool] = {}
+    for nested in container.nested:
+        key = id(nested.ref)
+        scanned[key] = scanned.get(key, True) and nested.container is not None
+    return {
+        key: (BENIGN, "inline torch.save archive (pickle.dumps of a tensor); scanned in place")
+        if ok else (DANGEROUS, "runs torch.load(weights_only=False) on bytes not scanned")
+        for key, ok in scanned.items()
+    }
+
+
+def _findings(container: Container, prefix: str = "") -> list[GlobalFinding]:
     out: list[GlobalFinding] = []
+    nested_classes = _nested_reasons(container)
     for entry in container.entries:
         for index, report in enumerate(entry.streams):
             for ref in report.globals:
-                category, reason = classify(ref, report.protocol)
+                category, reason = nested_classes.get(id(ref)) or classify(ref, report.protocol)
                 out.append(GlobalFinding(
-                    ref.qualname, ref.module, ref.name, entry.name, index, ref.offset,
+                    ref.qualname, ref.module, ref.name, prefix + entry.name, index, ref.offset,
                     ref.opcode, category, reason,
                 ))
+    for nested in container.nested:
+        if nested.container is not None:
+            out.extend(_findings(nested.container, f"{prefix}{nested.entry}@{nested.offset}>"))
     return out
 
 
-def _stream_errors(container: Container) -> list[str]:
-    return [
-        f"{e.name}: stream {i} at offset {r.error_offset}: {r.error}"
+def _stream_errors(container: Container, prefix: str = "") -> list[str]:
+    errors = [
+        f"{prefix}{e.name}: stream {i} at offset {r.error_offset}: {r.error}"
         for e in container.entries
         for i, r in enumerate(e.streams)
         if r.error is not None
     ]
+    for nested in container.nested:
+        if nested.container is not None:
+            inner = f"{prefix}{nested.entry}@{nested.offset}>"
+            errors += [f"{inner}{p}" for p in nested.container.problems]
+            errors += _stream_errors(nested.container, inner)
+    return errors
 
 
 def _verdict(findings: Sequence[GlobalFinding], problems: Sequence[str]) -> tuple[str, str]:
