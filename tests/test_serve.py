@@ -509,6 +509,29 @@ def test_wrong_computation_fails_the_golden_recheck(workspace: Path) -> None:
         svc.stop()
 
 
+def test_mounted_in_another_app_it_still_rechecks(workspace: Path) -> None:
+    from fastapi import FastAPI
+    from tvserve_model import build
+
+    inner = create_app(build, workspace / "model.pt", recheck_interval=0.1)
+    parent = FastAPI()  # Starlette does not run a mounted app's lifespan
+    parent.mount("/model", inner)
+    svc = start(parent)
+    try:
+        with Client(svc.url + "/model") as client:
+            assert client.ready()
+            assert client.predict(torch.ones(2, 4))["output"].shape == (2, 3)
+            model = inner.state.torchverity.model
+            with torch.no_grad():
+                model.fc2.bias[0] += 1.0
+            deadline = time.monotonic() + 2.0
+            while client.ready():
+                assert time.monotonic() < deadline, "re-checks did not run in the mounted app"
+                time.sleep(0.02)
+    finally:
+        svc.stop()
+
+
 # ------------------------------------------------ schema fuzzing and load
 
 

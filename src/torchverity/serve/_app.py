@@ -204,27 +204,56 @@ def create_app(
     return app
 
 
+class _Runtime:
+    """The inference thread and the re-check task of one app.
+
+    Started by the app's lifespan, or by the first request when the lifespan
+    does not run (FastAPI skips it for mounted sub-applications), so an
+    embedded service still re-checks itself.
+    """
+
+    def __init__(self, state: ServiceState, interval: float | None) -> None:
+        self.state = state
+        self.interval = interval
+        self.executor: ThreadPoolExecutor | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def ensure(self) -> ThreadPoolExecutor:
+        if self.executor is None:
+            # One inference thread: requests queue for the model instead of
+            # oversubscribing the cores with parallel forwards.
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix="torchverity-infer")
+        if self.interval and self.task is None:
+            self.task = asyncio.get_running_loop().create_task(
+                recheck_forever(self.state, self.interval))
+        return self.executor
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+        self.executor, self.task = None, None
+
+
 def _build_app(state: ServiceState, interval: float | None) -> "FastAPI":
     from fastapi import FastAPI
 
+    runtime = _Runtime(state, interval)
+
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # One inference thread: requests queue for the model instead of
-        # oversubscribing the cores with parallel forwards.
-        app.state.executor = ThreadPoolExecutor(1, thread_name_prefix="torchverity-infer")
-        task = asyncio.create_task(recheck_forever(state, interval)) if interval else None
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        runtime.ensure()
         try:
             yield
         finally:
-            if task:
-                task.cancel()
-            app.state.executor.shutdown(wait=False, cancel_futures=True)
+            runtime.close()
 
     app = FastAPI(title=f"torchverity serve: {state.name}", version=__version__,
                   lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.torchverity = state
     _add_error_handlers(app)
-    _add_routes(app, state)
+    _add_routes(app, state, runtime)
     app.openapi = lambda: _openapi(app, state.spec)  # type: ignore[method-assign]
     return app
 
@@ -271,7 +300,7 @@ def _clean_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
 # ------------------------------------------------ routes
 
 
-def _add_routes(app: "FastAPI", state: ServiceState) -> None:
+def _add_routes(app: "FastAPI", state: ServiceState, runtime: _Runtime) -> None:
     from fastapi import Request
     from starlette.responses import Response
 
@@ -289,6 +318,7 @@ def _add_routes(app: "FastAPI", state: ServiceState) -> None:
                      "last golden check passed")
     @app.get("/v2/health/ready", response_model=models.Ready, include_in_schema=False)
     async def ready() -> Response:
+        runtime.ensure()
         status = state.readiness()
         if not status.ready:
             raise _not_ready(status.reason)
@@ -315,8 +345,7 @@ def _add_routes(app: "FastAPI", state: ServiceState) -> None:
         # Parsing, inference and encoding run off the event loop, so /health and
         # /ready stay responsive under load.
         answer = await loop.run_in_executor(
-            request.app.state.executor, _answer, state, request.headers.get("content-type"),
-            body)
+            runtime.ensure(), _answer, state, request.headers.get("content-type"), body)
         return Response(answer, media_type="application/json")
 
 

@@ -51,11 +51,11 @@ class ServiceState:
     weights: WeightsInfo | None
     golden_path: Path | None
     baseline: Fingerprint = field(init=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _failure: str | None = None
-    _golden: GoldenStatus = "not-configured"
-    _checks: int = 0
-    _last_check: float | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _failure: str | None = field(default=None, init=False)
+    _golden: GoldenStatus = field(default="not-configured", init=False)
+    _checks: int = field(default=0, init=False)
+    _last_check: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.baseline = fingerprint(self.model.state_dict())
