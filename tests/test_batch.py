@@ -551,6 +551,18 @@ def test_read_only_output_folder_gives_a_clear_error(tmp_path: Path, model_dir: 
     assert not any(out.iterdir())
 
 
+@needs_namespace
+def test_verify_works_on_a_read_only_copy_of_the_folder(tmp_path: Path, model_dir: Path) -> None:
+    make_inputs(tmp_path / "in", 5, nested=False)
+    out = tmp_path / "out"
+    assert run_batch(tmp_path / "in", _transform, out).ok
+    (out / "data/item00002.bin.out").write_bytes(b"tampered")
+    setup = f"mount --bind {out} {out}; mount -o remount,bind,ro {out}"
+    result = _in_namespace(setup, cli("batch", "verify", out), cli_env(model_dir))
+    assert result.returncode == 1, result.stderr
+    assert "output-mismatch: item00002.bin: data/item00002.bin.out" in result.stdout
+
+
 def test_bad_usage_is_refused_before_any_work(tmp_path: Path) -> None:
     make_inputs(tmp_path / "in", 2, nested=False)
     with pytest.raises(Exception, match="output suffix"):

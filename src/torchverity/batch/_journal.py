@@ -156,8 +156,12 @@ class Journal:
             )
 
     @classmethod
-    def open(cls, out: Path) -> Journal:
-        """Open an existing journal, refusing a missing, corrupt or foreign one."""
+    def open(cls, out: Path, *, read_only: bool = False) -> Journal:
+        """Open an existing journal, refusing a missing, corrupt or foreign one.
+
+        ``read_only`` on a folder that cannot be written (an archived bag on
+        read-only media) opens the file as immutable: no WAL index is needed.
+        """
         path = out / JOURNAL_NAME
         if not path.is_file():
             raise BatchError(
@@ -165,7 +169,10 @@ class Journal:
                 out=out,
                 hint="name the --out folder of a 'torchverity batch run' job",
             )
-        journal = cls(path, _connect(path, out))
+        if read_only and not os.access(out, os.W_OK):
+            journal = cls(path, _connect_immutable(path))
+        else:
+            journal = cls(path, _connect(path, out))
         journal._check()
         return journal
 
@@ -314,6 +321,13 @@ def _connect(path: Path, out: Path) -> sqlite3.Connection:
             raise _corrupt(path, str(exc)) from None
         raise _write_failed(path, exc) from None
     return conn
+
+
+def _connect_immutable(path: Path) -> sqlite3.Connection:
+    try:
+        return sqlite3.connect(f"file:{path}?immutable=1", uri=True, check_same_thread=False)
+    except sqlite3.DatabaseError as exc:
+        raise _corrupt(path, str(exc)) from None
 
 
 def _corrupt(path: Path, detail: str) -> FormatError:

@@ -56,7 +56,7 @@ class BatchVerifyResult:
 def verify_batch(out: str | os.PathLike[str]) -> BatchVerifyResult:
     """Check every output against the journal and the bag manifest; write the manifest if absent."""
     root = Path(out).resolve()
-    journal = Journal.open(root)
+    journal = Journal.open(root, read_only=True)
     try:
         rows = journal.items()
     finally:
@@ -67,7 +67,7 @@ def verify_batch(out: str | os.PathLike[str]) -> BatchVerifyResult:
     written = False
     if manifest_path.is_file():
         problems += _check_manifest(manifest_path, committed)
-    elif not problems and committed:
+    elif not problems and committed and os.access(root, os.W_OK):
         write_bag(root, [ManifestEntry(r.output, int(r.output_size or 0), str(r.output_digest))
                          for r in committed])
         written = True
