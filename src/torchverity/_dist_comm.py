@@ -8,11 +8,12 @@ when the rendezvous store can still tell, the ranks that never arrived.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -33,7 +34,11 @@ _HEADER_BYTES = 24  # count and layout digest
 
 @dataclass(frozen=True)
 class Comm:
-    """Where this rank stands in ``group`` and how it talks to the others."""
+    """Where this rank stands in ``group`` and how it talks to the others.
+
+    ``sequence`` numbers this check among the group's checks (0: not recorded
+    in the store, as for the per-step flag reduction).
+    """
 
     group: dist.ProcessGroup | None
     rank: int
@@ -41,6 +46,7 @@ class Comm:
     index: int
     device: torch.device
     timeout: float | None
+    sequence: int = 0
 
     @property
     def world(self) -> int:
@@ -54,7 +60,9 @@ def current_rank() -> int:
     return 0
 
 
-def open_comm(group: dist.ProcessGroup | None, timeout: float | None, what: str) -> Comm:
+def open_comm(group: dist.ProcessGroup | None, timeout: float | None, what: str, *,
+              record: bool = True) -> Comm:
+    """Start one check on ``group``; ``record`` notes this rank's arrival in the store."""
     if not (dist.is_available() and dist.is_initialized()):
         raise UsageError(
             f"{what} needs torch.distributed, which is not initialised in this process",
@@ -69,7 +77,8 @@ def open_comm(group: dist.ProcessGroup | None, timeout: float | None, what: str)
             f"{what}: rank {rank} is not a member of the given process group {list(ranks)}",
             hint="call it only on the ranks of the group (new_group returns a non-member handle)",
         )
-    return Comm(group, rank, ranks, ranks.index(rank), _comm_device(group), timeout)
+    c = Comm(group, rank, ranks, ranks.index(rank), _comm_device(group), timeout)
+    return replace(c, sequence=_record_arrival(c)) if record else c
 
 
 def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
@@ -83,20 +92,27 @@ def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
 # ------------------------------------------------------------------ waiting
 
 
-_sequence = 0
+_sequences: dict[tuple[int, ...], int] = {}
 
 
-def _mark_arrival(c: Comm) -> int:
-    """Record in the rendezvous store that this rank reached check number N."""
-    global _sequence
-    _sequence += 1
+def _arrival_key(ranks: tuple[int, ...], rank: int) -> str:
+    group_id = hashlib.sha256(repr(ranks).encode()).hexdigest()[:12]
+    return f"{_STORE_PREFIX}{group_id}/{rank}"
+
+
+def _record_arrival(c: Comm) -> int:
+    """Record in the rendezvous store that this rank reached the group's check number N.
+
+    Counted per group, so checks on a subgroup do not make the other ranks
+    look late in a later check on the whole world.
+    """
+    sequence = _sequences.get(c.ranks, 0) + 1
+    _sequences[c.ranks] = sequence
     store = _store()
     if store is not None:
-        try:
-            store.set(f"{_STORE_PREFIX}{c.rank}", str(_sequence))
-        except RuntimeError:
-            return _sequence
-    return _sequence
+        with contextlib.suppress(RuntimeError):
+            store.set(_arrival_key(c.ranks, c.rank), str(sequence))
+    return sequence
 
 
 def _store() -> Any:
@@ -108,28 +124,25 @@ def _store() -> Any:
         return None
 
 
-def _absent_ranks(c: Comm, sequence: int) -> list[int] | None:
+def _absent_ranks(c: Comm) -> list[int] | None:
     """Ranks whose last recorded check is older than ours; None when the store cannot say."""
     store = _store()
-    if store is None:
+    if store is None or not c.sequence:
         return None
     absent = []
     try:
         for r in c.ranks:
-            key = f"{_STORE_PREFIX}{r}"
+            key = _arrival_key(c.ranks, r)
             seen = int(store.get(key)) if store.check([key]) else 0
-            if seen < sequence:
+            if seen < c.sequence:
                 absent.append(r)
     except (RuntimeError, ValueError):
         return None  # the store lives on rank 0; if that rank died, nobody can say
     return absent
 
 
-def run_collective(
-    c: Comm, what: str, launch: Callable[[], Any], *, mark: bool = True
-) -> None:
+def run_collective(c: Comm, what: str, launch: Callable[[], Any]) -> None:
     """Launch an async collective and wait for it within ``c.timeout`` seconds."""
-    sequence = _mark_arrival(c) if mark else 0
     start = time.monotonic()
     try:
         launched = launch()
@@ -139,7 +152,7 @@ def run_collective(
             else:
                 work.wait(datetime.timedelta(seconds=c.timeout))
     except RuntimeError as exc:
-        absent = _absent_ranks(c, sequence) if mark else None
+        absent = _absent_ranks(c)
         raise _timeout_error(c, what, exc, absent, time.monotonic() - start) from None
 
 
@@ -167,13 +180,12 @@ def _timeout_error(
     )
 
 
-def all_gather(c: Comm, tensor: torch.Tensor, what: str, *, mark: bool = True) -> torch.Tensor:
+def all_gather(c: Comm, tensor: torch.Tensor, what: str) -> torch.Tensor:
     """Gather ``tensor`` from every rank of the group into a ``[world, ...]`` tensor."""
     local = tensor.to(c.device).contiguous()
     out = torch.empty((c.world, *local.shape), dtype=local.dtype, device=c.device)
     views = list(out.unbind(0))
-    run_collective(c, what, lambda: dist.all_gather(views, local, group=c.group, async_op=True),
-                   mark=mark)
+    run_collective(c, what, lambda: dist.all_gather(views, local, group=c.group, async_op=True))
     return out
 
 
@@ -182,7 +194,6 @@ def all_reduce_max(c: Comm, tensor: torch.Tensor, what: str) -> None:
     run_collective(
         c, what,
         lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=c.group, async_op=True),
-        mark=False,
     )
 
 

@@ -63,8 +63,7 @@ def exchange_batch(c: Comm, batch: Any) -> tuple[Any, int]:
     ]
     ops = [dist.P2POp(dist.isend, t, prev_rank, c.group) for t in send]
     ops += [dist.P2POp(dist.irecv, t, c.ranks[next_index], c.group) for t in recv]
-    run_collective(c, "the replay micro-batch exchange", lambda: dist.batch_isend_irecv(ops),
-                   mark=False)
+    run_collective(c, "the replay micro-batch exchange", lambda: dist.batch_isend_irecv(ops))
     received = [r.to(t.device) for r, t in zip(recv, tensors, strict=True)]
     return rebuild(received), sum(t.numel() * t.element_size() for t in send)
 

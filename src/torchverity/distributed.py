@@ -172,13 +172,19 @@ def _short_list(names: Sequence[str], limit: int = 5) -> str:
 
 
 def _compare(c: Comm, kind: str, names: Sequence[str], values: Sequence[Any], mode: HashMode,
-             step: int | None) -> ReplicaCheckResult:
-    """Exchange per-tensor digests (two tiny all_gathers) and vote."""
-    a, b = layout_row(names, values, mode)
+             step: int | None, recorded: torch.Tensor | None = None) -> ReplicaCheckResult:
+    """Exchange per-tensor digests (two tiny all_gathers) and vote.
+
+    ``recorded`` holds digest rows taken earlier (DDP buckets); they come first
+    and ``names`` starts with their labels.
+    """
+    a, b = layout_row(names, [*([None] * _rows(recorded)), *values], mode)
     header = all_gather(c, torch.tensor([len(names), a, b], dtype=torch.int64),
                         f"the {kind} layout exchange")
     _check_layout(c, kind, header, step)
     rows = digest_rows(values, mode, c.device)
+    if recorded is not None:
+        rows = torch.cat([recorded.to(c.device), rows])
     gathered = all_gather(c, rows, f"the {kind} digest exchange").cpu()
     return ReplicaCheckResult(
         kind=kind,
@@ -189,6 +195,10 @@ def _compare(c: Comm, kind: str, names: Sequence[str], values: Sequence[Any], mo
         disagreements=_vote(c.ranks, names, gathered),
         step=step,
     )
+
+
+def _rows(recorded: torch.Tensor | None) -> int:
+    return 0 if recorded is None else int(recorded.shape[0])
 
 
 def _check_layout(c: Comm, kind: str, header: torch.Tensor, step: int | None) -> None:
@@ -370,32 +380,10 @@ class GradientCheck:
         c = open_comm(self._group, self._timeout, "GradientCheck")
         buckets = [self._buckets[i] for i in sorted(self._buckets)]
         self._buckets.clear()
-        names = [f"{n}.grad" for n, _ in self._params]
+        names = [label for label, _ in buckets] + [f"{n}.grad" for n, _ in self._params]
         values: list[Any] = [p.grad for _, p in self._params]
-        result = _compare(c, "gradients", names, values, self._mode, step)
-        if not buckets:
-            return result
-        return _merge_buckets(c, result, buckets, step)
-
-
-def _merge_buckets(c: Comm, grads: ReplicaCheckResult,
-                   buckets: list[tuple[str, torch.Tensor]], step: int | None) -> ReplicaCheckResult:
-    labels = [label for label, _ in buckets]
-    rows = torch.cat([row.to(c.device) for _, row in buckets])
-    a, b = layout_row(labels, [None] * len(labels), "auto")
-    header = all_gather(c, torch.tensor([len(labels), a, b], dtype=torch.int64),
-                        "the gradient bucket layout exchange")
-    _check_layout(c, "gradient buckets", header, step)
-    gathered = all_gather(c, rows, "the gradient bucket digest exchange").cpu()
-    return ReplicaCheckResult(
-        kind="gradients",
-        rank=c.rank,
-        ranks=c.ranks,
-        tensors_checked=grads.tensors_checked + len(labels),
-        bytes_exchanged=grads.bytes_exchanged + row_bytes(len(labels), c.world),
-        disagreements=_vote(c.ranks, labels, gathered) + grads.disagreements,
-        step=step,
-    )
+        recorded = torch.cat([row.to(c.device) for _, row in buckets]) if buckets else None
+        return _compare(c, "gradients", names, values, self._mode, step, recorded)
 
 
 # ------------------------------------------------------------------ replay
@@ -559,7 +547,7 @@ class FlagReducer:
         if not (dist.is_available() and dist.is_initialized()):
             return flags
         if self._comm is None:
-            self._comm = open_comm(self._group, self._timeout, "FlagReducer")
+            self._comm = open_comm(self._group, self._timeout, "FlagReducer", record=False)
         if self._comm.world == 1:
             return flags
         # gloo has no MAX for bool; int32 holds every flag value we use.
