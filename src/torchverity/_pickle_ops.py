@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 KEEP_BYTES = 1 << 16  # strings and bytes above this are skipped, not kept
 KEEP_ITEMS = 256  # items kept per container (enough for names and small configs)
+# Calls whose arguments the containers inspect: archives embedded by pickle.dumps(tensor).
+WATCHED_CALLS = frozenset({"torch.storage._load_from_bytes"})
 _CHUNK = 1 << 20
 
 _OPS: dict[int, pickletools.OpcodeInfo] = {ord(op.code): op for op in pickletools.opcodes}
@@ -228,7 +230,8 @@ class StreamReport:
     start: int = 0
     globals: list[GlobalRef] = field(default_factory=list)
     builds: list[Build] = field(default_factory=list)
-    calls: list[tuple[int, str, Value]] = field(default_factory=list)  # (offset, opcode, made)
+    # Calls of WATCHED_CALLS globals: (offset, opcode, made); other calls are not kept.
+    calls: list[tuple[int, str, Value]] = field(default_factory=list)
     opcodes: dict[str, int] = field(default_factory=dict)  # opcode name -> first offset
     # APPEND/SETITEM-style opcodes applied to something other than a plain list/dict.
     odd_targets: list[tuple[int, str, Value]] = field(default_factory=list)
@@ -325,7 +328,8 @@ class Walker:
 
     def _made(self, via: str, callee: Value, args: Value) -> Value:
         made = Value("made", callee=callee, args=args, via=via, weight=1 + args.weight)
-        self.report.calls.append((self._op_offset, via, made))
+        if callee.ref is not None and callee.ref.qualname in WATCHED_CALLS:
+            self.report.calls.append((self._op_offset, via, made))
         return made
 
     # -- main loop

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity._console import Output
+
+if TYPE_CHECKING:
+    from torchverity.scan import ScanResult
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -22,7 +25,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(func=_run)
 
 
-def _global_rows(result: Any, show_all: bool) -> list[list[str]]:
+def _global_rows(result: ScanResult, show_all: bool) -> list[list[str]]:
     rows: list[list[str]] = []
     seen: set[str] = set()
     for g in result.globals:
@@ -33,7 +36,7 @@ def _global_rows(result: Any, show_all: bool) -> list[list[str]]:
     return rows
 
 
-def _print_result(result: Any, out: Output, show_all: bool) -> None:
+def _print_result(result: ScanResult, out: Output, show_all: bool) -> None:
     out.line(f"{result.path}: {result.verdict} ({result.format}): {result.reason}")
     rows = _global_rows(result, show_all)
     if rows:
