@@ -1,10 +1,11 @@
 """One item's work, the same on every engine: verified input -> model -> output bytes -> file.
 
 The output is written as the journal requires for exactly-once: a temp file
-beside the final name, flushed and fsynced, then renamed over the
-deterministic name. The driver records it as committed only after that (and
-after an fsync of the folder), so a crash leaves either nothing, a temp file,
-or a renamed but uncommitted output; the next run removes both kinds of orphan.
+beside the final name, fsynced, then renamed over the deterministic name. The
+driver records it as committed only after that and after its folder entry is
+durable too (see :class:`Durability`), so a crash leaves either nothing, a
+temp file, or a renamed but uncommitted output; the next run removes both
+kinds of orphan.
 """
 
 from __future__ import annotations
@@ -207,13 +208,13 @@ class Durability:
         fd = os.open(self._out, os.O_RDONLY)
         try:
             if self._syncfs(fd) != 0:
-                code = ctypes_errno()
+                code = _ctypes_errno()
                 raise OutputWriteError(self._out, OSError(code, os.strerror(code)))
         finally:
             os.close(fd)
 
 
-def ctypes_errno() -> int:
+def _ctypes_errno() -> int:
     import ctypes
 
     return ctypes.get_errno()
