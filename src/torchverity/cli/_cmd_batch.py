@@ -122,7 +122,7 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
 
     result = verify_batch(args.out)
     if out.json_mode:
-        out.data(_as_dict(result) | {"ok": result.ok})
+        out.data({"ok": result.ok, **_as_dict(result)})
     else:
         _print_verify(result, out)
     return 0 if result.ok else 1
