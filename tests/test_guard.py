@@ -397,3 +397,33 @@ def test_rollback_refuses_a_checkpoint_corrupted_on_disk(tmp_path: Path) -> None
     flip_bit(guard.checkpoints[-1], offset=guard.checkpoints[-1].stat().st_size // 2, bit=3)
     with pytest.raises(IntegrityError):
         guard.rollback()
+
+
+# ------------------------------------------------------------ at-rest checksum
+
+
+def test_at_rest_checksum_catches_every_single_bit_flip_and_names_only_that_tensor() -> None:
+    from torchverity._guard_checksum import PackedChecksum
+
+    gen = torch.Generator().manual_seed(3)
+    tensors = [
+        torch.randn(300, 300, generator=gen),  # large path (no packing)
+        torch.randn(7, generator=gen, dtype=torch.float64),
+        torch.randn(5, generator=gen).to(torch.bfloat16),  # odd byte count: padded
+        torch.randn(3, 3, generator=gen).to(torch.float16).t(),  # non-contiguous
+        torch.randint(0, 255, (9,), generator=gen, dtype=torch.uint8),
+        torch.randn(40, 30, generator=gen),
+    ]
+    checksum = PackedChecksum()
+    record = checksum(tensors)
+    for i, t in enumerate(tensors):
+        for index in (0, t.numel() // 2, t.numel() - 1):
+            for bit in range(8 * t.element_size()):
+                faults.flip_bit(t, index, bit)
+                changed = (checksum(tensors) != record).any(dim=1).tolist()
+                faults.flip_bit(t, index, bit)
+                assert changed == [j == i for j in range(len(tensors))], (i, index, bit)
+    assert torch.equal(checksum(tensors), record)
+    big = tensors[0].view(-1)
+    big[[10, 20]] = big[[20, 10]]  # a swap keeps the plain sum; the weighted one sees it
+    assert (checksum(tensors) != record).any(dim=1).tolist() == [True] + [False] * 5

@@ -1,17 +1,22 @@
-"""Per-tensor device checksums of many tensors in a fixed, small number of ops.
+"""Per-tensor device checksums for the guard's at-rest check, a few passes over the data.
 
-:func:`torchverity.fingerprint.checksum_tensors` runs about a dozen ops per
-tensor; a model plus its optimizer state has hundreds of tensors, so the
-guard's per-step cost would be dominated by op launches. Here small tensors
-of the same element size are packed into one word buffer (one copy), weighted
-by two odd multipliers of their position in the buffer, and summed per tensor
-through a cumulative sum read at each tensor's end. Any change confined to one
-element of a tensor changes that tensor's sums (an odd multiplier is
-invertible modulo 2**64), which is all the at-rest check needs: both the
-record and the verification are computed here, so the values never have to
-match :func:`~torchverity.fingerprint.device_checksum`. Large tensors go
-through ``device_checksum`` itself, whose op count is negligible next to
-their size. No host-device synchronisation anywhere.
+The guard checksums every parameter and optimizer-state tensor twice per step
+(after the update, before the next one), so the cost must stay near a copy.
+Each tensor's bytes are read as 32-bit words ``w`` and two sums modulo 2**32
+are taken, both with native int32 wrap-around arithmetic:
+
+* ``s1 = sum(w)``: any change confined to one word changes it, so every
+  single-bit flip, in any dtype, is always caught;
+* ``s2 = sum(w[i] * m[i mod 2**20] * q[i div 2**20])`` with fixed random odd
+  multipliers ``m`` and ``q``: position-dependent, so swapped elements and
+  several changes that cancel in ``s1`` still show, except by a ~2**-32
+  coincidence.
+
+Small tensors of the same device are packed into one buffer (one copy) and
+summed per tensor through a cumulative sum read at each tensor's end, so the
+number of ops does not grow with the number of tensors. Both the record and
+the verification are computed here; the values are not comparable with
+:func:`torchverity.fingerprint.device_checksum`. No host-device synchronisation.
 """
 
 from __future__ import annotations
@@ -20,80 +25,111 @@ from collections.abc import Sequence
 
 import torch
 
-from torchverity.fingerprint import byte_view, device_checksum
+from torchverity.fingerprint import byte_view
 
-_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_PACK_LIMIT = 1 << 20  # elements per packed buffer: bounds the int64 temporaries (32 MiB)
-_K1, _K2, _K3, _K4 = (
-    -7046029254386353131, 7195997281048129561, 6364136223846793005, 1442695040888963407
-)
+_SPAN = 1 << 20  # words with distinct multipliers; also the size of a packed buffer
+_SMALL = 1 << 16  # tensors up to this many words are packed; larger ones need no copy
+_MAX_CHUNKS = 1 << 16  # chunk multipliers: tensors up to 2**36 words (256 GiB)
+_multipliers: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Odd int32 multipliers, generated once per device from a fixed seed."""
+    if device not in _multipliers:
+        gen = torch.Generator().manual_seed(0x7E57AB1E)
+        m = torch.randint(-(2**31), 2**31, (_SPAN,), dtype=torch.int64, generator=gen) | 1
+        q = torch.randint(-(2**31), 2**31, (_MAX_CHUNKS,), dtype=torch.int64, generator=gen) | 1
+        _multipliers[device] = (m.to(torch.int32).to(device), q.to(torch.int32).to(device))
+    return _multipliers[device]
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as int32 words (zero-padded to a multiple of 4 bytes)."""
+    flat = byte_view(tensor)
+    pad = -flat.numel() % 4
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    try:
+        return flat.view(torch.int32)
+    except RuntimeError:  # a view whose byte offset is not 4-aligned
+        return flat.clone().view(torch.int32)
+
+
+def _nwords(tensor: torch.Tensor) -> int:
+    return -(-tensor.numel() * tensor.element_size() // 4)
 
 
 class PackedChecksum:
-    """Computes ``[n, 2]`` int64 checksums of a list of tensors; caches the packing plan."""
+    """Computes ``[n, 2]`` int32 checksums of a list of tensors; caches the packing plan."""
 
     def __init__(self) -> None:
-        self._key: tuple[tuple[int, int, str], ...] = ()
-        self._plan: list[tuple[list[int], torch.Tensor]] = []
+        self._key: tuple[tuple[int, str], ...] = ()
+        self._groups: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
         self._large: list[int] = []
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if not tensors:
-            return torch.zeros(0, 2, dtype=torch.int64)
-        key = tuple((t.numel(), t.element_size(), str(t.device)) for t in tensors)
+            return torch.zeros(0, 2, dtype=torch.int32)
+        key = tuple((_nwords(t), str(t.device)) for t in tensors)
         if key != self._key:
-            self._build(key, tensors[0].device)
+            self._plan(key)
         out: list[torch.Tensor | None] = [None] * len(tensors)
-        for members, ends in self._plan:
-            sums = _packed([tensors[i] for i in members], ends)
+        for members, ends, mult in self._groups:
+            sums = _packed_sums([tensors[i] for i in members], ends, mult)
             for row, i in enumerate(members):
                 out[i] = sums[row]
         for i in self._large:
-            out[i] = device_checksum(tensors[i])
+            out[i] = _large_sums(tensors[i])
         return torch.stack([o for o in out if o is not None])
 
-    def _build(self, key: tuple[tuple[int, int, str], ...], device: torch.device) -> None:
-        self._key, self._plan, self._large = key, [], []
-        by_size: dict[tuple[int, str], list[int]] = {}
-        for i, (numel, size, dev) in enumerate(key):
-            if numel > _PACK_LIMIT:
+    def _plan(self, key: tuple[tuple[int, str], ...]) -> None:
+        self._key, self._groups, self._large = key, [], []
+        by_device: dict[str, list[int]] = {}
+        for i, (words, dev) in enumerate(key):
+            if words > _SMALL:
                 self._large.append(i)
             else:
-                by_size.setdefault((min(size, 8), dev), []).append(i)
-        for (_, dev), members in by_size.items():
+                by_device.setdefault(dev, []).append(i)
+        for dev, members in by_device.items():
             group: list[int] = []
             total = 0
-            for i in members + [-1]:
-                if i == -1 or (group and total + key[i][0] > _PACK_LIMIT):
+            for i in members:
+                if group and total + key[i][0] > _SPAN:
                     self._add_group(group, key, torch.device(dev))
                     group, total = [], 0
-                if i != -1:
-                    group.append(i)
-                    total += key[i][0]
+                group.append(i)
+                total += key[i][0]
+            self._add_group(group, key, torch.device(dev))
 
-    def _add_group(self, group: list[int], key: tuple[tuple[int, int, str], ...],
+    def _add_group(self, group: list[int], key: tuple[tuple[int, str], ...],
                    device: torch.device) -> None:
-        if not group:
-            return
-        ends, pos = [], 0
+        ends: list[int] = []
         for i in group:
-            pos += key[i][0]
-            ends.append(pos)
-        self._plan.append((group, torch.tensor(ends, dtype=torch.int64, device=device)))
+            ends.append((ends[-1] if ends else 0) + key[i][0])
+        m, _ = _tables(device)
+        self._groups.append((group, torch.tensor(ends, dtype=torch.int64, device=device),
+                             m[: ends[-1]]))
 
 
-def _packed(tensors: list[torch.Tensor], ends: torch.Tensor) -> torch.Tensor:
-    size = min(tensors[0].element_size(), 8)
-    words = torch.cat([byte_view(t).view(_WORD[size]) for t in tensors]).to(torch.int64)
-    if size < 8:
-        words &= (1 << (8 * size)) - 1
-    idx = torch.arange(words.numel(), dtype=torch.int64, device=words.device)
-    m1 = (idx * _K1 + _K2) | 1
-    m2 = ((idx ^ _K3) * _K4) | 1
-    # A leading zero makes every tensor's sum "cumsum at its end minus at its start".
-    sums = torch.stack([(words * m1), (words * m2)], dim=1)
-    cs = torch.cat([torch.zeros(1, 2, dtype=torch.int64, device=words.device),
-                    torch.cumsum(sums, dim=0)])
-    at_end = cs.index_select(0, ends)
-    starts = torch.cat([cs[:1], at_end[:-1]])
-    return at_end - starts
+def _packed_sums(tensors: list[torch.Tensor], ends: torch.Tensor,
+                 mult: torch.Tensor) -> torch.Tensor:
+    words = torch.cat([_words(t) for t in tensors])
+    both = torch.stack([words, words * mult])
+    # A leading zero column makes each tensor's sums "cumsum at its end minus at its start".
+    cs = torch.cumsum(torch.nn.functional.pad(both, (1, 0)), dim=1, dtype=torch.int32)
+    at_end = cs.index_select(1, ends)
+    starts = torch.cat([cs[:, :1], at_end[:, :-1]], dim=1)
+    return (at_end - starts).t()
+
+
+def _large_sums(tensor: torch.Tensor) -> torch.Tensor:
+    words = _words(tensor)
+    m, q = _tables(words.device)
+    full, rest = divmod(words.numel(), _SPAN)
+    s1 = words.sum(dtype=torch.int32)
+    per_chunk = (words[: full * _SPAN].view(full, _SPAN) * m).sum(dim=1, dtype=torch.int32)
+    s2 = (per_chunk * q[:full]).sum(dtype=torch.int32)
+    if rest:
+        tail = (words[full * _SPAN:] * m[:rest]).sum(dtype=torch.int32)
+        s2 = s2 + tail * q[full]
+    return torch.stack([s1, s2])

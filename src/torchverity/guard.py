@@ -458,9 +458,9 @@ class TrainingGuard:
 
     @torch.no_grad()
     def _select(self, applied: torch.Tensor) -> None:
+        # Elementwise with the output aliasing an input exactly: one pass, no temporary.
         for cur, old in zip(self._backed, self._backup, strict=True):
-            torch.where(applied, cur, old, out=old)
-        torch._foreach_copy_(self._backed, self._backup)
+            torch.where(applied, cur, old, out=cur)
         # State the optimizer created during this step had no copy: reset it to
         # zero on a skip, the initial value of every built-in optimizer's buffers.
         known = {id(t) for t in self._backed}
