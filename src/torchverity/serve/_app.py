@@ -225,7 +225,7 @@ class _Runtime:
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="torchverity-infer")
         if self.interval and self.task is None:
             self.task = asyncio.get_running_loop().create_task(
-                recheck_forever(self.state, self.interval))
+                recheck_forever(self.state, self.interval, self.executor))
         return self.executor
 
     def close(self) -> None:

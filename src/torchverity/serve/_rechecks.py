@@ -14,6 +14,7 @@ import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -71,7 +72,7 @@ class ServiceState:
 
     def startup_check(self) -> None:
         """The golden check before serving; raises IntegrityError when it fails."""
-        failure = self._golden_failure()
+        failure = self.golden_failure()
         if failure:
             raise IntegrityError(
                 f"{failure}: the model does not compute what was recorded, so it is not "
@@ -80,15 +81,13 @@ class ServiceState:
                      f"--weights CKPT --golden {self.golden_path}",
             )
 
-    def recheck(self) -> Readiness:
-        """Re-fingerprint the weights and rerun the golden check; record the outcome."""
-        failure = self._weights_failure() or self._golden_failure()
+    def record_check(self, failure: str | None) -> None:
+        """Count one finished re-check; a failure turns readiness off."""
         with self._lock:
             self._checks += 1
             self._last_check = time.time()
         if failure:
             self.fail(failure)
-        return self.readiness()
 
     def fail(self, reason: str) -> None:
         """Turn readiness off (the first reason is kept) and log it."""
@@ -98,7 +97,8 @@ class ServiceState:
             self._failure = reason
         log.error("torchverity serve: no longer ready: %s", reason)
 
-    def _weights_failure(self) -> str | None:
+    def weights_failure(self) -> str | None:
+        """Why the in-memory weights no longer match the verified baseline, or None."""
         now = fingerprint(self.model.state_dict(),
                           mode="device" if self.baseline.algo == DEVICE else "exact")
         changed = self.baseline.differing(now)
@@ -107,7 +107,8 @@ class ServiceState:
         return (f"in-memory weights changed since they were verified: {len(changed)} tensor(s) "
                 f"differ: {', '.join(changed[:10])}")
 
-    def _golden_failure(self) -> str | None:
+    def golden_failure(self) -> str | None:
+        """Why the golden check fails (None when it passes or is not configured)."""
         if self.golden_path is None:
             return None
         from torchverity.golden import check
@@ -121,12 +122,18 @@ class ServiceState:
         return f"golden check failed: {failures or 'outputs differ'}"
 
 
-async def recheck_forever(state: ServiceState, interval: float) -> None:
-    """The background loop; runs the checks in a worker thread to keep serving."""
+async def recheck_forever(state: ServiceState, interval: float, model_thread: Executor) -> None:
+    """The background loop. Fingerprinting only reads the weights, so it runs in a
+    worker thread beside the requests; the golden forward pass runs on the model's
+    own thread (``model_thread``), so the model is never called from two threads."""
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(interval)
         try:
-            await asyncio.to_thread(state.recheck)
+            failure = await asyncio.to_thread(state.weights_failure)
+            if failure is None:
+                failure = await loop.run_in_executor(model_thread, state.golden_failure)
+            state.record_check(failure)
         except Exception as exc:  # a broken check must not stop the loop silently
             log.exception("torchverity serve: re-check raised %s", type(exc).__name__)
             state.fail(f"re-check raised {type(exc).__name__}: {exc}")
