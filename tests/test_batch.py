@@ -374,6 +374,66 @@ def test_weights_are_verified_before_the_first_item(
     assert not fresh.exists()
 
 
+def _linear_predictor(seed: int) -> Any:
+    """A real model behind a per-item function, as a golden-checked build() returns it."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 2).eval()
+
+    def predict(item: BatchItem) -> bytes:
+        x = torch.frombuffer(bytearray(item.data[:32]), dtype=torch.float32).reshape(1, 8)
+        with torch.no_grad():
+            return model(x.nan_to_num()).numpy().tobytes()
+
+    predict.model = model  # type: ignore[attr-defined]
+    return predict
+
+
+def test_golden_check_gates_the_job_before_and_after(tmp_path: Path) -> None:
+    import torch
+
+    from torchverity.errors import IntegrityError
+    from torchverity.golden import record
+
+    make_inputs(tmp_path / "in", 20, nested=False)
+    golden = tmp_path / "golden.json"
+    good = _linear_predictor(0)
+    record(good.model, torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), golden)
+
+    clean = run_batch(tmp_path / "in", good, tmp_path / "clean", golden=golden, name="linear")
+    assert clean.ok and verify_batch(tmp_path / "clean").ok
+
+    # Other weights: refused before anything is written.
+    with pytest.raises(IntegrityError, match="failed its golden check before the first item"):
+        run_batch(tmp_path / "in", _linear_predictor(1), tmp_path / "other", golden=golden,
+                  name="linear")
+    assert not (tmp_path / "other").exists()
+
+    # One weight bit flips while the job runs (silent corruption on the device):
+    # the check after the run fails and this run's outputs are discarded.
+    weight_bits = good.model.weight.data.view(torch.int32)
+
+    def flips_midway(item: BatchItem) -> bytes:
+        if item.key == "item00010.bin":
+            weight_bits[0, 3] ^= 1 << 22
+        return good(item)  # type: ignore[no-any-return]
+
+    flips_midway.model = good.model  # type: ignore[attr-defined]
+    out = tmp_path / "flipped"
+    with pytest.raises(IntegrityError, match=r"after producing this run's outputs.*the 20 "
+                       r"outputs this run produced were discarded"):
+        run_batch(tmp_path / "in", flips_midway, out, golden=golden, name="linear")
+    assert not list((out / "data").iterdir())
+    assert {p.kind for p in verify_batch(out).problems} == {"not-done"}
+
+    weight_bits[0, 3] ^= 1 << 22  # the device is fixed: rerun the same job
+    again = run_batch(tmp_path / "in", good, out, golden=golden, name="linear")
+    assert again.ok and again.processed == 20 and verify_batch(out).ok
+    for name in (p.name for p in (out / "data").iterdir()):
+        assert (out / "data" / name).read_bytes() == (tmp_path / "clean/data" / name).read_bytes()
+
+
 def test_force_starts_the_job_again(tmp_path: Path) -> None:
     make_inputs(tmp_path / "in", 4, nested=False)
     out = tmp_path / "out"

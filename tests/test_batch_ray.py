@@ -113,3 +113,26 @@ def test_ray_engine_records_changed_inputs_and_failures_by_name(
         assert (out / "data" / f"{key}.out").read_bytes() == expected_output(files[key])
     kinds = {(p.kind, p.key) for p in verify_batch(out).problems}
     assert kinds == {("failed", "item00011.bin"), ("input-changed", "item00027.bin")}
+
+
+def test_ray_actors_each_pass_the_golden_check_or_the_job_does_not_start(
+    tmp_path: Path, ray_address: str
+) -> None:
+    import torch
+
+    from test_batch import _linear_predictor
+    from torchverity.errors import IntegrityError
+    from torchverity.golden import record
+
+    make_inputs(tmp_path / "in", 12, nested=False)
+    golden = tmp_path / "golden.json"
+    good = _linear_predictor(0)
+    record(good.model, torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), golden)
+    report = run_batch(tmp_path / "in", good, tmp_path / "ok", engine="ray", workers=2,
+                       golden=golden, name="linear")
+    assert report.ok and verify_batch(tmp_path / "ok").ok
+
+    with pytest.raises(IntegrityError, match="failed its golden check before the first item"):
+        run_batch(tmp_path / "in", _linear_predictor(1), tmp_path / "bad", engine="ray",
+                  workers=1, golden=golden, name="linear")
+    assert not list((tmp_path / "bad" / "data").rglob("*.out"))

@@ -63,6 +63,7 @@ def run_batch(
     durability: str = "file",
     name: str | None = None,
     model_fingerprint: str | None = None,
+    golden: PathLike | None = None,
     settings: Mapping[str, str] | None = None,
     progress: Progress | None = None,
 ) -> BatchReport:
@@ -72,14 +73,18 @@ def run_batch(
     and ``settings`` identify the job: resuming with other values is refused
     unless ``force=True``, which deletes the previous outputs and starts over.
     ``progress(done, total)`` is called as items reach a final state.
+    ``golden`` (a file from ``torchverity.golden.record``) gates the job: the
+    model behind ``fn`` (``fn.model``) must pass ``golden.check`` before the
+    first item and again after the run, or this run's outputs are discarded.
     ``durability="file"`` fsyncs every output before its rename; ``"group"``
     (Linux) makes them durable with one ``syncfs`` per commit point instead. With
     ``engine="ray"`` the function must be picklable.
     """
     label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-    factory = GivenFn(fn, label, model_fingerprint)
+    gate = os.fspath(golden) if golden is not None else None
+    factory = GivenFn(fn, label, model_fingerprint, gate)
     return execute(_config(inputs, out, workers, retries, backoff, engine, ray_address, force,
-                           suffix, durability, settings), factory, progress)
+                           suffix, durability, gate, settings), factory, progress)
 
 
 def run_model_batch(
@@ -96,6 +101,7 @@ def run_model_batch(
     force: bool = False,
     suffix: str = ".out",
     durability: str = "file",
+    golden: PathLike | None = None,
     settings: Mapping[str, str] | None = None,
     progress: Progress | None = None,
 ) -> BatchReport:
@@ -104,18 +110,21 @@ def run_model_batch(
     The weights are loaded with ``torchverity.load(weights, sidecar="require")``
     before the first item; their SHA-256 and content fingerprint enter the job
     fingerprint. Without ``weights``, ``build()`` is called with no argument.
+    With ``golden``, the returned function's ``model`` attribute is checked
+    against the golden file before the first item and after the run.
     """
-    factory = ModelSpec(model, os.fspath(weights) if weights is not None else None)
+    gate = os.fspath(golden) if golden is not None else None
+    factory = ModelSpec(model, os.fspath(weights) if weights is not None else None, gate)
     return execute(_config(inputs, out, workers, retries, backoff, engine, ray_address, force,
-                           suffix, durability, settings), factory, progress)
+                           suffix, durability, gate, settings), factory, progress)
 
 
 def _config(inputs: PathLike, out: PathLike, workers: int, retries: int, backoff: float,
             engine: str, ray_address: str | None, force: bool, suffix: str, durability: str,
-            settings: Mapping[str, str] | None) -> JobConfig:
+            golden: str | None, settings: Mapping[str, str] | None) -> JobConfig:
     return JobConfig(
         inputs=Path(inputs), out=Path(out), suffix=suffix, workers=workers, retries=retries,
         backoff=backoff, engine=engine, ray_address=ray_address, force=force,
-        durability=durability,
+        durability=durability, golden=golden,
         settings=tuple(sorted((str(k), str(v)) for k, v in (settings or {}).items())),
     )

@@ -25,6 +25,7 @@ from torchverity.batch._item import (
     write_output,
 )
 from torchverity.batch._journal import WorkItem
+from torchverity.batch._model import golden_gate
 
 EngineEvent = ItemResult | OutputWriteError
 # Threads that verify, hash and fsync while the model threads go on computing.
@@ -79,6 +80,9 @@ class LocalEngine:
             except OutputWriteError as exc:
                 events.append(exc)
         return events
+
+    def recheck(self, golden: str) -> None:
+        golden_gate(self._fn, golden, "after producing this run's outputs")
 
     def close(self) -> None:
         for future in self._futures:

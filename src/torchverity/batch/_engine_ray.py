@@ -15,10 +15,10 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from torchverity.batch._item import ItemResult, OutputWriteError, compute, write_output
+from torchverity.batch._item import ItemFn, ItemResult, OutputWriteError, compute, write_output
 from torchverity.batch._journal import FAILED, WorkItem
-from torchverity.batch._model import ModelFactory
-from torchverity.errors import BatchError, require_extra
+from torchverity.batch._model import ModelFactory, golden_gate
+from torchverity.errors import BatchError, TorchVerityError, require_extra
 
 EngineEvent = ItemResult | OutputWriteError
 
@@ -27,12 +27,24 @@ class _Worker:
     """The actor body: builds the model once, then processes items one at a time."""
 
     def __init__(self, factory: ModelFactory) -> None:
-        self._fn, self._identity = factory.load()
+        self._factory = factory
+        self._fn: ItemFn | None = None
 
     def identity(self) -> dict[str, str]:
-        return self._identity
+        """Build the model (first call) and say which one it is.
+
+        Loading here rather than in ``__init__`` makes a failure (weights,
+        golden check) reach the driver as a task error with its original cause.
+        """
+        self._fn, ident = self._factory.load()
+        return ident
+
+    def recheck(self, golden: str) -> None:
+        assert self._fn is not None
+        golden_gate(self._fn, golden, "after producing this run's outputs")
 
     def process(self, work: WorkItem) -> ItemResult:
+        assert self._fn is not None
         result, view = compute(work, self._fn)
         if view is None:
             return result
@@ -80,6 +92,13 @@ class RayEngine:
         actors = [self._actor_cls.remote(self._factory) for _ in range(count)]
         try:
             found = self._ray.get([a.identity.remote() for a in actors])
+        except self._ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, TorchVerityError):  # e.g. weights or golden check
+                raise exc.cause from None
+            raise BatchError(
+                f"a Ray worker could not load the model: {_cause(exc)}",
+                hint="the model module and weights must be importable/readable on every node",
+            ) from None
         except self._ray.exceptions.RayError as exc:
             raise BatchError(
                 f"a Ray worker could not load the model: {_cause(exc)}",
@@ -133,6 +152,15 @@ class RayEngine:
         except OutputWriteError as exc:
             return exc
         return dataclasses.replace(result, payload=None)
+
+    def recheck(self, golden: str) -> None:
+        """Every actor reruns the golden check on its own copy of the model."""
+        try:
+            self._ray.get([actor.recheck.remote(golden) for actor in self._actors])
+        except self._ray.exceptions.RayTaskError as exc:
+            if isinstance(exc.cause, TorchVerityError):
+                raise exc.cause from None
+            raise
 
     def close(self) -> None:
         for actor in self._actors:

@@ -20,6 +20,35 @@ class ModelFactory(Protocol):
     def load(self) -> tuple[ItemFn, dict[str, str]]: ...
 
 
+def golden_gate(fn: ItemFn, golden: str, when: str) -> None:
+    """Run the golden check on the model behind ``fn`` (its ``model`` attribute).
+
+    Raises IntegrityError naming the failed part, so no output is accepted from
+    a model that does not reproduce its recorded outputs.
+    """
+    from torchverity.errors import IntegrityError, UsageError
+    from torchverity.golden import check
+
+    model = getattr(fn, "model", None)
+    if model is None:
+        raise UsageError(
+            "a golden check needs the model: the per-item function has no 'model' attribute",
+            hint="in build(), set predict.model = model before returning predict",
+        )
+    result = check(model, golden)
+    if result.ok:
+        return
+    first = result.failures[0]
+    raise IntegrityError(
+        f"{golden}: the model failed its golden check {when}: {first.part} of output "
+        f"'{first.output}': {first.message}",
+        path=golden,
+        tensors=list(result.weights_changed or ()),
+        hint=f"torchverity golden check --golden {golden} shows every failed part; "
+        "torchverity selftest checks the device",
+    )
+
+
 @dataclass(frozen=True)
 class GivenFn:
     """The Python API's per-item function; ``name`` identifies it in the job fingerprint."""
@@ -27,6 +56,7 @@ class GivenFn:
     fn: ItemFn
     name: str
     model_fingerprint: str | None = None
+    golden: str | None = None
 
     def identity(self) -> dict[str, str]:
         ident = {"model": self.name}
@@ -35,6 +65,8 @@ class GivenFn:
         return ident
 
     def load(self) -> tuple[ItemFn, dict[str, str]]:
+        if self.golden:
+            golden_gate(self.fn, self.golden, "before the first item")
         return self.fn, self.identity()
 
 
@@ -48,6 +80,7 @@ class ModelSpec:
 
     spec: str
     weights: str | None = None
+    golden: str | None = None
 
     def identity(self) -> dict[str, str]:
         return self._weights()[1]
@@ -66,6 +99,8 @@ class ModelSpec:
                 hint="build(state) must return fn(item) -> bytes | str | tensor; "
                 "see docs/batch.md",
             )
+        if self.golden:
+            golden_gate(fn, self.golden, "before the first item")
         return fn, ident
 
     def _weights(self) -> tuple[Any, dict[str, str]]:

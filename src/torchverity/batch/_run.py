@@ -16,6 +16,7 @@ outputs are re-hashed on every resume and redone if damaged or missing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import heapq
 import itertools
@@ -37,6 +38,7 @@ from torchverity.batch._item import (
     DURABILITY,
     TMP_SUFFIX,
     Durability,
+    ItemFn,
     ItemResult,
     OutputWriteError,
     file_sha256,
@@ -55,7 +57,7 @@ from torchverity.batch._journal import (
 )
 from torchverity.batch._model import ModelFactory
 from torchverity.digest import atomic_write_text
-from torchverity.errors import BatchError, UsageError
+from torchverity.errors import BatchError, IntegrityError, UsageError
 from torchverity.manifest import SHA256SUM_NAME, ManifestEntry
 
 JOB_FORMAT = "torchverity-batch-job/1"
@@ -80,6 +82,8 @@ class Engine(Protocol):
     def submit(self, work: WorkItem) -> None: ...
 
     def wait(self, timeout: float) -> list[ItemResult | OutputWriteError]: ...
+
+    def recheck(self, golden: str) -> None: ...
 
     def close(self) -> None: ...
 
@@ -136,6 +140,7 @@ class JobConfig:
     ray_address: str | None = None
     force: bool = False
     durability: str = "file"
+    golden: str | None = None
     settings: tuple[tuple[str, str], ...] = ()
 
 
@@ -161,26 +166,36 @@ def execute(config: JobConfig, factory: ModelFactory,
     _check_config(config)
     start = time.perf_counter()
     out = config.out.resolve()
-    identity = factory.identity()  # verifies the weights before anything else happens
+    # Weights verified (and, locally, the model built and golden-checked) before
+    # anything is written. Ray actors each build and check their own copy later.
+    make: Callable[[bool], Engine]
+    if config.engine == "local":
+        fn, identity = factory.load()
+        make = functools.partial(_local_engine, fn, config, out)
+    else:
+        identity = factory.identity()
+        make = functools.partial(_ray_engine, factory, identity, config, out)
     fingerprint, doc = job_fingerprint(config, identity)
     _prepare_out(out)
     with _exclusive(out):
-        return _run_locked(config, factory, progress, out, identity, fingerprint, doc, start)
+        return _run_locked(config, make, progress, out, fingerprint, doc, start)
 
 
-def _run_locked(config: JobConfig, factory: ModelFactory,
-                progress: Callable[[int, int], None] | None, out: Path, identity: dict[str, str],
-                fingerprint: str, doc: dict[str, Any], start: float) -> BatchReport:
+def _run_locked(config: JobConfig, make: Callable[[bool], Engine],
+                progress: Callable[[int, int], None] | None, out: Path, fingerprint: str,
+                doc: dict[str, Any], start: float) -> BatchReport:
     journal, resumed = _open_or_create(config, out, fingerprint, doc)
     try:
         interrupted, orphans, repaired = _recover(journal, out) if resumed else (0, 0, [])
         durability = Durability(out, config.durability)
-        engine = _make_engine(config, factory, identity, out, durability.per_file)
+        engine = make(durability.per_file)
         try:
             work_start = time.perf_counter()
             scheduler = _Scheduler(journal, engine, out, config, durability, progress)
             processed, retries = scheduler.run()
             work_seconds = time.perf_counter() - work_start
+            if config.golden and scheduler.committed_ids:
+                _golden_after(engine, config.golden, journal, out, scheduler.committed_ids)
         finally:
             engine.close()
         manifest = _finish(journal, out)
@@ -189,6 +204,28 @@ def _run_locked(config: JobConfig, factory: ModelFactory,
                        repaired, processed, retries, seconds, work_seconds, manifest)
     finally:
         journal.close()
+
+
+def _golden_after(engine: Engine, golden: str, journal: Journal, out: Path,
+                  ids: list[int]) -> None:
+    """Accept this run's outputs only if the model still passes its golden check."""
+    try:
+        engine.recheck(golden)
+    except IntegrityError as exc:
+        wanted = set(ids)
+        rows = [r for r in journal.items(COMMITTED) if r.id in wanted]
+        for row in rows:
+            (out / row.output).unlink(missing_ok=True)
+        journal.reset([r.id for r in rows], "discarded: the model failed its golden check "
+                      "after producing this output")
+        raise IntegrityError(
+            f"{exc.message}; the {len(rows)} outputs this run produced were discarded and "
+            "their items are pending again",
+            path=exc.path,
+            tensors=exc.tensors,
+            hint="check the machine (torchverity selftest), then rerun the same command to "
+            "redo them",
+        ) from None
 
 
 def _check_config(config: JobConfig) -> None:
@@ -345,19 +382,17 @@ def stored_digests(out: Path, rows: list[ItemRow]) -> list[tuple[str, int] | Non
         return list(pool.map(lambda r: file_sha256(out / r.output), rows))
 
 
-def _make_engine(config: JobConfig, factory: ModelFactory, identity: dict[str, str],
-                 out: Path, fsync: bool) -> Engine:
-    if config.engine == "ray":
-        from torchverity.batch._engine_ray import RayEngine
-
-        return RayEngine(factory, identity, out, config.workers, config.ray_address,
-                         fsync=fsync)
+def _local_engine(fn: ItemFn, config: JobConfig, out: Path, fsync: bool) -> Engine:
     from torchverity.batch._engine_local import LocalEngine
 
-    fn, got = factory.load()
-    if got != identity:
-        raise BatchError(f"the model changed while loading: {got} instead of {identity}")
     return LocalEngine(fn, out, config.workers, fsync=fsync)
+
+
+def _ray_engine(factory: ModelFactory, identity: dict[str, str], config: JobConfig, out: Path,
+                fsync: bool) -> Engine:
+    from torchverity.batch._engine_ray import RayEngine
+
+    return RayEngine(factory, identity, out, config.workers, config.ray_address, fsync=fsync)
 
 
 class _Scheduler:
@@ -381,6 +416,7 @@ class _Scheduler:
         self.last_commit = time.monotonic()
         self.processed = 0
         self.retries = 0
+        self.committed_ids: list[int] = []
 
     def run(self) -> tuple[int, int]:
         counts = self.journal.counts()
@@ -463,6 +499,7 @@ class _Scheduler:
         if result.status == COMMITTED:
             self.folders.add((self.out / work.output).parent)
             self.processed += 1
+            self.committed_ids.append(work.id)
         self.buffer.append(
             Outcome(work.id, result.status, result.output_digest, result.output_size, result.error)
         )

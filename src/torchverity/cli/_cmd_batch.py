@@ -35,6 +35,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                      "--weights)")
     run.add_argument("--weights", type=Path,
                      help="checkpoint, verified against its .sha256 sidecar before any item")
+    run.add_argument("--golden", type=Path, metavar="FILE",
+                     help="golden file: the model (fn.model) must pass it before the first "
+                     "item and after the run, or the run's outputs are discarded")
     run.add_argument("--out", required=True, type=Path,
                      help="output folder: data/, journal, manifest-sha256.txt")
     run.add_argument("--workers", type=int, default=1, help="parallel workers (default 1)")
@@ -74,7 +77,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         report = run_model_batch(
             args.inputs, args.model, args.out, weights=args.weights, workers=args.workers,
             retries=args.retries, engine=args.engine, ray_address=args.ray_address,
-            force=args.force, suffix=args.suffix, durability=args.durability,
+            force=args.force, suffix=args.suffix, durability=args.durability, golden=args.golden,
             progress=progress,
         )
     if out.json_mode:
