@@ -254,6 +254,32 @@ def test_needs_an_initialised_process_group() -> None:
     assert FlagReducer().reduce(flags) is flags
 
 
+def test_vote_without_a_strict_majority_names_tensors_but_no_rank() -> None:
+    import torch
+
+    from torchverity.distributed import ReplicaCheckResult, _vote
+
+    same, other = [1, 2], [1, 3]
+    gathered = torch.tensor([[[5, 5], same], [[5, 5], same], [[5, 5], other], [[5, 5], other]])
+    disagreements = _vote((0, 1, 2, 3), ["a", "b"], gathered)
+    assert [d.name for d in disagreements] == ["b"]
+    assert disagreements[0].groups == ((0, 1), (2, 3)) and disagreements[0].odd_ranks == ()
+    result = ReplicaCheckResult("parameters", 0, (0, 1, 2, 3), 2, 0, disagreements)
+    assert not result.ok and not result.attributed and result.odd_ranks == ()
+    assert "disagree across 4 ranks with no majority: 1 of 2 tensors differ: b" in result.summary()
+
+
+def test_one_failed_replay_comparison_is_reported_as_transient() -> None:
+    from torchverity.distributed import ReplayAuditResult, ReplayComparison, _replay_suspects
+
+    comparisons = (ReplayComparison(0, 2, ()), ReplayComparison(1, 0, ("loss",)),
+                   ReplayComparison(2, 1, ()))
+    assert _replay_suspects((0, 1, 2), comparisons) == ()
+    result = ReplayAuditResult(0, (0, 1, 2), comparisons, (), 0, step=9)
+    assert not result.ok and result.tensors == ["loss"]
+    assert "no rank fails all its comparisons, a transient fault is likely" in result.summary()
+
+
 # ================================================================== workers
 # Everything below runs inside the launched processes.
 
