@@ -7,6 +7,7 @@ import hashlib
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -103,3 +104,47 @@ def test_base_install_imports_serve_and_names_the_extra() -> None:
     assert proc.stdout.split() == ["serve", "fastapi", "serve", "httpx"]
     assert proc.returncode == 2
     assert "pip install 'torchverity[serve]'" in proc.stderr
+
+
+def _stream_through_middleware(parts: list[bytes]) -> list[dict[str, Any]]:
+    """Run the middleware around an app that streams ``parts``; return what reached the wire."""
+    import asyncio
+
+    from torchverity.serve import ContentDigestMiddleware
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for i, part in enumerate(parts):
+            await send({"type": "http.response.body", "body": part,
+                        "more_body": i < len(parts) - 1})
+
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": "/", "headers": []}
+    asyncio.run(ContentDigestMiddleware(app)(scope, receive, send))
+    return sent
+
+
+def test_streamed_response_gets_a_digest_over_every_part() -> None:
+    parts = [b"alpha ", b"beta ", b"gamma"]
+    sent = _stream_through_middleware(parts)
+    headers = dict(sent[0]["headers"])
+    assert headers[b"content-digest"] == format_digest("sha-256", b"".join(parts)).encode()
+    assert b"".join(m["body"] for m in sent[1:]) == b"".join(parts)
+
+
+def test_huge_streamed_response_passes_without_digest(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchverity.serve import _digest_fields
+
+    monkeypatch.setattr(_digest_fields, "MAX_DIGESTED_RESPONSE", 10)
+    parts = [b"0123456789", b"abcdefghij", b"KLMNO"]
+    sent = _stream_through_middleware(parts)
+    assert b"content-digest" not in dict(sent[0]["headers"])
+    assert b"".join(m["body"] for m in sent[1:]) == b"".join(parts)
+    assert sent[-1]["more_body"] is False
