@@ -486,21 +486,40 @@ for i in range(1000):
 """
 
 
+def _wait_for_partial_write(folder: Path, at_least: int, timeout: float = 60.0) -> bool:
+    """Wait until a save's temp file holds ``at_least`` bytes: the save is mid-write."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for tmp in folder.glob(".big.pt.tmp-*"):
+            try:
+                if tmp.stat().st_size >= at_least:
+                    return True
+            except FileNotFoundError:
+                continue
+        time.sleep(0.001)
+    return False
+
+
 def test_kill_9_during_save_never_tears_the_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "big.pt"
     first = {"w": torch.full((16, 1 << 20), 1.0)}
     torchverity.save(first, path)
     rng = random.Random(11)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    for _ in range(4):
+    torn = 0
+    for trial in range(4):
         proc = subprocess.Popen([sys.executable, "-c", _SAVE_LOOP.format(), str(path)],
                                 stdout=subprocess.PIPE, env=env)
         assert proc.stdout is not None
         proc.stdout.readline()  # one save done: the process is warm and writing again
-        time.sleep(rng.uniform(0.0, 0.6))
+        if trial % 2:
+            time.sleep(rng.uniform(0.0, 0.6))  # any moment: writing, fsync, renames, between
+        else:  # certainly mid-write, at a random point of the 64 MiB
+            assert _wait_for_partial_write(tmp_path, rng.randrange(1, 60 << 20))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
+        torn += any(tmp_path.glob(".big.pt.tmp-*"))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CheckpointWarning)  # an interrupted rename is fine
             obj, report = torchverity.load(path, sidecar="require", with_report=True)
@@ -509,6 +528,7 @@ def test_kill_9_during_save_never_tears_the_checkpoint(tmp_path: Path) -> None:
         assert torch.all(obj["w"] == value)
         if not report.warnings:
             assert read_meta(path)["user"] in (None, {"i": int(value) - 2})
+    assert torn >= 2  # the mid-write kills really left half-written temp files behind
     # The stale temp files of killed saves are swept (or replaced) by the next save.
     torchverity.save(first, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
