@@ -27,6 +27,7 @@ from torchverity.errors import (
     IntegrityError,
     StateDictMismatchError,
     UnsafeFileError,
+    UsageError,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -644,3 +645,13 @@ def test_only_rank_0_writes_unless_all_ranks(tmp_path: Path) -> None:
                                                                          [False, True]]
     assert torchverity.load(tmp_path / "shared.pt", sidecar="require")["w"][0].item() == 0.0
     assert torchverity.load(tmp_path / "rank1.pt", sidecar="require")["w"][0].item() == 1.0
+
+
+def test_objects_that_cannot_be_verified_are_refused_before_writing(tmp_path: Path) -> None:
+    with pytest.raises(FormatError, match=r"cannot save .*unsupported type _Custom") as info:
+        torchverity.save({"w": torch.ones(2), "obj": _Custom()}, tmp_path / "m.pt")
+    assert "meta=" in (info.value.hint or "")
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(UsageError, match="JSON-ready"):
+        torchverity.save({"w": torch.ones(2)}, tmp_path / "m.pt", meta={"t": torch.ones(1)})
+    assert list(tmp_path.iterdir()) == []

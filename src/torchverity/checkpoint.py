@@ -366,6 +366,7 @@ def save(
                             meta=meta, seed=seed, data=data, algo=algo)
     fmt = "safetensors" if target.suffix == ".safetensors" else "pt"
     payload = st.check_writable(obj, target) if fmt == "safetensors" else obj
+    _check_fingerprintable(payload, target)
     data_record = _data_record(data, algo) if data is not None else None
     sidecar, meta_file = sidecar_path(target, algo), meta_path_for(target)
     hasher = new_hasher(algo)
@@ -392,6 +393,19 @@ def save(
     log.info("saved %s (%s %s, fingerprint %s)", target, algo, digest, fp.root)
     return SaveReport(os.fspath(target), algo, digest, fp.root, os.fspath(sidecar),
                       os.fspath(meta_file), writer.size)
+
+
+def _check_fingerprintable(payload: Any, target: Path) -> None:
+    """Refuse what the fingerprint (and a weights_only load) cannot hold, before writing."""
+    try:
+        for _ in iter_leaves(payload):
+            pass
+    except FormatError as exc:
+        raise FormatError(
+            f"cannot save {target}: {exc.message}", path=target,
+            hint="save tensors, state_dicts and plain values (what torch.load(weights_only="
+                 "True) reads back); put other objects in meta=",
+        ) from None
 
 
 def _json_ready(value: Any, what: str) -> Any:
