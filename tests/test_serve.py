@@ -513,7 +513,8 @@ def test_mounted_in_another_app_it_still_rechecks(workspace: Path) -> None:
     from fastapi import FastAPI
     from tvserve_model import build
 
-    inner = create_app(build, workspace / "model.pt", recheck_interval=0.1)
+    inner = create_app(build, workspace / "model.pt", recheck_interval=0.1,
+                       digest_policy="require")
     parent = FastAPI()  # Starlette does not run a mounted app's lifespan
     parent.mount("/model", inner)
     svc = start(parent)
@@ -521,6 +522,7 @@ def test_mounted_in_another_app_it_still_rechecks(workspace: Path) -> None:
         with Client(svc.url + "/model") as client:
             assert client.ready()
             assert client.predict(torch.ones(2, 4))["output"].shape == (2, 3)
+            problem(post(svc.url + "/model", request_body()), 400, DIGEST_REQUIRED)
             model = inner.state.torchverity.model
             with torch.no_grad():
                 model.fc2.bias[0] += 1.0
