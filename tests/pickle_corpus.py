@@ -361,6 +361,7 @@ class UserConfig:
 
 
 _NUMPY_NEEDS = ("numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype")
+_JOBLIB_NEEDS = ("joblib.numpy_pickle.NumpyArrayWrapper", "numpy.ndarray", "numpy.dtype")
 
 
 def benign(root: Path) -> list[Case]:
@@ -389,7 +390,8 @@ def benign(root: Path) -> list[Case]:
         ("plain_p2.pkl", lambda p: p.write_bytes(pickle.dumps({"a": [1, 2.0, "x"]}, 2)), safe, ()),
         ("plain_p5.pkl", lambda p: p.write_bytes(pickle.dumps({"a": (1, b"x")}, 5)), safe, ()),
         ("plain_tensors.pkl", lambda p: p.write_bytes(pickle.dumps(
-            {"small": torch.ones(3), "big": torch.zeros(50_000)})), needs, ()),
+            {"small": torch.ones(3), "big": torch.zeros(50_000)})), needs,
+         ("torch.storage._load_from_bytes",)),
         ("numeric.npy", lambda p: np.save(p, np.arange(10.0)), safe, ()),
         ("numeric.npz", lambda p: np.savez(p, a=np.arange(3), b=np.ones(2)), safe, ()),
         ("numpy_extras.pt", lambda p: torch.save({
@@ -411,9 +413,10 @@ def benign(root: Path) -> list[Case]:
           "numpy.random.bit_generator.SeedSequence", *_NUMPY_NEEDS,
           "numpy.random._pickle.__randomstate_ctor", "numpy.random._mt19937.MT19937",
           "numpy.dtypes.UInt32DType", "numpy.random.mtrand.RandomState")),
-        ("arrays.joblib", lambda p: _joblib(p, compress=0), needs, ()),
-        ("arrays_z.joblib", lambda p: _joblib(p, compress=3), needs, ()),
-        ("object.npy", lambda p: np.save(p, np.array([1, "x"], dtype=object)), needs, ()),
+        ("arrays.joblib", lambda p: _joblib(p, compress=0), needs, _JOBLIB_NEEDS),
+        ("arrays_z.joblib", lambda p: _joblib(p, compress=3), needs, _JOBLIB_NEEDS),
+        ("object.npy", lambda p: np.save(p, np.array([1, "x"], dtype=object)), needs,
+         _NUMPY_NEEDS),
     ]
     cases = []
     for name, write, verdicts, expected in files:

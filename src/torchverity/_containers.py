@@ -30,15 +30,19 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, cast
 
 from torchverity._pickle_ops import (
+    MISSING,
     Build,
     ByteSource,
     GlobalRef,
+    Item,
     Limits,
     PickleError,
     StreamReport,
     Value,
     const_str,
     dict_get,
+    first_arg,
+    ref_of,
     walk_stream,
 )
 
@@ -168,20 +172,16 @@ def _joblib_hook(limits: Limits, entry: Entry) -> Callable[[Build, ByteSource], 
     """joblib writes array bytes right after a NumpyArrayWrapper's BUILD: skip or walk them."""
 
     def hook(build: Build, src: ByteSource) -> None:
-        callee = build.inst.callee
-        if build.inst.kind != "made" or callee is None or callee.ref is None:
-            return
-        if callee.ref.qualname != _JOBLIB_WRAPPER:
+        ref = ref_of(build.inst.callee)
+        if build.inst.kind != "made" or ref is None or ref.qualname != _JOBLIB_WRAPPER:
             return
         _skip_joblib_array(build, src, limits, entry)
 
     return hook
 
 
-def _dtype_code(value: Value | None) -> str | None:
-    if value is None or value.kind != "made" or value.args is None or not value.args.items:
-        return None
-    return const_str(value.args.items[0])
+def _dtype_code(value: Item) -> str | None:
+    return const_str(first_arg(value))
 
 
 def _skip_joblib_array(build: Build, src: ByteSource, limits: Limits, entry: Entry) -> None:
@@ -195,12 +195,12 @@ def _skip_joblib_array(build: Build, src: ByteSource, limits: Limits, entry: Ent
             raise PickleError(f"object array pickle: {nested.error}", src.offset)
         return
     match = _DTYPE_CODE.match(code or "")
-    dims = [v.const for v in shape.items] if shape is not None and shape.kind == "tuple" else None
+    dims = shape.items if type(shape) is Value and shape.kind == "tuple" else None
     if not match or dims is None or not all(isinstance(d, int) and d >= 0 for d in dims):
         raise PickleError("joblib array with a dtype or shape that cannot be read", src.offset)
     itemsize = int(match["size"] or 1) * (4 if match["kind"] == "U" else 1)
     align = dict_get(state, "numpy_array_alignment_bytes")
-    if align is not None and align.const is not None:
+    if align is not MISSING and align is not None:
         src.skip(src.read(1)[0])  # padding length byte, then the padding
     src.skip(math.prod(dims) * itemsize)
 
@@ -413,7 +413,7 @@ def _scan_pickle_file(
     first = walk_stream(src, limits, _joblib_hook(limits, entry))
     entry.streams.append(first)
     result = first.result
-    if first.error is None and result is not None and result.const == TORCH_LEGACY_MAGIC:
+    if first.error is None and result == TORCH_LEGACY_MAGIC:
         container.format = "torch-legacy"
         container.torch_entry = name
         # protocol version, sys info, the object, the storage keys; raw storages follow.
@@ -533,23 +533,22 @@ def _scan_nested(fh: BinaryIO, container: Container, limits: Limits, depth: int)
     for entry in container.entries:
         for report in entry.streams:
             for offset, via, made in report.calls:
-                ref = made.callee.ref if made.callee is not None else None
+                ref = ref_of(made.callee)
                 if via != "REDUCE" or ref is None or ref.qualname != _NESTED_LOADER:
                     continue
-                arg = made.args.items[0] if made.args is not None and made.args.items else None
-                inner = _open_nested(fh, entry, arg, limits, depth)
+                inner = _open_nested(fh, entry, first_arg(made), limits, depth)
                 container.nested.append(Nested(entry.name, ref, offset, inner))
 
 
 def _open_nested(
-    fh: BinaryIO, entry: Entry, arg: Value | None, limits: Limits, depth: int
+    fh: BinaryIO, entry: Entry, arg: Item, limits: Limits, depth: int
 ) -> Container | None:
-    if arg is None or depth >= MAX_NESTING:
+    if depth >= MAX_NESTING:
         return None
-    if arg.kind == "const" and isinstance(arg.const, bytes):
-        region: BinaryIO = io.BytesIO(arg.const)
-        size = len(arg.const)
-    elif arg.kind == "blob" and entry.base is not None:
+    if isinstance(arg, bytes):
+        region: BinaryIO = io.BytesIO(arg)
+        size = len(arg)
+    elif type(arg) is Value and arg.kind == "blob" and entry.base is not None:
         start, size = arg.const
         region = cast(BinaryIO, io.BufferedReader(_Region(fh, entry.base + start, size)))
     else:

@@ -72,6 +72,7 @@ class ByteSource:
         self._raw = raw
         self._remaining = length  # bytes not yet pulled from raw (None: until EOF)
         self._buf = b""
+        self._end = 0  # len(self._buf), kept to spare a call per read
         self._pos = 0
         self.offset = 0  # bytes consumed from this source
 
@@ -86,6 +87,7 @@ class ByteSource:
             if self._remaining is not None:
                 self._remaining -= len(chunk)
             self._buf = self._buf[self._pos :] + chunk
+            self._end = len(self._buf)
             self._pos = 0
         return True
 
@@ -94,7 +96,7 @@ class ByteSource:
 
     def read(self, n: int) -> bytes:
         pos = self._pos
-        if pos + n > len(self._buf):
+        if pos + n > self._end:
             if not self._fill(n):
                 raise Truncated(f"stream ends inside a {n}-byte field", self.offset)
             pos = self._pos
@@ -127,7 +129,7 @@ class ByteSource:
             self.offset += n
             return
         rest = n - have
-        self._buf, self._pos = b"", 0
+        self._buf, self._pos, self._end = b"", 0, 0
         if self._remaining is not None and rest > self._remaining:
             raise Truncated(f"stream ends inside a {n}-byte payload", self.offset)
         if self._raw.seekable():
@@ -169,48 +171,57 @@ class Value:
     kind: str
     const: Any = None
     ref: GlobalRef | None = None
-    items: list[Value] = field(default_factory=list)
+    items: list[Item] = field(default_factory=list)
     truncated: bool = False
-    callee: Value | None = None
-    args: Value | None = None
+    callee: Item = None
+    args: Item = None
     via: str = ""  # the opcode that made a 'made' value
-    state: Value | None = None  # last BUILD state applied
+    state: Item = None  # last BUILD state applied
     weight: int = 1  # items this value expands to when every shared reference is copied
 
 
+# A stack item: a Value, or a plain constant (str, bytes, int, float, bool, None) as is,
+# which keeps the common opcodes cheap.
+Item = Any
 OPAQUE = Value("opaque")
+MISSING = Value("missing")
 
 
-def _const(v: Any) -> Value:
-    return Value("const", const=v)
+def weight(item: Item) -> int:
+    return item.weight if type(item) is Value else 1
 
 
-def _container(kind: str, items: list[Value]) -> Value:
-    weight = 1 + sum(v.weight for v in items)
-    return Value(kind, items=items[:KEEP_ITEMS], truncated=len(items) > KEEP_ITEMS, weight=weight)
+def _weigh(items: list[Item]) -> int:
+    total = len(items)
+    for item in items:
+        if type(item) is Value:
+            total += item.weight - 1
+    return total
 
 
-def _extend(target: Value, items: list[Value]) -> None:
-    target.weight += sum(v.weight for v in items)
-    room = KEEP_ITEMS - len(target.items)
-    if room > 0:
-        target.items.extend(items[:room])
-    if len(items) > room:
-        target.truncated = True
+def ref_of(item: Item) -> GlobalRef | None:
+    """The global an item names, if it is one."""
+    return item.ref if type(item) is Value else None
 
 
-def const_str(v: Value | None) -> str | None:
-    return v.const if v is not None and v.kind == "const" and isinstance(v.const, str) else None
+def first_arg(made: Item) -> Item:
+    """The first argument of a call (MISSING when there is none)."""
+    args = made.args if type(made) is Value else None
+    return args.items[0] if type(args) is Value and args.items else MISSING
 
 
-def dict_get(v: Value | None, key: str) -> Value | None:
-    """Look up a string key in a symbolic dict (flat key/value item list)."""
-    if v is None or v.kind != "dict":
-        return None
+def const_str(v: Item) -> str | None:
+    return v if isinstance(v, str) else None
+
+
+def dict_get(v: Item, key: str) -> Item:
+    """Look up a string key in a symbolic dict; MISSING when absent."""
+    if type(v) is not Value or v.kind != "dict":
+        return MISSING
     for k, val in zip(v.items[0::2], v.items[1::2], strict=False):
-        if const_str(k) == key:
+        if k == key:
             return val
-    return None
+    return MISSING
 
 
 @dataclass(frozen=True)
@@ -219,7 +230,7 @@ class Build:
 
     offset: int
     inst: Value
-    state: Value
+    state: Item
 
 
 @dataclass
@@ -237,7 +248,7 @@ class StreamReport:
     odd_targets: list[tuple[int, str, Value]] = field(default_factory=list)
     error: str | None = None
     error_offset: int | None = None
-    result: Value | None = None
+    result: Item = None
     ops: int = 0
 
 
@@ -253,29 +264,46 @@ class Walker:
         self.src = src
         self.limits = limits
         self.on_build = on_build
-        self.stack: list[Value] = []
+        self.stack: list[Item] = []
         self.marks: list[int] = []
-        self.memo: dict[int, Value] = {}
+        self.memo: dict[int, Item] = {}
         self.report = StreamReport(start=src.offset)
         self._op_offset = src.offset
 
     # -- stack helpers
-    def push(self, v: Value) -> None:
+    def push(self, v: Item) -> None:
         if len(self.stack) >= self.limits.max_stack:
             raise PickleError(f"stack deeper than {self.limits.max_stack}", self._op_offset)
-        if v.weight > self.limits.max_expansion:
+        self.stack.append(v)
+
+    def _check_weight(self, w: int) -> int:
+        if w > self.limits.max_expansion:
             raise PickleError(
                 f"object graph expands to more than {self.limits.max_expansion} items through "
                 "shared references (memo expansion bomb)", self._op_offset,
             )
-        self.stack.append(v)
+        return w
 
-    def pop(self) -> Value:
+    def container(self, kind: str, items: list[Item]) -> Value:
+        w = self._check_weight(1 + _weigh(items))
+        if len(items) > KEEP_ITEMS:
+            return Value(kind, items=items[:KEEP_ITEMS], truncated=True, weight=w)
+        return Value(kind, items=items, weight=w)
+
+    def extend(self, target: Value, items: list[Item]) -> None:
+        target.weight = self._check_weight(target.weight + _weigh(items))
+        room = KEEP_ITEMS - len(target.items)
+        if room > 0:
+            target.items.extend(items[:room])
+        if len(items) > room:
+            target.truncated = True
+
+    def pop(self) -> Item:
         if len(self.stack) <= (self.marks[-1] if self.marks else 0):
             raise PickleError("stack underflow", self._op_offset)
         return self.stack.pop()
 
-    def pop_mark(self) -> list[Value]:
+    def pop_mark(self) -> list[Item]:
         if not self.marks:
             raise PickleError("no MARK on the stack", self._op_offset)
         start = self.marks.pop()
@@ -283,7 +311,7 @@ class Walker:
         del self.stack[start:]
         return items
 
-    def top(self) -> Value:
+    def top(self) -> Item:
         if len(self.stack) <= (self.marks[-1] if self.marks else 0):
             raise PickleError("stack underflow", self._op_offset)
         return self.stack[-1]
@@ -296,8 +324,8 @@ class Walker:
         self.memo[key] = self.top()
 
     def get(self, key: int) -> None:
-        value = self.memo.get(key)
-        if value is None:
+        value = self.memo.get(key, MISSING)
+        if value is MISSING:
             raise PickleError(f"memo key {key} was never stored", self._op_offset)
         self.push(value)
 
@@ -305,7 +333,7 @@ class Walker:
     def _text(self) -> str:
         return self.src.readline(self.limits.max_line).decode("latin-1")
 
-    def _payload(self, n: int, *, text: bool) -> Value:
+    def _payload(self, n: int, *, text: bool) -> Item:
         if n < 0:
             raise PickleError("negative length", self._op_offset)
         if n > KEEP_BYTES:
@@ -315,9 +343,9 @@ class Walker:
             return OPAQUE if text else Value("blob", const=(start, n))
         data = self.src.read(n)
         if not text:
-            return _const(data)
+            return data
         try:
-            return _const(data.decode("utf-8", "surrogatepass"))
+            return data.decode("utf-8", "surrogatepass")
         except UnicodeDecodeError:
             raise PickleError("invalid UTF-8 in a string", self._op_offset) from None
 
@@ -326,9 +354,11 @@ class Walker:
         self.report.globals.append(ref)
         return Value("global", ref=ref)
 
-    def _made(self, via: str, callee: Value, args: Value) -> Value:
-        made = Value("made", callee=callee, args=args, via=via, weight=1 + args.weight)
-        if callee.ref is not None and callee.ref.qualname in WATCHED_CALLS:
+    def _made(self, via: str, callee: Item, args: Item) -> Value:
+        w = self._check_weight(1 + weight(args))
+        made = Value("made", callee=callee, args=args, via=via, weight=w)
+        ref = callee.ref if type(callee) is Value else None
+        if ref is not None and ref.qualname in WATCHED_CALLS:
             self.report.calls.append((self._op_offset, via, made))
         return made
 
@@ -341,33 +371,36 @@ class Walker:
         return self.report
 
     def _loop(self) -> None:
-        src, report, opcodes = self.src, self.report, self.report.opcodes
+        src, report, handlers = self.src, self.report, _HANDLER_TABLE
         max_ops, ops = self.limits.max_ops, 0
+        first_seen = [-1] * 256
         try:
             while True:
                 offset = self._op_offset = src.offset
-                buf, pos = src._buf, src._pos
-                if pos < len(buf):  # the common case, inlined: the opcode byte is buffered
-                    code = buf[pos]
+                pos = src._pos
+                if pos < src._end:  # the common case, inlined: the opcode byte is buffered
+                    code = src._buf[pos]
                     src._pos = pos + 1
                     src.offset = offset + 1
                 else:
                     code = src.read(1)[0]
-                entry = _DISPATCH.get(code)
-                if entry is None:
+                handler = handlers[code]
+                if handler is None:
                     raise PickleError(f"unknown opcode 0x{code:02x}", offset)
+                if first_seen[code] < 0:
+                    first_seen[code] = offset
                 ops += 1
                 if ops > max_ops:
                     raise PickleError(f"more than {max_ops} opcodes", offset)
-                name, handler = entry
-                if name not in opcodes:
-                    opcodes[name] = offset
-                if handler is None:  # STOP
+                if handler is _stop:
                     report.result = self.pop()
                     return
                 handler(self)
         finally:
             report.ops = ops
+            report.opcodes.update(
+                (_OPS[code].name, off) for code, off in enumerate(first_seen) if off >= 0
+            )
 
 
 def _proto(w: Walker) -> None:
@@ -379,17 +412,17 @@ def _proto(w: Walker) -> None:
 def _int_text(w: Walker) -> None:
     text = w._text().strip()
     if text in ("00", "01"):
-        w.push(_const(text == "01"))
+        w.push(text == "01")
         return
     try:
-        w.push(_const(int(text.rstrip("L") or "0")))
+        w.push(int(text.rstrip("L") or "0"))
     except ValueError:
         raise PickleError(f"bad integer literal {text[:40]!r}", w._op_offset) from None
 
 
 def _float_text(w: Walker) -> None:
     try:
-        w.push(_const(float(w._text())))
+        w.push(float(w._text()))
     except ValueError:
         raise PickleError("bad float literal", w._op_offset) from None
 
@@ -403,7 +436,7 @@ def _long_n(size: int) -> Callable[[Walker], None]:
             w.src.skip(n)
             w.push(OPAQUE)
             return
-        w.push(_const(int.from_bytes(w.src.read(n), "little", signed=True)))
+        w.push(int.from_bytes(w.src.read(n), "little", signed=True))
 
     return handler
 
@@ -420,7 +453,9 @@ def _sized(fmt: str, *, text: bool) -> Callable[[Walker], None]:
 
 def _fixed(fmt: str) -> Callable[[Walker], None]:
     size = struct.calcsize(fmt)
-    return lambda w: w.push(_const(struct.unpack(fmt, w.src.read(size))[0]))
+    if fmt == "<B":
+        return lambda w: w.push(w.src.read(1)[0])
+    return lambda w: w.push(struct.unpack(fmt, w.src.read(size))[0])
 
 
 def _string_text(w: Walker) -> None:
@@ -428,13 +463,13 @@ def _string_text(w: Walker) -> None:
     if len(raw) < 2 or raw[0] != raw[-1] or raw[0] not in "'\"":
         raise PickleError("STRING literal is not quoted", w._op_offset)
     try:
-        w.push(_const(raw[1:-1].encode("latin-1").decode("unicode_escape")))
+        w.push(raw[1:-1].encode("latin-1").decode("unicode_escape"))
     except UnicodeDecodeError:
         raise PickleError("bad escape in STRING literal", w._op_offset) from None
 
 
 def _unicode_text(w: Walker) -> None:
-    w.push(_const(w.src.readline(w.limits.max_line).decode("raw_unicode_escape")))
+    w.push(w.src.readline(w.limits.max_line).decode("raw_unicode_escape"))
 
 
 def _binstring(fmt: str) -> Callable[[Walker], None]:
@@ -444,7 +479,7 @@ def _binstring(fmt: str) -> Callable[[Walker], None]:
         (n,) = struct.unpack(fmt, w.src.read(size))
         v = w._payload(n, text=False)
         # Protocol 0-2 strings load as str under the default ASCII/latin-1 encodings.
-        w.push(_const(v.const.decode("latin-1")) if v.kind == "const" else v)
+        w.push(v.decode("latin-1") if isinstance(v, bytes) else v)
 
     return handler
 
@@ -466,7 +501,7 @@ def _stack_global(w: Walker) -> None:
 def _inst(w: Walker) -> None:
     module, name = w._text(), w._text()
     cls = w._global(module, name, "INST")
-    args = _container("tuple", w.pop_mark())
+    args = w.container("tuple", w.pop_mark())
     w.push(w._made("INST", cls, args))
 
 
@@ -474,7 +509,7 @@ def _obj(w: Walker) -> None:
     items = w.pop_mark()
     if not items:
         raise PickleError("OBJ without a class", w._op_offset)
-    w.push(w._made("OBJ", items[0], _container("tuple", items[1:])))
+    w.push(w._made("OBJ", items[0], w.container("tuple", items[1:])))
 
 
 def _ext(size: int) -> Callable[[Walker], None]:
@@ -507,6 +542,8 @@ def _newobj_ex(w: Walker) -> None:
 def _build(w: Walker) -> None:
     state = w.pop()
     inst = w.top()
+    if type(inst) is not Value:
+        raise PickleError("BUILD on a constant", w._op_offset)
     inst.state = state
     event = Build(w._op_offset, inst, state)
     w.report.builds.append(event)
@@ -542,23 +579,29 @@ def _pop_mark(w: Walker) -> None:
 
 
 def _to_seq(kind: str) -> Callable[[Walker], None]:
-    return lambda w: w.push(_container(kind, w.pop_mark()))
+    return lambda w: w.push(w.container(kind, w.pop_mark()))
 
 
 def _tuple_n(n: int) -> Callable[[Walker], None]:
     def handler(w: Walker) -> None:
-        items = [w.pop() for _ in range(n)][::-1]
-        w.push(_container("tuple", items))
+        stack = w.stack
+        if len(stack) - n < (w.marks[-1] if w.marks else 0):
+            raise PickleError("stack underflow", w._op_offset)
+        items = stack[-n:]
+        del stack[-n:]
+        stack.append(w.container("tuple", items))
 
     return handler
 
 
-def _add_to_top(w: Walker, opcode: str, items: list[Value]) -> None:
+def _add_to_top(w: Walker, opcode: str, items: list[Item]) -> None:
     target = w.top()
+    if type(target) is not Value:
+        raise PickleError(f"{opcode} into a constant", w._op_offset)
     plain = "dict" if opcode.startswith("SETITEM") else "set" if opcode == "ADDITEMS" else "list"
     if target.kind != plain:
         w.report.odd_targets.append((w._op_offset, opcode, target))
-    _extend(target, items)
+    w.extend(target, items)
 
 
 def _append(w: Walker) -> None:
@@ -611,18 +654,47 @@ def _memo_bin(fmt: str, action: str) -> Callable[[Walker], None]:
     return handler
 
 
-def _push(kind: str, const: Any = None) -> Callable[[Walker], None]:
-    if kind == "const":
-        return lambda w: w.push(_const(const))
-    return lambda w: w.push(Value(kind))
+def _binunicode(w: Walker) -> None:
+    # Every key and name in a torch pickle: the generic sized reader, unrolled.
+    n = int.from_bytes(w.src.read(4), "little")
+    if n > KEEP_BYTES:
+        w.src.skip(n)
+        w.push(OPAQUE)
+        return
+    try:
+        w.push(w.src.read(n).decode("utf-8", "surrogatepass"))
+    except UnicodeDecodeError:
+        raise PickleError("invalid UTF-8 in a string", w._op_offset) from None
+
+
+def _binput(w: Walker) -> None:
+    # The most frequent opcode of torch pickles, kept short.
+    key = w.src.read(1)[0]
+    memo, stack = w.memo, w.stack
+    if key not in memo and len(memo) >= w.limits.max_memo:
+        raise PickleError(f"memo larger than {w.limits.max_memo} entries", w._op_offset)
+    if len(stack) <= (w.marks[-1] if w.marks else 0):
+        raise PickleError("stack underflow", w._op_offset)
+    memo[key] = stack[-1]
+
+
+def _binget(w: Walker) -> None:
+    value = w.memo.get(w.src.read(1)[0], MISSING)
+    if value is MISSING:
+        raise PickleError("memo key was never stored", w._op_offset)
+    w.push(value)
+
+
+def _push(const: Any) -> Callable[[Walker], None]:
+    return lambda w: w.push(const)
 
 
 _HANDLERS: dict[str, Callable[[Walker], None]] = {
     "PROTO": _proto,
     "FRAME": lambda w: w.src.skip(8),
-    "NONE": _push("const", None),
-    "NEWTRUE": _push("const", True),
-    "NEWFALSE": _push("const", False),
+    "NONE": _push(None),
+    "NEWTRUE": _push(True),
+    "NEWFALSE": _push(False),
     "INT": _int_text,
     "LONG": _int_text,
     "BININT": _fixed("<i"),
@@ -640,7 +712,7 @@ _HANDLERS: dict[str, Callable[[Walker], None]] = {
     "BINBYTES8": _sized("<Q", text=False),
     "BYTEARRAY8": _sized("<Q", text=False),
     "UNICODE": _unicode_text,
-    "BINUNICODE": _sized("<I", text=True),
+    "BINUNICODE": _binunicode,
     "SHORT_BINUNICODE": _sized("<B", text=True),
     "BINUNICODE8": _sized("<Q", text=True),
     "EMPTY_LIST": lambda w: w.push(Value("list")),
@@ -664,11 +736,11 @@ _HANDLERS: dict[str, Callable[[Walker], None]] = {
     "POP_MARK": _pop_mark,
     "DUP": lambda w: w.push(w.top()),
     "PUT": _memo_text("put"),
-    "BINPUT": _memo_bin("<B", "put"),
+    "BINPUT": _binput,
     "LONG_BINPUT": _memo_bin("<I", "put"),
     "MEMOIZE": lambda w: w.put(len(w.memo)),
     "GET": _memo_text("get"),
-    "BINGET": _memo_bin("<B", "get"),
+    "BINGET": _binget,
     "LONG_BINGET": _memo_bin("<I", "get"),
     "GLOBAL": _global_op,
     "STACK_GLOBAL": _stack_global,
@@ -688,11 +760,16 @@ _HANDLERS: dict[str, Callable[[Walker], None]] = {
 }
 
 
-# Opcode byte -> (name, handler); STOP has no handler (it ends the loop).
-_DISPATCH: dict[int, tuple[str, Callable[[Walker], None] | None]] = {
-    code: (op.name, _HANDLERS.get(op.name)) for code, op in _OPS.items()
-    if op.name in _HANDLERS or op.name == "STOP"
-}
+def _stop(w: Walker) -> None:
+    """Marks STOP in the table; the loop ends there."""
+
+
+# Opcode byte -> handler (None: not a pickle opcode), indexed by the byte itself.
+_HANDLER_TABLE: list[Callable[[Walker], None] | None] = [
+    _stop if code in _OPS and _OPS[code].name == "STOP"
+    else _HANDLERS.get(_OPS[code].name) if code in _OPS else None
+    for code in range(256)
+]
 
 
 def walk_stream(src: ByteSource, limits: Limits, on_build: BuildHook | None = None) -> StreamReport:

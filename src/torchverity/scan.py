@@ -33,7 +33,16 @@ from pathlib import Path
 from typing import Any
 
 from torchverity._containers import Container, scan_container
-from torchverity._pickle_ops import Build, GlobalRef, Limits, PickleError, StreamReport, const_str
+from torchverity._pickle_ops import (
+    Build,
+    GlobalRef,
+    Limits,
+    PickleError,
+    StreamReport,
+    const_str,
+    first_arg,
+    ref_of,
+)
 
 SAFE, NEEDS_ALLOWLIST, UNSAFE, MALFORMED = "safe", "needs-allowlist", "unsafe", "malformed"
 TORCH, BENIGN, DANGEROUS, UNKNOWN = "torch", "benign", "dangerous", "unknown"
@@ -333,17 +342,17 @@ _NUMPY_DTYPE_ARG = re.compile(r"^[<>|=]?[?bBhHiIlLqQpPefdgFDGSUVOMmbiufc]\d{0,4}
 def _build_type(build: Build) -> str | None:
     """The type torch checks at BUILD when it differs from the global that made the object."""
     inst = build.inst
-    callee = inst.callee.ref if inst.kind == "made" and inst.callee is not None else None
+    callee = ref_of(inst.callee)
     if callee is None or inst.via != "REDUCE":
         return None
     qual = ".".join(_torch_name(callee))
-    first = inst.args.items[0] if inst.args is not None and inst.args.items else None
+    first = first_arg(inst)
     if qual in _RETURNS_FIRST_ARG or qual.rpartition(".")[2].startswith("__pyx_unpickle_"):
-        ref = first.ref if first is not None and first.kind == "global" else None
+        ref = ref_of(first)
         return ".".join(_torch_name(ref)) if ref is not None else None
     if qual in _RETURNS:
         return _RETURNS[qual]
-    if qual != "numpy.dtype" or first is None:
+    if qual != "numpy.dtype":
         return None
     code = const_str(first)
     if code is None or not _NUMPY_DTYPE_ARG.match(code):
@@ -419,7 +428,7 @@ _SETITEM_TYPES = frozenset({"collections.OrderedDict", "collections.Counter"})
 def _target_notes(report: StreamReport) -> list[str]:
     notes: list[str] = []
     for offset, opcode, target in report.odd_targets:
-        callee = target.callee.ref if target.callee is not None else None
+        callee = ref_of(target.callee)
         made = ".".join(_torch_name(callee)) if callee is not None else target.kind
         if opcode.startswith("SETITEM") and made in _SETITEM_TYPES:
             continue
