@@ -403,21 +403,20 @@ def test_rollback_refuses_a_checkpoint_corrupted_on_disk(tmp_path: Path) -> None
 
 
 def test_at_rest_checksum_catches_every_single_bit_flip_and_names_only_that_tensor() -> None:
-    from torchverity._guard_checksum import PackedChecksum
+    from torchverity._guard_checksum import checksums as checksum
 
     gen = torch.Generator().manual_seed(3)
     tensors = [
-        torch.randn(300, 300, generator=gen),  # large path (no packing)
+        torch.randn(1100, 1000, generator=gen),  # beyond 2**20 words: chunk-weighted
         torch.randn(7, generator=gen, dtype=torch.float64),
         torch.randn(5, generator=gen).to(torch.bfloat16),  # odd byte count: padded
         torch.randn(3, 3, generator=gen).to(torch.float16).t(),  # non-contiguous
         torch.randint(0, 255, (9,), generator=gen, dtype=torch.uint8),
         torch.randn(40, 30, generator=gen),
     ]
-    checksum = PackedChecksum()
     record = checksum(tensors)
     for i, t in enumerate(tensors):
-        for index in (0, t.numel() // 2, t.numel() - 1):
+        for index in (0, t.numel() // 3, t.numel() - 1):
             for bit in range(8 * t.element_size()):
                 faults.flip_bit(t, index, bit)
                 changed = (checksum(tensors) != record).any(dim=1).tolist()
@@ -425,5 +424,6 @@ def test_at_rest_checksum_catches_every_single_bit_flip_and_names_only_that_tens
                 assert changed == [j == i for j in range(len(tensors))], (i, index, bit)
     assert torch.equal(checksum(tensors), record)
     big = tensors[0].view(-1)
-    big[[10, 20]] = big[[20, 10]]  # a swap keeps the plain sum; the weighted one sees it
+    # A swap keeps the plain sum; the position-weighted one sees it.
+    big[[10, 20 + (1 << 20)]] = big[[20 + (1 << 20), 10]]
     assert (checksum(tensors) != record).any(dim=1).tolist() == [True] + [False] * 5

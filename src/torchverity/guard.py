@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
-from torchverity._guard_checksum import PackedChecksum
+from torchverity._guard_checksum import checksums
 from torchverity._guard_events import (
     ACTIONS,
     DEFAULT_POLICIES,
@@ -264,7 +264,6 @@ class TrainingGuard:
         self._prev_loss = torch.zeros((), dtype=torch.float32, device=dev)
         self._has_prev = torch.zeros((), dtype=torch.bool, device=dev)
         self._consec = torch.zeros((), dtype=torch.int64, device=dev)
-        self._rest_sums, self._grad_sums = PackedChecksum(), PackedChecksum()
         self._rest_record: torch.Tensor | None = None
         self._rest_tensors: list[torch.Tensor] = []
         self._rest_names: tuple[str, ...] = ()
@@ -427,20 +426,20 @@ class TrainingGuard:
         record, self._rest_record = self._rest_record, None
         if record is None:
             return self._empty, ()
-        now = self._rest_sums(self._rest_tensors)
+        now = checksums(self._rest_tensors)
         return (now != record).any(dim=1), self._rest_names
 
     def _record_at_rest(self) -> None:
         if not self.config.at_rest or self.global_step % self.config.rest_every:
             return
         self._rest_names, self._rest_tensors = self._covered()
-        self._rest_record = self._rest_sums(self._rest_tensors)
+        self._rest_record = checksums(self._rest_tensors)
 
     def refresh(self) -> None:
         """Re-record the at-rest checksums after changing parameters outside ``step()``."""
         if self.config.at_rest:
             self._rest_names, self._rest_tensors = self._covered()
-            self._rest_record = self._rest_sums(self._rest_tensors)
+            self._rest_record = checksums(self._rest_tensors)
 
     @torch.no_grad()
     def _update_ratios(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -475,7 +474,7 @@ class TrainingGuard:
         assert self._rng_next is not None
         grads = [p.grad if p.grad is not None else self._zero for p in self._params]
         self._history[self.global_step] = _History(
-            batch, self._rng_next, self._grad_sums(grads), pending.loss, pending.gvec)
+            batch, self._rng_next, checksums(grads), pending.loss, pending.gvec)
 
     def _rerun(self, batch: Any, rng: tuple[torch.Tensor, tuple[torch.Tensor, ...]]
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,7 +489,7 @@ class TrainingGuard:
         finally:
             _set_torch_rng(saved)
         grads = [p.grad if p.grad is not None else self._zero for p in self._params]
-        return loss.detach().float().mean(), self._grad_sums(grads)
+        return loss.detach().float().mean(), checksums(grads)
 
     def _tolerance(self) -> float:
         if self.config.replay_tolerance is not None:
@@ -501,7 +500,7 @@ class TrainingGuard:
         """Device flag per parameter: the replay's gradient differs from the original."""
         assert self._rng_next is not None
         grads = [p.grad if p.grad is not None else self._zero for p in self._params]
-        first_sums, first_norms = self._grad_sums(grads), self._grad_norms()
+        first_sums, first_norms = checksums(grads), self._grad_norms()
         loss2, sums2 = self._rerun(batch, self._rng_next)
         tol = self._tolerance()
         if tol == 0:
@@ -670,7 +669,7 @@ class TrainingGuard:
         if self.checkpoint_dir is None or every is None or self._steps_since_checkpoint < every:
             return
         if self._rest_record is not None:
-            changed = (self._rest_sums(self._rest_tensors) != self._rest_record).any(dim=1)
+            changed = (checksums(self._rest_tensors) != self._rest_record).any(dim=1)
             if bool(changed.any()):  # corrupted since the last update: never checkpoint it
                 return
         self.save_checkpoint()
