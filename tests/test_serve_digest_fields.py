@@ -79,6 +79,23 @@ def test_input_spec_forms() -> None:
     assert parse_spec_entry("flag:bool:").shape == ()
 
 
+def test_fast_float_path_matches_torch_tensor_and_stays_strict() -> None:
+    import random
+
+    import torch
+
+    from torchverity.serve._spec import _from_json_data
+
+    rng = random.Random(0)
+    values = [rng.uniform(-70000, 70000) for _ in range(2000)] + [1e-8, 2**53 + 1, 0, True]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        assert torch.equal(_from_json_data(values, dtype), torch.tensor(values, dtype=dtype))
+    assert _from_json_data([[1.0, 2.0]], torch.float32).shape == (1, 2)  # nested: torch path
+    for bad in (["1.5"], [None], [[1.0], 2.0]):
+        with pytest.raises((TypeError, ValueError)):
+            _from_json_data(bad, torch.float32)
+
+
 def test_base_install_imports_serve_and_names_the_extra() -> None:
     script = textwrap.dedent(
         """

@@ -383,11 +383,11 @@ def _metadata(state: ServiceState) -> dict[str, Any]:
 
 def _answer(state: ServiceState, content_type: str | None, body: bytes) -> bytes:
     """The whole prediction: parse, validate against the spec, run, encode."""
-    req = _parse_request(content_type, body)
-    args = build_inputs([t.model_dump() for t in req.inputs], state.spec)
+    doc = _parse_request(content_type, body)
+    args = build_inputs(doc["inputs"], state.spec)
     outputs = _forward(state.model, args)
     return json.dumps({
-        "model_name": state.name, "model_version": _version(state), "id": req.id,
+        "model_name": state.name, "model_version": _version(state), "id": doc.get("id"),
         "outputs": outputs, "parameters": {"fingerprint": state.fingerprint_header},
     }, separators=(",", ":"), allow_nan=False).encode()
 
@@ -407,7 +407,13 @@ def _forward(model: torch.nn.Module, args: list[torch.Tensor]) -> list[dict[str,
     return encode_outputs(result)
 
 
-def _parse_request(content_type: str | None, body: bytes) -> Any:
+def _parse_request(content_type: str | None, body: bytes) -> dict[str, Any]:
+    """The request document, validated (strictly) against the request schema.
+
+    The validated document itself is returned rather than the model built
+    from it: with strict validation they hold the same values, and dumping
+    the model would copy every data array once more.
+    """
     from pydantic import ValidationError
 
     _check_media_type(content_type)
@@ -415,13 +421,14 @@ def _parse_request(content_type: str | None, body: bytes) -> Any:
     if isinstance(doc, dict) and set(doc) == {"payload", "checksum"}:
         doc = _open_envelope(doc)
     try:
-        return api_models().InferRequest.model_validate(doc)
+        api_models().InferRequest.model_validate(doc)
     except ValidationError as exc:
         raise ProblemError(Problem(
             422, INVALID_INPUT, "Invalid Request",
             f"the request does not fit the schema ({exc.error_count()} error(s))",
             {"errors": _clean_errors(exc.errors())},
         )) from None
+    return doc
 
 
 def _check_media_type(content_type: str | None) -> None:
