@@ -275,8 +275,8 @@ def _replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         values.append(_local(value))
     if optimizer is not None:
         param_names = {id(p): n for n, p in module.named_parameters()}
-        for p, state in optimizer.state.items():
-            pname = param_names.get(id(p), f"param{len(names)}")
+        for position, (p, state) in enumerate(optimizer.state.items()):
+            pname = param_names.get(id(p), f"state{position}")  # a tensor outside the model
             for key, value in state.items():
                 names.append(f"optimizer.{pname}.{key}")
                 values.append(_local(value))
