@@ -212,6 +212,9 @@ def test_corrupted_shard_or_metadata_is_refused_before_unpickling(
     evil = _same_on_all(pair, "dcp_evil_metadata")
     assert evil["error"] == "IntegrityError" and ".metadata mismatched" in evil["message"]
     assert evil["sentinel_exists"] is False
+    link = _same_on_all(pair, "dcp_symlink")
+    assert link["error"] == "IntegrityError"
+    assert "__1_0.distcp symlink (checked by rank 1)" in link["message"]
 
 
 # ------------------------------------------------------------------ dead ranks
@@ -543,6 +546,7 @@ def scenario_pair(rank: int, world: int, work: Path) -> dict[str, Any]:
     out["dcp"] = _dcp_roundtrip(rank, model, opt, work)
     out["dcp_shard_flip"] = _dcp_shard_flip(rank, model, work, cli)
     out["dcp_evil_metadata"] = _dcp_evil_metadata(rank, model, work)
+    out["dcp_symlink"] = _dcp_symlink(rank, model, work)
     dist.barrier()
     return out
 
@@ -602,6 +606,30 @@ def _dcp_shard_flip(rank: int, model: Any, work: Path, cli: Callable[..., int]) 
         rec.update(error=type(exc).__name__, message=getattr(exc, "message", str(exc)))
     rec["untouched"] = all(not v.any() for v in target["model"].values())
     return rec
+
+
+def _dcp_symlink(rank: int, model: Any, work: Path) -> dict[str, Any]:
+    """A shard swapped for a link to an identical file elsewhere is still refused."""
+    import shutil
+
+    import torch.distributed as dist
+
+    import torchverity.distributed as tvd
+
+    folder = work / "dcp_link"
+    tvd.save_dcp(_state(model), folder)
+    dist.barrier()
+    if rank == 0:
+        outside = work / "outside.distcp"
+        shutil.copy(folder / "__1_0.distcp", outside)
+        (folder / "__1_0.distcp").unlink()
+        (folder / "__1_0.distcp").symlink_to(outside)
+    dist.barrier()
+    try:
+        tvd.load_dcp(_zeros_like_state(model), folder)
+        return {"error": None}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": getattr(exc, "message", str(exc))}
 
 
 class _Evil:

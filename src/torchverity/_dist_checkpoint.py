@@ -33,7 +33,7 @@ from torchverity._dist_comm import (
     open_comm,
 )
 from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_files
-from torchverity.errors import FormatError, IntegrityError
+from torchverity.errors import FormatError, InputError, IntegrityError, TorchVerityError
 from torchverity.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -194,13 +194,17 @@ def save_dcp(
                   "ranks": {str(i): fp for i, fp in enumerate(fingerprints)}}
         atomic_write_text(root / SHARDS_NAME, json.dumps(record, indent=2) + "\n")
     files = sorted({*written, SHARDS_NAME}, key=str.encode)
-    mine = _my_files(c, files)
-    digests = digest_files([root / f for f in mine], algo) if mine else []
-    ours = [{"path": f, "size": d.size, "digest": d.hexdigest}
-            for f, d in zip(mine, digests, strict=True)]
+    shares = all_gather_json(c, _hash_share(c, root, files, algo), "the shard digest exchange")
+    failed = [share for share in shares if share["error"]]
+    if failed:
+        raise InputError(
+            f"{root}: rank {failed[0]['rank']} could not hash the files it wrote: "
+            f"{failed[0]['error']}; no manifest was written",
+            path=root, hint=f"fix the storage, then record the folder: torchverity manifest {root}",
+        )
     entries = tuple(sorted(
-        (ManifestEntry(e["path"], e["size"], e["digest"])
-         for share in all_gather_json(c, ours, "the shard digest exchange") for e in share),
+        (ManifestEntry(e["path"], e["size"], e["digest"]) for share in shares
+         for e in share["files"]),
         key=lambda e: e.path.encode(),
     ))
     manifest = Manifest(algo=algo, entries=entries)
@@ -220,16 +224,48 @@ def save_dcp(
 # ------------------------------------------------------------------ DCP load
 
 
+def _hash_share(c: Comm, root: Path, files: list[str], algo: str) -> dict[str, Any]:
+    """Digests of this rank's files; a failure is reported to every rank, never left hanging."""
+    mine = _my_files(c, files)
+    try:
+        digests = digest_files([root / f for f in mine], algo) if mine else []
+    except TorchVerityError as exc:
+        return {"rank": c.rank, "files": [], "error": exc.message}
+    return {"rank": c.rank, "error": None, "files": [
+        {"path": f, "size": d.size, "digest": d.hexdigest}
+        for f, d in zip(mine, digests, strict=True)
+    ]}
+
+
+def _digest_present(c: Comm, root: Path, mine: list[str], algo: str, record: Path,
+                    problems: list[dict[str, Any]]) -> dict[str, Any]:
+    """Digest the files of ``mine`` that exist; links and unreadable files become problems."""
+    present = []
+    for f in mine:
+        try:
+            if resolve_inside(root, f, record).is_file():
+                present.append(f)
+        except TorchVerityError:
+            problems.append({"path": f, "status": "symlink", "rank": c.rank})
+    try:
+        digests = digest_files([root / f for f in present], algo) if present else []
+    except TorchVerityError:
+        problems += [{"path": f, "status": "unreadable", "rank": c.rank} for f in present]
+        return {}
+    return dict(zip(present, digests, strict=True))
+
+
 def _check_share(c: Comm, root: Path, manifest: Manifest, record: Path) -> list[dict[str, Any]]:
     """Verify this rank's share of the manifest; rank 0 also looks for unlisted files."""
     expected = {e.path: e for e in manifest.entries}
     mine = _my_files(c, sorted(expected, key=str.encode))
-    present = [f for f in mine if resolve_inside(root, f, record).is_file()]
-    actual = dict(zip(present, digest_files([root / f for f in present], manifest.algo)
-                      if present else [], strict=True))
-    problems = []
+    problems: list[dict[str, Any]] = []
+    actual = _digest_present(c, root, mine, manifest.algo, record, problems)
+    reported = {p["path"] for p in problems}
     for f in mine:
         got = actual.get(f)
+        if f in reported:
+            continue
         if got is None:
             problems.append({"path": f, "status": "missing", "rank": c.rank})
         elif got.hexdigest != expected[f].digest or expected[f].size not in (-1, got.size):
