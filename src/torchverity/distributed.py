@@ -535,6 +535,8 @@ class FlagReducer:
     flag raised on any rank is raised on all, so every rank skips, stops or
     rolls back the same step. The reduction is enqueued on the flags' device
     (no host sync on NCCL); outside torch.distributed it returns ``flags``.
+    Leave ``timeout`` at None on NCCL: waiting with a deadline blocks the host
+    every step; the process group's timeout and NCCL's watchdog cover hangs.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *,
