@@ -415,15 +415,20 @@ def test_at_rest_checksum_catches_every_single_bit_flip_and_names_only_that_tens
         torch.randn(40, 30, generator=gen),
     ]
     record = checksum(tensors)
+    assert torch.equal(checksum(tensors, weighted=False), record[:, :1])
     for i, t in enumerate(tensors):
         for index in (0, t.numel() // 3, t.numel() - 1):
             for bit in range(8 * t.element_size()):
                 faults.flip_bit(t, index, bit)
+                plain = (checksum(tensors, weighted=False) != record[:, :1]).any(dim=1)
                 changed = (checksum(tensors) != record).any(dim=1).tolist()
+                assert plain.tolist() == changed
                 faults.flip_bit(t, index, bit)
                 assert changed == [j == i for j in range(len(tensors))], (i, index, bit)
     assert torch.equal(checksum(tensors), record)
     big = tensors[0].view(-1)
     # A swap keeps the plain sum; the position-weighted one sees it.
     big[[10, 20 + (1 << 20)]] = big[[20 + (1 << 20), 10]]
-    assert (checksum(tensors) != record).any(dim=1).tolist() == [True] + [False] * 5
+    now = checksum(tensors)
+    assert (now[:, 0] != record[:, 0]).tolist() == [False] * 6
+    assert (now[:, 1] != record[:, 1]).tolist() == [True] + [False] * 5

@@ -8,9 +8,10 @@ are taken, both with native int32 wrap-around arithmetic:
 * ``s1 = sum(w)``: any change confined to one word changes it, so every
   single-bit flip, in any dtype, is always caught;
 * ``s2 = sum(w[i] * m[i mod 2**20] * q[i div 2**20])`` with fixed random odd
-  multipliers ``m`` and ``q``: position-dependent, so swapped elements and
-  several changes that cancel in ``s1`` still show, except by a ~2**-32
-  coincidence.
+  multipliers ``m`` and ``q`` (opt-in, ``rest_weighted=True``): position-dependent,
+  so swapped elements and several changes that cancel in ``s1`` (the same bit
+  set in one word and cleared in another) still show, except by a ~2**-32
+  coincidence. It costs a multiply and a temporary per tensor.
 
 The weighting of all tensors up to 2**20 words is one fused ``_foreach_mul``;
 no tensor is copied (except 2-byte-aligned odd cases). Both the record and
@@ -53,32 +54,37 @@ def _words(tensor: torch.Tensor) -> torch.Tensor:
         return flat.clone().view(torch.int32)
 
 
-def checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[n, 2]`` int32 checksums ``(s1, s2)`` of each tensor, computed on its device."""
+def checksums(tensors: Sequence[torch.Tensor], *, weighted: bool = True) -> torch.Tensor:
+    """``[n, 2]`` int32 checksums ``(s1, s2)`` of each tensor, computed on its device.
+
+    ``weighted=False`` computes ``s1`` only (``[n, 1]``): one read of each tensor
+    and no temporary, still catching every change confined to one 32-bit word.
+    """
     if not tensors:
-        return torch.zeros(0, 2, dtype=torch.int32)
+        return torch.zeros(0, 2 if weighted else 1, dtype=torch.int32)
     words = [_words(t) for t in tensors]
+    plain = torch.stack([w.sum(dtype=torch.int32) for w in words])
+    if not weighted:
+        return plain.unsqueeze(1)
     small = [i for i, w in enumerate(words) if w.numel() <= _SPAN]
     out: list[torch.Tensor | None] = [None] * len(words)
     if small:
         m, _ = _tables(words[small[0]].device)
         ws = [words[i] for i in small]
-        weighted = torch._foreach_mul(ws, [m[: w.numel()] for w in ws])
-        for i, w, p in zip(small, ws, weighted, strict=True):
-            out[i] = torch.stack([w.sum(dtype=torch.int32), p.sum(dtype=torch.int32)])
+        for i, p in zip(small, torch._foreach_mul(ws, [m[: w.numel()] for w in ws]), strict=True):
+            out[i] = p.sum(dtype=torch.int32)
     for i, w in enumerate(words):
         if out[i] is None:
-            out[i] = _large_sums(w)
-    return torch.stack([o for o in out if o is not None])
+            out[i] = _weighted_large(w)
+    return torch.stack([plain, torch.stack([o for o in out if o is not None])], dim=1)
 
 
-def _large_sums(words: torch.Tensor) -> torch.Tensor:
+def _weighted_large(words: torch.Tensor) -> torch.Tensor:
     m, q = _tables(words.device)
     full, rest = divmod(words.numel(), _SPAN)
-    s1 = words.sum(dtype=torch.int32)
     per_chunk = (words[: full * _SPAN].view(full, _SPAN) * m).sum(dim=1, dtype=torch.int32)
     s2 = (per_chunk * q[:full]).sum(dtype=torch.int32)
     if rest:
         tail = (words[full * _SPAN:] * m[:rest]).sum(dtype=torch.int32)
         s2 = s2 + tail * q[full]
-    return torch.stack([s1, s2])
+    return s2

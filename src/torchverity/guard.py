@@ -91,6 +91,7 @@ class GuardConfig:
     update_ratio: bool = False
     at_rest: bool = True
     rest_every: int = 1
+    rest_weighted: bool = False
     optimizer_state: bool = True
     replay_every: int | None = None
     replay_tolerance: float | None = None
@@ -426,20 +427,23 @@ class TrainingGuard:
         record, self._rest_record = self._rest_record, None
         if record is None:
             return self._empty, ()
-        now = checksums(self._rest_tensors)
+        now = self._rest_now()
         return (now != record).any(dim=1), self._rest_names
 
     def _record_at_rest(self) -> None:
         if not self.config.at_rest or self.global_step % self.config.rest_every:
             return
         self._rest_names, self._rest_tensors = self._covered()
-        self._rest_record = checksums(self._rest_tensors)
+        self._rest_record = self._rest_now()
+
+    def _rest_now(self) -> torch.Tensor:
+        return checksums(self._rest_tensors, weighted=self.config.rest_weighted)
 
     def refresh(self) -> None:
         """Re-record the at-rest checksums after changing parameters outside ``step()``."""
         if self.config.at_rest:
             self._rest_names, self._rest_tensors = self._covered()
-            self._rest_record = checksums(self._rest_tensors)
+            self._rest_record = self._rest_now()
 
     @torch.no_grad()
     def _update_ratios(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -669,7 +673,7 @@ class TrainingGuard:
         if self.checkpoint_dir is None or every is None or self._steps_since_checkpoint < every:
             return
         if self._rest_record is not None:
-            changed = (checksums(self._rest_tensors) != self._rest_record).any(dim=1)
+            changed = (self._rest_now() != self._rest_record).any(dim=1)
             if bool(changed.any()):  # corrupted since the last update: never checkpoint it
                 return
         self.save_checkpoint()
