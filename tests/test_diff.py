@@ -161,3 +161,23 @@ def test_cli_shows_the_flipped_bit_and_exit_codes(
     assert data["entries"][0]["first_index"] == [1, 2]
     r = run_cli("diff", tmp_path / "good.pt", tmp_path / "nope.pt")
     assert r.code == 2 and "no such file" in r.err
+
+
+@pytest.mark.parametrize(
+    ("dtype", "bit", "field"),
+    [(torch.float8_e4m3fn, 3, "exponent"), (torch.float8_e5m2, 1, "mantissa"),
+     (torch.float64, 52, "exponent"), (torch.uint16, 15, "value"), (torch.int8, 7, "sign"),
+     (torch.complex128, 127, "imaginary sign")],
+)
+def test_bit_fields_of_narrow_and_wide_dtypes(dtype: torch.dtype, bit: int, field: str) -> None:
+    a = {"t": (torch.arange(6, dtype=torch.float32) / 4).to(dtype)}
+    b = {"t": a["t"].clone()}
+    _flip(b["t"], 4, bit)
+    e = diff(a, b).by_name["t"]
+    assert (e.kind, e.bit, e.field, e.first_index) == ("bit-flip", bit, field, (4,))
+
+
+def test_cli_all_lists_identical_entries(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    torchverity.save(_state(), tmp_path / "a.pt")
+    r = run_cli("diff", "--all", tmp_path / "a.pt", tmp_path / "a.pt")
+    assert r.code == 0 and r.out.count("identical") == 8  # 7 rows and the summary

@@ -117,3 +117,14 @@ def test_bad_input_exit_2(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
     assert r.code == 2 and "file is empty" in r.err
     r = run_cli("inspect", tmp_path / "absent.pt")
     assert r.code == 2 and "no such file" in r.err
+
+
+def test_json_for_an_unsafe_file(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    sentinel = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"x": _Evil(str(sentinel))}, path)
+    r = run_cli("inspect", "--json", path)
+    data = json.loads(r.out)
+    assert r.code == 1 and data["ok"] is False and data["scan"]["verdict"] == "unsafe"
+    assert data["tensors"] == [] and "not opened" in data["not_loaded"]
+    assert not sentinel.exists()

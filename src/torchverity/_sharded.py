@@ -61,10 +61,12 @@ def read_index(index: Path) -> dict[str, str]:
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{index}: not a valid index: {exc}", path=index) from None
+        raise FormatError(f"{index}: not a valid index: {exc}", path=index,
+                          hint="restore the index from the source of the shards") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise FormatError(f"{index}: no 'weight_map' of tensor names to shard files", path=index)
+        raise FormatError(f"{index}: no 'weight_map' of tensor names to shard files",
+                          path=index, hint="restore the index from the source of the shards")
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or not _plain_name(shard):
             raise FormatError(
@@ -199,7 +201,7 @@ def _check_shards_exist(folder: Path, index: Path, weight_map: dict[str, str],
 def _check_shard_names(index: Path, shard: str, obj: Any, listed: set[str]) -> None:
     if not isinstance(obj, Mapping):
         raise FormatError(f"{shard}: shard holds a {type(obj).__name__}, not a state_dict",
-                          path=index.parent / shard)
+                          path=index.parent / shard, hint=f"torchverity inspect {index.parent}")
     absent, extra = sorted(listed - set(obj)), sorted(set(obj) - listed)
     if absent or extra:
         raise IntegrityError(

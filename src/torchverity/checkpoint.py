@@ -141,7 +141,7 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
         with open(p, "rb") as fh:
             head = fh.read(16)
     except FileNotFoundError:
-        raise InputError(f"{p}: no such file", path=p) from None
+        raise InputError(f"{p}: no such file", path=p, hint="check the path") from None
     except OSError as exc:
         raise InputError(f"{p}: cannot read: {exc.strerror or exc}", path=p) from None
     if size == 0:
@@ -492,10 +492,13 @@ def _read_meta_file(mp: Path) -> dict[str, Any]:
         raise InputError(f"{mp}: no such file", path=mp,
                          hint="torchverity.save writes it next to every checkpoint") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{mp}: not valid JSON: {exc}", path=mp) from None
+        raise FormatError(f"{mp}: not valid JSON: {exc}", path=mp,
+                          hint="restore it from the checkpoint's copy, or re-save the "
+                               "checkpoint with torchverity.save") from None
     if not isinstance(data, dict) or data.get("format") != META_FORMAT:
         raise FormatError(f"{mp}: not a torchverity meta.json (no format '{META_FORMAT}')",
-                          path=mp)
+                          path=mp, hint="move the foreign file away; torchverity.save writes "
+                                        "its own NAME.meta.json")
     if data.get("version") != META_VERSION:
         raise FormatError(f"{mp}: meta.json version {data.get('version')!r} is not supported",
                           path=mp, hint="upgrade torchverity")

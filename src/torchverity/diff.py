@@ -85,7 +85,7 @@ class TensorDiff:
     def describe(self) -> str:
         """One line for people: what changed and how."""
         if self.status == "identical":
-            return "identical"
+            return f"{self.dtype_a}{list(self.shape_a or ())}" if self.dtype_a else "same value"
         if self.status in ("only_in_a", "only_in_b"):
             side = "A" if self.status == "only_in_a" else "B"
             shape, dtype = (self.shape_a, self.dtype_a) if side == "A" else (
