@@ -655,3 +655,13 @@ def test_objects_that_cannot_be_verified_are_refused_before_writing(tmp_path: Pa
     with pytest.raises(UsageError, match="JSON-ready"):
         torchverity.save({"w": torch.ones(2)}, tmp_path / "m.pt", meta={"t": torch.ones(1)})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_whole_module_objects_are_refused_with_the_state_dict_recipe(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(FormatError, match=r"'model' is a whole torch\.nn\.Module") as info:
+        torchverity.save({"model": model, "step": 1}, tmp_path / "m.pt")
+    assert "model.state_dict()" in (info.value.hint or "")
+    with pytest.raises(FormatError, match=r"torch\.optim\.Optimizer"):
+        torchverity.save([torch.optim.SGD(model.parameters(), lr=0.1)], tmp_path / "m.pt")
+    assert list(tmp_path.iterdir()) == []

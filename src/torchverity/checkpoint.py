@@ -397,6 +397,15 @@ def save(
 
 def _check_fingerprintable(payload: Any, target: Path) -> None:
     """Refuse what the fingerprint (and a weights_only load) cannot hold, before writing."""
+    whole = _whole_object(payload, "")
+    if whole is not None:
+        name, kind = whole
+        raise FormatError(
+            f"cannot save {target}: '{name or '<root>'}' is a whole {kind} object, which only "
+            "an unsafe full-pickle load can read back", path=target,
+            hint=f"save its state_dict() instead (e.g. {{'{name or 'model'}': "
+                 f"{name.rsplit('.', 1)[-1] or 'model'}.state_dict()}})",
+        )
     try:
         for _ in iter_leaves(payload):
             pass
@@ -406,6 +415,25 @@ def _check_fingerprintable(payload: Any, target: Path) -> None:
             hint="save tensors, state_dicts and plain values (what torch.load(weights_only="
                  "True) reads back); put other objects in meta=",
         ) from None
+
+
+def _whole_object(obj: Any, prefix: str) -> tuple[str, str] | None:
+    """The first module or optimizer object inside ``obj`` (not its state_dict)."""
+    if isinstance(obj, torch.nn.Module):
+        return prefix, "torch.nn.Module"
+    if isinstance(obj, torch.optim.Optimizer):
+        return prefix, "torch.optim.Optimizer"
+    if isinstance(obj, Mapping):
+        items: Any = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return None
+    for key, value in items:
+        found = _whole_object(value, f"{prefix}.{key}" if prefix else str(key))
+        if found:
+            return found
+    return None
 
 
 def _json_ready(value: Any, what: str) -> Any:
