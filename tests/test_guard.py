@@ -432,3 +432,32 @@ def test_at_rest_checksum_catches_every_single_bit_flip_and_names_only_that_tens
     now = checksum(tensors)
     assert (now[:, 0] != record[:, 0]).tolist() == [False] * 6
     assert (now[:, 1] != record[:, 1]).tolist() == [True] + [False] * 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hot_path_never_synchronises_on_cuda() -> None:
+    device = torch.device("cuda")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 1)).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, capturable=True)
+    guard = TrainingGuard(model, opt, check_every=1000, per_layer=True, update_ratio=True,
+                          rest_weighted=True)
+    x, y = X.to(device), Y.to(device)
+
+    def one(step: int) -> None:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x[step: step + 32]), y[step: step + 32])
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+
+    for step in range(3):  # first steps allocate optimizer state and checksum tables
+        one(step)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(3, 40):
+            one(step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert guard.close().clean
