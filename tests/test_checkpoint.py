@@ -665,3 +665,17 @@ def test_whole_module_objects_are_refused_with_the_state_dict_recipe(tmp_path: P
     with pytest.raises(FormatError, match=r"torch\.optim\.Optimizer"):
         torchverity.save([torch.optim.SGD(model.parameters(), lr=0.1)], tmp_path / "m.pt")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sweep_removes_only_this_hosts_dead_temps(tmp_path: Path) -> None:
+    import socket
+
+    path = tmp_path / "ckpt[1].pt"  # glob characters in the name
+    dead = tmp_path / f".ckpt[1].pt.tmp-{socket.gethostname()}-999999999-0000"
+    other_host = tmp_path / ".ckpt[1].pt.tmp-another-host-999999999-0000"
+    live = tmp_path / f".ckpt[1].pt.tmp-{socket.gethostname()}-{os.getpid()}-0000"
+    for p in (dead, other_host, live):
+        p.write_bytes(b"half a checkpoint")
+    torchverity.save(_state(), path)
+    assert not dead.exists() and other_host.exists() and live.exists()
+    assert _equal(torchverity.load(path, sidecar="require"), _state())

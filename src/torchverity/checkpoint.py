@@ -22,11 +22,13 @@ file's SHA-256 (``trust_sha256=``), and that is logged.
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import logging
 import os
 import platform
 import secrets
+import socket
 import stat
 import subprocess
 import time
@@ -273,8 +275,14 @@ def _atomic_target(target: Path) -> Iterator[_Staged]:
             tmp.unlink(missing_ok=True)
 
 
+def _temp_prefix(final: Path) -> str:
+    # The host name keeps a save on a shared file system from sweeping another
+    # machine's temp file whose pid merely does not exist here.
+    return f".{final.name}.tmp-{socket.gethostname()}-"
+
+
 def _temp_name(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    return final.with_name(f"{_temp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def pending_name(final: Path) -> Path:
@@ -291,8 +299,9 @@ def _write_synced(path: Path, text: str) -> None:
 
 def _sweep_stale_temps(target: Path) -> None:
     """Remove temp files of earlier saves whose process died (kill -9, power loss)."""
-    for tmp in target.parent.glob(f".{target.name}*.tmp-*-*"):
-        pid = tmp.name.rsplit("-", 2)[-2]
+    prefix = _temp_prefix(target)
+    for tmp in target.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = tmp.name[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             tmp.unlink(missing_ok=True)
 
