@@ -14,7 +14,6 @@ files written here load there and the other way round.
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from collections.abc import Callable, Mapping
@@ -25,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from torchverity.errors import FormatError
+from torchverity.fingerprint import host_bytes, numel_bytes
 
 MAX_HEADER_BYTES = 100_000_000
 _ALIGN = 8
@@ -144,7 +144,7 @@ def _entry(path: Path, name: str, v: Any, data_start: int) -> TensorInfo:
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets))
             or offsets[0] > offsets[1]):
         raise _bad(path, f"tensor '{name}': data_offsets {offsets!r} are not [begin, end]")
-    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    expected = numel_bytes(shape, dtype)
     if offsets[1] - offsets[0] != expected:
         raise _bad(path, f"tensor '{name}': data_offsets span {offsets[1] - offsets[0]} bytes "
                          f"but shape {shape} x {v['dtype']} needs {expected}")
@@ -282,8 +282,6 @@ def check_writable(tensors: Mapping[str, Any], path: Path) -> dict[str, torch.Te
 def write_tensors(tensors: Mapping[str, torch.Tensor], fh: Writer,
                   metadata: Mapping[str, str] | None = None) -> None:
     """Write header then data; ``fh`` sees each tensor's bytes in one call."""
-    from torchverity.fingerprint import host_bytes
-
     fh.write(plan(tensors, metadata))
     for name in order(tensors):
         data = host_bytes(tensors[name])
@@ -307,11 +305,7 @@ def map_tensors(path: Path, header: Header) -> dict[str, torch.Tensor]:
     tensors = {}
     for e in header.entries:
         raw = base[e.begin : e.end]
-        if e.begin % _itemsize(e.dtype):
+        if e.begin % e.dtype.itemsize:
             raw = raw.clone()  # misaligned data (legal, rare): copy to aligned memory
         tensors[e.name] = raw.view(e.dtype).reshape(e.shape)
     return tensors
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

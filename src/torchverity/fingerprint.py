@@ -192,7 +192,7 @@ def tensor_hasher(name: str, dtype: torch.dtype, shape: Sequence[int]) -> Any:
 
     Lets file readers fingerprint tensors while streaming them from disk.
     """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel_bytes(shape, dtype)
     return hashlib.sha256(_header("tensor", name, dtype_name(dtype), tuple(shape), nbytes))
 
 
