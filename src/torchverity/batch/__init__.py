@@ -77,7 +77,9 @@ def run_batch(
     model behind ``fn`` (``fn.model``) must pass ``golden.check`` before the
     first item and again after the run, or this run's outputs are discarded.
     ``durability="file"`` fsyncs every output before its rename; ``"group"``
-    (Linux) makes them durable with one ``syncfs`` per commit point instead. With
+    (Linux) makes them durable with one ``syncfs`` per commit point instead;
+    ``"lazy"`` flushes nothing but the journal and relies on the re-hash of
+    committed outputs that every rerun does (see docs/batch.md). With
     ``engine="ray"`` the function must be picklable.
     """
     label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"

@@ -169,7 +169,7 @@ def fsync_dirs(folders: set[Path]) -> None:
             os.close(fd)
 
 
-DURABILITY = ("file", "group")
+DURABILITY = ("file", "group", "lazy")
 
 
 def _syncfs() -> Callable[[int], int] | None:
@@ -193,14 +193,22 @@ class Durability:
     guarantee with far fewer flushes on a dedicated disk, but it also waits
     for every other program's pending writes on that filesystem, so on a
     busy shared disk it can be slower. Falls back to ``file`` without syncfs.
+    ``lazy``: outputs are not flushed; the operating system writes them back in
+    its own time. A killed process loses nothing (its writes are already in the
+    page cache); after a power loss, a committed output that never reached
+    the disk fails the re-hash that every rerun (and ``batch verify``) does,
+    and the rerun redoes it. Only the journal is fsynced.
     """
 
     def __init__(self, out: Path, mode: str) -> None:
         self._syncfs = _syncfs() if mode == "group" else None
-        self.per_file = self._syncfs is None
+        self.lazy = mode == "lazy"
+        self.per_file = self._syncfs is None and not self.lazy
         self._out = out
 
     def commit_point(self, folders: set[Path]) -> None:
+        if self.lazy:
+            return
         if self.per_file:
             fsync_dirs(folders)
             return
