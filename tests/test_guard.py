@@ -461,3 +461,43 @@ def test_hot_path_never_synchronises_on_cuda() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert guard.close().clean
+
+
+# ------------------------------------------------------------ opt-in and rule-based detectors
+
+
+def test_layer_grad_spike_names_the_layer_and_is_silent_otherwise() -> None:
+    run = train(60, lambda inj: inj.gradient("2.bias", step=45, value=40.0), check_every=10,
+                per_layer=True, policies={"layer_grad_spike": "skip", "grad_norm_spike": "record"})
+    layer = [e for e in run.guard.events if e.kind == "layer_grad_spike"]
+    assert [(e.step, e.suspects) for e in layer] == [(45, ("2.bias",))]
+    assert layer[0].values["grad_norm[2.bias]"] == pytest.approx(40.0, rel=0.01)
+    assert {e.step for e in run.guard.events} == {45}
+
+
+def test_update_ratio_spike_catches_a_learning_rate_blunder() -> None:
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, update_ratio=True, check_every=10, min_samples=20,
+                          window=64, policies={"update_ratio_spike": "skip"})
+    for step in range(60):
+        opt.param_groups[0]["lr"] = 1.0 if step == 50 else 1e-2  # one step with lr x100
+        opt.zero_grad()
+        x, y = batch_at(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+    guard.close()
+    assert [(e.step, e.kind) for e in guard.events] == [(50, "update_ratio_spike")]
+    assert set(guard.events[0].suspects) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert guard.summary().skipped == 1
+
+
+def test_relative_change_rule_needs_three_jumps_in_a_row() -> None:
+    factors = {40: 10.0, 41: 100.0, 42: 1000.0, 50: 10.0}  # 50: a lone jump, not three
+    with pytest.warns(AnomalyWarning, match="step 42: loss_jump"):
+        run = train(60, poison=lambda s, y: y * factors.get(s, 1.0), check_every=10,
+                    policies={"loss_spike": "record", "grad_norm_spike": "record"})
+    jumps = [e.step for e in run.guard.events if e.kind == "loss_jump"]
+    assert jumps == [42]
+    assert run.guard.policies["loss_jump"] == "warn"
