@@ -81,20 +81,29 @@ def torchverity_run(inputs: Path, out: Path, work: Callable[[bytes], bytes],
 
 
 def measure(label: str, count: int, size: int, work: Callable[[bytes], bytes],
-            repeat: int, durability: str = "file") -> tuple[str, ...]:
+            repeat: int) -> list[tuple[str, ...]]:
+    """Rows for both durabilities; all four runs interleaved, best of ``repeat`` each."""
     inputs = make_inputs(WORK / f"batch-in-{label}", count, size)
     plain_out, tv_out = WORK / f"batch-plain-{label}", WORK / f"batch-tv-{label}"
     plain_loop(inputs, plain_out, work)  # warm the page cache and the model
-    # Interleaved, so both sides meet the same moments of a shared machine's load.
-    plain = synced = ours = float("inf")
+    runs: dict[str, Callable[[], None]] = {
+        "plain": lambda: plain_loop(inputs, plain_out, work),
+        "plain+fsync": lambda: plain_loop(inputs, plain_out, work, fsync=True),
+        "file": lambda: torchverity_run(inputs, tv_out, work, "file"),
+        "lazy": lambda: torchverity_run(inputs, tv_out, work, "lazy"),
+    }
+    # Interleaved, so every variant meets the same moments of a shared machine's load.
+    best = dict.fromkeys(runs, float("inf"))
     for _ in range(repeat):
-        plain = min(plain, best_of(lambda: plain_loop(inputs, plain_out, work), 1))
-        synced = min(synced, best_of(lambda: plain_loop(inputs, plain_out, work, True), 1))
-        ours = min(ours, best_of(lambda: torchverity_run(inputs, tv_out, work, durability), 1))
-    per_item_ms = (ours - plain) / count * 1e3
-    return (f"{count} x {label}", durability, f"{plain:.2f}", f"{synced:.2f}", f"{ours:.2f}",
-            f"{count / plain:.0f}", f"{count / ours:.0f}", f"{ours / plain - 1:+.1%}",
-            f"{ours / synced - 1:+.1%}", f"{per_item_ms:.2f}")
+        for name, run in runs.items():
+            best[name] = min(best[name], best_of(run, 1))
+    plain, synced = best["plain"], best["plain+fsync"]
+    return [
+        (f"{count} x {label}", mode, f"{plain:.2f}", f"{synced:.2f}", f"{best[mode]:.2f}",
+         f"{count / plain:.0f}", f"{count / best[mode]:.0f}", f"{best[mode] / plain - 1:+.1%}",
+         f"{best[mode] / synced - 1:+.1%}", f"{(best[mode] - plain) / count * 1e3:.2f}")
+        for mode in ("file", "lazy")
+    ]
 
 
 def main() -> None:
@@ -107,12 +116,12 @@ def main() -> None:
     small, large = (150, 8) if args.quick else (600, 48)
     identity = lambda data: data  # noqa: E731 - the no-work case: pure bookkeeping cost
     rows = [
-        measure(label, count, size, fn, repeat, durability)
+        row
         for label, count, size, fn in (
             ("10KiB", small, 10 * KiB, work), ("1MiB", large, MiB, work),
             ("10KiB-copy", small, 10 * KiB, identity),
         )
-        for durability in ("file", "lazy")
+        for row in measure(label, count, size, fn, repeat)
     ]
     body = f"## Throughput, local engine, one worker, best of {repeat} runs\n\n"
     body += table(("items", "durability", "plain loop s", "plain + fsync s", "torchverity s",
