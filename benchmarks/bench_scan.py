@@ -76,6 +76,7 @@ print(json.dumps({"seconds": seconds, "peak_rss_mib": hwm_mib(), "import_rss_mib
 """
 
 TOOLS = ("torchverity", "picklescan", "modelscan")
+MANY_TIMEOUT = 180.0  # seconds; a scanner slower than this is reported as timed out
 
 
 def _env(tool: str) -> dict[str, str]:
@@ -85,12 +86,19 @@ def _env(tool: str) -> dict[str, str]:
     return env
 
 
-def run_tool(tool: str, files: list[Path], repeat: int = 1) -> dict[str, object]:
+def run_tool(
+    tool: str, files: list[Path], repeat: int = 1, timeout: float = 1800
+) -> dict[str, object]:
+    """Run one scanner in a fresh process; ``{"timeout": seconds}`` if it takes too long."""
     start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "-c", _CHILD, tool, json.dumps([str(f) for f in files]), str(repeat)],
-        capture_output=True, text=True, env=_env(tool), timeout=1800, check=False,
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, tool, json.dumps([str(f) for f in files]),
+             str(repeat)],
+            capture_output=True, text=True, env=_env(tool), timeout=timeout, check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"timeout": timeout}
     if done.returncode != 0:
         raise RuntimeError(f"{tool} failed: {done.stderr[-2000:]}")
     report: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -106,6 +114,15 @@ def make_checkpoint(path: Path, total_bytes: int) -> Path:
     per = 4 << 20
     state = {f"layer{i}.weight": torch.empty(per // 4) for i in range(total_bytes // per)}
     torch.save(state, path)
+    return path
+
+
+def make_many(path: Path, count: int) -> Path:
+    """A pickle-heavy checkpoint: many tiny tensors, so the pickle itself is large."""
+    import torch
+
+    if not path.exists():
+        torch.save({f"block{i}.weight": torch.zeros(2) for i in range(count)}, path)
     return path
 
 
@@ -140,20 +157,24 @@ def main() -> int:
     size = (128 if args.quick else 1024) << 20
     big = make_checkpoint(WORK / f"big_{size >> 20}mib.pt", size)
     small = make_checkpoint(WORK / "small_4mib.pt", 4 << 20)
+    n_many = 10_000 if args.quick else 50_000
+    many = make_many(WORK / f"many_{n_many}.pt", n_many)
     bad, good = corpus()
     rows, corpus_rows, details = [], [], []
     for tool in TOOLS:
         r_big, r_small = run_tool(tool, [big], repeat=7), run_tool(tool, [small])
+        r_many = run_tool(tool, [many], timeout=MANY_TIMEOUT)
         r_corpus = run_tool(tool, bad + good, repeat=3)
         caught, bad_err = _flag_counts(r_corpus, bad)
         false_alarms, good_err = _flag_counts(r_corpus, good)
         rows.append((tool, r_big["seconds"], r_big["peak_rss_mib"], r_small["peak_rss_mib"],
-                     r_corpus["seconds"], r_big["import_rss_mib"]))
+                     r_corpus["seconds"], r_big["import_rss_mib"], r_many.get("seconds"),
+                     r_many.get("peak_rss_mib")))
         corpus_rows.append((tool, caught, bad_err, false_alarms, good_err))
         details.append((tool, _names(r_corpus, bad, False), _names(r_corpus, good, True)))
         print(f"{tool}: big {r_big['seconds']:.4f}s rss {r_big['peak_rss_mib']:.0f} MiB; "
               f"corpus {caught}/{len(bad)} caught, {false_alarms}/{len(good)} benign flagged")
-    write_report(rows, corpus_rows, details, size, len(bad), len(good), args.quick)
+    write_report(rows, corpus_rows, details, size, len(bad), len(good), args.quick, n_many)
     return 0
 
 
@@ -165,7 +186,7 @@ def _names(report: dict[str, object], files: list[Path], flagged: bool) -> list[
 
 
 def write_report(rows: list[tuple], corpus_rows: list[tuple], details: list[tuple], size: int,
-                 n_bad: int, n_good: int, quick: bool) -> None:
+                 n_bad: int, n_good: int, quick: bool, n_many: int) -> None:
     base = rows[1][1] or 1e-9
     lines = [
         "# Pickle scan benchmark",
@@ -182,9 +203,23 @@ def write_report(rows: list[tuple], corpus_rows: list[tuple], details: list[tupl
         "peak RSS 4 MiB file (MiB) | RSS after imports (MiB) |",
         "|---|---|---|---|---|---|",
     ]
-    for tool, seconds, rss_big, rss_small, _, rss_imports in rows:
+    for tool, seconds, rss_big, rss_small, _, rss_imports, _, _ in rows:
         lines.append(f"| {tool} | {seconds:.4f} | {seconds / base:.2f}x | {rss_big:.0f} | "
                      f"{rss_small:.0f} | {rss_imports:.0f} |")
+    many_base = rows[1][6] or 1e-9  # picklescan
+    lines += [
+        "",
+        f"## Pickle-heavy checkpoint ({n_many:,} tiny tensors: the pickle itself is large)",
+        "",
+        "| scanner | scan time (s) | vs picklescan | peak RSS (MiB) |",
+        "|---|---|---|---|",
+    ]
+    for tool, *_, many_seconds, many_rss in rows:
+        if many_seconds is None:
+            lines.append(f"| {tool} | > {MANY_TIMEOUT:.0f} (stopped) | - | - |")
+            continue
+        lines.append(f"| {tool} | {many_seconds:.3f} | {many_seconds / many_base:.2f}x | "
+                     f"{many_rss:.0f} |")
     lines += [
         "",
         f"## Generated corpus ({n_bad} malicious, {n_good} benign files)",
