@@ -501,3 +501,25 @@ def test_relative_change_rule_needs_three_jumps_in_a_row() -> None:
     jumps = [e.step for e in run.guard.events if e.kind == "loss_jump"]
     assert jumps == [42]
     assert run.guard.policies["loss_jump"] == "warn"
+
+
+def test_skip_restores_optimizer_state_even_when_at_rest_leaves_it_out() -> None:
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, optimizer_state=False, check_every=1)
+    injector = faults.FaultInjector(model)
+    injector.gradient("0.bias", step=5, value=math.nan)
+    for step in range(7):
+        injector.begin_step(step)
+        if step == 5:
+            before = {k: v.clone() for k, v in opt.state[model[0].bias].items()}
+        opt.zero_grad()
+        x, y = batch_at(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+        if step == 5:
+            after = opt.state[model[0].bias]
+            assert all(torch.equal(before[k], after[k]) for k in before)
+    assert [(e.step, e.kind) for e in guard.events] == [(5, "nonfinite_grad")]
+    assert all(torch.isfinite(t).all() for s in opt.state.values() for t in s.values())

@@ -282,11 +282,11 @@ class TrainingGuard:
                 if isinstance(value, torch.Tensor) and value.device == self._device:
                     yield f"optimizer.{name}.{key}", value
 
-    def _covered(self) -> tuple[tuple[str, ...], list[torch.Tensor]]:
-        """Parameters and (optionally) optimizer-state tensors on the guard's device."""
+    def _covered(self, with_state: bool) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+        """Parameters, then (``with_state``) optimizer-state tensors on the guard's device."""
         names: list[str] = list(self._names)
         tensors: list[torch.Tensor] = list(self._params)
-        if self.config.optimizer_state:
+        if with_state:
             for name, value in self._state_items():
                 names.append(name)
                 tensors.append(value)
@@ -324,7 +324,8 @@ class TrainingGuard:
         if every is not None and self.global_step % every == 0:
             replay_vec = self._audit(batch, loss_d)
         self._pending = self._detect(loss_d, replay_vec)
-        self._remember(batch, self._pending)
+        if self._replaying:
+            self._remember(batch, self._pending)
         self.step()
         return loss.detach()
 
@@ -336,7 +337,7 @@ class TrainingGuard:
                              hint="call guard.check(loss) after loss.backward()")
         if not self._needs_backup:
             return
-        _, current = self._covered()
+        _, current = self._covered(with_state=True)  # an undo must restore the state too
         if len(current) != len(self._backed) or any(
             a is not b for a, b in zip(current, self._backed, strict=True)
         ):
@@ -433,7 +434,7 @@ class TrainingGuard:
     def _record_at_rest(self) -> None:
         if not self.config.at_rest or self.global_step % self.config.rest_every:
             return
-        self._rest_names, self._rest_tensors = self._covered()
+        self._rest_names, self._rest_tensors = self._covered(self.config.optimizer_state)
         self._rest_record = self._rest_now()
 
     def _rest_now(self) -> torch.Tensor:
@@ -442,7 +443,7 @@ class TrainingGuard:
     def refresh(self) -> None:
         """Re-record the at-rest checksums after changing parameters outside ``step()``."""
         if self.config.at_rest:
-            self._rest_names, self._rest_tensors = self._covered()
+            self._rest_names, self._rest_tensors = self._covered(self.config.optimizer_state)
             self._rest_record = self._rest_now()
 
     @torch.no_grad()
