@@ -523,3 +523,24 @@ def test_skip_restores_optimizer_state_even_when_at_rest_leaves_it_out() -> None
             assert all(torch.equal(before[k], after[k]) for k in before)
     assert [(e.step, e.kind) for e in guard.events] == [(5, "nonfinite_grad")]
     assert all(torch.isfinite(t).all() for s in opt.state.values() for t in s.values())
+
+
+def test_bfloat16_model_is_guarded_and_a_flip_in_it_is_named() -> None:
+    model, _ = make_model()
+    model = model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = TrainingGuard(model, opt, check_every=4, per_layer=True, update_ratio=True,
+                          policies={"weights_changed": "record"})
+    for step in range(12):
+        if step == 9:
+            faults.flip_bit(model[2].weight, index=4, bit=faults.mantissa_lsb(torch.bfloat16))
+        opt.zero_grad()
+        x, y = batch_at(step)
+        loss = torch.nn.functional.mse_loss(model(x.bfloat16()), y.bfloat16())
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+    guard.close()
+    assert [(e.step, e.kind, e.suspects) for e in guard.events] == [
+        (9, "weights_changed", ("2.weight",))
+    ]
