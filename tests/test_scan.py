@@ -252,3 +252,50 @@ def test_inflate_bound(corpus: dict[str, Any]) -> None:
     bomb = next(c for c in corpus["malicious"] if c.name == "zip_bomb").path
     assert "compression ratio over" in scan_file(bomb).reason
     assert "more than 1048576 bytes" in scan_file(bomb, limits=Limits(max_inflate=1 << 20)).reason
+
+
+def _allowlist_objects(names: tuple[str, ...]) -> list[Any]:
+    """Resolve plan names of known libraries (our own test files) for safe_globals."""
+    import importlib
+
+    out: list[Any] = []
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        real = module.replace("numpy.core", "numpy._core", 1)
+        obj = getattr(importlib.import_module(real), attr)
+        out.append(obj if real == module else (obj, name))
+    return out
+
+
+def test_plan_agrees_with_torch_on_every_checkpoint(
+    corpus: dict[str, Any], tmp_path: Path
+) -> None:
+    """loadable=True: the advice loads. loadable=False: torch refuses even with every need."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    extra = {
+        "legacy_module.pt": (model, {"_use_new_zipfile_serialization": False}),
+        "legacy_numpy.pt": ({"a": np.arange(2.0)}, {"_use_new_zipfile_serialization": False}),
+        "protocol4.pt": ({"w": torch.ones(1)}, {"pickle_protocol": 4}),
+        "whole_optimizer.pt": (opt, {}),
+    }
+    paths = [c.path for c in corpus["benign"] if c.path.suffix in (".pt", ".ckpt")]
+    for name, (obj, kwargs) in extra.items():
+        torch.save(obj, tmp_path / name, **kwargs)
+        paths.append(tmp_path / name)
+    outcomes = {}
+    for path in paths:
+        plan = scan_file(path).plan
+        assert plan is not None, path
+        try:
+            with torch.serialization.safe_globals(_allowlist_objects(plan.needs)):
+                torch.load(path, weights_only=True)
+            loaded = True
+        except Exception:
+            loaded = False
+        outcomes[path.name] = (plan.loadable, loaded)
+    assert all(p == t for p, t in outcomes.values()), outcomes
+    assert not outcomes["legacy_module.pt"][0] and not outcomes["protocol4.pt"][0]
+    assert outcomes["legacy_numpy.pt"] == (True, True)

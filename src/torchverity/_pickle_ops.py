@@ -244,6 +244,7 @@ class StreamReport:
     # Calls of WATCHED_CALLS globals: (offset, opcode, made); other calls are not kept.
     calls: list[tuple[int, str, Value]] = field(default_factory=list)
     opcodes: dict[str, int] = field(default_factory=dict)  # opcode name -> first offset
+    persistent_ids: dict[str, int] = field(default_factory=dict)  # id kind -> first offset
     # APPEND/SETITEM-style opcodes applied to something other than a plain list/dict.
     odd_targets: list[tuple[int, str, Value]] = field(default_factory=list)
     error: str | None = None
@@ -557,7 +558,10 @@ def _persid(w: Walker) -> None:
 
 
 def _binpersid(w: Walker) -> None:
-    w.pop()
+    pid = w.pop()
+    # Torch pickles ('storage', ...) ids; legacy whole-module files also ('module', ...).
+    kind = const_str(pid.items[0]) if type(pid) is Value and pid.items else None
+    w.report.persistent_ids.setdefault(kind or "?", w._op_offset)
     w.push(OPAQUE)
 
 

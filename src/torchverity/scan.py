@@ -446,6 +446,11 @@ def _plan_notes(report: StreamReport) -> tuple[bool, list[str]]:
         notes.append(f"opcode {op} at offset {off} is not supported by torch's weights_only "
                      "unpickler (pickle protocol 4+ or 0/1)")
     notes.extend(_target_notes(report))
+    notes.extend(
+        f"persistent id {kind!r} at offset {off}: torch's weights_only loader accepts only "
+        "storages (legacy files that pickle whole modules record their source this way)"
+        for kind, off in report.persistent_ids.items() if kind != "storage"
+    )
     blocked = [g for g in report.globals if _torch_name(g)[0] in _TORCH_BLOCKED_MODULES]
     notes.extend(f"{g.qualname} is in a module torch blocks even when allowlisted" for g in blocked)
     return not notes, notes
