@@ -163,3 +163,28 @@ def test_hf_callback_catches_an_inf_gradient_and_records_checkpoints(tmp_path: P
 def test_hf_clean_run_is_silent(tmp_path: Path) -> None:
     guard = _hf_run(tmp_path, fault_step=None)
     assert guard.guard.events == [] and guard.summary.clean
+
+
+# ------------------------------------------------------------ base install
+
+
+@pytest.mark.parametrize(
+    ("module", "blocked", "extra"),
+    [
+        ("torchverity.integrations.lightning", "lightning.pytorch", "lightning"),
+        ("torchverity.integrations.hf", "transformers", "hf"),
+    ],
+)
+def test_missing_extra_names_the_pip_command(
+    monkeypatch: pytest.MonkeyPatch, module: str, blocked: str, extra: str
+) -> None:
+    import importlib
+    import sys
+
+    from torchverity.errors import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, blocked, None)  # as if not installed
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(MissingExtraError) as info:
+        importlib.import_module(module)
+    assert info.value.hint == f"pip install 'torchverity[{extra}]'"

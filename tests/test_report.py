@@ -103,3 +103,16 @@ def test_bad_inputs_exit_2(tmp_path: Path, run_cli: Any) -> None:
     res = run_cli("report", bad)
     assert res.code == 2
     assert "bad.jsonl:2: not a torchverity event line" in res.err
+
+
+def test_plot_without_matplotlib_says_which_extra(
+    log: Path, tmp_path: Path, run_cli: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    res = run_cli("report", log, "--plot", tmp_path / "x.png")
+    assert res.code == 2
+    assert "torchverity report --plot needs the optional package 'matplotlib'" in res.err
+    assert "next: pip install 'torchverity[plot]'" in res.err
+    assert not (tmp_path / "x.png").exists()
