@@ -44,6 +44,24 @@ def test_protocol_4_pickle_is_unsupported_operand_149(tmp_path: Path) -> None:
     assert "torchverity migrate" in found.command
 
 
+def test_structures_weights_only_cannot_rebuild(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    legacy = tmp_path / "legacy.pt"
+    torch.save(model, legacy, _use_new_zipfile_serialization=False)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    whole_opt = tmp_path / "opt.pt"
+    torch.save(opt, whole_opt)
+    allow = [torch.nn.Linear, torch.optim.Adam, __import__("collections").defaultdict, dict]
+    for path in (legacy, whole_opt):
+        with torch.serialization.safe_globals(allow):
+            exc = _raised(lambda p=path: torch.load(p, weights_only=True))
+        found = explain_exception(exc)
+        assert found is not None and found.key == "weights-only-structure", exc
+        assert found.command.startswith("torchverity migrate")
+
+
 def test_truncated_zip(tmp_path: Path) -> None:
     path = tmp_path / "t.pt"
     torch.save({"w": torch.ones(100)}, path)

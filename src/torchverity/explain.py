@@ -71,6 +71,17 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity migrate {file} {file}.safetensors",
     ),
     _rule(
+        "weights-only-structure",
+        r"Only persistent_load of storage is allowed|"
+        r"Can only (?:SETITEMS?|append|extend)[^\n]*?(?:got <class '(?P<target>[\w.]+)'>|lists)",
+        "the file holds a structure torch's weights_only unpickler cannot rebuild whatever you "
+        "allowlist{detail}: a legacy (pre-1.6) file that pickles whole modules with their source, "
+        "or a whole optimizer whose state is a defaultdict.",
+        "convert it without running its code (the scan says so in its plan): torchverity "
+        "migrate extracts the tensors and the plain data into a weights-only state_dict.",
+        "torchverity migrate {file} {file}.safetensors",
+    ),
+    _rule(
         "cant-get-attribute",
         r"Can't get attribute '(?P<attr>[\w.]+)' on <module '(?P<module>[\w.]+)'|"
         r"No module named '(?P<missing>[\w.]+)'",
