@@ -152,13 +152,16 @@ def _inert_module() -> types.ModuleType:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False,
                           pickle_module=module)
 
-    _InertUnpickler.real = {**_real_globals(), "torch.storage._load_from_bytes": nested_checkpoint}
-    _InertUnpickler.placeholders = {}
+    # A subclass per migration: its tables are not shared with concurrent migrations.
+    unpickler = type("Unpickler", (_InertUnpickler,), {
+        "real": {**_real_globals(), "torch.storage._load_from_bytes": nested_checkpoint},
+        "placeholders": {},
+    })
 
     def load(fh: Any, **kwargs: Any) -> Any:
-        return _InertUnpickler(fh, **kwargs).load()
+        return unpickler(fh, **kwargs).load()
 
-    module.Unpickler = _InertUnpickler  # type: ignore[attr-defined]
+    module.Unpickler = unpickler  # type: ignore[attr-defined]
     module.load = load  # type: ignore[attr-defined]
     module.UnpicklingError = pickle.UnpicklingError  # type: ignore[attr-defined]
     return module
@@ -177,7 +180,7 @@ def inert_load(path: str | os.PathLike[str], fmt: str) -> tuple[Any, list[str]]:
                 obj = module.load(fh)
         else:
             obj = torch.load(path, map_location="cpu", weights_only=False, pickle_module=module)
-    return obj, sorted(_InertUnpickler.placeholders)
+    return obj, sorted(module.Unpickler.placeholders)
 
 
 # ------------------------------------------------------------ extraction
