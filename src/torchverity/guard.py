@@ -417,7 +417,8 @@ class TrainingGuard:
     def _loss_jump(self, loss: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
         if self.config.rel_change is None:
             return self._false
-        change = (loss - self._prev_loss).abs() / (self._prev_loss.abs() + 1e-12)
+        # The floor keeps a loss that has converged to ~0 from turning noise into "jumps".
+        change = (loss - self._prev_loss).abs() / (self._prev_loss.abs() + self.config.abs_floor)
         jump = self._has_prev & finite & (change > self.config.rel_change)
         self._consec.copy_(torch.where(jump, self._consec + 1, 0))
         self._prev_loss.copy_(torch.where(finite, loss, self._prev_loss))
