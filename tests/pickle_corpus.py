@@ -46,6 +46,12 @@ def _u(text: str) -> bytes:
     return b"\x8c" + bytes([len(data)]) + data
 
 
+def _sbs(text: str) -> bytes:
+    """SHORT_BINSTRING (protocol 1-2)."""
+    data = text.encode()
+    return b"U" + bytes([len(data)]) + data
+
+
 def _touch(sentinel: Path) -> str:
     return f"touch {sentinel}"
 
@@ -142,6 +148,14 @@ def raw_payloads(sentinel: Path) -> dict[str, tuple[bytes, str, bool]]:
         ),
         "broken_after_payload": (call_os + b"\xff\xfe garbage", "os.system", True),
         "ext_code": (b"\x80\x02\x82\x01.", "copyreg.extension.1", False),
+        "build_on_class": (
+            b"\x80\x02cargparse\nNamespace\nN}" + _sbs("__eq__") + b"Ns\x86b.",
+            "argparse.Namespace", False,
+        ),
+        "call_of_computed_object": (
+            b"\x80\x02ccollections\nOrderedDict\n)R)R.", "(object computed at load time)",
+            False,
+        ),
         "nested_loads": (
             b"\x80\x03cpickle\nloads\nC" + bytes([len(call_os) + 1]) + call_os + b".\x85R.",
             "pickle.loads", True,

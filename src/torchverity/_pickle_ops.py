@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 KEEP_BYTES = 1 << 16  # strings and bytes above this are skipped, not kept
 KEEP_ITEMS = 256  # items kept per container (enough for names and small configs)
+_MAX_NOTED = 100  # gadget-shaped events kept per stream (one is enough for the verdict)
 # Calls whose arguments the containers inspect: archives embedded by pickle.dumps(tensor).
 WATCHED_CALLS = frozenset({"torch.storage._load_from_bytes"})
 _CHUNK = 1 << 20
@@ -245,6 +246,10 @@ class StreamReport:
     calls: list[tuple[int, str, Value]] = field(default_factory=list)
     opcodes: dict[str, int] = field(default_factory=dict)  # opcode name -> first offset
     persistent_ids: dict[str, int] = field(default_factory=dict)  # id kind -> first offset
+    # Gadget shapes no ordinary pickle has (capped lists of (offset, detail)): a call of an
+    # object computed at load time, and BUILD setting attributes on a global itself.
+    computed_calls: list[tuple[int, str]] = field(default_factory=list)
+    global_builds: list[tuple[int, GlobalRef]] = field(default_factory=list)
     # APPEND/SETITEM-style opcodes applied to something other than a plain list/dict.
     odd_targets: list[tuple[int, str, Value]] = field(default_factory=list)
     error: str | None = None
@@ -359,6 +364,8 @@ class Walker:
         w = self._check_weight(1 + weight(args))
         made = Value("made", callee=callee, args=args, via=via, weight=w)
         ref = callee.ref if type(callee) is Value else None
+        if ref is None and len(self.report.computed_calls) < _MAX_NOTED:
+            self.report.computed_calls.append((self._op_offset, via))
         if ref is not None and ref.qualname in WATCHED_CALLS:
             self.report.calls.append((self._op_offset, via, made))
         return made
@@ -545,6 +552,8 @@ def _build(w: Walker) -> None:
     inst = w.top()
     if type(inst) is not Value:
         raise PickleError("BUILD on a constant", w._op_offset)
+    if inst.ref is not None and len(w.report.global_builds) < _MAX_NOTED:
+        w.report.global_builds.append((w._op_offset, inst.ref))
     inst.state = state
     event = Build(w._op_offset, inst, state)
     w.report.builds.append(event)
@@ -562,6 +571,9 @@ def _binpersid(w: Walker) -> None:
     # Torch pickles ('storage', ...) ids; legacy whole-module files also ('module', ...).
     kind = const_str(pid.items[0]) if type(pid) is Value and pid.items else None
     w.report.persistent_ids.setdefault(kind or "?", w._op_offset)
+    if kind == "module" and len(pid.items) > 1 and ref_of(pid.items[1]) is not None:
+        w.push(pid.items[1])  # torch's legacy loader returns the module's class, a global
+        return
     w.push(OPAQUE)
 
 

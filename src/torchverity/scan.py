@@ -519,9 +519,27 @@ def _findings(container: Container, prefix: str = "") -> list[GlobalFinding]:
                     ref.qualname, ref.module, ref.name, prefix + entry.name, index, ref.offset,
                     ref.opcode, category, reason,
                 ))
+        out.extend(_gadget_findings(prefix + entry.name, entry.streams))
     for nested in container.nested:
         if nested.container is not None:
             out.extend(_findings(nested.container, f"{prefix}{nested.entry}@{nested.offset}>"))
+    return out
+
+
+def _gadget_findings(entry: str, streams: Sequence[StreamReport]) -> list[GlobalFinding]:
+    """Shapes only attacks produce, reported like dangerous globals so the verdict is unsafe."""
+    out: list[GlobalFinding] = []
+    for index, report in enumerate(streams):
+        for offset, via in report.computed_calls:
+            out.append(GlobalFinding(
+                "(object computed at load time)", "", "", entry, index, offset, via, DANGEROUS,
+                "calls an object produced while loading (getattr/method-call gadget shape)",
+            ))
+        for offset, ref in report.global_builds:
+            out.append(GlobalFinding(
+                ref.qualname, ref.module, ref.name, entry, index, offset, "BUILD", DANGEROUS,
+                "BUILD sets attributes on the class/function itself (attribute overwrite)",
+            ))
     return out
 
 
