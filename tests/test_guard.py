@@ -309,14 +309,16 @@ def count_syncs() -> Iterator[list[str]]:
             setattr(torch.Tensor, name, fn)
 
 
-def test_hot_path_never_reads_the_device() -> None:
+@pytest.mark.parametrize("fused", [False, True])
+def test_hot_path_never_reads_the_device(fused: bool) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True) if fused
+           else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
 
     def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
-    guard = TrainingGuard(model, opt, check_every=50, per_layer=True, update_ratio=True,
+    guard = TrainingGuard(model, opt, check_every=50, per_layer=True, update_ratio=not fused,
                           step_fn=step_fn, replay_every=3,
                           policies={"loss_spike": "replay", "loss_jump": "stop"})
     with count_syncs() as calls:
@@ -544,3 +546,37 @@ def test_bfloat16_model_is_guarded_and_a_flip_in_it_is_named() -> None:
     assert [(e.step, e.kind, e.suspects) for e in guard.events] == [
         (9, "weights_changed", ("2.weight",))
     ]
+
+
+def test_fused_optimizer_skips_exactly_without_copies() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    guard = TrainingGuard(model, opt, check_every=5)
+    assert guard._fused_skip and not guard._needs_backup
+    injector = faults.FaultInjector(model)
+    injector.gradient("0.weight", step=0, value=math.nan)  # even the step creating the state
+    injector.gradient("2.bias", step=7, value=math.inf)
+    for step in range(12):
+        injector.begin_step(step)
+        if step == 7:
+            params = [p.detach().clone() for p in model.parameters()]
+            state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+        opt.zero_grad()
+        x, y = batch_at(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+        assert not hasattr(opt, "found_inf")
+        if step == 0:
+            assert all(float(s["step"]) == 0 for s in opt.state.values())
+        if step == 7:
+            assert all(torch.equal(a, p) for a, p in zip(params, model.parameters(), strict=True))
+            for before, p in zip(state, model.parameters(), strict=True):
+                assert all(torch.equal(before[k], opt.state[p][k]) for k in before)
+    guard.close()
+    assert [(e.step, e.kind, e.action) for e in guard.events] == [
+        (0, "nonfinite_grad", "skipped"), (7, "nonfinite_grad", "skipped")
+    ]
+    assert all(float(s["step"]) == 10 for s in opt.state.values())

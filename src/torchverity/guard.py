@@ -124,6 +124,7 @@ class _Pending:
     replay_vec: torch.Tensor
     rest_vec: torch.Tensor
     rest_names: tuple[str, ...]
+    decision: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # flags, hit, applied
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,12 @@ class TrainingGuard:
         skipping = [self.policies[k] in SKIPPING for k in KINDS]
         self._skip_mask = torch.tensor(skipping, device=dev)
         self._latch_mask = torch.tensor([self.policies[k] in LATCHING for k in KINDS], device=dev)
-        self._needs_backup = any(skipping) or cfg.update_ratio
+        # Fused optimizers skip an update themselves when handed a device-side
+        # ``found_inf`` (AMP's mechanism): exact, and no copy of anything. The
+        # decision must then be known before the step, so not with update ratios.
+        self._fused_skip = any(skipping) and not cfg.update_ratio and bool(
+            getattr(self.optimizer, "_step_supports_amp_scaling", False))
+        self._needs_backup = (any(skipping) or cfg.update_ratio) and not self._fused_skip
         self._latched = torch.zeros((), dtype=torch.bool, device=dev)
         self._false = torch.zeros((), dtype=torch.bool, device=dev)
         self._zeros_n = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -335,6 +341,12 @@ class TrainingGuard:
         if self._pending is None:
             raise UsageError("TrainingGuard.step() called before check(loss)",
                              hint="call guard.check(loss) after loss.backward()")
+        if self._fused_skip:
+            self._pending.decision = self._decide(self._pending)
+            # The attribute torch's fused optimizers read (GradScaler sets it too).
+            self.optimizer.found_inf = (  # type: ignore[attr-defined]
+                ~self._pending.decision[2]).float()
+            return
         if not self._needs_backup:
             return
         _, current = self._covered(with_state=True)  # an undo must restore the state too
@@ -350,14 +362,12 @@ class TrainingGuard:
         pending, self._pending = self._pending, None
         assert pending is not None
         ratio, ratio_vec = self._update_ratios()
-        pending.parts[KIND_INDEX["update_ratio_spike"]] = ratio_vec.any()
-        flags = torch.stack(pending.parts).float()
-        if self.reducer is not None:
-            flags = self.reducer.reduce(flags)
-        hit = flags > 0
-        skip = (hit & self._skip_mask).any() | self._latched
-        self._latched.logical_or_((hit & self._latch_mask).any())
-        applied = ~skip
+        if pending.decision is None:
+            pending.parts[KIND_INDEX["update_ratio_spike"]] = ratio_vec.any()
+            flags, hit, applied = self._decide(pending)
+        else:
+            flags, hit, applied = pending.decision
+            del self.optimizer.found_inf  # type: ignore[attr-defined]
         if self._needs_backup:
             self._select(applied)
         accept = applied & ~hit.any()
@@ -376,6 +386,16 @@ class TrainingGuard:
             self._rng_next = _torch_rng()
         if len(self._rows) >= self.config.check_every:
             self.flush()
+
+    def _decide(self, pending: _Pending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Combine the flags (across ranks with the reducer) and decide: ``applied`` or not."""
+        flags = torch.stack(pending.parts).float()
+        if self.reducer is not None:
+            flags = self.reducer.reduce(flags)
+        hit = flags > 0
+        skip = (hit & self._skip_mask).any() | self._latched
+        self._latched.logical_or_((hit & self._latch_mask).any())
+        return flags, hit, ~skip
 
     # ------------------------------------------------------------ detectors (device only)
 
