@@ -93,6 +93,7 @@ class GuardConfig:
     rest_every: int = 1
     rest_weighted: bool = False
     optimizer_state: bool = True
+    fused_skip: bool = True
     replay_every: int | None = None
     replay_tolerance: float | None = None
     checkpoint_every: int | None = None
@@ -258,7 +259,7 @@ class TrainingGuard:
         # Fused optimizers skip an update themselves when handed a device-side
         # ``found_inf`` (AMP's mechanism): exact, and no copy of anything. The
         # decision must then be known before the step, so not with update ratios.
-        self._fused_skip = any(skipping) and not cfg.update_ratio and bool(
+        self._fused_skip = cfg.fused_skip and any(skipping) and not cfg.update_ratio and bool(
             getattr(self.optimizer, "_step_supports_amp_scaling", False))
         self._needs_backup = (any(skipping) or cfg.update_ratio) and not self._fused_skip
         self._latched = torch.zeros((), dtype=torch.bool, device=dev)
@@ -276,6 +277,7 @@ class TrainingGuard:
         self._rest_names: tuple[str, ...] = ()
         self._backup: list[torch.Tensor] = []
         self._backed: list[torch.Tensor] = []
+        self._found_inf: torch.Tensor | None = None
 
     # ------------------------------------------------------------ tensors covered
 
@@ -344,8 +346,8 @@ class TrainingGuard:
         if self._fused_skip:
             self._pending.decision = self._decide(self._pending)
             # The attribute torch's fused optimizers read (GradScaler sets it too).
-            self.optimizer.found_inf = (  # type: ignore[attr-defined]
-                ~self._pending.decision[2]).float()
+            self._found_inf = (~self._pending.decision[2]).float()
+            self.optimizer.found_inf = self._found_inf  # type: ignore[attr-defined]
             return
         if not self._needs_backup:
             return
@@ -367,7 +369,8 @@ class TrainingGuard:
             flags, hit, applied = self._decide(pending)
         else:
             flags, hit, applied = pending.decision
-            del self.optimizer.found_inf  # type: ignore[attr-defined]
+            if getattr(self.optimizer, "found_inf", None) is self._found_inf:
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
         if self._needs_backup:
             self._select(applied)
         accept = applied & ~hit.any()

@@ -82,8 +82,12 @@ class GuardCallback(_Callback):
         if len(trainer.optimizers) != 1:
             raise UsageError("GuardCallback guards exactly one optimizer",
                              hint="use TrainingGuard per optimizer in manual optimization")
+        options = dict(self.guard_options)
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            # AMP's GradScaler drives the optimizer's found_inf itself.
+            options.setdefault("fused_skip", False)
         self.guard = TrainingGuard(pl_module, trainer.optimizers[0], log=self.log_path,
-                                   start_step=trainer.global_step, **self.guard_options)
+                                   start_step=trainer.global_step, **options)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._loss = loss.detach()
