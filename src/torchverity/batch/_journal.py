@@ -1,11 +1,11 @@
 """The batch journal: one SQLite file in the output folder, the job's single source of truth.
 
 Write-ahead logging keeps the file consistent whatever moment the process is
-killed at. Commit points (outputs recorded as committed, failures recorded)
-run with ``synchronous=FULL`` so they are on disk before anything that depends
-on them; bookkeeping that can be lost harmlessly (an item marked running)
-runs with ``synchronous=NORMAL``. Only the driver process opens it for
-writing. The schema is documented in docs/formats/batch.md.
+killed at. Every transaction is a commit point run with ``synchronous=FULL``,
+so it is on disk before anything that depends on it; items in flight are
+marked ``running`` inside the commit points, which costs no extra flush. Only
+the driver process opens it for writing. The schema is documented in
+docs/formats/batch.md.
 """
 
 from __future__ import annotations
@@ -106,7 +106,6 @@ class Journal:
     def __init__(self, path: Path, conn: sqlite3.Connection) -> None:
         self.path = path
         self._conn = conn
-        self._sync = "FULL"  # _connect's setting
 
     # ------------------------------------------------------------ opening
 
@@ -140,7 +139,7 @@ class Journal:
     def _fill(self, job: dict[str, str], records: Sequence[InputRecord],
               outputs: Sequence[str]) -> None:
         journal = self
-        with journal._transaction(durable=True):
+        with journal._transaction():
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     journal._conn.execute(statement)
@@ -224,7 +223,7 @@ class Journal:
         """Items a killed run left ``running`` go back to ``pending``; returns them."""
         interrupted = self.items(RUNNING)
         if interrupted:
-            with self._transaction(durable=True):
+            with self._transaction():
                 self._conn.execute(
                     "UPDATE items SET state = 'pending', interrupted = interrupted + 1,"
                     " updated = ? WHERE state = 'running'", (time.time(),)
@@ -232,29 +231,30 @@ class Journal:
                 self._events((r.id, "interrupted", f"attempt {r.attempts}") for r in interrupted)
         return interrupted
 
-    def mark_running(self, ids: Sequence[int]) -> None:
-        """Count an attempt for each item. Losing this in a crash is harmless: not durable."""
-        with self._transaction(durable=False):
-            self._conn.executemany(
-                "UPDATE items SET state = 'running', attempts = attempts + 1, updated = ?"
-                " WHERE id = ?", [(time.time(), i) for i in ids]
-            )
+    def record(self, outcomes: Sequence[Outcome], running: Sequence[int] = ()) -> None:
+        """A commit point: every outcome (one ended attempt each) is on disk when this returns.
 
-    def record(self, outcomes: Sequence[Outcome]) -> None:
-        """A commit point: every outcome is on disk when this returns."""
+        ``running`` are items now in flight; marking them in the same
+        transaction costs no extra commit, and a crash then finds them ``running``.
+        """
         now = time.time()
-        with self._transaction(durable=True):
+        with self._transaction():
             self._conn.executemany(
                 "UPDATE items SET state = ?, output_digest = ?, output_size = ?, error = ?,"
-                " updated = ? WHERE id = ?",
+                " attempts = attempts + 1, updated = ? WHERE id = ?",
                 [(o.state, o.output_digest, o.output_size, o.error, now, o.id) for o in outcomes],
+            )
+            self._conn.executemany(
+                "UPDATE items SET state = 'running', updated = ?"
+                " WHERE id = ? AND state = 'pending'",
+                [(now, i) for i in running],
             )
             self._events((o.id, o.state, o.error) for o in outcomes if o.error)
 
     def reset(self, ids: Iterable[int], why: str) -> None:
         """Send committed items back to ``pending`` (their output was lost or damaged)."""
         rows = [(i, "repaired", why) for i in ids]
-        with self._transaction(durable=True):
+        with self._transaction():
             self._conn.executemany(
                 "UPDATE items SET state = 'pending', output_digest = NULL, output_size = NULL,"
                 " error = ? WHERE id = ?", [(why, i) for i, _, _ in rows]
@@ -262,7 +262,7 @@ class Journal:
             self._events(rows)
 
     def set_job(self, values: dict[str, str]) -> None:
-        with self._transaction(durable=True):
+        with self._transaction():
             self._conn.executemany("INSERT OR REPLACE INTO job VALUES (?, ?)", values.items())
 
     def _events(self, rows: Iterable[tuple[int, str, str | None]]) -> None:
@@ -271,24 +271,18 @@ class Journal:
             "INSERT INTO events VALUES (?, ?, ?, ?)", [(now, i, k, d or "") for i, k, d in rows]
         )
 
-    def _transaction(self, *, durable: bool) -> _Transaction:
-        return _Transaction(self, durable)
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self)
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT with the sync level of this commit point."""
+    """BEGIN IMMEDIATE ... COMMIT; the connection runs with synchronous=FULL."""
 
-    def __init__(self, journal: Journal, durable: bool) -> None:
+    def __init__(self, journal: Journal) -> None:
         self._journal = journal
-        self._durable = durable
 
     def __enter__(self) -> None:
-        journal = self._journal
-        level = "FULL" if self._durable else "NORMAL"
-        if journal._sync != level:
-            journal._conn.execute(f"PRAGMA synchronous = {level}")
-            journal._sync = level
-        journal._conn.execute("BEGIN IMMEDIATE")
+        self._journal._conn.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         conn = self._journal._conn

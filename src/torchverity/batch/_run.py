@@ -19,7 +19,6 @@ import contextlib
 import functools
 import hashlib
 import heapq
-import itertools
 import json
 import os
 import shutil
@@ -68,8 +67,6 @@ LOCK_NAME = ".batch.lock"
 COMMIT_INTERVAL_S = 0.25
 COMMIT_EVERY = 256
 MAX_BACKOFF_S = 10.0
-# Items marked running per journal transaction (a crash counts them all as interrupted).
-CLAIM_AHEAD = 16
 
 
 class Engine(Protocol):
@@ -409,7 +406,7 @@ class _Scheduler:
         self.todo: deque[WorkItem] = deque()
         self.delayed: list[tuple[float, int, WorkItem]] = []
         self.running: dict[int, WorkItem] = {}
-        self.claimed: set[int] = set()
+        self.marked: set[int] = set()  # in flight and recorded as running
         self.failures: dict[int, int] = {}
         self.buffer: list[Outcome] = []
         self.folders: set[Path] = set()
@@ -451,22 +448,10 @@ class _Scheduler:
 
     def _submit(self) -> None:
         room = 2 * self.engine.capacity - self.engine.in_flight
-        batch = [self.todo.popleft() for _ in range(min(room, len(self.todo)))]
-        if any(w.id not in self.claimed for w in batch):
-            self._claim(batch)
-        for work in batch:
-            self.claimed.discard(work.id)
+        for _ in range(min(room, len(self.todo))):
+            work = self.todo.popleft()
             self.running[work.id] = work
             self.engine.submit(work)
-
-    def _claim(self, batch: list[WorkItem]) -> None:
-        """Mark the batch and the items just behind it running: one transaction per chunk."""
-        if any(o.state == PENDING for o in self.buffer):
-            self._commit()  # a retry's "pending" must land before its new "running"
-        ahead = [w for w in itertools.islice(self.todo, CLAIM_AHEAD) if w.id not in self.claimed]
-        ids = [w.id for w in batch if w.id not in self.claimed] + [w.id for w in ahead]
-        self.journal.mark_running(ids)
-        self.claimed.update(ids)
 
     def _collect(self) -> OutputWriteError | None:
         timeout = COMMIT_INTERVAL_S
@@ -508,13 +493,15 @@ class _Scheduler:
 
     def _maybe_commit(self, force: bool) -> None:
         due = time.monotonic() - self.last_commit >= COMMIT_INTERVAL_S
-        if self.buffer and (force or due or len(self.buffer) >= COMMIT_EVERY):
+        unmarked = due and not self.marked.issuperset(self.running)
+        if (self.buffer and (force or due or len(self.buffer) >= COMMIT_EVERY)) or unmarked:
             self._commit()
 
     def _commit(self) -> None:
         # The outputs and their renames are on disk before the journal says so.
         self.durability.commit_point(self.folders)
-        self.journal.record(self.buffer)
+        self.marked = set(self.running)
+        self.journal.record(self.buffer, sorted(self.marked))
         self.buffer, self.folders = [], set()
         self.last_commit = time.monotonic()
 
