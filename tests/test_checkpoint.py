@@ -21,6 +21,7 @@ import torch
 
 import torchverity
 from torchverity.checkpoint import CheckpointWarning, file_format, read_meta
+from torchverity.digest import digest_file
 from torchverity.errors import (
     FormatError,
     InputError,
@@ -208,6 +209,57 @@ def test_fingerprint_catches_content_swap_when_digest_is_ignored(tmp_path: Path)
     assert info.value.tensors == ["layer.bias"]
     assert "content does not match a.pt.meta.json" in info.value.message
 
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake3"])
+@pytest.mark.parametrize("suffix", ["pt", "safetensors"])
+def test_pipelined_digest_matches_a_reread_of_the_file(tmp_path: Path, suffix: str,
+                                                        algo: str) -> None:
+    # Large storages are hashed behind the writes by reference, small writes and
+    # temporary copies (the transposed tensor in .safetensors) through owned buffers.
+    g = torch.Generator().manual_seed(1)
+    state = {"big": torch.randn(1 << 20, generator=g),
+             "wide": torch.randn(512, 1024, generator=g).t(),
+             "half": torch.randn(600_000, generator=g).to(torch.bfloat16),
+             "small": torch.arange(3)}
+    path = tmp_path / f"m.{suffix}"
+    report = torchverity.save(state, path, algo=algo)
+    assert report.digest == digest_file(path, algo).hexdigest
+    assert read_meta(path)["fingerprint"]["algo"] == "blake3"
+    loaded = torchverity.load(path, sidecar="require")
+    assert _equal({k: v.contiguous() for k, v in loaded.items()},
+                  {k: v.contiguous() for k, v in state.items()})
+
+
+def test_old_sha256_fingerprint_records_still_verify(tmp_path: Path) -> None:
+    path, state = tmp_path / "old.pt", _state()
+    torchverity.save(state, path)
+    mp = path.parent / f"{path.name}.meta.json"
+    meta = json.loads(mp.read_text())
+    meta["fingerprint"] = torchverity.fingerprint(state, mode="sha256").to_dict()
+    mp.write_text(json.dumps(meta))
+    _, report = torchverity.load(path, with_report=True, sidecar="require")
+    assert report.verified and report.fingerprint == meta["fingerprint"]["root"]
+    other = _state()
+    other["emb"][0, 0] = 9
+    meta["fingerprint"] = torchverity.fingerprint(other, mode="sha256").to_dict()
+    mp.write_text(json.dumps(meta))
+    with pytest.raises(IntegrityError) as info:
+        torchverity.load(path)
+    assert info.value.tensors == ["emb"]
+
+
+def test_resave_with_another_algorithm_drops_the_stale_sidecar(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torchverity.save(_state(0), path)
+    stale = (path.parent / f"{path.name}.sha256").read_text()
+    torchverity.save(_state(1), path, algo="blake3")
+    assert not (path.parent / f"{path.name}.sha256").exists()
+    assert _equal(torchverity.load(path, sidecar="require"), _state(1))
+    # A crash before the old sidecar was removed: meta.json names the algorithm to trust.
+    (path.parent / f"{path.name}.sha256").write_text(stale)
+    _, report = torchverity.load(path, with_report=True)
+    assert report.algo == "blake3" and report.verified
 
 def test_meta_json_that_disagrees_with_sidecar(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
     path, _ = saved

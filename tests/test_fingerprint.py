@@ -189,3 +189,34 @@ def test_cli_prints_root_and_tensors(tmp_path: Path, run_cli: Callable[..., Any]
     assert data["root"] == root and set(data["tensors"]) == {"w", "b"}
     r = run_cli("fingerprint", tmp_path / "absent.pt")
     assert r.code == 2 and "no such file" in r.err
+
+
+def test_exact_mode_is_blake3_of_the_documented_layout() -> None:
+    import blake3
+
+    w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    fp = torchverity.fingerprint({"w": w.t().contiguous().t()})  # non-contiguous
+    header = b"torchverity-tensor-v1\0w\0float32\0[2, 3]\0" + b"24\0"
+    assert fp.algo == EXACT == "blake3"
+    assert fp.entries[0].digest == blake3.blake3(header + w.numpy().tobytes()).hexdigest()
+
+
+def test_large_tensors_spread_over_cores_give_the_same_digest() -> None:
+    big = torch.randn(3 << 20)  # 12 MiB: hashed by one blake3 spread over every core
+    one = torchverity.fingerprint({"big": big, "x": torch.ones(2)}, workers=1)
+    assert torchverity.fingerprint({"big": big, "x": torch.ones(2)}) == one
+    flipped = big.clone()
+    flipped.view(torch.int32)[(3 << 20) - 1] ^= 1
+    assert one.differing(torchverity.fingerprint({"big": flipped, "x": torch.ones(2)})) == ["big"]
+
+
+def test_old_sha256_records_rebuild_with_their_algorithm() -> None:
+    state = _state()
+    old = Fingerprint.from_dict(json.loads(json.dumps(
+        torchverity.fingerprint(state, mode="sha256").to_dict())))
+    assert old.algo == "sha256" and old.root != torchverity.fingerprint(state).root
+    assert torchverity.fingerprint(state, mode=old.algo).differing(old) == []
+    state["t_int8"][0, 0] += 1
+    assert torchverity.fingerprint(state, mode=old.algo).differing(old) == ["t_int8"]
+    with pytest.raises(UsageError, match="cannot compare a sha256 fingerprint with a blake3"):
+        old.differing(torchverity.fingerprint(state))

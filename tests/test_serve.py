@@ -351,7 +351,7 @@ def test_streamed_body_is_hashed_as_it_arrives(echo_service: Service) -> None:
 
 
 def test_client_refuses_other_weights_and_tampered_responses(service: Service) -> None:
-    with Client(service.url, fingerprint="sha256:" + "0" * 64) as client, \
+    with Client(service.url, fingerprint="blake3:" + "0" * 64) as client, \
             pytest.raises(IntegrityError, match="answers from other weights"):
         client.metadata()
 

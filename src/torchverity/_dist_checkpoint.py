@@ -163,8 +163,8 @@ def _local_tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Te
 def _shard_fingerprint(state: Any, algo: str | None = None) -> dict[str, Any]:
     from torchverity.fingerprint import fingerprint
 
-    mode = {None: "auto", "sha256": "exact"}.get(algo, "device")
-    return fingerprint(dict(_local_tensors(state)), mode=mode).to_dict()  # type: ignore[arg-type]
+    # A recorded algorithm (blake3, sha256 or tvsum64x2) rebuilds the record as it was made.
+    return fingerprint(dict(_local_tensors(state)), mode=algo or "auto").to_dict()
 
 
 def save_dcp(

@@ -65,6 +65,7 @@ from torchverity.errors import (
 )
 from torchverity.fingerprint import (
     EXACT,
+    LEGACY_EXACT,
     Fingerprint,
     TensorDigest,
     dtype_name,
@@ -166,17 +167,54 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
 # ================================================================== save
 
 
+class _StableMemory:
+    """Address ranges of the CPU tensors being saved.
+
+    ``save`` holds a reference to every one of them until it returns, so bytes
+    inside them stay valid after ``write()`` returns and may be hashed later.
+    """
+
+    def __init__(self, payload: Any) -> None:
+        ranges = set()
+        for _, value in iter_leaves(payload):
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                storage = value.untyped_storage()
+                if storage.nbytes():
+                    ranges.add((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        self._starts, self._ends = [], []
+        for start, end in sorted(ranges):
+            self._starts.append(start)
+            self._ends.append(end)
+
+    def holds(self, view: memoryview) -> bool:
+        import bisect
+
+        import numpy as np
+
+        addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        i = bisect.bisect_right(self._starts, addr) - 1
+        return i >= 0 and addr + len(view) <= self._ends[i]
+
+
 class _HashingWriter:
     """A write-only file object that hashes every byte on its way to disk.
 
-    Large writes are hashed on a helper thread while the main thread writes the
-    same memory: both release the GIL, so the digest costs no extra pass.
+    The hash runs on its own thread, behind the writes, so it overlaps the
+    serialization of the next storage instead of stalling it. Bytes inside the
+    tensors being saved (see :class:`_StableMemory`) are queued by reference,
+    small writes are gathered into buffers this writer owns; only a large
+    write of memory owned by torch (e.g. a device tensor's temporary host
+    copy, which may be freed when ``write`` returns) waits for its hash.
+    One worker thread hashes in submission order.
     """
 
-    def __init__(self, fd: int, hasher: Any, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, fd: int, hasher: Any, stable: _StableMemory,
+                 pool: ThreadPoolExecutor) -> None:
         self._fd = fd
         self._hasher = hasher
+        self._stable = stable
         self._pool = pool
+        self._last: Future[Any] | None = None
         self._pending = bytearray()
         self.size = 0
         self.error: OSError | None = None  # torch.save replaces our OSError with its own
@@ -194,23 +232,30 @@ class _HashingWriter:
                 self.flush()
             return n
         self.flush()
-        self._both(view)
+        self._emit(view, wait=not self._stable.holds(view))
         return n
 
     def flush(self) -> None:
         if self._pending:
-            self._both(memoryview(self._pending))
-            self._pending = bytearray()
+            owned, self._pending = self._pending, bytearray()
+            self._emit(memoryview(owned), wait=False)
 
-    def _both(self, view: memoryview) -> None:
-        hashed = self._pool.submit(self._hasher.update, view)
+    def finish(self) -> None:
+        """Write what is buffered and wait until every byte is hashed."""
+        self.flush()
+        if self._last is not None:
+            self._last.result()
+
+    def _emit(self, view: memoryview, wait: bool) -> None:
+        self._last = self._pool.submit(self._hasher.update, view)
         try:
             _write_all(self._fd, view)
         except OSError as exc:
             self.error = exc
             raise
         finally:
-            hashed.result()
+            if wait:
+                self._last.result()
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -228,10 +273,12 @@ def _fsync_dir(folder: Path) -> None:
 
 @dataclass
 class _Staged:
-    """A save in progress: the temp file's fd and the small companion files to publish."""
+    """A save in progress: the temp file's fd, the small companion files to publish
+    and the files that describe the old checkpoint only (removed once it is replaced)."""
 
     fd: int
     companions: dict[Path, str]
+    stale: tuple[Path, ...] = ()
 
 
 @contextmanager
@@ -265,6 +312,8 @@ def _atomic_target(target: Path) -> Iterator[_Staged]:
             _write_synced(temps[-1][0], text)
         for tmp, final in temps:
             os.replace(tmp, final)
+        for old in staged.stale:
+            old.unlink(missing_ok=True)
         _fsync_dir(folder)
     except OSError as exc:
         raise _write_error(target, exc, old_mode is not None) from None
@@ -379,11 +428,13 @@ def save(
     data_record = _data_record(data, algo) if data is not None else None
     sidecar, meta_file = sidecar_path(target, algo), meta_path_for(target)
     hasher = new_hasher(algo)
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="torchverity-save") as pool, \
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-fp") as fp_pool, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-hash") as pool, \
             _atomic_target(target) as staged:
-        # The fingerprint reads the tensors in memory while torch writes them.
-        fp_future = pool.submit(fingerprint, payload, mode="exact", workers=1)
-        writer = _HashingWriter(staged.fd, hasher, pool)
+        # Three threads: torch serializes and writes, one thread hashes the
+        # written bytes behind it, one fingerprints the tensors in memory.
+        fp_future = fp_pool.submit(fingerprint, payload, mode="exact", workers=1)
+        writer = _HashingWriter(staged.fd, hasher, _StableMemory(payload), pool)
         try:
             if fmt == "safetensors":
                 st.write_tensors(payload, writer)
@@ -394,11 +445,17 @@ def save(
             if writer.error is not None:
                 raise writer.error from None
             raise
+        # The disk flush starts while the hashes catch up; the fsync in
+        # _atomic_target then finds little left to do.
+        os.fsync(staged.fd)
+        writer.finish()
         digest, fp = hasher.hexdigest(), fp_future.result()
         record = _meta_record(target, fmt, algo, digest, writer.size, fp, seed, data_record,
                               user_meta)
         staged.companions[sidecar] = format_sidecar_line(digest, target.name)
         staged.companions[meta_file] = json.dumps(record, indent=2) + "\n"
+        # A sidecar of another algorithm describes the file being replaced.
+        staged.stale = tuple(sidecar_path(target, a) for a in ALGORITHMS if a != algo)
     log.info("saved %s (%s %s, fingerprint %s)", target, algo, digest, fp.root)
     return SaveReport(os.fspath(target), algo, digest, fp.root, os.fspath(sidecar),
                       os.fspath(meta_file), writer.size)
@@ -662,8 +719,8 @@ def _first_word(path: Path) -> str | None:
 def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
                      policy: SidecarPolicy) -> tuple[str, str, str] | None:
     """``(algo, hex, source)`` to check the file against, or None."""
-    side = find_sidecar(p) if policy != "ignore" else None
     recorded = meta.get("digest") if meta else None
+    side = _sidecar_for(p, recorded) if policy != "ignore" else None
     if side is not None:
         algo, hexd, _ = read_sidecar(side)
         if isinstance(recorded, dict) and recorded.get("algo") == algo \
@@ -685,6 +742,14 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
     if policy != "ignore" and isinstance(recorded, dict) and "hex" in recorded:
         return str(recorded["algo"]), str(recorded["hex"]), "meta"
     return None
+
+
+def _sidecar_for(p: Path, recorded: Any) -> Path | None:
+    """The sidecar of the algorithm meta.json records, else the first one found."""
+    algo = recorded.get("algo") if isinstance(recorded, dict) else None
+    if algo in ALGORITHMS and sidecar_path(p, algo).is_file():
+        return sidecar_path(p, algo)
+    return find_sidecar(p)
 
 
 def _digest_mismatch(p: Path, expected: tuple[str, str, str], actual: str,
@@ -723,7 +788,7 @@ def _locate_pt_damage(p: Path, meta: Mapping[str, Any] | None) -> list[str]:
     try:
         recorded = _meta_fingerprint(meta, meta_path_for(p))
         obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-        return recorded.differing(fingerprint(obj, mode="exact"))
+        return recorded.differing(fingerprint(obj, mode=_exact_algo(recorded)))
     except Exception:  # the damage may have hit the pickle itself
         return []
 
@@ -788,7 +853,9 @@ def _read_safetensors(p: Path, expected: tuple[str, str, str] | None,
         _check_digest(p, expected, None)  # a damaged header is reported as damage
         raise
     file_hasher = new_hasher(expected[0]) if expected else None
-    tensor_hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape) for e in header.entries}
+    algo = _exact_algo(_meta_fingerprint(meta, meta_path_for(p))) if meta else EXACT
+    tensor_hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape, algo)
+                      for e in header.entries}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load") as pool:
         pending: list[Future[Any]] = []
 
@@ -803,7 +870,7 @@ def _read_safetensors(p: Path, expected: tuple[str, str, str] | None,
             pending.clear()
 
         tensors = st.read_tensors(p, header, feed)
-    fp = from_entries(EXACT, [
+    fp = from_entries(algo, [
         TensorDigest(e.name, dtype_name(e.dtype), e.shape, tensor_hashers[e.name].hexdigest())
         for e in header.entries
     ])
@@ -819,7 +886,7 @@ def _check_fingerprint(p: Path, obj: Any, meta: Mapping[str, Any] | None,
     if meta is None:
         return None
     recorded = _meta_fingerprint(meta, meta_path_for(p))
-    actual = computed or fingerprint(obj, mode="exact")
+    actual = computed or fingerprint(obj, mode=_exact_algo(recorded))
     bad = recorded.differing(actual)
     if bad:
         first = bad[0]
@@ -835,6 +902,11 @@ def _check_fingerprint(p: Path, obj: Any, meta: Mapping[str, Any] | None,
                  f"torchverity diff {p} <good copy>",
         )
     return actual.root
+
+
+def _exact_algo(recorded: Fingerprint) -> str:
+    """The algorithm to rebuild ``recorded`` with on the host (older records say sha256)."""
+    return recorded.algo if recorded.algo in (EXACT, LEGACY_EXACT) else EXACT
 
 
 def _describe(entry: TensorDigest | None) -> str:

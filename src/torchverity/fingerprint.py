@@ -11,9 +11,13 @@ for contiguous CPU tensors.
 
 Two algorithms, recorded in every fingerprint so they are never mixed:
 
-``sha256`` (exact host mode)
-    SHA-256 of the canonical bytes. Cryptographic: equal digests mean equal
-    bytes. Accelerator tensors are copied to the host to compute it.
+``blake3`` (exact host mode)
+    BLAKE3 of the entry header and the canonical bytes. Cryptographic: equal
+    digests mean equal bytes. BLAKE3 is about 2.5x faster than SHA-256 per
+    core and spreads one large tensor over every core. Accelerator tensors are
+    copied to the host to compute it. Records written before BLAKE3 became
+    the exact mode say ``sha256`` (same layout, SHA-256 per tensor); they still
+    verify: pass the recorded algorithm as ``mode`` to rebuild one.
 
 ``tvsum64x2`` (device mode)
     Computed where the tensor lives, without copying it to the host. The
@@ -24,7 +28,11 @@ Two algorithms, recorded in every fingerprint so they are never mixed:
     single-bit flip, whatever the bit) always changes both sums. Unrelated
     changes in several elements collide with probability about 2**-64 per sum
     for random errors. It is not cryptographic: someone who wants a collision
-    can construct one, so use ``sha256`` against adversaries.
+    can construct one, so use ``blake3`` against adversaries.
+
+Plain values (ints, strings...) and the root over the sorted entries are
+SHA-256 in both modes: a few bytes each, with the algorithm name hashed into
+the root.
 
 >>> import torch, torchverity
 >>> fp = torchverity.fingerprint({"w": torch.ones(3), "b": torch.zeros(2)})
@@ -48,15 +56,19 @@ import torch
 from torchverity.errors import FormatError, UsageError
 
 FINGERPRINT_VERSION = 1
-EXACT = "sha256"
+EXACT = "blake3"
+LEGACY_EXACT = "sha256"  # the exact mode of earlier records, still verified
 DEVICE = "tvsum64x2"
-Mode = Literal["auto", "exact", "device"]
+# "auto"/"exact"/"device", or a recorded algorithm name to rebuild that record.
+Mode = Literal["auto", "exact", "device", "blake3", "sha256", "tvsum64x2"]
 
 _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Bounds the device temporaries (a few int64 vectors of this length).
 _DEVICE_CHUNK = 1 << 22
 _K1, _K2, _K3, _K4 = 0x9E3779B97F4A7C15, 0x632BE59BD9B4E019, 0x5851F42D4C957F2D, 0x14057B7EF767814F
 _THREAD_MIN_BYTES = 1 << 20
+# Below this a tensor is hashed on one core: spreading it costs more than it saves.
+_SPREAD_MIN_BYTES = 4 << 20
 
 
 def _signed64(x: int) -> int:
@@ -187,19 +199,33 @@ def host_bytes(tensor: torch.Tensor) -> memoryview:
 # ------------------------------------------------------------ digests
 
 
-def tensor_hasher(name: str, dtype: torch.dtype, shape: Sequence[int]) -> Any:
-    """A SHA-256 primed with the entry header: feed it the canonical bytes.
+def tensor_hasher(name: str, dtype: torch.dtype, shape: Sequence[int], algo: str = EXACT,
+                  *, threads: bool = False) -> Any:
+    """A hash of ``algo`` primed with the entry header: feed it the canonical bytes.
 
     Lets file readers fingerprint tensors while streaming them from disk.
+    ``threads`` lets one blake3 hash spread a large input over every core.
     """
     nbytes = numel_bytes(shape, dtype)
-    return hashlib.sha256(_header("tensor", name, dtype_name(dtype), tuple(shape), nbytes))
+    header = _header("tensor", name, dtype_name(dtype), tuple(shape), nbytes)
+    if algo == LEGACY_EXACT:
+        return hashlib.sha256(header)
+    if algo != EXACT:
+        raise UsageError(f"'{algo}' is not an exact fingerprint algorithm",
+                         hint=f"use {EXACT} (or {LEGACY_EXACT} for old records)")
+    import blake3
+
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
+    h.update(header)
+    return h
 
 
-def _exact_digest(name: str, value: Any) -> TensorDigest:
+def _exact_digest(name: str, value: Any, algo: str = EXACT, spread: bool = False) -> TensorDigest:
     if isinstance(value, torch.Tensor):
-        h = tensor_hasher(name, value.dtype, value.shape)
-        h.update(host_bytes(value))
+        data = host_bytes(value)
+        h = tensor_hasher(name, value.dtype, value.shape, algo,
+                          threads=spread and len(data) >= _SPREAD_MIN_BYTES)
+        h.update(data)
         return TensorDigest(name, dtype_name(value.dtype), tuple(value.shape), h.hexdigest())
     return _value_digest(name, value)
 
@@ -261,23 +287,30 @@ def _root(algo: str, entries: Sequence[TensorDigest]) -> str:
     return h.hexdigest()
 
 
-def _resolve_mode(mode: Mode, leaves: list[tuple[str, Any]]) -> str:
+def _resolve_mode(mode: str, leaves: list[tuple[str, Any]]) -> str:
     if mode == "exact":
         return EXACT
     if mode == "device":
         return DEVICE
+    if mode in (EXACT, LEGACY_EXACT, DEVICE):
+        return mode
     if mode != "auto":
-        raise UsageError(f"unknown fingerprint mode '{mode}'", hint="use auto, exact or device")
+        raise UsageError(f"unknown fingerprint mode '{mode}'",
+                         hint=f"use auto, exact or device (or a recorded algorithm: {EXACT}, "
+                              f"{LEGACY_EXACT}, {DEVICE})")
     on_device = any(isinstance(v, torch.Tensor) and v.device.type != "cpu" for _, v in leaves)
     return DEVICE if on_device else EXACT
 
 
-def fingerprint(obj: Any, *, mode: Mode = "auto", workers: int | None = None) -> Fingerprint:
+def fingerprint(obj: Any, *, mode: Mode | str = "auto",
+                workers: int | None = None) -> Fingerprint:
     """Fingerprint a tensor, module, optimizer, state_dict or nested checkpoint.
 
-    ``mode="auto"`` uses exact SHA-256 when every tensor is on the CPU and the
+    ``mode="auto"`` uses exact BLAKE3 when every tensor is on the CPU and the
     device checksum when any lives on an accelerator; pass ``mode="exact"`` to
-    force the cryptographic host mode.
+    force the cryptographic host mode, or a recorded ``Fingerprint.algo`` to
+    rebuild a record the way it was made (``fingerprint(obj, mode=old.algo)``).
+    ``workers=1`` keeps the work on the calling thread.
     """
     leaves = list(iter_leaves(obj))
     names = [n for n, _ in leaves]
@@ -285,7 +318,8 @@ def fingerprint(obj: Any, *, mode: Mode = "auto", workers: int | None = None) ->
         dup = sorted({n for n in names if names.count(n) > 1})
         raise FormatError(f"cannot fingerprint: names occur twice after flattening: {dup[:5]}")
     algo = _resolve_mode(mode, leaves)
-    entries = _device_digests(leaves) if algo == DEVICE else _exact_digests(leaves, workers)
+    entries = (_device_digests(leaves) if algo == DEVICE
+               else _exact_digests(leaves, algo, workers))
     return from_entries(algo, entries)
 
 
@@ -295,16 +329,23 @@ def from_entries(algo: str, entries: Sequence[TensorDigest]) -> Fingerprint:
     return Fingerprint(algo=algo, root=_root(algo, ordered), entries=ordered)
 
 
-def _exact_digests(leaves: list[tuple[str, Any]], workers: int | None) -> list[TensorDigest]:
+def _exact_digests(leaves: list[tuple[str, Any]], algo: str,
+                   workers: int | None) -> list[TensorDigest]:
+    if workers == 1:
+        return [_exact_digest(n, v, algo) for n, v in leaves]
+    if algo == EXACT:
+        # One blake3 hash already fills every core (for tensors worth spreading),
+        # so tensors go one after another: no oversubscribed threads.
+        return [_exact_digest(n, v, algo, spread=True) for n, v in leaves]
     big = sum(
         1 for _, v in leaves
         if isinstance(v, torch.Tensor) and v.numel() * v.element_size() >= _THREAD_MIN_BYTES
     )
-    if big < 2 or workers == 1:
-        return [_exact_digest(n, v) for n, v in leaves]
+    if big < 2:
+        return [_exact_digest(n, v, algo) for n, v in leaves]
     # hashlib releases the GIL on large buffers, so threads use every core.
     with ThreadPoolExecutor(max_workers=workers or min(big, _cpu_count())) as pool:
-        return list(pool.map(lambda item: _exact_digest(*item), leaves))
+        return list(pool.map(lambda item: _exact_digest(item[0], item[1], algo), leaves))
 
 
 def _cpu_count() -> int:
@@ -313,7 +354,8 @@ def _cpu_count() -> int:
     return os.cpu_count() or 1
 
 
-def fingerprint_tensor(tensor: torch.Tensor, name: str = "", *, mode: Mode = "auto") -> str:
+def fingerprint_tensor(tensor: torch.Tensor, name: str = "", *,
+                       mode: Mode | str = "auto") -> str:
     """The digest of one tensor (its entry digest, including ``name``)."""
     return fingerprint({name: tensor} if name else tensor, mode=mode).entries[0].digest
 
@@ -323,7 +365,8 @@ def numel_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def fingerprint_file(path: str | os.PathLike[str], *, mode: Mode = "exact") -> Fingerprint:
+def fingerprint_file(path: str | os.PathLike[str], *,
+                     mode: Mode | str = "exact") -> Fingerprint:
     """Fingerprint a checkpoint file or sharded folder without executing code from it.
 
     A .safetensors file streams each tensor's bytes through its hash with one
@@ -336,11 +379,13 @@ def fingerprint_file(path: str | os.PathLike[str], *, mode: Mode = "exact") -> F
     from torchverity.checkpoint import file_format, read_unverified
 
     p = Path(path)
-    if mode == "exact" and p.is_file() and file_format(p) == "safetensors":
+    algo = _resolve_mode(mode, [])
+    if algo != DEVICE and p.is_file() and file_format(p) == "safetensors":
         header = st.read_header(p)
-        hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape) for e in header.entries}
+        hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape, algo, threads=True)
+                   for e in header.entries}
         st.iter_tensor_bytes(p, header, lambda name, chunk: hashers[name].update(chunk))
-        return from_entries(EXACT, [
+        return from_entries(algo, [
             TensorDigest(e.name, dtype_name(e.dtype), e.shape, hashers[e.name].hexdigest())
             for e in header.entries
         ])

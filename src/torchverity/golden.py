@@ -574,8 +574,7 @@ def _model_fingerprint(model: Any) -> Fingerprint | None:
 def _changed_weights(recorded: Fingerprint, model: Any) -> list[str] | None:
     if not isinstance(model, torch.nn.Module):
         return None
-    mode: Literal["exact", "device"] = "exact" if recorded.algo == "sha256" else "device"
-    current = fingerprint(model.state_dict(), mode=mode)
+    current = fingerprint(model.state_dict(), mode=recorded.algo)  # the record's own algorithm
     return recorded.differing(current)
 
 
