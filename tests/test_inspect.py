@@ -37,6 +37,22 @@ def test_clean_checkpoint_reports_everything(tmp_path: Path) -> None:
     assert r.meta is not None and r.meta["seed"] == 3 and r.meta["user"] == {"step": 9}
 
 
+
+def test_meta_with_an_old_sha256_fingerprint_still_matches(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torchverity.save(_ckpt(), path)
+    mp = tmp_path / "m.pt.meta.json"
+    meta = json.loads(mp.read_text())
+    meta["fingerprint"] = torchverity.fingerprint(_ckpt(), mode="sha256").to_dict()
+    mp.write_text(json.dumps(meta))
+    r = inspect(path)
+    assert r.fingerprint == meta["fingerprint"]["root"] and r.fingerprint_matches_meta is True
+    changed = _ckpt()
+    changed["model"]["w"][0, 0] = 2
+    meta["fingerprint"] = torchverity.fingerprint(changed, mode="sha256").to_dict()
+    mp.write_text(json.dumps(meta))
+    assert inspect(path).fingerprint_matches_meta is False
+
 def test_cli_clean_and_json(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
     path = tmp_path / "m.pt"
     torchverity.save(_ckpt(), path, meta={"step": 9})

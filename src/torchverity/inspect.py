@@ -22,7 +22,7 @@ import torch
 
 from torchverity.digest import digest_file, find_sidecar, read_sidecar
 from torchverity.errors import TorchVerityError
-from torchverity.fingerprint import dtype_name, fingerprint, iter_leaves
+from torchverity.fingerprint import EXACT, LEGACY_EXACT, dtype_name, fingerprint, iter_leaves
 
 SidecarStatus = Literal["ok", "mismatched", "missing"]
 
@@ -112,8 +112,10 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     sidecar = _check_sidecar(record)
     scan = _scan(p) if fmt in ("pt", "pt-legacy") else None
     obj, not_loaded = _open(p, scan)
-    rows, values, root = _contents(obj)
     meta = _meta_summary(meta_path_for(record)) if meta_path_for(record).exists() else None
+    # Compared with meta.json, so rebuilt with the algorithm the record names.
+    recorded = (meta or {}).get("fingerprint_algo")
+    rows, values, root = _contents(obj, recorded if recorded in (EXACT, LEGACY_EXACT) else EXACT)
     return InspectResult(os.fspath(p), fmt, size, sidecar, rows, values, root, meta, scan,
                          not_loaded, shards)
 
@@ -145,7 +147,7 @@ def _open(path: Path, scan: Any) -> tuple[Any, str | None]:
         return None, f"cannot list tensors: {exc.message}"
 
 
-def _contents(obj: Any) -> tuple[tuple[TensorRow, ...], dict[str, str], str | None]:
+def _contents(obj: Any, algo: str) -> tuple[tuple[TensorRow, ...], dict[str, str], str | None]:
     if obj is None:
         return (), {}, None
     rows, values = [], {}
@@ -156,7 +158,7 @@ def _contents(obj: Any) -> tuple[tuple[TensorRow, ...], dict[str, str], str | No
         else:
             values[name] = repr(value)
     rows.sort(key=lambda r: r.name)
-    return tuple(rows), values, fingerprint(obj, mode="exact").root
+    return tuple(rows), values, fingerprint(obj, mode=algo).root
 
 
 def _meta_summary(meta_file: Path) -> dict[str, Any]:
@@ -177,4 +179,5 @@ def _meta_summary(meta_file: Path) -> dict[str, Any]:
         "user": meta.get("user"),
         "digest": (meta.get("digest") or {}).get("hex"),
         "fingerprint_root": (meta.get("fingerprint") or {}).get("root"),
+        "fingerprint_algo": (meta.get("fingerprint") or {}).get("algo"),
     }
