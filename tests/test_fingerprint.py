@@ -187,6 +187,10 @@ def test_cli_prints_root_and_tensors(tmp_path: Path, run_cli: Callable[..., Any]
     r = run_cli("fingerprint", "--json", tmp_path / "m.safetensors")
     data = json.loads(r.out)
     assert data["root"] == root and set(data["tensors"]) == {"w", "b"}
+    old = torchverity.fingerprint(state, mode="sha256").root
+    for name in ("m.pt", "m.safetensors"):
+        r = run_cli("fingerprint", "--mode", "sha256", tmp_path / name)
+        assert r.code == 0 and r.out.startswith(f"{old}  ") and "(sha256, 2 entries)" in r.out
     r = run_cli("fingerprint", tmp_path / "absent.pt")
     assert r.code == 2 and "no such file" in r.err
 

@@ -19,8 +19,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("path", metavar="PATH", help="a .pt/.bin/.safetensors file or sharded folder")
     p.add_argument("--tensors", action="store_true", help="also list each tensor's digest")
-    p.add_argument("--mode", choices=("exact", "device"), default="exact",
-                   help="exact: SHA-256 (default); device: the tvsum64x2 device checksum")
+    p.add_argument("--mode", choices=("exact", "device", "sha256"), default="exact",
+                   help="exact: BLAKE3 (default); device: the tvsum64x2 device checksum; "
+                        "sha256: the exact mode of records made before BLAKE3")
     p.set_defaults(func=_run)
 
 
