@@ -49,8 +49,19 @@ def _run(code: str) -> subprocess.CompletedProcess[str]:
 def test_every_module_and_public_name_loads_without_extras() -> None:
     result = _run("""
         import importlib, pkgutil, torchverity
+        from torchverity.errors import MissingExtraError
+        # A trainer integration is nothing but its extra: importing it names the extra.
+        INTEGRATIONS = {"torchverity.integrations.lightning": "lightning",
+                        "torchverity.integrations.hf": "hf"}
         names = [m.name for m in pkgutil.walk_packages(torchverity.__path__, "torchverity.")]
         for name in names:
+            if name in INTEGRATIONS:
+                try:
+                    importlib.import_module(name)
+                except MissingExtraError as exc:
+                    assert f"torchverity[{INTEGRATIONS[name]}]" in str(exc), str(exc)
+                    continue
+                raise AssertionError(f"{name} imported without its extra")
             importlib.import_module(name)
         for name in torchverity.__all__:
             getattr(torchverity, name)
