@@ -196,3 +196,18 @@ def test_file_against_sidecar_both_ways(tmp_path: Path) -> None:
     assert [(e.path, e.status) for e in result.entries] == [("model.pt", "mismatched")]
     target.unlink()
     assert verify_file(target).entries[0].status == "missing"
+
+
+def test_sha256sum_manifest_percent_encodes_bagit_specials(tmp_path: Path) -> None:
+    tree = tmp_path / "bag"
+    tree.mkdir()
+    odd = "50% off\nline two\r.bin"
+    (tree / odd).write_bytes(b"odd")
+    (tree / "plain.bin").write_bytes(b"plain")
+    write_manifest(tree, fmt="sha256sum")
+    text = (tree / SHA256SUM_NAME).read_text()
+    assert "50%25 off%0Aline two%0D.bin" in text and len(text.splitlines()) == 2
+    assert {e.path for e in read_manifest(tree).entries} == {odd, "plain.bin"}
+    assert verify_path(tree).ok
+    (tree / odd).write_bytes(b"odd!")
+    assert [e.path for e in verify_path(tree).problems] == [odd]

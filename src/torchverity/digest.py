@@ -35,6 +35,8 @@ HEX_LENGTH = {"sha256": 64, "blake3": 64}
 # 8 MiB reads keep Python's per-chunk cost far below the hash's own time
 # (about 128 calls per GiB) while the buffer stays small and fixed.
 READ_SIZE = 8 * 1024 * 1024
+_BUFFERS = 3
+_STOP = bytearray()
 
 
 class Hasher(Protocol):
@@ -101,7 +103,17 @@ def hash_stream(
     one (both release the GIL), so the copy out of the page cache is hidden
     behind the hash and throughput matches hashing bytes already in memory.
     Memory stays at ``_BUFFERS`` fixed buffers whatever the file size.
+    Small files skip the thread: one read into a buffer of their own size.
     """
+    size = _remaining(fh)
+    if size is not None and size < READ_SIZE:
+        return _hash_small(fh, hasher, size, progress)
+    return _hash_pipelined(fh, hasher, progress)
+
+
+def _hash_pipelined(
+    fh: io.RawIOBase, hasher: Hasher, progress: Callable[[int], None] | None
+) -> int:
     free: queue.Queue[bytearray] = queue.Queue()
     filled: queue.Queue[tuple[bytearray, int] | BaseException] = queue.Queue()
     for _ in range(_BUFFERS):
@@ -127,8 +139,28 @@ def hash_stream(
         reader.join()
 
 
-_BUFFERS = 3
-_STOP = bytearray()
+def _remaining(fh: io.RawIOBase) -> int | None:
+    try:
+        return max(0, os.fstat(fh.fileno()).st_size - fh.tell())
+    except (OSError, ValueError):
+        return None
+
+
+def _hash_small(
+    fh: io.RawIOBase, hasher: Hasher, size: int, progress: Callable[[int], None] | None
+) -> int:
+    # One byte more than the size seen, to notice a file that grew meanwhile.
+    buffer = bytearray(size + 1)
+    view = memoryview(buffer)
+    total = 0
+    while total < len(buffer) and (n := fh.readinto(view[total:])):
+        total += n
+    hasher.update(view[:total])
+    if progress:
+        progress(total)
+    if total == len(buffer):
+        total += _hash_pipelined(fh, hasher, progress)
+    return total
 
 
 def _read_ahead(

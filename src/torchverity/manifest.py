@@ -147,7 +147,16 @@ def write_manifest(
 
 
 def format_sha256sum(entries: Sequence[ManifestEntry]) -> str:
-    return "".join(format_sidecar_line(e.digest, e.path) for e in entries)
+    """``<hex>  <path>`` lines; paths percent-encode CR, LF and % as BagIt (RFC 8493) requires."""
+    return "".join(format_sidecar_line(e.digest, bagit_encode(e.path)) for e in entries)
+
+
+def bagit_encode(path: str) -> str:
+    return path.replace("%", "%25").replace("\n", "%0A").replace("\r", "%0D")
+
+
+def bagit_decode(path: str) -> str:
+    return re.sub(r"%(25|0A|0D)", lambda m: chr(int(m[1], 16)), path, flags=re.IGNORECASE)
 
 
 # ------------------------------------------------------------ reading
@@ -233,6 +242,7 @@ def _parse_sha256sum(p: Path, text: str) -> Manifest:
             digest, sep, path = line.partition(" *")
         if not sep:
             raise _bad(p, f"line {n} is not '<hex>  <path>'")
+        path = bagit_decode(path)
         _check_hex(p, "sha256", digest, path)
         entries.append(ManifestEntry(check_relative_path(p, path), -1, digest))
     if not entries:
