@@ -163,7 +163,7 @@ def main() -> int:
     rows, corpus_rows, details = [], [], []
     for tool in TOOLS:
         r_big, r_small = run_tool(tool, [big], repeat=7), run_tool(tool, [small])
-        r_many = run_tool(tool, [many], timeout=MANY_TIMEOUT)
+        r_many = run_tool(tool, [many], repeat=3, timeout=MANY_TIMEOUT)
         r_corpus = run_tool(tool, bad + good, repeat=3)
         caught, bad_err = _flag_counts(r_corpus, bad)
         false_alarms, good_err = _flag_counts(r_corpus, good)
@@ -195,7 +195,8 @@ def write_report(rows: list[tuple], corpus_rows: list[tuple], details: list[tupl
         f"({os.cpu_count()} cores, shared with other work: figures may be contended), "
         f"Python {platform.python_version()}. Each scanner runs in a fresh process; times "
         "exclude interpreter start and imports and are the best of 7 runs (large file) or 3 "
-        "runs per file (corpus), to damp contention from other work on the machine.",
+        "runs (pickle-heavy file, and each corpus file), to damp contention from other work on "
+        "the machine.",
         "",
         f"## Large checkpoint ({size >> 20} MiB torch zip, {size >> 22} tensors)",
         "",
