@@ -36,7 +36,11 @@ lint: $(VENV)/.dev
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 
-bench: $(VENV)/.dev
+# The pickle-scanner baselines live outside the venv: they are benchmark-only.
+benchmarks/_work/scanners:
+	$(BIN)/python -m pip install --quiet --target $@ picklescan modelscan
+
+bench: $(VENV)/.dev benchmarks/_work/scanners
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
