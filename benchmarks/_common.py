@@ -35,7 +35,7 @@ def median_of(fn: Callable[[], object], repeat: int = 5) -> float:
 
 def machine() -> str:
     try:
-        load = ", load average %.1f" % os.getloadavg()[0]
+        load = f", load average {os.getloadavg()[0]:.1f}"
     except OSError:
         load = ""
     import torch
