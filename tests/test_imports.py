@@ -103,3 +103,12 @@ def test_function_names_survive_submodule_imports() -> None:
         text=True,
     )
     assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_package_docstring_examples_work() -> None:
+    import doctest
+
+    import torchverity
+
+    result = doctest.testmod(torchverity, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 6 and result.failed == 0

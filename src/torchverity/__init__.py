@@ -2,21 +2,52 @@
 
 Map of the package (one module per concept; the CLI mirrors it)::
 
-    digest       streaming file digests and sha256sum-compatible sidecars
-    manifest     directory manifests (JSON and BagIt/sha256sum) with a root digest
-    verify       check files against sidecars, folders against manifests
-    inject       fault drills on files: bit flips and truncation
-    fingerprint  format-independent content fingerprints of tensors and checkpoints
-    errors       TorchVerityError and its typed subclasses
+    Artifacts
+      digest       streaming file digests, sha256sum-compatible sidecars
+      manifest     directory manifests (JSON, BagIt/sha256sum) with a root digest
+      verify       files against sidecars, folders against manifests
+      inject       fault drills on files: bit flips, truncation
+      fingerprint  format-independent content fingerprints of tensors and checkpoints
+      checkpoint   atomic verified save / verified load, sharded folders, meta.json
+      diff         tensor-by-tensor comparison, bit-flip classification
+      inspect      what a checkpoint holds, without running its pickle
+      scan         static pickle analysis, weights_only planner
+      migrate      legacy pickles -> weights_only state_dict + JSON meta
+      explain      known save/load errors -> cause, fix, checking command
+    Training
+      guard        TrainingGuard: NaN/Inf, spikes, weights at rest, replay, policies
+      determinism  seed_everything, RNG capture, data-order records, reproducibility
+      faults       tensor fault injection for drills and tests
+      distributed  cross-replica checks, gradient checks, cross-rank replay, DCP manifests
+      report       summaries and plots of guard event logs
+      integrations Lightning and Hugging Face callbacks (extras)
+    Inference
+      golden       consistency_check, golden record/check
+      selftest     known-answer and repeat-run tests of a device
+      doctor       environment report
+      export       eager vs ONNX Runtime / torch.export / TorchScript / torch.compile
+    Serving and batch
+      serve        FastAPI service with RFC 9530 digests (extra: serve)
+      batch        journaled batch jobs with exactly-once outputs (local or Ray)
+    Shared
+      errors       TorchVerityError and its typed subclasses
+      cli, demo    the ``torchverity`` command and ``torchverity demo``
 
-Examples (``torchverity demo`` runs them all end to end)::
+Examples (``torchverity demo`` runs every capability end to end)::
 
-    >>> import torch, torchverity
-    >>> fp = torchverity.fingerprint({"w": torch.ones(2, 2)})
-    >>> fp.algo
-    'sha256'
-    >>> torchverity.digest_file("model.pt").hexdigest   # doctest: +SKIP
-    '9f86d0...'
+    >>> import tempfile, torch, torchverity
+    >>> from pathlib import Path
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> state = {"w": torch.ones(2, 2), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    >>> report = torchverity.save(state, folder / "model.safetensors")
+    >>> loaded = torchverity.load(folder / "model.safetensors", sidecar="require")
+    >>> torchverity.fingerprint(loaded).root == torchverity.fingerprint(state).root
+    True
+    >>> torchverity.verify_path(folder / "model.safetensors").ok
+    True
+    >>> torch.save(state, folder / "plain.pt")
+    >>> torchverity.scan(folder / "plain.pt").results[0].verdict
+    'safe'
 
 Command line::
 
