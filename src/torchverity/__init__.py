@@ -75,9 +75,19 @@ __version__ = "0.1.0"
 # ``import torchverity.fingerprint as m``.
 _LAZY: dict[str, str] = {
     "TorchVerityError": "errors",
-    "IntegrityError": "errors",
+    "UsageError": "errors",
+    "InputError": "errors",
     "FormatError": "errors",
+    "MissingExtraError": "errors",
+    "CheckFailedError": "errors",
+    "IntegrityError": "errors",
     "UnsafeFileError": "errors",
+    "StateDictMismatchError": "errors",
+    "CheckpointWriteError": "errors",
+    "BatchError": "errors",
+    "ReplicaMismatchError": "errors",
+    "DistributedTimeoutError": "errors",
+    "ServiceError": "errors",
     "digest_file": "digest",
     "write_sidecar": "digest",
     "verify_file": "verify",
@@ -103,7 +113,10 @@ _LAZY: dict[str, str] = {
 }
 # Modules reached as attributes: ``torchverity.golden.record(...)``.
 _SUBMODULES = frozenset(
-    {"golden", "selftest", "distributed", "serve", "batch", "faults", "manifest", "digest"}
+    {
+        "golden", "selftest", "doctor", "distributed", "serve", "batch", "faults", "manifest",
+        "digest", "report", "integrations", "determinism",
+    }
 )
 
 __all__ = ["__version__", *_LAZY, *sorted(_SUBMODULES)]
