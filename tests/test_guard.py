@@ -405,6 +405,7 @@ def test_rollback_refuses_a_checkpoint_corrupted_on_disk(tmp_path: Path) -> None
 
 
 def test_at_rest_checksum_catches_every_single_bit_flip_and_names_only_that_tensor() -> None:
+    from torchverity._guard_checksum import WordSums
     from torchverity._guard_checksum import checksums as checksum
 
     gen = torch.Generator().manual_seed(3)
@@ -418,6 +419,9 @@ def test_at_rest_checksum_catches_every_single_bit_flip_and_names_only_that_tens
     ]
     record = checksum(tensors)
     assert torch.equal(checksum(tensors, weighted=False), record[:, :1])
+    # The per-step form (cached views, small tensors summed in one group) gives the same sums.
+    grouped, grouped_plain = WordSums(tensors, weighted=True), WordSums(tensors, weighted=False)
+    assert torch.equal(grouped(), record) and torch.equal(grouped_plain(), record[:, :1])
     for i, t in enumerate(tensors):
         for index in (0, t.numel() // 3, t.numel() - 1):
             for bit in range(8 * t.element_size()):
@@ -425,6 +429,7 @@ def test_at_rest_checksum_catches_every_single_bit_flip_and_names_only_that_tens
                 plain = (checksum(tensors, weighted=False) != record[:, :1]).any(dim=1)
                 changed = (checksum(tensors) != record).any(dim=1).tolist()
                 assert plain.tolist() == changed
+                assert (grouped_plain() != record[:, :1]).any(dim=1).tolist() == changed
                 faults.flip_bit(t, index, bit)
                 assert changed == [j == i for j in range(len(tensors))], (i, index, bit)
     assert torch.equal(checksum(tensors), record)
@@ -580,3 +585,54 @@ def test_fused_optimizer_skips_exactly_without_copies() -> None:
         (0, "nonfinite_grad", "skipped"), (7, "nonfinite_grad", "skipped")
     ]
     assert all(float(s["step"]) == 10 for s in opt.state.values())
+
+
+def test_undo_copy_restores_every_dtype_and_layout_bit_for_bit() -> None:
+    from torchverity._guard_snapshot import Snapshot
+    from torchverity.fingerprint import byte_view
+
+    gen = torch.Generator().manual_seed(5)
+    nan_payload = torch.randn(1000, 3, generator=gen)
+    nan_payload.view(-1)[:2].view(torch.int32).copy_(torch.tensor([0x7FC01234, -(2**31)]))
+    tensors = [
+        nan_payload,  # a NaN payload and -0.0 survive: the select runs on int64 words
+        torch.randn(7, generator=gen, dtype=torch.float64),
+        torch.randn(5, generator=gen).to(torch.bfloat16),  # 10 bytes: int16 words
+        torch.randn(3, 3, generator=gen).to(torch.float16).t(),  # non-contiguous
+        torch.randint(1, 255, (9,), generator=gen, dtype=torch.uint8),
+        torch.randn(11, generator=gen)[1:],  # storage offset of 4 bytes: int32 words
+        torch.ones(5, dtype=torch.bool),
+        torch.tensor(3.0),  # a 0-dim step counter
+    ]
+    before = [byte_view(t).clone() for t in tensors]
+    snap = Snapshot()
+    for keep in (False, True):
+        snap.take(tensors)
+        for t in tensors:
+            t.zero_()
+        snap.keep_if(torch.tensor(keep))
+        for t, b in zip(tensors, before, strict=True):
+            assert torch.equal(byte_view(t), torch.zeros_like(b) if keep else b)
+        for t, b in zip(tensors, before, strict=True):
+            byte_view(t).copy_(b) if t.is_contiguous() else t.copy_(b.view(t.dtype).view(3, 3).t())
+
+
+def test_at_rest_follows_a_parameter_whose_storage_moved() -> None:
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, check_every=1, policies={"weights_changed": "record"})
+    for step in range(6):
+        if step == 2:  # a new storage with the same bits: nothing to report
+            model[0].weight.data = model[0].weight.data.clone()
+        if step == 4:
+            model[2].bias.data = model[2].bias.data.clone()
+            faults.flip_bit(model[2].bias, 0, 0)
+        opt.zero_grad()
+        x, y = batch_at(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+    guard.close()
+    assert [(e.step, e.kind, e.suspects) for e in guard.events] == [
+        (4, "weights_changed", ("2.bias",))
+    ]

@@ -17,6 +17,11 @@ The weighting of all tensors up to 2**20 words is one fused ``_foreach_mul``;
 no tensor is copied (except 2-byte-aligned odd cases). Both the record and
 the verification are computed here; the values are not comparable with
 :func:`torchverity.fingerprint.device_checksum`. No host-device synchronisation.
+
+:class:`WordSums` serves the per-step check: the word views of a fixed list of
+tensors are built once, and the small tensors (biases, norms, optimizer step
+counters) are summed together in a handful of launches instead of one each, so
+a model with hundreds of small tensors costs little more than its bytes.
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ def checksums(tensors: Sequence[torch.Tensor], *, weighted: bool = True) -> torc
     plain = torch.stack([w.sum(dtype=torch.int32) for w in words])
     if not weighted:
         return plain.unsqueeze(1)
+    return torch.stack([plain, _weighted(words)], dim=1)
+
+
+def _weighted(words: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``s2`` of each word tensor."""
     small = [i for i, w in enumerate(words) if w.numel() <= _SPAN]
     out: list[torch.Tensor | None] = [None] * len(words)
     if small:
@@ -76,7 +86,7 @@ def checksums(tensors: Sequence[torch.Tensor], *, weighted: bool = True) -> torc
     for i, w in enumerate(words):
         if out[i] is None:
             out[i] = _weighted_large(w)
-    return torch.stack([plain, torch.stack([o for o in out if o is not None])], dim=1)
+    return torch.stack([o for o in out if o is not None])
 
 
 def _weighted_large(words: torch.Tensor) -> torch.Tensor:
@@ -88,3 +98,75 @@ def _weighted_large(words: torch.Tensor) -> torch.Tensor:
         tail = (words[full * _SPAN:] * m[:rest]).sum(dtype=torch.int32)
         s2 = s2 + tail * q[full]
     return s2
+
+
+_GROUP = 1 << 12  # words: tensors up to this size are summed together
+
+
+class WordSums:
+    """:func:`checksums` of a fixed list of tensors, with the per-call work cut to the bytes.
+
+    The int32 word views are built once (again if a tensor's storage moves,
+    e.g. ``p.data = ...``); tensors of at most ``_GROUP`` words are gathered
+    into one buffer and summed per tensor by one prefix sum, which gives the
+    same guarantee as separate sums: a change in one tensor's words shifts the
+    prefix sums at both of its ends alike for every later tensor.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], *, weighted: bool) -> None:
+        self.tensors = list(tensors)
+        self.weighted = weighted
+        self._build()
+
+    def _build(self) -> None:
+        self._ptrs = [t.data_ptr() for t in self.tensors]
+        words = [_words(t) for t in self.tensors]
+        # A padded or realigned tensor got a copy: it must be re-read on every call.
+        self._fresh = [w.data_ptr() != t.data_ptr() or w.numel() * 4 != _nbytes(t)
+                       for w, t in zip(words, self.tensors, strict=True)]
+        self._words = words
+        devices = {w.device for w in words}
+        small = [i for i, w in enumerate(words) if w.numel() <= _GROUP] if len(devices) == 1 else []
+        self._small = small if len(small) > 1 else []
+        self._large = [i for i in range(len(words)) if i not in set(self._small)]
+        if self._small:
+            dev = words[self._small[0]].device
+            sizes = [words[i].numel() for i in self._small]  # host ints: no device read
+            self._ends = (torch.tensor(sizes).cumsum(0) - 1).to(dev)
+            self._buf = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
+            self._zero = torch.zeros(1, dtype=torch.int32, device=dev)
+            order = self._small + self._large
+            self._perm = torch.tensor(sorted(range(len(order)), key=order.__getitem__),
+                                      device=dev)
+
+    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """The same tensor objects, in the same order, with the same storage."""
+        return len(tensors) == len(self.tensors) and all(
+            a is b for a, b in zip(tensors, self.tensors, strict=True)
+        ) and [t.data_ptr() for t in tensors] == self._ptrs
+
+    def __call__(self) -> torch.Tensor:
+        """``[n, 1]`` (``[n, 2]`` when weighted) int32 checksums, as :func:`checksums`."""
+        if not self.tensors:
+            return torch.zeros(0, 2 if self.weighted else 1, dtype=torch.int32)
+        if [t.data_ptr() for t in self.tensors] != self._ptrs:
+            self._build()
+        words = [_words(t) if fresh else w
+                 for w, t, fresh in zip(self._words, self.tensors, self._fresh, strict=True)]
+        plain = self._plain(words)
+        if not self.weighted:
+            return plain.unsqueeze(1)
+        return torch.stack([plain, _weighted(words)], dim=1)
+
+    def _plain(self, words: list[torch.Tensor]) -> torch.Tensor:
+        large = [words[i].sum(dtype=torch.int32) for i in self._large]
+        if not self._small:
+            return torch.stack(large)
+        torch.cat([words[i] for i in self._small], out=self._buf)
+        ends = self._buf.cumsum(0, dtype=torch.int32).index_select(0, self._ends)
+        grouped = torch.diff(ends, prepend=self._zero)
+        return torch.cat([grouped, torch.stack(large)] if large else [grouped])[self._perm]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 import torch
 
-from torchverity._guard_checksum import checksums
+from torchverity._guard_checksum import WordSums, checksums
 from torchverity._guard_events import (
     ACTIONS,
     DEFAULT_POLICIES,
@@ -62,6 +62,7 @@ from torchverity._guard_events import (
     GuardSummary,
     Tally,
 )
+from torchverity._guard_snapshot import Snapshot
 from torchverity._guard_stats import RollingStats
 from torchverity.errors import TrainingAnomalyError, UsageError
 
@@ -273,10 +274,9 @@ class TrainingGuard:
         self._has_prev = torch.zeros((), dtype=torch.bool, device=dev)
         self._consec = torch.zeros((), dtype=torch.int64, device=dev)
         self._rest_record: torch.Tensor | None = None
-        self._rest_tensors: list[torch.Tensor] = []
+        self._rest_sums: WordSums | None = None
         self._rest_names: tuple[str, ...] = ()
-        self._backup: list[torch.Tensor] = []
-        self._backed: list[torch.Tensor] = []
+        self._snapshot = Snapshot()
         self._found_inf: torch.Tensor | None = None
 
     # ------------------------------------------------------------ tensors covered
@@ -289,6 +289,17 @@ class TrainingGuard:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.device == self._device:
                     yield f"optimizer.{name}.{key}", value
+
+    def _covered_tensors(self, with_state: bool) -> list[torch.Tensor]:
+        """The tensors of :meth:`_covered` without their names: the per-step path."""
+        tensors = list(self._params)
+        if with_state:
+            dev, known = self._device, self._param_names
+            for p, state in self.optimizer.state.items():
+                if id(p) in known:
+                    tensors.extend(v for v in state.values()
+                                   if isinstance(v, torch.Tensor) and v.device == dev)
+        return tensors
 
     def _covered(self, with_state: bool) -> tuple[tuple[str, ...], list[torch.Tensor]]:
         """Parameters, then (``with_state``) optimizer-state tensors on the guard's device."""
@@ -351,13 +362,8 @@ class TrainingGuard:
             return
         if not self._needs_backup:
             return
-        _, current = self._covered(with_state=True)  # an undo must restore the state too
-        if len(current) != len(self._backed) or any(
-            a is not b for a, b in zip(current, self._backed, strict=True)
-        ):
-            self._backed = current
-            self._backup = [torch.empty_like(t) for t in current]
-        torch._foreach_copy_(self._backup, self._backed)
+        # An undo must restore the optimizer state too.
+        self._snapshot.take(self._covered_tensors(with_state=True))
 
     def after_update(self) -> None:
         """Decide on the device whether the update stands, record checksums, maybe read flags."""
@@ -450,31 +456,35 @@ class TrainingGuard:
 
     def _verify_at_rest(self) -> tuple[torch.Tensor, tuple[str, ...]]:
         record, self._rest_record = self._rest_record, None
-        if record is None:
+        if record is None or self._rest_sums is None:
             return self._empty, ()
-        now = self._rest_now()
+        now = self._rest_sums()
         return (now != record).any(dim=1), self._rest_names
 
     def _record_at_rest(self) -> None:
         if not self.config.at_rest or self.global_step % self.config.rest_every:
             return
-        self._rest_names, self._rest_tensors = self._covered(self.config.optimizer_state)
-        self._rest_record = self._rest_now()
+        self._rest_record = self._rest_checksums()
 
-    def _rest_now(self) -> torch.Tensor:
-        return checksums(self._rest_tensors, weighted=self.config.rest_weighted)
+    def _rest_checksums(self) -> torch.Tensor:
+        """Checksums of the covered tensors as they are now; re-lists them when they changed."""
+        with_state = self.config.optimizer_state
+        sums = self._rest_sums
+        if sums is None or not sums.matches(self._covered_tensors(with_state)):
+            self._rest_names, tensors = self._covered(with_state)
+            sums = self._rest_sums = WordSums(tensors, weighted=self.config.rest_weighted)
+        return sums()
 
     def refresh(self) -> None:
         """Re-record the at-rest checksums after changing parameters outside ``step()``."""
         if self.config.at_rest:
-            self._rest_names, self._rest_tensors = self._covered(self.config.optimizer_state)
-            self._rest_record = self._rest_now()
+            self._rest_record = self._rest_checksums()
 
     @torch.no_grad()
     def _update_ratios(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ratio_stats is None:
             return self._zeros_n, self._zeros_n.bool()
-        before = self._backup[: len(self._params)]
+        before = self._snapshot.copies[: len(self._params)]
         delta = torch._foreach_sub(self._params, before)
         dn = torch.stack(torch._foreach_norm(delta, 2, dtype=torch.float32))
         pn = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
@@ -486,13 +496,14 @@ class TrainingGuard:
 
     @torch.no_grad()
     def _select(self, applied: torch.Tensor) -> None:
-        # Elementwise with the output aliasing an input exactly: one pass, no temporary.
-        for cur, old in zip(self._backed, self._backup, strict=True):
-            torch.where(applied, cur, old, out=cur)
+        self._snapshot.keep_if(applied)
+        current = self._covered_tensors(with_state=True)
+        if self._snapshot.same(current):
+            return
         # State the optimizer created during this step had no copy: reset it to
         # zero on a skip, the initial value of every built-in optimizer's buffers.
-        known = {id(t) for t in self._backed}
-        for _, value in self._state_items():
+        known = {id(t) for t in self._snapshot.live}
+        for value in current:
             if id(value) not in known:
                 torch.where(applied, value, torch.zeros((), dtype=value.dtype,
                                                         device=value.device), out=value)
@@ -697,8 +708,8 @@ class TrainingGuard:
         every = self.config.checkpoint_every
         if self.checkpoint_dir is None or every is None or self._steps_since_checkpoint < every:
             return
-        if self._rest_record is not None:
-            changed = (self._rest_now() != self._rest_record).any(dim=1)
+        if self._rest_record is not None and self._rest_sums is not None:
+            changed = (self._rest_sums() != self._rest_record).any(dim=1)
             if bool(changed.any()):  # corrupted since the last update: never checkpoint it
                 return
         self.save_checkpoint()
@@ -719,7 +730,7 @@ class TrainingGuard:
         if self.ratio_stats is not None:
             self.ratio_stats.load_state_dict(state["guard"]["ratio_stats"])
         restore_rng(RngState.from_state(state["rng"]))
-        self._backed, self._backup = [], []
+        self._snapshot = Snapshot()
         self._consec.zero_()
         self.refresh()
         self._tally.rollbacks += 1
