@@ -60,7 +60,7 @@ def run_batch(
     ray_address: str | None = None,
     force: bool = False,
     suffix: str = ".out",
-    durability: str = "file",
+    durability: str = "group",
     name: str | None = None,
     model_fingerprint: str | None = None,
     golden: PathLike | None = None,
@@ -76,10 +76,12 @@ def run_batch(
     ``golden`` (a file from ``torchverity.golden.record``) gates the job: the
     model behind ``fn`` (``fn.model``) must pass ``golden.check`` before the
     first item and again after the run, or this run's outputs are discarded.
-    ``durability="file"`` fsyncs every output before its rename; ``"group"``
-    (Linux) makes them durable with one ``syncfs`` per commit point instead;
-    ``"lazy"`` flushes nothing but the journal and relies on the re-hash of
-    committed outputs that every rerun does (see docs/batch.md). With
+    ``durability="group"`` (default) makes outputs durable with one ``syncfs``
+    of the output filesystem per commit point (Linux; elsewhere it is
+    ``"file"``); ``"file"`` fsyncs every output before its rename; both keep
+    committed outputs through a power cut. ``"lazy"`` flushes nothing but the
+    journal and relies on the re-hash of committed outputs that every rerun
+    does (see docs/batch.md). With
     ``engine="ray"`` the function must be picklable.
     """
     label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
@@ -102,7 +104,7 @@ def run_model_batch(
     ray_address: str | None = None,
     force: bool = False,
     suffix: str = ".out",
-    durability: str = "file",
+    durability: str = "group",
     golden: PathLike | None = None,
     settings: Mapping[str, str] | None = None,
     progress: Progress | None = None,

@@ -62,7 +62,7 @@ class RayEngine:
         self._owns = not self._ray.is_initialized()
         if self._owns:
             self._init(address, workers)
-        self.capacity = workers
+        self.backlog = 2 * workers  # one item computing and one waiting per actor
         self._out = out
         self._fsync = fsync
         self._factory = factory

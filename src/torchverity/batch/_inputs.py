@@ -54,8 +54,16 @@ def list_inputs(spec: Path, *, exclude: Path | None = None) -> list[InputRecord]
         )
     if not keyed:
         raise InputError(f"{spec}: no input files found", path=spec)
-    with ThreadPoolExecutor(max_workers=_cpu_count()) as pool:
-        return list(pool.map(lambda kp: _record(*kp), keyed))
+    # One task per thread, not per file: a future per small file costs more than its hash.
+    threads = min(_cpu_count(), len(keyed))
+    chunks = [keyed[i::threads] for i in range(threads)]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        done = list(pool.map(_records, chunks))
+    return sorted((r for chunk in done for r in chunk), key=lambda r: r.key)
+
+
+def _records(keyed: list[tuple[str, Path]]) -> list[InputRecord]:
+    return [_record(key, path) for key, path in keyed]
 
 
 def _record(key: str, path: Path) -> InputRecord:

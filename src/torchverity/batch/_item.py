@@ -184,15 +184,14 @@ def _syncfs() -> Callable[[int], int] | None:
 class Durability:
     """How outputs reach the disk before the journal calls them committed.
 
-    ``file`` (default): each output is fsynced before its rename, and its
-    folder at the commit point. Works on any POSIX filesystem, and costs
-    only this job's own data.
-    ``group`` (Linux): outputs are written and renamed without their own
+    ``group`` (default): outputs are written and renamed without their own
     fsync; each commit point first runs one ``syncfs`` on the output
-    filesystem, which flushes every file and folder entry written since. Same
-    guarantee with far fewer flushes on a dedicated disk, but it also waits
-    for every other program's pending writes on that filesystem, so on a
-    busy shared disk it can be slower. Falls back to ``file`` without syncfs.
+    filesystem, which flushes every file and folder entry written since: the
+    guarantee of ``file`` with one flush per commit point instead of one per
+    item. It also waits for other programs' pending writes on that
+    filesystem. Falls back to ``file`` where there is no syncfs (not Linux).
+    ``file``: each output is fsynced before its rename, and its folder at the
+    commit point. Works on any POSIX filesystem.
     ``lazy``: outputs are not flushed; the operating system writes them back in
     its own time. A killed process loses nothing (its writes are already in the
     page cache); after a power loss, a committed output that never reached

@@ -3,9 +3,9 @@
 Ordering that makes outputs exactly-once, whatever moment the process dies:
 
 1. a worker writes ``data/<key><suffix>`` through a temp file and a rename
-   (with an fsync of the file first, under the default ``file`` durability);
+   (with an fsync of the file first under ``file`` durability);
 2. the driver makes a group of such outputs durable: an fsync of their
-   folders, or one ``syncfs`` of the filesystem (``group`` durability);
+   folders, or one ``syncfs`` of the filesystem (``group``, the default on Linux);
 3. then records the group as committed in one durable journal transaction.
 
 A crash before 3 leaves files the journal does not call committed; the next
@@ -71,7 +71,7 @@ MAX_BACKOFF_S = 10.0
 
 class Engine(Protocol):
     name: str
-    capacity: int
+    backlog: int  # how many items the driver keeps submitted
 
     @property
     def in_flight(self) -> int: ...
@@ -136,7 +136,7 @@ class JobConfig:
     engine: str = "local"
     ray_address: str | None = None
     force: bool = False
-    durability: str = "file"
+    durability: str = "group"
     golden: str | None = None
     settings: tuple[tuple[str, str], ...] = ()
 
@@ -330,8 +330,10 @@ def _create(config: JobConfig, out: Path, fingerprint: str, doc: dict[str, Any])
     records = list_inputs(config.inputs, exclude=out)
     outputs = [f"{DATA_DIR}/{r.key}{config.suffix}" for r in records]
     folders = {(out / o).parent for o in outputs}
-    # Every new folder's entry lives in its parent: all of them up to OUT must be synced.
-    ancestors = {a for f in folders for a in (f, *f.parents) if a.is_relative_to(out)}
+    # Every new folder's entry lives in its parent: all of them up to OUT must be synced
+    # (OUT itself by Journal.create, after the journal's rename).
+    ancestors = {a for f in folders for a in (f, *f.parents)
+                 if a != out and a.is_relative_to(out)}
     try:
         for folder in sorted(folders):
             folder.mkdir(parents=True, exist_ok=True)
@@ -406,7 +408,7 @@ class _Scheduler:
         self.todo: deque[WorkItem] = deque()
         self.delayed: list[tuple[float, int, WorkItem]] = []
         self.running: dict[int, WorkItem] = {}
-        self.marked: set[int] = set()  # in flight and recorded as running
+        self.marked: set[int] = set()  # in flight and recorded as running (journal)
         self.failures: dict[int, int] = {}
         self.buffer: list[Outcome] = []
         self.folders: set[Path] = set()
@@ -447,7 +449,7 @@ class _Scheduler:
             self.todo.append(heapq.heappop(self.delayed)[2])
 
     def _submit(self) -> None:
-        room = 2 * self.engine.capacity - self.engine.in_flight
+        room = self.engine.backlog - self.engine.in_flight
         for _ in range(min(room, len(self.todo))):
             work = self.todo.popleft()
             self.running[work.id] = work
@@ -470,6 +472,7 @@ class _Scheduler:
 
     def _outcome(self, result: ItemResult) -> None:
         work = self.running.pop(result.id)
+        self.marked.discard(work.id)  # a retry must be marked running again
         if result.status == FAILED:
             failures = self.failures.get(work.id, 0) + 1
             self.failures[work.id] = failures
@@ -500,8 +503,9 @@ class _Scheduler:
     def _commit(self) -> None:
         # The outputs and their renames are on disk before the journal says so.
         self.durability.commit_point(self.folders)
+        started = sorted(i for i in self.running if i not in self.marked)
         self.marked = set(self.running)
-        self.journal.record(self.buffer, sorted(self.marked))
+        self.journal.record(self.buffer, started)
         self.buffer, self.folders = [], set()
         self.last_commit = time.monotonic()
 

@@ -49,10 +49,11 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                      help="retries per failing item, with backoff (default 2)")
     run.add_argument("--suffix", default=".out", help="appended to each input's key to name "
                      "its output (default .out)")
-    run.add_argument("--durability", choices=("file", "group", "lazy"), default="file",
-                     help="file: fsync every output (default); group: one syncfs of the "
-                     "output filesystem per commit point (Linux); lazy: no flush, outputs "
-                     "lost by a power cut are found and redone by the rerun's re-hash")
+    run.add_argument("--durability", choices=("file", "group", "lazy"), default="group",
+                     help="group: one syncfs of the output filesystem per commit point "
+                     "(default; Linux, elsewhere file); file: fsync every output; lazy: no "
+                     "flush, outputs lost by a power cut are found and redone by the "
+                     "rerun's re-hash")
     run.add_argument("--force", action="store_true",
                      help="start over: delete this folder's previous job and outputs")
     run.set_defaults(func=_run)
