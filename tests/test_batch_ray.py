@@ -49,7 +49,13 @@ def test_ray_driver_killed_with_sigkill_then_resumed_gives_exactly_one_output_pe
 ) -> None:
     code = tmp_path / "code"
     code.mkdir()
-    (code / "tvbatch_model.py").write_text(MODEL_SOURCE)
+    # Actors of a running cluster do not see the driver's environment, so the per-item
+    # delay is written into the model code: 10 ms per item on 2 actors makes each run
+    # outlive its first commit point (0.25 s) long enough for the kill below to land
+    # while items run, even on a resumed job.
+    delayed = MODEL_SOURCE.replace('os.environ.get("TV_BATCH_DELAY", "0")', '"0.01"')
+    assert delayed != MODEL_SOURCE
+    (code / "tvbatch_model.py").write_text(delayed)
     import torch
 
     import torchverity
@@ -61,14 +67,14 @@ def test_ray_driver_killed_with_sigkill_then_resumed_gives_exactly_one_output_pe
     args = cli("batch", "run", "--inputs", tmp_path / "in", "--model", "tvbatch_model:build",
                "--weights", weights, "--out", out, "--engine", "ray", "--workers", "2")
     # Ray workers import the model from the driver's working folder, as on a cluster.
-    env = cli_env(code, TV_BATCH_DELAY="0.005", RAY_ADDRESS=ray_address)
+    env = cli_env(code, RAY_ADDRESS=ray_address)
     rng = random.Random(7)
     for _ in range(2):
         before = committed_now(out)
         proc = subprocess.Popen(args, env=env, cwd=code, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
         wait_for(lambda p=proc, n=before: committed_now(out) > n or p.poll() is not None, 120)
-        time.sleep(rng.uniform(0.0, 0.3))
+        time.sleep(rng.uniform(0.0, 0.1))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert 0 < committed_now(out) < len(files), "the kill should land while items run"

@@ -115,12 +115,9 @@ def to_bytes(obj: Any) -> memoryview:
     return buffer.getbuffer()
 
 
-def output_path(out: Path, relative: str) -> Path:
-    return out / relative
-
-
-def temp_path(final: Path, attempt: int) -> Path:
-    return final.with_name(f".{final.name}.{attempt}{TMP_SUFFIX}")
+def temp_path(final: str, attempt: int) -> str:
+    folder, name = os.path.split(final)
+    return os.path.join(folder, f".{name}.{attempt}{TMP_SUFFIX}")
 
 
 def write_output(out: Path, work: WorkItem, data: memoryview, *, fsync: bool) -> None:
@@ -128,7 +125,8 @@ def write_output(out: Path, work: WorkItem, data: memoryview, *, fsync: bool) ->
 
     ``fsync=False`` when a ``syncfs`` at the next commit point makes the file durable.
     """
-    final = output_path(out, work.output)
+    # Strings, not Paths: this runs once per item, and pathlib costs more than the syscalls.
+    final = os.path.join(out, work.output)
     tmp = temp_path(final, work.attempt)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -141,7 +139,7 @@ def write_output(out: Path, work: WorkItem, data: memoryview, *, fsync: bool) ->
         os.replace(tmp, final)
     except OSError as exc:
         _discard(tmp)
-        raise OutputWriteError(final, exc) from None
+        raise OutputWriteError(Path(final), exc) from None
 
 
 def _write_all(fd: int, data: memoryview) -> None:
@@ -150,10 +148,10 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[written:]
 
 
-def _discard(path: Path) -> None:
+def _discard(path: str) -> None:
     # The folder itself may be failing; the next run's cleanup removes what is left.
     with contextlib.suppress(OSError):
-        path.unlink(missing_ok=True)
+        os.unlink(path)
 
 
 def fsync_dirs(folders: set[Path]) -> None:

@@ -411,7 +411,7 @@ class _Scheduler:
         self.marked: set[int] = set()  # in flight and recorded as running (journal)
         self.failures: dict[int, int] = {}
         self.buffer: list[Outcome] = []
-        self.folders: set[Path] = set()
+        self.folders: set[str] = set()  # of this commit point's outputs, relative to out
         self.last_commit = time.monotonic()
         self.processed = 0
         self.retries = 0
@@ -485,7 +485,7 @@ class _Scheduler:
                 heapq.heappush(self.delayed, (time.monotonic() + delay, work.id, retry))
                 return
         if result.status == COMMITTED:
-            self.folders.add((self.out / work.output).parent)
+            self.folders.add(os.path.dirname(work.output))
             self.processed += 1
             self.committed_ids.append(work.id)
         self.buffer.append(
@@ -502,7 +502,7 @@ class _Scheduler:
 
     def _commit(self) -> None:
         # The outputs and their renames are on disk before the journal says so.
-        self.durability.commit_point(self.folders)
+        self.durability.commit_point({self.out / f for f in self.folders})
         started = sorted(i for i in self.running if i not in self.marked)
         self.marked = set(self.running)
         self.journal.record(self.buffer, started)
