@@ -66,6 +66,14 @@ class Snapshot:
         for cur, old in zip(self._live_words, self._copy_words, strict=True):
             torch.where(applied, cur, old, out=cur)
 
+    def copies_of(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The copies of ``tensors`` if they lead the copied list, else None."""
+        n = len(tensors)
+        if n > len(self.live) or not all(a is b for a, b in zip(tensors, self.live[:n],
+                                                                 strict=True)):
+            return None
+        return self.copies[:n]
+
     def same(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``tensors`` are exactly the tensors copied, in order."""
         return len(tensors) == len(self.live) and all(

@@ -275,6 +275,7 @@ class TrainingGuard:
         self._consec = torch.zeros((), dtype=torch.int64, device=dev)
         self._rest_record: torch.Tensor | None = None
         self._rest_sums: WordSums | None = None
+        self._copy_sums: WordSums | None = None
         self._rest_names: tuple[str, ...] = ()
         self._snapshot = Snapshot()
         self._found_inf: torch.Tensor | None = None
@@ -350,20 +351,23 @@ class TrainingGuard:
 
     @torch.no_grad()
     def before_update(self) -> None:
-        """Copy parameters and optimizer state so a flagged update can be undone on device."""
-        if self._pending is None:
+        """Verify the at-rest checksums; copy parameters and optimizer state so a flagged
+        update can be undone on the device (or hand the decision to a fused optimizer)."""
+        pending = self._pending
+        if pending is None:
             raise UsageError("TrainingGuard.step() called before check(loss)",
                              hint="call guard.check(loss) after loss.backward()")
+        if self._needs_backup:
+            # An undo must restore the optimizer state too.
+            self._snapshot.take(self._covered_tensors(with_state=True))
+        pending.rest_vec, pending.rest_names = self._verify_at_rest()
+        if pending.rest_names:
+            pending.parts[KIND_INDEX["weights_changed"]] = pending.rest_vec.any()
         if self._fused_skip:
-            self._pending.decision = self._decide(self._pending)
+            pending.decision = self._decide(pending)
             # The attribute torch's fused optimizers read (GradScaler sets it too).
-            self._found_inf = (~self._pending.decision[2]).float()
+            self._found_inf = (~pending.decision[2]).float()
             self.optimizer.found_inf = self._found_inf  # type: ignore[attr-defined]
-            return
-        if not self._needs_backup:
-            return
-        # An undo must restore the optimizer state too.
-        self._snapshot.take(self._covered_tensors(with_state=True))
 
     def after_update(self) -> None:
         """Decide on the device whether the update stands, record checksums, maybe read flags."""
@@ -420,7 +424,6 @@ class TrainingGuard:
         finite_loss, finite_g = torch.isfinite(loss), torch.isfinite(gvec)
         nf_grad = ~finite_g.all()
         layer_vec = (ready & over[2:] & finite_g) if cfg.per_layer else self._zeros_n.bool()
-        rest_vec, rest_names = self._verify_at_rest()
         parts = [
             ~finite_loss,
             nf_grad,
@@ -429,11 +432,11 @@ class TrainingGuard:
             self._loss_jump(loss, finite_loss),
             layer_vec.any(),
             self._false,
-            rest_vec.any() if rest_names else self._false,
+            self._false,  # weights_changed: set by before_update, next to the copy
             replay_vec.bool().any(),
         ]
         return _Pending(parts, metrics, thr[:2], loss, gnorm, gvec, layer_vec, replay_vec,
-                        rest_vec, rest_names)
+                        self._empty, ())
 
     def _grad_norms(self) -> torch.Tensor:
         grads = [p.grad for p in self._params]
@@ -456,9 +459,18 @@ class TrainingGuard:
 
     def _verify_at_rest(self) -> tuple[torch.Tensor, tuple[str, ...]]:
         record, self._rest_record = self._rest_record, None
-        if record is None or self._rest_sums is None:
+        sums = self._rest_sums
+        if record is None or sums is None:
             return self._empty, ()
-        now = self._rest_sums()
+        # Right after the undo copy, the copy holds the same bits as the live tensors and
+        # is still in cache: summing it instead saves a read from memory.
+        copied = self._snapshot.copies_of(sums.tensors)
+        if copied is not None:
+            if self._copy_sums is None or not self._copy_sums.matches(copied):
+                self._copy_sums = WordSums(copied, weighted=sums.weighted)
+            now = self._copy_sums()
+        else:
+            now = sums()
         return (now != record).any(dim=1), self._rest_names
 
     def _record_at_rest(self) -> None:
