@@ -422,6 +422,8 @@ def test_at_rest_checksum_catches_every_single_bit_flip_and_names_only_that_tens
     # The per-step form (cached views, small tensors summed in one group) gives the same sums.
     grouped, grouped_plain = WordSums(tensors, weighted=True), WordSums(tensors, weighted=False)
     assert torch.equal(grouped(), record) and torch.equal(grouped_plain(), record[:, :1])
+    with_empty = [torch.zeros(0), torch.ones(3), torch.zeros(0, dtype=torch.int8), tensors[1]]
+    assert torch.equal(WordSums(with_empty, weighted=True)(), checksum(with_empty))
     for i, t in enumerate(tensors):
         for index in (0, t.numel() // 3, t.numel() - 1):
             for bit in range(8 * t.element_size()):

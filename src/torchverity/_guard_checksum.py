@@ -126,18 +126,21 @@ class WordSums:
                        for w, t in zip(words, self.tensors, strict=True)]
         self._words = words
         devices = {w.device for w in words}
-        small = [i for i, w in enumerate(words) if w.numel() <= _GROUP] if len(devices) == 1 else []
+        # Empty tensors stay out: a group's segments must each end on a word.
+        small = ([i for i, w in enumerate(words) if 0 < w.numel() <= _GROUP]
+                 if len(devices) == 1 else [])
         self._small = small if len(small) > 1 else []
         self._large = [i for i in range(len(words)) if i not in set(self._small)]
         if self._small:
             dev = words[self._small[0]].device
             sizes = [words[i].numel() for i in self._small]  # host ints: no device read
-            self._ends = (torch.tensor(sizes).cumsum(0) - 1).to(dev)
+            # Built once, in the first steps; non_blocking keeps even that free of a sync.
+            self._ends = (torch.tensor(sizes).cumsum(0) - 1).to(dev, non_blocking=True)
             self._buf = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
             self._zero = torch.zeros(1, dtype=torch.int32, device=dev)
             order = self._small + self._large
-            self._perm = torch.tensor(sorted(range(len(order)), key=order.__getitem__),
-                                      device=dev)
+            self._perm = torch.tensor(sorted(range(len(order)), key=order.__getitem__)).to(
+                dev, non_blocking=True)
 
     def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
         """The same tensor objects, in the same order, with the same storage."""
