@@ -6,7 +6,7 @@ bytes received, and its ``TorchVerity-Fingerprint`` is compared with the
 fingerprint the caller expects (or, when none is given, with the first one
 seen, so a service that silently swaps its weights is noticed).
 
->>> with Client("http://127.0.0.1:8000", fingerprint="sha256:9f86...") as c:  # doctest: +SKIP
+>>> with Client("http://127.0.0.1:8000", fingerprint="blake3:9f86...") as c:  # doctest: +SKIP
 ...     out = c.predict({"x": torch.ones(2, 4)})["output"]
 """
 
