@@ -211,3 +211,29 @@ def test_sha256sum_manifest_percent_encodes_bagit_specials(tmp_path: Path) -> No
     assert verify_path(tree).ok
     (tree / odd).write_bytes(b"odd!")
     assert [e.path for e in verify_path(tree).problems] == [odd]
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_verify_names_the_damaged_tensor_of_a_saved_checkpoint(
+    tmp_path: Path, suffix: str, run_cli
+) -> None:
+    import torch
+
+    import torchverity
+    from torchverity.fingerprint import byte_view
+
+    state = {"a.weight": torch.randn(64, 64), "b.bias": torch.randn(64)}
+    path = tmp_path / f"model{suffix}"
+    torchverity.save(state, path)
+    write_manifest(tmp_path)
+    assert verify_file(path).ok and verify_directory(tmp_path).ok
+    assert run_cli("verify", path).code == 0
+    needle = bytes(byte_view(state["b.bias"])[:16].numpy())
+    flip_bit(path, path.read_bytes().index(needle) + 3, 6)
+    result = verify_file(path)
+    assert [(e.status, e.tensors) for e in result.entries] == [("mismatched", ("b.bias",))]
+    assert [(e.path, e.tensors) for e in verify_directory(tmp_path).problems] == [
+        (path.name, ("b.bias",))]
+    shown = run_cli("verify", path)
+    assert shown.code == 1
+    assert f"model{suffix}: damaged tensors (from its meta.json): b.bias" in shown.out

@@ -70,6 +70,7 @@ from torchverity.fingerprint import (
     TensorDigest,
     dtype_name,
     fingerprint,
+    fingerprint_file,
     from_entries,
     iter_leaves,
     tensor_hasher,
@@ -778,18 +779,25 @@ def _check_digest(p: Path, expected: tuple[str, str, str] | None,
 
 
 def _locate_pt_damage(p: Path, meta: Mapping[str, Any] | None) -> list[str]:
-    """Name the tensors that differ from meta.json, reading through the restricted unpickler.
+    return locate_damage(p, meta) if meta is not None else []
 
-    Only for the error message: PyTorch's ``weights_only`` unpickler runs no
-    code from the file, storages are memory-mapped, and the object is dropped.
+
+def locate_damage(path: str | os.PathLike[str],
+                  meta: Mapping[str, Any] | None = None) -> list[str]:
+    """Name the tensors of a damaged checkpoint that differ from its meta.json.
+
+    Used to say *where* a file whose digest no longer matches was hit. Reads
+    .safetensors by streaming and .pt through PyTorch's restricted
+    ``weights_only`` unpickler with memory-mapped storages, so nothing from
+    the file runs. Returns ``[]`` when there is no usable meta.json or the
+    damage hit the container itself (then no tensor can be named).
     """
-    if meta is None:
-        return []
+    p = Path(path)
     try:
+        meta = meta if meta is not None else read_meta(p)
         recorded = _meta_fingerprint(meta, meta_path_for(p))
-        obj = torch.load(p, map_location="cpu", weights_only=True, mmap=True)
-        return recorded.differing(fingerprint(obj, mode=_exact_algo(recorded)))
-    except Exception:  # the damage may have hit the pickle itself
+        return recorded.differing(fingerprint_file(p, mode=_exact_algo(recorded)))
+    except Exception:  # a damaged pickle or header: the file-level verdict stands alone
         return []
 
 

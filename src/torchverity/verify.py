@@ -37,6 +37,7 @@ class VerifyEntry:
     actual: str | None = None
     expected_size: int | None = None
     actual_size: int | None = None
+    tensors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,9 @@ class VerifyResult:
             "record": self.record,
             "ok": self.ok,
             "counts": self.counts,
-            "entries": [{k: v for k, v in vars(e).items() if v is not None} for e in self.entries],
+            "entries": [
+                {k: v for k, v in vars(e).items() if v not in (None, ())} for e in self.entries
+            ],
         }
 
 
@@ -92,7 +95,8 @@ def verify_file(
     else:
         actual = digest_file(p, algo, progress=progress)
         status: Status = "ok" if actual.hexdigest == expected else "mismatched"
-        entry = VerifyEntry(p.name, status, expected, actual.hexdigest, actual_size=actual.size)
+        entry = VerifyEntry(p.name, status, expected, actual.hexdigest, actual_size=actual.size,
+                            tensors=_damaged_tensors(p) if status == "mismatched" else ())
     return VerifyResult(os.fspath(p), "file", algo, (entry,), os.fspath(sidecar))
 
 
@@ -122,6 +126,7 @@ def verify_directory(
                 got.hexdigest,
                 _size(exp.size),
                 got.size,
+                () if same else _damaged_tensors(root / rel),
             )
         )
     files, _links = list_files(root)
@@ -134,6 +139,15 @@ def verify_directory(
     return VerifyResult(
         os.fspath(root), "directory", manifest.algo, tuple(entries), os.fspath(record)
     )
+
+
+def _damaged_tensors(path: Path) -> tuple[str, ...]:
+    """For a checkpoint saved with its meta.json, the tensors the damage hit."""
+    from torchverity.checkpoint import locate_damage, meta_path_for
+
+    if not meta_path_for(path).is_file():
+        return ()
+    return tuple(locate_damage(path))
 
 
 def _size(size: int) -> int | None:

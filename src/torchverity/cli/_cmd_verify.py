@@ -44,6 +44,9 @@ def _print_result(result: Any, out: Output) -> None:
     rows = [(e.status, e.path, e.expected or "-", e.actual or "-") for e in result.problems]
     if rows:
         out.table(("status", "path", "expected", "actual"), rows)
+    for e in result.problems:
+        if e.tensors:
+            out.line(f"{e.path}: damaged tensors (from its meta.json): {', '.join(e.tensors)}")
     if not result.ok:
         out.info(
             f"{result.target}: content differs from what was recorded; restore the listed "

@@ -35,6 +35,9 @@ def run(ctx: DemoContext) -> None:
     offset = _tensor_offset(bad, "2.weight") + index * weights.element_size() + 3
     ctx.say("one bit flips inside the copy's last weight matrix:")
     ctx.cli("inject", "bitflip", str(bad), "--offset", str(offset), "--bit", "6")
+    _, verify_out, _ = ctx.cli("verify", str(bad), expect=1)
+    ctx.expect("damaged tensors (from its meta.json): 2.weight" in verify_out,
+               "verify names the damaged tensor, not just the file")
 
     try:
         torchverity.load(bad)
