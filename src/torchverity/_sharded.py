@@ -31,8 +31,8 @@ from torchverity.checkpoint import (
     _json_ready,
     _load_file,
     _meta_fingerprint,
-    _meta_record,
     meta_path_for,
+    meta_record,
     read_meta,
     save,
 )
@@ -140,7 +140,7 @@ def _publish_index(index: Path, body: bytes, algo: str, fp: Fingerprint, seed: i
     hasher = new_hasher(algo)
     hasher.update(body)
     digest = hasher.hexdigest()
-    record = _meta_record(index, "sharded", algo, digest, len(body), fp, seed, data_record,
+    record = meta_record(index, "sharded", algo, digest, len(body), fp, seed, data_record,
                           user_meta)
     sidecar, meta_file = sidecar_path(index, algo), meta_path_for(index)
     with _atomic_target(index) as staged:

@@ -451,7 +451,7 @@ def save(
         os.fsync(staged.fd)
         writer.finish()
         digest, fp = hasher.hexdigest(), fp_future.result()
-        record = _meta_record(target, fmt, algo, digest, writer.size, fp, seed, data_record,
+        record = meta_record(target, fmt, algo, digest, writer.size, fp, seed, data_record,
                               user_meta)
         staged.companions[sidecar] = format_sidecar_line(digest, target.name)
         staged.companions[meta_file] = json.dumps(record, indent=2) + "\n"
@@ -556,8 +556,9 @@ def _git_commit() -> str | None:
     return done.stdout.strip() or None if done.returncode == 0 else None
 
 
-def _meta_record(target: Path, fmt: str, algo: str, digest: str, size: int, fp: Fingerprint,
+def meta_record(target: Path, fmt: str, algo: str, digest: str, size: int, fp: Fingerprint,
                  seed: int | None, data: dict[str, Any] | None, user: Any) -> dict[str, Any]:
+    """The ``FILE.meta.json`` document (docs/formats/checkpoint.md); its only writer."""
     return {
         "format": META_FORMAT,
         "version": META_VERSION,

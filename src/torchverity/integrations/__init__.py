@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ def record_checkpoint_file(
     ``torchverity.load`` can compare fingerprints; objects that cannot be
     fingerprinted (custom classes in hyperparameters) get the sidecar only.
     """
-    from torchverity.checkpoint import META_FORMAT, META_VERSION, environment, meta_path_for
+    from torchverity.checkpoint import meta_path_for, meta_record
     from torchverity.fingerprint import fingerprint
 
     p = Path(path)
@@ -63,20 +62,9 @@ def record_checkpoint_file(
     except FormatError as exc:
         log.warning("%s: sidecar written, no meta.json: %s", p, exc.message)
         return CheckpointRecord(str(p), algo, digest.hexdigest, None, str(sidecar), None)
-    record = {
-        "format": META_FORMAT,
-        "version": META_VERSION,
-        "file": p.name,
-        "file_format": "safetensors" if p.suffix == ".safetensors" else "pt",
-        "size": digest.size,
-        "digest": {"algo": algo, "hex": digest.hexdigest},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "environment": environment(),
-        "seed": None,
-        "data": None,
-        "fingerprint": fp.to_dict(),
-        "user": {"source": source, **(user or {})},
-    }
+    file_format = "safetensors" if p.suffix == ".safetensors" else "pt"
+    record = meta_record(p, file_format, algo, digest.hexdigest, digest.size, fp, None, None,
+                         {"source": source, **(user or {})})
     meta = meta_path_for(p)
     atomic_write_text(meta, json.dumps(record, indent=2) + "\n")
     return CheckpointRecord(str(p), algo, digest.hexdigest, fp.root, str(sidecar), str(meta))
