@@ -21,7 +21,7 @@ What it detects, every step, with statistics and flags kept on the device:
 * ``layer_grad_spike`` / ``update_ratio_spike`` (opt-in): the same rolling rule per
   parameter, on gradient norms and on ``|Δp| / |p|``;
 * ``weights_changed``: a device checksum of every parameter and optimizer-state tensor
-  is taken right after each update and compared at the next ``check``: any bit that
+  is taken right after each update and compared before the next one: any bit that
   changed in between is caught and the tensor named, however small the change;
 * ``replay_mismatch``: with ``replay_every=K`` (and a ``step_fn``) every K-th step is
   run twice from the same RNG state and must give the same loss and gradients.
