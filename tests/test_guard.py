@@ -28,9 +28,15 @@ def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return X[i: i + 32], Y[i: i + 32]
 
 
-def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+MakeOptimizer = Callable[[Any], torch.optim.Optimizer]
+
+
+def make_model(make_opt: MakeOptimizer | None = None
+               ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    if make_opt is not None:
+        return model, make_opt(model.parameters())
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 
@@ -47,9 +53,10 @@ def train(
     plan: Callable[[faults.FaultInjector], Any] | None = None,
     poison: Callable[[int, torch.Tensor], torch.Tensor] | None = None,  # applied to targets
     close: bool = True,
+    make_opt: MakeOptimizer | None = None,
     **options: Any,
 ) -> Run:
-    model, opt = make_model()
+    model, opt = make_model(make_opt)
 
     def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
@@ -318,8 +325,9 @@ def test_hot_path_never_reads_the_device(fused: bool) -> None:
     def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
+    # host_skip=False: the device-side skip an accelerator uses, proven on the CPU.
     guard = TrainingGuard(model, opt, check_every=50, per_layer=True, update_ratio=not fused,
-                          step_fn=step_fn, replay_every=3,
+                          step_fn=step_fn, replay_every=3, host_skip=False,
                           policies={"loss_spike": "replay", "loss_jump": "stop"})
     with count_syncs() as calls:
         for step in range(24):
@@ -559,8 +567,8 @@ def test_fused_optimizer_skips_exactly_without_copies() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    guard = TrainingGuard(model, opt, check_every=5)
-    assert guard._fused_skip and not guard._needs_backup
+    guard = TrainingGuard(model, opt, check_every=5, host_skip=False)
+    assert guard._fused_skip and not guard._needs_backup and not guard._host_skip
     injector = faults.FaultInjector(model)
     injector.gradient("0.weight", step=0, value=math.nan)  # even the step creating the state
     injector.gradient("2.bias", step=7, value=math.inf)
@@ -638,3 +646,100 @@ def test_at_rest_follows_a_parameter_whose_storage_moved() -> None:
     assert [(e.step, e.kind, e.suspects) for e in guard.events] == [
         (4, "weights_changed", ("2.bias",))
     ]
+
+
+# ------------------------------------------------------------ host skip (parameters on the CPU)
+
+
+_OPTIMIZERS: dict[str, MakeOptimizer] = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+}
+
+
+def _faulty_run(make_opt: MakeOptimizer, host_skip: bool, log: Path) -> Run:
+    def plan(inj: faults.FaultInjector) -> None:
+        inj.gradient("0.weight", step=0, value=math.nan)  # the step that creates the state
+        inj.gradient("2.bias", step=12, value=math.inf)
+        inj.parameter("0.bias", step=20, index=3, bit=faults.mantissa_lsb(torch.float32))
+
+    # The spike at 30 asks for a replay: the later steps of its interval stay skipped.
+    return train(45, plan, poison=lambda s, y: y * 1e3 if s == 30 else y, check_every=5,
+                 make_opt=make_opt, host_skip=host_skip, log=log,
+                 policies={"weights_changed": "record", "loss_spike": "replay"})
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.detach().reshape(-1).view(torch.int32).tolist()
+
+
+@pytest.mark.parametrize("opt_name", sorted(_OPTIMIZERS))
+def test_host_skip_and_device_skip_give_the_same_events_and_bits(opt_name: str,
+                                                                 tmp_path: Path) -> None:
+    host = _faulty_run(_OPTIMIZERS[opt_name], True, tmp_path / "host.jsonl")
+    device = _faulty_run(_OPTIMIZERS[opt_name], False, tmp_path / "device.jsonl")
+    assert host.guard._host_skip and not device.guard._host_skip
+    events = [e.to_dict() for e in host.guard.events]
+    assert dumps(events) == dumps([e.to_dict() for e in device.guard.events])
+    assert [(e["step"], e["kind"]) for e in events][:3] == [
+        (0, "nonfinite_grad"), (12, "nonfinite_grad"), (20, "weights_changed")]
+    assert (30, "loss_spike") in [(e["step"], e["kind"]) for e in events]
+    assert host.guard.summary() == device.guard.summary()
+    assert host.guard.summary().skipped >= 3
+
+    def records(path: Path) -> list[dict[str, Any]]:
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        # The start record holds the options; times differ.
+        return [{k: v for k, v in r.items() if k != "time"} for r in rows
+                if r["event"] != "start"]
+
+    assert records(tmp_path / "host.jsonl") == records(tmp_path / "device.jsonl")
+    for a, b in zip(host.model.parameters(), device.model.parameters(), strict=True):
+        assert _bits(a) == _bits(b)
+    opt_h, opt_d = host.guard.optimizer, device.guard.optimizer
+    for a, b in zip(host.model.parameters(), device.model.parameters(), strict=True):
+        assert opt_h.state[a].keys() == opt_d.state[b].keys()
+        assert all(torch.equal(opt_h.state[a][k], opt_d.state[b][k]) for k in opt_h.state[a])
+
+
+def test_cpu_parameters_skip_on_the_host_exactly_and_never_copy() -> None:
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, check_every=5)
+    assert guard._host_skip
+    injector = faults.FaultInjector(model)
+    injector.gradient("0.weight", step=0, value=math.nan)
+    injector.gradient("2.bias", step=7, value=math.inf)
+    for step in range(12):
+        injector.begin_step(step)
+        if step == 7:
+            params = [p.detach().clone() for p in model.parameters()]
+            state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+        opt.zero_grad()
+        x, y = batch_at(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+        if step == 0:  # skipped before the optimizer ever ran: it created no state
+            assert not opt.state
+        if step == 7:
+            assert all(_bits(a) == _bits(p) for a, p in zip(params, model.parameters(),
+                                                            strict=True))
+            for before, p in zip(state, model.parameters(), strict=True):
+                assert all(_bits(before[k]) == _bits(opt.state[p][k]) for k in before)
+    guard.close()
+    assert guard._snapshot.copies == [] and guard._snapshot.live == []
+    assert [(e.step, e.kind, e.action) for e in guard.events] == [
+        (0, "nonfinite_grad", "skipped"), (7, "nonfinite_grad", "skipped")]
+    assert all(float(s["step"]) == 10 for s in opt.state.values())
+    assert all(math.isfinite(float(p.detach().abs().sum())) for p in model.parameters())
+
+
+def test_host_skip_falls_back_to_the_device_copy_where_it_cannot_apply() -> None:
+    model, opt = make_model()
+    # Update ratios are known only after the update: undoing it needs the copy.
+    assert not TrainingGuard(model, opt, update_ratio=True)._host_skip
+    assert not TrainingGuard(model, opt, host_skip=False)._host_skip
+    assert not TrainingGuard(model, opt, policy="record")._host_skip  # nothing ever skips
+    assert TrainingGuard(model, opt)._host_skip

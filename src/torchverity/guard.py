@@ -26,9 +26,15 @@ What it detects, every step, with statistics and flags kept on the device:
 * ``replay_mismatch``: with ``replay_every=K`` (and a ``step_fn``) every K-th step is
   run twice from the same RNG state and must give the same loss and gradients.
 
-The host reads the flags every ``check_every`` steps (one transfer). A step is
-skipped on the device (parameters and optimizer state restored from a copy
-taken before the update) so ``step()`` is always called. Policies per kind:
+The host reads the flags every ``check_every`` steps (one transfer). When every
+guarded parameter lives on the CPU (``host_skip=None``, the default, decides at
+construction), ``step()`` reads the step's skip decision on the host, which on a
+CPU tensor is a memory read and not a device sync, and does not call
+``optimizer.step()`` for a skipped update: no copy, exact for every optimizer.
+On an accelerator (or with ``host_skip=False``) a step is skipped on the device
+(a fused optimizer's ``found_inf``, otherwise parameters and optimizer state
+restored from a copy taken before the update) so ``step()`` is always called.
+Policies per kind:
 ``record``, ``warn``, ``skip``, ``stop`` (raise :class:`TrainingAnomalyError`),
 ``rollback`` (reload the last checkpoint verified by torchverity and go on) and
 ``replay`` (re-run the anomalous step to classify it as ``transient`` or
@@ -95,6 +101,7 @@ class GuardConfig:
     rest_weighted: bool = False
     optimizer_state: bool = True
     fused_skip: bool = True
+    host_skip: bool | None = None
     replay_every: int | None = None
     replay_tolerance: float | None = None
     checkpoint_every: int | None = None
@@ -127,6 +134,7 @@ class _Pending:
     rest_vec: torch.Tensor
     rest_names: tuple[str, ...]
     decision: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # flags, hit, applied
+    undo: bool = False  # a copy was taken before the update: select after it
 
 
 @dataclass(frozen=True)
@@ -263,6 +271,12 @@ class TrainingGuard:
         self._fused_skip = cfg.fused_skip and any(skipping) and not cfg.update_ratio and bool(
             getattr(self.optimizer, "_step_supports_amp_scaling", False))
         self._needs_backup = (any(skipping) or cfg.update_ratio) and not self._fused_skip
+        # On the CPU reading the decision is a load from memory, not a device sync, so
+        # step() can simply not run a skipped update. Update ratios still need the copy:
+        # their flag is only known after the update.
+        on_cpu = all(p.device.type == "cpu" for p in self._params)
+        host = on_cpu if cfg.host_skip is None else cfg.host_skip
+        self._host_skip = host and any(skipping) and not cfg.update_ratio
         self._latched = torch.zeros((), dtype=torch.bool, device=dev)
         self._false = torch.zeros((), dtype=torch.bool, device=dev)
         self._zeros_n = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -324,9 +338,20 @@ class TrainingGuard:
             self._remember(batch, self._pending)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run ``optimizer.step()`` under the guard: skipped on the device when flagged."""
-        self.before_update()
-        result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        """Run ``optimizer.step()`` under the guard; a flagged update is skipped, on the host
+        (not run at all) when the parameters are on the CPU, else on the device."""
+        if not self._host_skip:
+            self.before_update()
+            result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+            self.after_update()
+            return result
+        if self._prepare(host=True):
+            result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        elif closure is not None:  # the optimizer would have evaluated it once at least
+            with torch.enable_grad():
+                result = closure()
+        else:
+            result = None
         self.after_update()
         return result
 
@@ -349,25 +374,38 @@ class TrainingGuard:
         self.step()
         return loss.detach()
 
-    @torch.no_grad()
     def before_update(self) -> None:
         """Verify the at-rest checksums; copy parameters and optimizer state so a flagged
-        update can be undone on the device (or hand the decision to a fused optimizer)."""
+        update can be undone on the device (or hand the decision to a fused optimizer).
+        For callers that run ``optimizer.step()`` themselves (trainer integrations)."""
+        self._prepare(host=False)
+
+    @torch.no_grad()
+    def _prepare(self, host: bool) -> bool:
+        """Before the update: at-rest verification, then the undo copy, the fused optimizer's
+        ``found_inf``, or (``host``) the decision read on the host. Returns whether the
+        update should run; only the host path ever returns False."""
         pending = self._pending
         if pending is None:
             raise UsageError("TrainingGuard.step() called before check(loss)",
                              hint="call guard.check(loss) after loss.backward()")
-        if self._needs_backup:
+        undo = self._needs_backup and not host
+        if undo:
             # An undo must restore the optimizer state too.
             self._snapshot.take(self._covered_tensors(with_state=True))
-        pending.rest_vec, pending.rest_names = self._verify_at_rest()
+            pending.undo = True
+        pending.rest_vec, pending.rest_names = self._verify_at_rest(use_copy=undo)
         if pending.rest_names:
             pending.parts[KIND_INDEX["weights_changed"]] = pending.rest_vec.any()
+        if host:
+            pending.decision = self._decide(pending)
+            return bool(pending.decision[2])
         if self._fused_skip:
             pending.decision = self._decide(pending)
             # The attribute torch's fused optimizers read (GradScaler sets it too).
             self._found_inf = (~pending.decision[2]).float()
             self.optimizer.found_inf = self._found_inf  # type: ignore[attr-defined]
+        return True
 
     def after_update(self) -> None:
         """Decide on the device whether the update stands, record checksums, maybe read flags."""
@@ -379,9 +417,10 @@ class TrainingGuard:
             flags, hit, applied = self._decide(pending)
         else:
             flags, hit, applied = pending.decision
-            if getattr(self.optimizer, "found_inf", None) is self._found_inf:
+            found_inf, self._found_inf = self._found_inf, None
+            if found_inf is not None and getattr(self.optimizer, "found_inf", None) is found_inf:
                 del self.optimizer.found_inf  # type: ignore[attr-defined]
-        if self._needs_backup:
+        if pending.undo:
             self._select(applied)
         accept = applied & ~hit.any()
         self.stats.push(pending.metrics, accept)
@@ -457,14 +496,14 @@ class TrainingGuard:
         self._has_prev.logical_or_(finite)
         return self._consec >= self.config.rel_patience
 
-    def _verify_at_rest(self) -> tuple[torch.Tensor, tuple[str, ...]]:
+    def _verify_at_rest(self, use_copy: bool) -> tuple[torch.Tensor, tuple[str, ...]]:
         record, self._rest_record = self._rest_record, None
         sums = self._rest_sums
         if record is None or sums is None:
             return self._empty, ()
         # Right after the undo copy, the copy holds the same bits as the live tensors and
         # is still in cache: summing it instead saves a read from memory.
-        copied = self._snapshot.copies_of(sums.tensors)
+        copied = self._snapshot.copies_of(sums.tensors) if use_copy else None
         if copied is not None:
             if self._copy_sums is None or not self._copy_sums.matches(copied):
                 self._copy_sums = WordSums(copied, weighted=sums.weighted)
