@@ -17,14 +17,22 @@ as a user's script would set it.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
+import io
 import os
+import resource
 import shutil
+import subprocess
 import sys
+import tarfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import WORK, best_of, table, write_results
+from _common import ROOT, WORK, table, write_results
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -75,9 +83,8 @@ def plain_loop(inputs: Path, out: Path, work: Callable[[bytes], bytes],
 
 
 def torchverity_run(inputs: Path, out: Path, work: Callable[[bytes], bytes],
-                    durability: str) -> None:
-    from torchverity.batch import run_batch
-
+                    durability: str, batch: ModuleType | None = None) -> None:
+    run_batch = (batch or importlib.import_module("torchverity.batch")).run_batch
     shutil.rmtree(out, ignore_errors=True)
     report = run_batch(inputs, lambda item: work(item.data), out, workers=1, name="bench",
                        durability=durability)
@@ -85,10 +92,46 @@ def torchverity_run(inputs: Path, out: Path, work: Callable[[bytes], bytes],
 
 
 MODES = ("group", "file", "lazy")
+BASELINE_MODES = ("file", "group")  # file: the baseline's default
+
+
+def load_baseline(rev: str) -> ModuleType:
+    """``torchverity.batch`` as of git revision ``rev``, importable beside today's.
+
+    Only the batch package is taken from ``rev`` (renamed ``tvbaseline_batch``); it
+    shares the rest of torchverity with the current tree, so both run in one
+    process and meet the same moments of the machine's load.
+    """
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "src/torchverity/batch"],
+                             check=True, capture_output=True).stdout
+    home = WORK / f"batch-baseline-{rev}"
+    shutil.rmtree(home, ignore_errors=True)
+    package = home / "tvbaseline_batch"
+    package.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        for member in tar.getmembers():
+            if member.isfile() and member.name.endswith(".py"):
+                source = tar.extractfile(member)
+                assert source is not None
+                text = source.read().decode().replace("torchverity.batch", "tvbaseline_batch")
+                (package / Path(member.name).name).write_text(text)
+    sys.path.insert(0, str(home))
+    return importlib.import_module("tvbaseline_batch")
+
+
+def timed(run: Callable[[], None]) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (this process, all threads, user + system) of one run."""
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    wall, used = time.perf_counter(), cpu()
+    run()
+    return time.perf_counter() - wall, cpu() - used
 
 
 def measure(label: str, count: int, size: int, work: Callable[[bytes], bytes],
-            repeat: int) -> list[tuple[str, ...]]:
+            repeat: int, baseline: tuple[str, ModuleType] | None) -> list[tuple[str, ...]]:
     """Rows for every durability; all runs interleaved, best of ``repeat`` each."""
     inputs = make_inputs(WORK / f"batch-in-{label}", count, size)
     plain_out, tv_out = WORK / f"batch-plain-{label}", WORK / f"batch-tv-{label}"
@@ -96,27 +139,38 @@ def measure(label: str, count: int, size: int, work: Callable[[bytes], bytes],
     runs: dict[str, Callable[[], None]] = {
         "plain": lambda: plain_loop(inputs, plain_out, work),
         "plain+fsync": lambda: plain_loop(inputs, plain_out, work, fsync=True),
-        **{mode: (lambda mode=mode: torchverity_run(inputs, tv_out, work, mode))
+        **{mode: functools.partial(torchverity_run, inputs, tv_out, work, mode)
            for mode in MODES},
     }
+    if baseline:
+        rev, batch = baseline
+        runs |= {f"{mode} ({rev})": functools.partial(torchverity_run, inputs, tv_out, work,
+                                                      mode, batch)
+                 for mode in BASELINE_MODES}
     # Interleaved, so every variant meets the same moments of a shared machine's load.
     best = dict.fromkeys(runs, float("inf"))
+    cpu = dict.fromkeys(runs, float("inf"))
     for _ in range(repeat):
         for name, run in runs.items():
-            best[name] = min(best[name], best_of(run, 1))
+            wall, used = timed(run)
+            best[name], cpu[name] = min(best[name], wall), min(cpu[name], used)
     plain, synced = best["plain"], best["plain+fsync"]
     return [
         (f"{count} x {label}", mode, f"{plain:.2f}", f"{synced:.2f}", f"{best[mode]:.2f}",
-         f"{count / plain:.0f}", f"{count / best[mode]:.0f}", f"{best[mode] / plain - 1:+.1%}",
-         f"{best[mode] / synced - 1:+.1%}", f"{(best[mode] - plain) / count * 1e3:.2f}")
-        for mode in MODES
+         f"{best[mode] / plain - 1:+.1%}", f"{best[mode] / synced - 1:+.1%}",
+         f"{(best[mode] - plain) / count * 1e3:.2f}", f"{cpu['plain']:.2f}", f"{cpu[mode]:.2f}",
+         f"{cpu[mode] / cpu['plain'] - 1:+.1%}")
+        for mode in runs if mode not in ("plain", "plain+fsync")
     ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer items and repetitions")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run torchverity.batch as of this git revision, interleaved")
     args = parser.parse_args()
+    baseline = (args.baseline, load_baseline(args.baseline)) if args.baseline else None
     WORK.mkdir(parents=True, exist_ok=True)
     work = make_work()
     repeat = 2 if args.quick else 5
@@ -128,12 +182,12 @@ def main() -> None:
             ("10KiB", small, 10 * KiB, work), ("1MiB", large, MiB, work),
             ("10KiB-copy", small, 10 * KiB, identity),
         )
-        for row in measure(label, count, size, fn, repeat)
+        for row in measure(label, count, size, fn, repeat, baseline)
     ]
     body = f"## Throughput, local engine, one worker, best of {repeat} runs\n\n"
     body += table(("items", "durability", "plain loop s", "plain + fsync s", "torchverity s",
-                   "plain items/s", "torchverity items/s", "overhead vs plain",
-                   "overhead vs plain + fsync", "extra ms per item"), rows)
+                   "overhead vs plain", "overhead vs plain + fsync", "extra ms per item",
+                   "plain CPU s", "torchverity CPU s", "CPU overhead vs plain"), rows)
     body += (
         "\nThe MLP rows run a 256-1024-1024-256 MLP over each item (targets: at most +15% "
         "for 10 KiB, +5% for 1 MiB). The copy rows do no work (the output is the input), "
@@ -148,9 +202,18 @@ def main() -> None:
         "flush either. One thread runs the model; helper threads verify, hash and write "
         "on the other core meanwhile. On a shared machine, bursts of other processes' disk "
         "and CPU use move single runs by up to 2x; each figure is the best of the "
-        "interleaved runs, and differences below about 10% are within that noise.\n"
+        "interleaved runs, and differences below about 10% are within that noise. The "
+        "CPU columns (best of the same runs: user + system seconds of all threads) are "
+        "what the checks cost whatever the load: on a busy machine wall times mostly "
+        "measure waiting (the plain loop creates and closes its files on the model's "
+        "thread, torchverity on helper threads), CPU seconds do not.\n"
     )
+    if baseline:
+        body += (f"\nRows marked ({args.baseline}) run `torchverity.batch` as of that git "
+                 "revision (only the batch package; the rest is today's), interleaved with "
+                 "today's in the same process.\n")
     cmd = "python benchmarks/bench_batch.py" + (" --quick" if args.quick else "")
+    cmd += f" --baseline {args.baseline}" if args.baseline else ""
     print(write_results("batch", "Batch jobs", cmd, body).read_text())
 
 
