@@ -32,16 +32,19 @@ CONFIGS: dict[str, tuple[dict[str, Any] | None, bool]] = {
     "unguarded": (None, False),
     "interval 10": ({"check_every": 10}, False),
     "interval 1": ({"check_every": 1}, False),
+    "interval 10, at-rest every 10 steps": ({"check_every": 10, "rest_every": 10}, False),
+    "interval 1, at-rest every 10 steps": ({"check_every": 1, "rest_every": 10}, False),
+    "interval 10, device skip": ({"check_every": 10, "host_skip": False}, False),
+    "interval 1, device skip": ({"check_every": 1, "host_skip": False}, False),
     "interval 10, at-rest of parameters only": ({"check_every": 10, "optimizer_state": False},
                                                 False),
-    "interval 10, at-rest weighted": ({"check_every": 10, "rest_weighted": True}, False),
     "interval 10, no at-rest": ({"check_every": 10, "at_rest": False}, False),
     "interval 10, record only": ({"check_every": 10, "policy": "record", "at_rest": False},
                                  False),
     "unguarded, fused AdamW": (None, True),
     "interval 10, fused AdamW": ({"check_every": 10}, True),
     "interval 1, fused AdamW": ({"check_every": 1}, True),
-    "interval 10, fused AdamW, no at-rest": ({"check_every": 10, "at_rest": False}, True),
+    "interval 10, fused AdamW, device skip": ({"check_every": 10, "host_skip": False}, True),
 }
 
 
@@ -138,18 +141,21 @@ def main() -> int:
             print(lines[-1], flush=True)
     lines += [
         "",
-        "Configurations: *interval N* = `TrainingGuard(model, opt, check_every=N)` with the "
-        "default policies (skips undo the update on the device, so parameters and AdamW "
-        "state are copied before each update) and the at-rest checksum of parameters and "
-        "optimizer state after every update, verified before the next one (a plain 32-bit "
-        "word sum: one read per tensor each time; the verification reads the undo copy "
-        "just written, still in cache, when there is one); *parameters only* leaves the "
-        "AdamW moments out of it (`optimizer_state=False`); *weighted* adds the "
-        "position-weighted sum (`rest_weighted=True`); *no "
-        "at-rest* turns the checksum off; *record only* also drops the copy (no policy "
-        "needs to undo an update), leaving the detectors and the flag bookkeeping. *fused "
-        "AdamW* rows compare with an unguarded fused AdamW loop: there the optimizer skips "
-        "a flagged update itself (its `found_inf` input, as with AMP), so nothing is copied.",
+        "Configurations: *interval N* = `TrainingGuard(model, opt, check_every=N)`, "
+        "everything else default: the parameters are on the CPU, so a flagged update is "
+        "skipped by not running `optimizer.step()` (the host reads the step's decision, a "
+        "memory load on the CPU, not a device sync; nothing is copied), and the at-rest "
+        "checksum of parameters and optimizer state is taken after every update and "
+        "verified before the next one (a plain 32-bit word sum, one read per tensor each "
+        "time). *at-rest every 10 steps* = `rest_every=10` (a change between two updates "
+        "is caught at the next recorded step, and anything that persists is still caught). "
+        "*device skip* = `host_skip=False`, the accelerator mechanism measured on the CPU: "
+        "a non-fused optimizer's parameters and state are copied before each update and "
+        "kept or restored with `where` after it; a fused one gets the decision as its "
+        "`found_inf` input (as with AMP). *parameters only* = `optimizer_state=False`; *no "
+        "at-rest* = `at_rest=False`; *record only* = no policy skips and no at-rest, the "
+        "detectors and flag bookkeeping alone. *fused AdamW* rows compare with an "
+        "unguarded fused AdamW loop.",
         "",
     ]
     OUT.parent.mkdir(parents=True, exist_ok=True)
