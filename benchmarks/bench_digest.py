@@ -67,13 +67,16 @@ def peak_rss_mib(path: Path, algo: str) -> float:
     return int(out) / 1024
 
 
-def cpu_share(fn) -> tuple[float, float]:
-    """Wall time and (process CPU time / wall time): >1.5 means both cores worked."""
-    t0, c0 = time.perf_counter(), os.times()
-    fn()
-    t1, c1 = time.perf_counter(), os.times()
-    wall = t1 - t0
-    return wall, ((c1.user - c0.user) + (c1.system - c0.system)) / wall
+def cpu_share(fn, repeat: int = 3) -> tuple[float, float]:
+    """Best wall time and its (process CPU time / wall time): >1.5 means both cores worked."""
+    best = (float("inf"), 0.0)
+    for _ in range(repeat):
+        t0, c0 = time.perf_counter(), os.times()
+        fn()
+        t1, c1 = time.perf_counter(), os.times()
+        wall = t1 - t0
+        best = min(best, (wall, ((c1.user - c0.user) + (c1.system - c0.system)) / wall))
+    return best
 
 
 def main() -> None:
@@ -102,6 +105,7 @@ def main() -> None:
 
     folder = make_folder(WORK / "digest-folder")
     total = sum(p.stat().st_size for p in folder.iterdir()) / 1e9
+    build_manifest(folder, "sha256", workers=2)  # warm the page cache for every row alike
     one_wall, one_share = cpu_share(lambda: build_manifest(folder, "sha256", workers=1))
     two_wall, two_share = cpu_share(lambda: build_manifest(folder, "sha256", workers=2))
     b3_wall, b3_share = cpu_share(lambda: build_manifest(folder, "blake3"))
@@ -120,10 +124,9 @@ def main() -> None:
             f"{peak_rss_mib(p, 'blake3'):.0f}") for p in (small, big)]
     body += "\n## Peak resident memory of a process hashing one file\n\n"
     body += table(("file size", "sha256 peak RSS (MiB)", "blake3 peak RSS (MiB)"), mem)
-    body += ("\nsha256 reads through three fixed 8 MiB buffers (a reader thread fills one while "
-             "the hash consumes another). blake3 hashes through mmap on all cores, so its "
-             "resident pages are page cache of the mapped file, which the kernel can drop at any "
-             "time; they are not heap allocations.\n")
+    body += ("\nBoth algorithms read through three fixed 8 MiB buffers: a reader thread fills "
+             "one while the hash consumes another (blake3 spreads each buffer over all cores), "
+             "so memory stays flat whatever the file size.\n")
     cmd = "python benchmarks/bench_digest.py" + (" --quick" if args.quick else "")
     print(write_results("digest", "Digests and manifests", cmd, body).read_text())
     print(json.dumps({k: round(v, 3) for k, v in runs.items()}))
