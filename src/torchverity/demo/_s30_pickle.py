@@ -65,6 +65,6 @@ def run(ctx: DemoContext) -> None:
 
 
 def _st_load(path: Path) -> dict[str, Any]:
-    from safetensors.torch import load_file
+    from torchverity._safetensors import read_header, read_tensors
 
-    return load_file(str(path))
+    return read_tensors(path, read_header(path))

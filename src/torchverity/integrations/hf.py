@@ -99,14 +99,13 @@ class GuardCallback(_TrainerCallback):
 
 def record_checkpoint_folder(folder: Path, step: int | None = None) -> list[CheckpointRecord]:
     """Sidecars for the weight files, meta.json for safetensors, a manifest for the folder."""
-    from safetensors.torch import load_file
-
+    from torchverity._safetensors import read_header, read_tensors
     from torchverity.manifest import write_manifest
 
     records = []
     for path in sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES):
         # safetensors holds only tensors: reading it back runs no code.
-        content = load_file(str(path)) if path.suffix == ".safetensors" else None
+        content = read_tensors(path, read_header(path)) if path.suffix == ".safetensors" else None
         records.append(record_checkpoint_file(path, content, source="hf",
                                               user={"global_step": step}))
     write_manifest(folder)
