@@ -188,3 +188,22 @@ def test_missing_extra_names_the_pip_command(
     with pytest.raises(MissingExtraError) as info:
         importlib.import_module(module)
     assert info.value.hint == f"pip install 'torchverity[{extra}]'"
+
+
+@pytest.mark.parametrize(("module", "framework"), [
+    ("torchverity.integrations.lightning", "Lightning"),
+    ("torchverity.integrations.hf", "Hugging Face"),
+])
+def test_callbacks_refuse_a_step_fn_with_the_same_message(module: str, framework: str) -> None:
+    import importlib
+
+    from torchverity.errors import UsageError
+
+    callback = importlib.import_module(module).GuardCallback
+    assert callback(log=None).checkpoints == []
+    with pytest.raises(UsageError) as info:
+        callback(step_fn=lambda batch: batch)
+    assert str(info.value) == (
+        f"the {framework} callback does not replay steps\n"
+        "  next: use TrainingGuard in a plain loop for replay audits"
+    )

@@ -19,12 +19,34 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_file, write_sidecar
-from torchverity.errors import FormatError
+from torchverity.errors import FormatError, UsageError
+
+if TYPE_CHECKING:
+    from torchverity.guard import GuardSummary, TrainingGuard
 
 log = logging.getLogger("torchverity.integrations")
+
+
+class GuardCallbackBase:
+    """What both trainer callbacks hold; ``framework`` names the trainer in messages."""
+
+    framework = "trainer"
+
+    def __init__(self, *, log: str | Path | None = None, record_checkpoints: bool = True,
+                 **guard_options: Any) -> None:
+        if "step_fn" in guard_options:
+            raise UsageError(f"the {self.framework} callback does not replay steps",
+                             hint="use TrainingGuard in a plain loop for replay audits")
+        super().__init__()
+        self.log_path = log
+        self.record_checkpoints = record_checkpoints
+        self.guard_options = guard_options
+        self.guard: TrainingGuard | None = None
+        self.summary: GuardSummary | None = None
+        self.checkpoints: list[CheckpointRecord] = []
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,12 @@ from typing import Any
 import torch
 
 from torchverity.errors import UsageError, require_extra
-from torchverity.guard import GuardSummary, TrainingGuard
-from torchverity.integrations import CheckpointRecord, record_checkpoint_file
+from torchverity.guard import TrainingGuard
+from torchverity.integrations import (
+    CheckpointRecord,
+    GuardCallbackBase,
+    record_checkpoint_file,
+)
 
 _TrainerCallback: Any = require_extra(
     "transformers", extra="hf", feature="the Hugging Face callback"
@@ -36,20 +40,14 @@ _TrainerCallback: Any = require_extra(
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-class GuardCallback(_TrainerCallback):
+class GuardCallback(GuardCallbackBase, _TrainerCallback):
     """Runs a :class:`TrainingGuard` inside ``Trainer.train``; options are TrainingGuard's."""
+
+    framework = "Hugging Face"
 
     def __init__(self, *, log: str | Path | None = None, record_checkpoints: bool = True,
                  **guard_options: Any) -> None:
-        if "step_fn" in guard_options:
-            raise UsageError("the Hugging Face callback does not replay steps",
-                             hint="use TrainingGuard in a plain loop for replay audits")
-        self.log_path = log
-        self.record_checkpoints = record_checkpoints
-        self.guard_options = guard_options
-        self.guard: TrainingGuard | None = None
-        self.summary: GuardSummary | None = None
-        self.checkpoints: list[CheckpointRecord] = []
+        super().__init__(log=log, record_checkpoints=record_checkpoints, **guard_options)
         self._losses: list[torch.Tensor] = []
         self._hook: Any = None
 

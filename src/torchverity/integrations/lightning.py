@@ -20,8 +20,12 @@ from typing import Any
 import torch
 
 from torchverity.errors import UsageError, require_extra
-from torchverity.guard import GuardSummary, TrainingGuard
-from torchverity.integrations import CheckpointRecord, record_checkpoint_file
+from torchverity.guard import TrainingGuard
+from torchverity.integrations import (
+    CheckpointRecord,
+    GuardCallbackBase,
+    record_checkpoint_file,
+)
 
 _pl = require_extra("lightning.pytorch", extra="lightning", feature="the Lightning callback")
 _plugins = require_extra("lightning.fabric.plugins", extra="lightning",
@@ -56,20 +60,14 @@ class _RecordingIO(_CheckpointIO):
         self.inner.teardown()
 
 
-class GuardCallback(_Callback):
+class GuardCallback(GuardCallbackBase, _Callback):
     """Runs a :class:`TrainingGuard` inside ``Trainer.fit``; options are TrainingGuard's."""
+
+    framework = "Lightning"
 
     def __init__(self, *, log: str | Path | None = None, record_checkpoints: bool = True,
                  **guard_options: Any) -> None:
-        if "step_fn" in guard_options:
-            raise UsageError("the Lightning callback does not replay steps",
-                             hint="use TrainingGuard in a plain loop for replay audits")
-        self.log_path = log
-        self.record_checkpoints = record_checkpoints
-        self.guard_options = guard_options
-        self.guard: TrainingGuard | None = None
-        self.summary: GuardSummary | None = None
-        self.checkpoints: list[CheckpointRecord] = []
+        super().__init__(log=log, record_checkpoints=record_checkpoints, **guard_options)
         self._loss: torch.Tensor | None = None
         self._updating = False
 
