@@ -23,11 +23,15 @@ def build(state):
     model = torch.nn.Linear(8, 2)
     model.load_state_dict(state)
     model.eval()
-    delay = float(os.environ.get("TV_DEMO_DELAY", "0"))
+    # The killed run stalls after this many items, as a hung worker would, so the kill
+    # always lands half-way whatever the machine's load.
+    stall_after = int(os.environ.get("TV_DEMO_STALL_AFTER", "0"))
+    done = [0]
 
     def fn(item):
-        if delay:
-            time.sleep(delay)  # stands in for a real model's time per item
+        done[0] += 1
+        if stall_after and done[0] > stall_after:
+            time.sleep(3600)
         x = torch.frombuffer(bytearray(item.data[:32]), dtype=torch.float32).reshape(1, 8)
         with torch.no_grad():
             return model(x.nan_to_num()).numpy().tobytes()
@@ -74,7 +78,7 @@ def run(ctx: DemoContext) -> None:
             "subprocess and kill -9 it half-way:")
     args = ["batch", "run", "--inputs", str(inputs), "--model", "tvdemo_batch:build",
             "--weights", str(weights), "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(code), TV_DEMO_DELAY="0.01")
+    env = dict(os.environ, PYTHONPATH=str(code), TV_DEMO_STALL_AFTER=str(ITEMS // 2))
     killed_at = _start_and_kill_half_way(args, env, out)
     ctx.say(f"  $ torchverity {' '.join(args)}   # killed with SIGKILL")
     ctx.expect(0 < killed_at < ITEMS, f"the job died half-way ({killed_at} of {ITEMS} committed)")
