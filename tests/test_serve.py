@@ -35,6 +35,7 @@ import uvicorn
 import torchverity
 from torchverity.errors import IntegrityError, ServiceError
 from torchverity.serve import Client, ContentDigestMiddleware, create_app, format_digest
+from torchverity.serve._digest_fields import DEFER_MIN_BYTES, DEFERRED_DIGEST
 from torchverity.serve._problem import (
     BODY_TOO_LARGE,
     DIGEST_INVALID,
@@ -345,6 +346,116 @@ def test_streamed_body_is_hashed_as_it_arrives(echo_service: Service) -> None:
     problem(httpx.post(echo_service.url + "/echo", content=too_many,
                        headers={"Content-Digest": format_digest("sha-256", body)}),
             413, BODY_TOO_LARGE)
+
+
+# ------------------------------------------------ deferred checks: large bodies overlap parsing
+
+
+def large_request_body(rows: int = 12_000) -> bytes:
+    body = request_body(rows)
+    assert len(body) >= DEFER_MIN_BYTES  # takes the deferred path
+    return body
+
+
+def test_large_tampered_body_never_reaches_the_model(service: Service) -> None:
+    body = large_request_body()
+    position = body.index(b'"data": [') + 20
+    assert body[position:position + 1].isdigit()
+    flipped = body[:position] + bytes([body[position] ^ 1]) + body[position + 1:]  # a digit
+    not_json = body[:position] + b"x" + body[position + 1:]
+    calls = service.model.calls
+    for tampered in (flipped, not_json):
+        r = post(service.url, tampered, **{"Content-Digest": sha256_field(body)})
+        doc = problem(r, 400, DIGEST_MISMATCH)  # not 422: the digest decides first
+        assert doc["mismatching-digests"] == [{"algorithm": "sha-256", "header": "content-digest"}]
+        computed = base64.b64encode(hashlib.sha256(tampered).digest()).decode()
+        assert computed not in r.text and computed not in str(r.headers)
+        assert r.headers["content-digest"] == sha256_field(r.content)
+    sha512 = base64.b64encode(hashlib.sha512(flipped).digest()).decode()
+    both = f"sha-512=:{sha512}:, {sha256_field(body)}"  # one algorithm matches, one does not
+    doc = problem(post(service.url, flipped, **{"Content-Digest": both}), 400, DIGEST_MISMATCH)
+    assert [d["algorithm"] for d in doc["mismatching-digests"]] == ["sha-256"]
+    assert service.model.calls == calls  # the model never ran on a refused body
+
+
+def test_large_clean_body_is_answered_after_its_check(service: Service) -> None:
+    body = large_request_body()
+    calls = service.model.calls
+    r = post(service.url, body, **{"Content-Digest": sha256_field(body)})
+    assert r.status_code == 200, r.text
+    x = torch.tensor(json.loads(body)["inputs"][0]["data"]).reshape(-1, 4)
+    with torch.no_grad():
+        expected = service.model(x)
+    assert torch.equal(torch.tensor(r.json()["outputs"][0]["data"]).reshape(-1, 3), expected)
+    assert service.model.calls == calls + 2  # this request, then the reference above
+
+
+@pytest.fixture(scope="module")
+def deferred_service() -> Iterator[tuple[Service, list[str]]]:
+    """ContentDigestMiddleware(deferred=True) in a plain Starlette app. ``/effect`` records an
+    effect only after awaiting the check; ``/careless`` answers without checking at all."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    effects: list[str] = []
+
+    async def effect(request: Request) -> Response:
+        body = await request.body()
+        pending = request.scope.get(DEFERRED_DIGEST)
+        if pending is not None:
+            await pending.verified()  # raises the 400 problem on a mismatch
+        effects.append(f"{len(body)} bytes, {'deferred' if pending else 'checked first'}")
+        return Response(body, media_type="application/octet-stream")
+
+    async def careless(request: Request) -> Response:
+        effects.append("careless")
+        return Response(await request.body(), media_type="application/octet-stream")
+
+    app = Starlette(routes=[Route("/effect", effect, methods=["POST"]),
+                            Route("/careless", careless, methods=["POST"])])
+    app.add_middleware(ContentDigestMiddleware, policy="require", max_body=1 << 20,
+                       deferred=True)
+    svc = start(app)
+    yield svc, effects
+    svc.stop()
+
+
+def test_deferred_mode_gates_effects_on_the_check(
+    deferred_service: tuple[Service, list[str]]
+) -> None:
+    svc, effects = deferred_service
+    large, small = os.urandom(DEFER_MIN_BYTES * 3), os.urandom(1000)
+    for body in (large, small):
+        tampered = bytes([body[0] ^ 1]) + body[1:]
+        r = httpx.post(svc.url + "/effect", content=tampered,
+                       headers={"Content-Digest": format_digest("sha-256", body)})
+        problem(r, 400, DIGEST_MISMATCH)
+    assert effects == []  # neither reached an effect
+    for body in (large, small):
+        r = httpx.post(svc.url + "/effect", content=body,
+                       headers={"Content-Digest": format_digest("sha-512", body)})
+        assert r.status_code == 200 and r.content == body
+        assert r.headers["content-digest"] == format_digest("sha-256", body)
+    assert effects == [f"{len(large)} bytes, deferred", f"{len(small)} bytes, checked first"]
+    problem(httpx.post(svc.url + "/effect", content=large), 400, DIGEST_REQUIRED)
+
+
+def test_deferred_mode_holds_back_an_unchecked_answer(
+    deferred_service: tuple[Service, list[str]]
+) -> None:
+    svc, effects = deferred_service
+    done = len(effects)
+    body = os.urandom(DEFER_MIN_BYTES * 2)
+    tampered = body[:-1] + bytes([body[-1] ^ 0x80])  # one bit, in the last byte
+    r = httpx.post(svc.url + "/careless", content=tampered,
+                   headers={"Content-Digest": format_digest("sha-256", body)})
+    problem(r, 400, DIGEST_MISMATCH)  # the app's echo of the tampered body was dropped
+    assert tampered not in r.content and effects[done:] == ["careless"]
+    r = httpx.post(svc.url + "/careless", content=body,
+                   headers={"Content-Digest": format_digest("sha-256", body)})
+    assert r.status_code == 200 and r.content == body
 
 
 # ------------------------------------------------ the client checks the service

@@ -29,7 +29,9 @@ from torchverity._loader import import_callable
 from torchverity.errors import UsageError, require_extra
 from torchverity.serve._digest_fields import (
     DEFAULT_MAX_BODY,
+    DEFERRED_DIGEST,
     ContentDigestMiddleware,
+    DeferredDigest,
     Policy,
     verify_digest,
 )
@@ -198,8 +200,10 @@ def create_app(
     )
     state.startup_check()
     app = _build_app(state, recheck_interval)
+    # Deferred: /predict parses a large body while its digest is computed on
+    # another thread, and runs the model only once it matched (_answer).
     app.add_middleware(ContentDigestMiddleware, policy=digest_policy, max_body=max_body,
-                       response_algorithm=response_digest)
+                       response_algorithm=response_digest, deferred=True)
     app.add_middleware(FingerprintHeaderMiddleware, value=state.fingerprint_header)
     return app
 
@@ -345,7 +349,8 @@ def _add_routes(app: "FastAPI", state: ServiceState, runtime: _Runtime) -> None:
         # Parsing, inference and encoding run off the event loop, so /health and
         # /ready stay responsive under load.
         answer = await loop.run_in_executor(
-            runtime.ensure(), _answer, state, request.headers.get("content-type"), body)
+            runtime.ensure(), _answer, state, request.headers.get("content-type"), body,
+            request.scope.get(DEFERRED_DIGEST))
         return Response(answer, media_type="application/json")
 
 
@@ -381,10 +386,17 @@ def _metadata(state: ServiceState) -> dict[str, Any]:
     }
 
 
-def _answer(state: ServiceState, content_type: str | None, body: bytes) -> bytes:
-    """The whole prediction: parse, validate against the spec, run, encode."""
+def _answer(state: ServiceState, content_type: str | None, body: bytes,
+            pending: DeferredDigest | None) -> bytes:
+    """The whole prediction: parse, validate against the spec, run, encode.
+
+    ``pending`` is the body's digest check when the middleware deferred it:
+    parsing overlaps with it, the model runs only after it passed.
+    """
     doc = _parse_request(content_type, body)
     args = build_inputs(doc["inputs"], state.spec)
+    if pending is not None:
+        pending.check()
     outputs = _forward(state.model, args)
     return json.dumps({
         "model_name": state.name, "model_version": _version(state), "id": doc.get("id"),

@@ -21,16 +21,28 @@ supported algorithm is present (RFC 9530 lets a recipient pick).
 
 Responses carry ``Content-Digest`` computed over the body actually sent, in
 the algorithm the client prefers in ``Want-Content-Digest`` (or the default).
+
+``deferred=True`` (opt-in, used by the model service) overlaps the check with
+the application's own work: a large body (``DEFER_MIN_BYTES`` and up) is
+handed to the application while a worker thread hashes it (hashlib releases
+the GIL), and ``scope[DEFERRED_DIGEST]`` holds the pending check
+(:class:`DeferredDigest`). The application may parse the body meanwhile but
+must call ``check()`` (from a thread) or ``await verified()`` before anything
+with an effect; a mismatch raises the same 400 problem. Whatever the
+application does, its response is held until the check is done and replaced
+by the 400 problem when the digest does not match.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
 import hmac
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from torchverity.serve._problem import (
@@ -56,6 +68,11 @@ DEFAULT_MAX_BODY = 8 * 1024 * 1024
 # Large enough for any prediction; a bigger streamed response is passed on
 # without a digest rather than held in memory.
 MAX_DIGESTED_RESPONSE = 64 * 1024 * 1024
+# Deferred mode hashes smaller bodies inline: below this size a thread hand-off
+# costs more than it hides (and hashlib keeps the GIL under 2 KiB anyway).
+DEFER_MIN_BYTES = 64 * 1024
+# The scope key under which deferred mode leaves the pending check.
+DEFERRED_DIGEST = "torchverity.deferred_digest"
 
 Receive = Callable[[], Awaitable[Message]]
 ASGIApp = Callable[[Message, Receive, Send], Awaitable[None]]
@@ -303,6 +320,55 @@ def choose_algorithm(want: str | None, default: str | None) -> str | None:
 # ------------------------------------------------ the ASGI middleware
 
 
+class DeferredDigest:
+    """The pending check of a request body the application already received (deferred mode).
+
+    ``check()`` blocks until the worker thread has hashed the body and raises
+    the 400 :class:`ProblemError` when it does not match; ``await verified()``
+    does the same without blocking the event loop. Both may be called any
+    number of times.
+    """
+
+    def __init__(self, outcome: Future[Problem | None]) -> None:
+        self._outcome = outcome
+
+    def check(self) -> None:
+        _raise_if(self._outcome.result())
+
+    async def verified(self) -> None:
+        _raise_if(await asyncio.wrap_future(self._outcome))
+
+    def failed_with(self, exc: ProblemError) -> bool:
+        """Whether ``exc`` is this check's own failure."""
+        return self._outcome.done() and exc.problem is self._outcome.result()
+
+
+def _raise_if(problem: Problem | None) -> None:
+    if problem is not None:
+        raise ProblemError(problem)
+
+
+def _hash_and_compare(
+    body: bytes, expected: Mapping[str, bytes], started: Callable[[], object]
+) -> Problem | None:
+    """The worker-thread half of deferred mode: one update per algorithm over the whole body,
+    so the GIL is released for all of it."""
+    started()
+    hashers = new_hashers(expected)
+    for hasher in hashers.values():
+        hasher.update(body)
+    try:
+        check_digests("content-digest", expected, hashers)
+    except ProblemError as exc:
+        return exc.problem
+    return None
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # the request may have been cancelled meanwhile
+        future.set_result(None)
+
+
 class ContentDigestMiddleware:
     """Verify request ``Content-Digest`` and add one to every response.
 
@@ -311,6 +377,9 @@ class ContentDigestMiddleware:
     read). ``max_body`` bounds what is held: larger bodies get 413.
     ``response_algorithm`` is used when the client states no preference
     (``None``: add a digest only when asked with ``Want-Content-Digest``).
+    ``deferred``: hand large bodies to the application while their digest is
+    computed on a worker thread (see the module documentation); the default
+    keeps the application from seeing any body before it matched.
     """
 
     def __init__(
@@ -320,6 +389,7 @@ class ContentDigestMiddleware:
         policy: Policy = "verify-if-present",
         max_body: int = DEFAULT_MAX_BODY,
         response_algorithm: str | None = "sha-256",
+        deferred: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown digest policy {policy!r}; use one of {POLICIES}")
@@ -329,6 +399,8 @@ class ContentDigestMiddleware:
         self.policy = policy
         self.max_body = max_body
         self.response_algorithm = response_algorithm
+        self.deferred = deferred
+        self._pool: ThreadPoolExecutor | None = None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -339,26 +411,46 @@ class ContentDigestMiddleware:
         if scope.get("method") != "HEAD" and algorithm is not None:
             send = _DigestingSend(send, algorithm).send
         try:
-            body = await self._checked_body(headers, receive)
+            checked = await self._checked_body(headers, receive)
         except ProblemError as exc:
             await send_problem(send, exc.problem)
             return
-        if body is None:  # the client went away before sending everything
+        if checked is None:  # the client went away before sending everything
             return
-        await self.app(scope, _replay(body, receive), send)
+        chunks, pending = checked
+        if pending is None:
+            await self.app(scope, _replay(chunks, receive), send)
+            return
+        gate = _GatedSend(send, pending)
+        try:
+            await self.app({**scope, DEFERRED_DIGEST: pending}, _replay(chunks, receive),
+                           gate.send)
+        except ProblemError as exc:
+            # The application let the failed check escape (a plain Starlette app
+            # has no handler for it): it is ours to answer, not a server error.
+            if not pending.failed_with(exc):
+                raise
+            await gate.refuse(exc.problem)
 
     async def _checked_body(
         self, headers: Mapping[str, str], receive: Receive
-    ) -> list[bytes] | None:
+    ) -> tuple[list[bytes], DeferredDigest | None] | None:
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             raise _too_large(self.max_body)
         field = headers.get("content-digest") if self.policy != "ignore" else None
         expected = parse_digest_field(field) if field is not None else {}
         hashers = new_hashers(expected)
-        chunks = await _read_body(receive, hashers, self.max_body)
+        defer = self.deferred and bool(expected)
+        chunks = await _read_body(receive, {} if defer else hashers, self.max_body)
         if chunks is None:
             return None
+        if defer:
+            body = b"".join(chunks)
+            if len(body) >= DEFER_MIN_BYTES:
+                return [body], await self._start_check(body, expected)
+            for hasher in hashers.values():
+                hasher.update(body)
         if expected:
             check_digests("content-digest", expected, hashers)
         elif self.policy == "require" and any(chunks):
@@ -370,7 +462,21 @@ class ContentDigestMiddleware:
                     headers={"Want-Content-Digest": WANT_VALUE},
                 )
             )
-        return chunks
+        return chunks, None
+
+    async def _start_check(self, body: bytes, expected: Mapping[str, bytes]) -> DeferredDigest:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(2, thread_name_prefix="torchverity-digest")
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[None] = loop.create_future()
+
+        outcome = self._pool.submit(_hash_and_compare, body, expected,
+                                    lambda: loop.call_soon_threadsafe(_resolve, started))
+        # The application's JSON parsing holds the GIL for milliseconds at a
+        # time; it only overlaps with the hash if the worker is already inside
+        # hashlib (GIL released) when the application starts.
+        await started
+        return DeferredDigest(outcome)
 
 
 def _headers(scope: Message) -> dict[str, str]:
@@ -430,6 +536,35 @@ def _replay(chunks: list[bytes], receive: Receive) -> Receive:
         return {"type": "http.request", "body": chunk, "more_body": sent <= last}
 
     return replay
+
+
+class _GatedSend:
+    """Deferred mode: the application's response waits for the digest check; on a mismatch
+    the 400 problem goes out instead and the application's messages are dropped."""
+
+    def __init__(self, send: Send, pending: DeferredDigest) -> None:
+        self._send = send
+        self._pending = pending
+        self._started = False
+        self._refused = False
+
+    async def send(self, message: Message) -> None:
+        if self._refused:
+            return
+        if message["type"] == "http.response.start":
+            try:
+                await self._pending.verified()
+            except ProblemError as exc:
+                await self.refuse(exc.problem)
+                return
+            self._started = True
+        await self._send(message)
+
+    async def refuse(self, problem: Problem) -> None:
+        """Answer ``problem`` unless an answer already went out."""
+        if not (self._started or self._refused):
+            self._refused = True
+            await send_problem(self._send, problem)
 
 
 class _DigestingSend:
