@@ -9,7 +9,8 @@ with --quick), measured side by side in one run, interleaved, best of N:
   ``tensor.numpy().tobytes()`` recipe and within 1.2x of hashing the raw bytes
   (with the same hash: BLAKE3, the fingerprint's algorithm);
 - ``torchverity.load`` (sidecar digest + content fingerprint) within 1.3x of
-  plain ``torch.load``, with and without ``mmap=True``, sha256 and blake3 sidecars.
+  plain ``torch.load``, repeated in one process and once in a new process,
+  with xxh128, blake3 and sha256 sidecars.
 
 The report also states the floor each target meets: the bytes every verified
 operation must hash, divided by the hash speeds measured in the same run.
@@ -23,6 +24,7 @@ import hashlib
 import json
 import os
 import resource
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +36,7 @@ import torch
 
 import torchverity
 from _common import WORK, table, write_results
-from torchverity.digest import digest_file
+from torchverity.digest import digest_file, new_hasher
 
 MiB = 1 << 20
 COLUMNS = ("method", "wall s", "wall ratio", "user CPU s (all threads)", "user CPU ratio",
@@ -72,9 +74,9 @@ def raw_blake3(state: dict[str, torch.Tensor], threads: bool = True) -> str:
     return h.hexdigest()
 
 
-def save_then_hash(state: dict[str, torch.Tensor], path: Path) -> str:
+def save_then_hash(state: dict[str, torch.Tensor], path: Path, algo: str = "sha256") -> str:
     torch.save(state, path)
-    return digest_file(path).hexdigest
+    return digest_file(path, algo).hexdigest
 
 
 def save_fsync(state: dict[str, torch.Tensor], path: Path) -> None:
@@ -86,17 +88,39 @@ def save_fsync(state: dict[str, torch.Tensor], path: Path) -> None:
 
 SAVE_SHA = "torchverity.save (.pt, sha256 sidecar + fingerprint + meta.json, fsync)"
 SAVE_B3 = "torchverity.save (.pt, blake3 sidecar + fingerprint + meta.json, fsync)"
+SAVE_XX = "torchverity.save (.pt, xxh128 sidecar + fingerprint + meta.json, fsync)"
 REHASH = "torch.save then sha256 of the file (usual recipe)"
+REHASH_XX = "torch.save then xxh128 of the file"
 FP = "torchverity.fingerprint (exact, blake3 per tensor)"
 RAW_B3 = "blake3 of the raw bytes in place (1 pass, no names)"
 RAW_SHA = "sha256 of the raw bytes in place (1 pass, no names)"
 NUMPY = "numpy().tobytes() recipe (sha256)"
 LOAD = "torch.load(weights_only=True)"
-LOAD_SHA = "torchverity.load (.pt: sha256 sidecar, weights_only, fingerprint)"
-LOAD_B3 = "torchverity.load (.pt: blake3 sidecar, weights_only, fingerprint)"
+LOAD_SHA = "torchverity.load (.pt, sha256 sidecar)"
+LOAD_B3 = "torchverity.load (.pt, blake3 sidecar)"
+LOAD_XX = "torchverity.load (.pt, xxh128 sidecar)"
+LOAD_RECHECK = "torchverity.load(recheck_tensors=True) (.pt, xxh128 sidecar + blake3 fingerprint)"
 MMAP = "torch.load(weights_only=True, mmap=True)"
 MMAP_SHA = "torchverity.load(mmap=True) (.pt, sha256 sidecar)"
-MMAP_B3 = "torchverity.load(mmap=True) (.pt, blake3 sidecar)"
+MMAP_XX = "torchverity.load(mmap=True) (.pt, xxh128 sidecar)"
+ALGOS = {"sha256": "tv.pt", "blake3": "tv3.pt", "xxh128": "tvx.pt"}
+# One load in a new interpreter: what a training job's start-up sees (fresh memory
+# to fault in), where repeated loads in one process reuse the allocator's pages.
+FRESH = (
+    "import sys, time, torch, torchverity\n"
+    "kind, path = sys.argv[1], sys.argv[2]\n"
+    "load = (lambda: torch.load(path, weights_only=True)) if kind == 'torch' "
+    "else (lambda: torchverity.load(path))\n"
+    "start = time.perf_counter(); load(); print(time.perf_counter() - start)\n"
+)
+
+
+def raw_xxh128(state: dict[str, torch.Tensor]) -> str:
+    """One XXH3-128 pass (one core) over every tensor's bytes in place."""
+    h = new_hasher("xxh128")
+    for key in sorted(state):
+        h.update(memoryview(state[key].view(torch.uint8).numpy()))
+    return h.hexdigest()
 
 
 def hash_speeds(state: dict[str, torch.Tensor], repeat: int) -> dict[str, float]:
@@ -104,6 +128,7 @@ def hash_speeds(state: dict[str, torch.Tensor], repeat: int) -> dict[str, float]
     return {
         "sha256": min(_timed(lambda: raw_bytes(state)) for _ in range(repeat)),
         "blake3": min(_timed(lambda: raw_blake3(state)) for _ in range(repeat)),
+        "xxh128": min(_timed(lambda: raw_xxh128(state)) for _ in range(repeat)),
     }
 
 
@@ -119,25 +144,21 @@ def floors(size: int, speed: dict[str, float], save: dict[str, float],
     gbs = {a: size / t / 1e9 for a, t in speed.items()}
     load_budget = 1.3 * load[LOAD]
     save_budget = 1.10 * save["torch.save"]
+    passes = ", ".join(f"{a} {t:.3f} s ({gbs[a]:.2f} GB/s)" for a, t in speed.items())
+    out_of_reach = [a for a, t in speed.items() if t > load_budget - load[LOAD]]
     return (
         "\n## Floors: what the hashes alone cost here\n\n"
-        f"One pass over the {size // MiB} MiB: sha256 {speed['sha256']:.3f} s "
-        f"({gbs['sha256']:.2f} GB/s, one core: SHA-256 cannot be split), blake3 "
-        f"{speed['blake3']:.3f} s ({gbs['blake3']:.2f} GB/s, all cores).\n\n"
-        f"- Verified load must hash every byte of the file before unpickling and every "
-        f"loaded tensor after: at least one sha256 pass ({speed['sha256']:.3f} s) or two "
-        f"blake3 passes ({2 * speed['blake3']:.3f} s) on top of torch.load, against a "
-        f"budget of 1.3 x torch.load = {load_budget:.3f} s in total. "
-        + ("Out of reach with SHA-256 on this machine. " if speed["sha256"] > load_budget
-           else "") +
-        ("Out of reach with BLAKE3 too: torch.load copies from the page cache faster "
-         "than any cryptographic hash reads. " if 2 * speed["blake3"] + load[LOAD] > load_budget
-         else "")
-        + "\n"
-        f"- Verified save hashes the written bytes and the tensors (two passes) beside "
-        f"torch.save: with free cores they overlap it; the 1.10x budget is "
-        f"{save_budget:.3f} s, a sha256 file digest alone takes {speed['sha256']:.3f} s "
-        "on its core.\n")
+        f"One pass over the {size // MiB} MiB: {passes}. SHA-256 and XXH3 run on one core "
+        "(a stream cannot be split), BLAKE3 on all.\n\n"
+        f"- The load budget is 1.3 x torch.load = {load_budget:.3f} s, so a verified load "
+        f"may spend {load_budget - load[LOAD]:.3f} s beyond torch.load's own copy; one pass "
+        f"of {', '.join(out_of_reach) or 'no hash'} alone costs more than that here. A "
+        "verified load reads the file once and hashes it on the other core while torch "
+        "copies it, so what remains is the part of the hash the copy does not hide.\n"
+        f"- The save budget is 1.10 x torch.save = {save_budget:.3f} s; save runs the file "
+        "digest and the per-tensor BLAKE3 fingerprint on two threads beside torch.save's "
+        f"single-threaded write, and fsyncs (torch.save + fsync alone: "
+        f"{save['torch.save + fsync']:.3f} s).\n")
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -174,6 +195,48 @@ def ratio_rows(times: dict[str, float], cpu: dict[str, tuple[float, float]],
             for name, t in times.items()]
 
 
+def fresh_loads(paths: dict[str, Path], repeat: int) -> dict[str, float]:
+    """Best time of one load per new interpreter, kinds interleaved."""
+    best = dict.fromkeys(paths, float("inf"))
+    for _ in range(repeat):
+        for kind, path in paths.items():
+            out = subprocess.run([sys.executable, "-c", FRESH, kind.split(":")[0], str(path)],
+                                 check=True, capture_output=True, text=True).stdout
+            best[kind] = min(best[kind], float(out.split()[-1]))
+    return best
+
+
+def save_section(save: dict[str, float], cpu: dict[str, tuple[float, float]], gib: str) -> str:
+    base = save["torch.save"]
+    ratios = ", ".join(f"{a} {save[name] / base:.2f}x" for a, name in
+                       (("xxh128", SAVE_XX), ("blake3", SAVE_B3), ("sha256", SAVE_SHA)))
+    return (f"## Save ({gib})\n\n" + table(COLUMNS, ratio_rows(save, cpu, "torch.save"))
+            + f"\ntorchverity.save / torch.save by sidecar algorithm: {ratios} (target <= "
+            f"1.10x). Against save-then-rehash with the same hash: sha256 "
+            f"{save[SAVE_SHA] / save[REHASH]:.2f}x, xxh128 {save[SAVE_XX] / save[REHASH_XX]:.2f}x "
+            "(target < 1). torchverity.save also fsyncs the file and folder, which plain "
+            "torch.save does not; 'torch.save + fsync' shows that cost alone.\n")
+
+
+def load_section(load: dict[str, float], fresh: dict[str, float],
+                 cpu: dict[str, tuple[float, float]], gib: str) -> str:
+    body = (f"## Load ({gib})\n\n### Repeated loads in one process\n\n"
+            + table(COLUMNS, ratio_rows(load, cpu, LOAD)))
+    body += ("\n### One load in a new process (what a job's start-up sees)\n\n"
+             + table(("load", "wall s", "ratio"), [
+                 (k.split(":", 1)[1], f"{t:.3f}", f"{t / fresh['torch:' + LOAD]:.2f}x")
+                 for k, t in fresh.items()]))
+    same = ", ".join(f"{a} {load[n] / load[LOAD]:.2f}x" for a, n in
+                     (("xxh128", LOAD_XX), ("blake3", LOAD_B3), ("sha256", LOAD_SHA)))
+    new = ", ".join(f"{k.split(':', 1)[1]} {t / fresh['torch:' + LOAD]:.2f}x"
+                    for k, t in fresh.items() if not k.startswith("torch:"))
+    return body + (
+        f"\ntorchverity.load / torch.load (target <= 1.3x), repeated in one process: {same}; "
+        f"one load in a new process: {new}. With mmap=True torch.load reads nothing until "
+        "a tensor is used, so the verified mmap load (one hash pass, before anything is "
+        "mapped) is compared with the default torch.load above.\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="256 MiB instead of 1 GiB")
@@ -189,12 +252,14 @@ def main() -> None:
 
     save = interleaved({
         "torch.save": lambda: torch.save(state, work / "plain.pt"),
-        SAVE_SHA: lambda: torchverity.save(state, work / "tv.pt"),
-        SAVE_B3: lambda: torchverity.save(state, work / "tv3.pt", algo="blake3"),
-        "torchverity.save (.safetensors, sha256 sidecar)":
-            lambda: torchverity.save(state, work / "tv.safetensors"),
         "torch.save + fsync": lambda: save_fsync(state, work / "fsync.pt"),
+        SAVE_XX: lambda: torchverity.save(state, work / ALGOS["xxh128"], algo="xxh128"),
+        SAVE_B3: lambda: torchverity.save(state, work / ALGOS["blake3"], algo="blake3"),
+        SAVE_SHA: lambda: torchverity.save(state, work / ALGOS["sha256"]),
+        "torchverity.save (.safetensors, xxh128 sidecar)":
+            lambda: torchverity.save(state, work / "tvx.safetensors", algo="xxh128"),
         REHASH: lambda: save_then_hash(state, work / "rehash.pt"),
+        REHASH_XX: lambda: save_then_hash(state, work / "rehashx.pt", "xxh128"),
     }, args.repeat, cpu)
     fp = interleaved({
         FP: lambda: torchverity.fingerprint(state),
@@ -204,82 +269,76 @@ def main() -> None:
         RAW_SHA: lambda: raw_bytes(state),
         NUMPY: lambda: numpy_recipe(state),
     }, args.repeat, cpu)
+    speed = hash_speeds(state, args.repeat)
+    state.clear()  # loads below allocate their own GiB
+    gc.collect()
     load = interleaved({
         LOAD: lambda: torch.load(work / "plain.pt", weights_only=True),
-        LOAD_SHA: lambda: torchverity.load(work / "tv.pt"),
-        LOAD_B3: lambda: torchverity.load(work / "tv3.pt"),
-        "torchverity.load (.safetensors, sha256 sidecar: one read, both hashes)":
-            lambda: torchverity.load(work / "tv.safetensors"),
+        LOAD_XX: lambda: torchverity.load(work / ALGOS["xxh128"]),
+        LOAD_B3: lambda: torchverity.load(work / ALGOS["blake3"]),
+        LOAD_SHA: lambda: torchverity.load(work / ALGOS["sha256"]),
+        LOAD_RECHECK: lambda: torchverity.load(work / ALGOS["xxh128"], recheck_tensors=True),
+        "torchverity.load (.safetensors, xxh128 sidecar)":
+            lambda: torchverity.load(work / "tvx.safetensors"),
         "torch.load then sha256 of the file (usual recipe)":
             lambda: (digest_file(work / "plain.pt"), torch.load(work / "plain.pt",
                                                                 weights_only=True)),
         MMAP: lambda: torch.load(work / "plain.pt", weights_only=True, mmap=True),
-        MMAP_SHA: lambda: torchverity.load(work / "tv.pt", mmap=True),
-        MMAP_B3: lambda: torchverity.load(work / "tv3.pt", mmap=True),
+        MMAP_XX: lambda: torchverity.load(work / ALGOS["xxh128"], mmap=True),
+        MMAP_SHA: lambda: torchverity.load(work / ALGOS["sha256"], mmap=True),
     }, args.repeat, cpu)
-    speed = hash_speeds(state, args.repeat)
+    fresh = fresh_loads({"torch:" + LOAD: work / "plain.pt",
+                         "tv:" + LOAD_XX: work / ALGOS["xxh128"],
+                         "tv:" + LOAD_B3: work / ALGOS["blake3"]}, args.repeat)
     load_after = os.getloadavg()[0]
 
-    tv_save = save[SAVE_SHA]
-    tv_fp = fp[FP]
-    tv_load = load[LOAD_SHA]
-    body = (f"State: {len(state)} float32 tensors, {gib} in total. Page cache warm. "
+    body = (f"State: 64 float32 tensors, {gib} in total. Page cache warm. "
             f"Load average {load_before:.1f} before, {load_after:.1f} after "
             f"(2 cores shared with other jobs: absolute times are noisy, ratios less so).\n\n")
-    body += f"## Save ({gib})\n\n" + table(COLUMNS, ratio_rows(save, cpu, "torch.save"))
-    body += (f"\ntorchverity.save / torch.save = {tv_save / save['torch.save']:.2f}x with a "
-             f"sha256 sidecar, {save[SAVE_B3] / save['torch.save']:.2f}x with blake3 "
-             f"(target <= 1.10x); vs save-then-rehash = {tv_save / save[REHASH]:.2f}x "
-             "(target < 1). torchverity.save also fsyncs the file and folder, which plain "
-             "torch.save does not; 'torch.save + fsync' shows that cost alone.\n")
+    body += save_section(save, cpu, gib)
     body += f"\n## Fingerprint ({gib})\n\n" + table(COLUMNS, ratio_rows(fp, cpu, FP))
-    body += (f"\nnumpy recipe / fingerprint = {fp[NUMPY] / tv_fp:.2f}x (target >= 2x); "
-             f"fingerprint / blake3 of the raw bytes = {tv_fp / fp[RAW_B3]:.2f}x "
+    body += (f"\nnumpy recipe / fingerprint = {fp[NUMPY] / fp[FP]:.2f}x (target >= 2x); "
+             f"fingerprint / blake3 of the raw bytes = {fp[FP] / fp[RAW_B3]:.2f}x "
              f"(target <= 1.2x); fingerprint / sha256 of the raw bytes = "
-             f"{tv_fp / fp[RAW_SHA]:.2f}x. The recipe also crashes on bfloat16 tensors.\n")
-    body += f"\n## Load ({gib})\n\n" + table(COLUMNS, ratio_rows(load, cpu, LOAD))
-    body += "\nSide by side (wall s, ratio to the plain torch.load of the same row):\n\n"
-    body += table(("load", "torch.load", "torchverity.load, sha256 sidecar",
-                   "torchverity.load, blake3 sidecar"), [
-        ("default (copy into memory)", f"{load[LOAD]:.3f}",
-         f"{load[LOAD_SHA]:.3f} ({load[LOAD_SHA] / load[LOAD]:.2f}x)",
-         f"{load[LOAD_B3]:.3f} ({load[LOAD_B3] / load[LOAD]:.2f}x)"),
-        ("mmap=True", f"{load[MMAP]:.3f}",
-         f"{load[MMAP_SHA]:.3f} ({load[MMAP_SHA] / load[MMAP]:.1f}x)",
-         f"{load[MMAP_B3]:.3f} ({load[MMAP_B3] / load[MMAP]:.1f}x)"),
-    ])
-    body += (f"\ntorchverity.load / torch.load = {tv_load / load[LOAD]:.2f}x with a sha256 "
-             f"sidecar, {load[LOAD_B3] / load[LOAD]:.2f}x with blake3 (target <= 1.3x). "
-             f"With mmap=True: {load[MMAP_SHA] / load[MMAP]:.1f}x (sha256), "
-             f"{load[MMAP_B3] / load[MMAP]:.1f}x (blake3) of a torch.load(mmap=True) that "
-             "reads nothing yet.\n")
+             f"{fp[FP] / fp[RAW_SHA]:.2f}x. The recipe also crashes on bfloat16 tensors.\n\n")
+    body += load_section(load, fresh, cpu, gib)
     body += floors(size, speed, save, load)
-    body += (
-        "\n## Reading these numbers\n\n"
-        "`torchverity.save` writes once and runs two hash passes over the data: the file "
-        "digest (the sidecar's algorithm), fed from the write stream on its own thread "
-        "behind the writes, and the per-tensor BLAKE3 fingerprint, from memory on a third "
-        "thread; it never re-reads the file. Plain `torch.save` only writes. The user CPU "
-        "column shows that work: when both cores are free the hashes overlap the write and "
-        "the wall ratio falls below the CPU ratio; on a machine shared with other jobs "
-        "(load average above 2) every thread waits for a core and the wall ratio tends to "
-        "the CPU ratio. System CPU and the wall time of every save are dominated by the "
-        "page cache: writing 1 GiB costs 0.3 to 2 s of kernel time depending on how many "
-        "dirty pages other jobs hold (ext4 here), and torchverity.save's fsync makes the "
-        "disk write happen inside its timing, where plain torch.save leaves it to the "
-        "kernel's writeback afterwards. `load` hashes the file before unpickling and the "
-        "loaded tensors after, "
-        "against a `torch.load` that is a copy from the page cache (or, with mmap=True, "
-        "reads nothing until used). The fastest verified configuration is a blake3 "
-        "sidecar: `torchverity.save(obj, path, algo=\"blake3\")`; `load` picks the "
-        "algorithm from the sidecar.\n")
+    body += READING
     cmd = ("python benchmarks/bench_checkpoint.py" + (" --quick" if args.quick else "")
            + (f" --repeat {args.repeat}" if args.repeat != 3 else ""))
     print(write_results("checkpoint", "Checkpoints: save, load, fingerprint", cmd, body)
           .read_text())
-    print(json.dumps({"save": save, "fingerprint": fp, "load": load}, indent=1))
+    print(json.dumps({"save": save, "fingerprint": fp, "load": load, "fresh": fresh}, indent=1))
     for p in work.iterdir():
         p.unlink()
+
+
+READING = (
+    "\n## Reading these numbers\n\n"
+    "`torchverity.save` writes once and runs two hash passes over the data: the file "
+    "digest (the sidecar's algorithm), fed from the write stream on its own thread "
+    "behind the writes, and the per-tensor BLAKE3 fingerprint, from memory on a third "
+    "thread; it never re-reads the file. Plain `torch.save` only writes. The user CPU "
+    "column shows that work: when both cores are free the hashes overlap the write and "
+    "the wall ratio falls below the CPU ratio; on a machine shared with other jobs "
+    "every thread waits for a core and the wall ratio tends to the CPU ratio. "
+    "torchverity.save's fsync makes the disk write happen inside its timing, where plain "
+    "torch.save leaves it to the kernel's writeback afterwards.\n\n"
+    "`torchverity.load` reads the file once: torch.load reads it through a file object "
+    "that hashes every byte in file order on a second thread, chunk by chunk, while "
+    "torch copies the next chunk into the tensor's memory (the weights_only unpickler "
+    "runs no code, and nothing is returned before the digest matches). The digest it "
+    "checks is the one meta.json recorded beside the content fingerprint at save time, "
+    "so it vouches for the fingerprint too; `recheck_tensors=True` hashes the loaded "
+    "tensors again (BLAKE3), the row that shows that second pass. Full-pickle and "
+    "mmap loads hash the file before torch reads it.\n\n"
+    "Which sidecar: XXH3-128 (`algo=\"xxh128\"`) is a 128-bit non-cryptographic hash: "
+    "it catches accidental damage (disk, copy, truncated download) as surely as SHA-256 "
+    "does, at several times BLAKE3's speed, and a sidecar stored beside its file protects "
+    "against nothing more, since whoever can rewrite the file can rewrite the sidecar. "
+    "Use SHA-256 (the default; `sha256sum -c` and published hashes) or BLAKE3 when the "
+    "digest comes from a trusted channel or must match a published one; the content "
+    "fingerprint is BLAKE3 whatever the sidecar.\n")
 
 
 if __name__ == "__main__":

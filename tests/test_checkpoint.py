@@ -188,6 +188,28 @@ def test_flip_in_tensor_data_names_the_tensor(saved: tuple[Path, dict[str, torch
     assert "torchverity diff" in (info.value.hint or "")
 
 
+@pytest.mark.parametrize("algo", ["xxh128", "blake3"])
+@pytest.mark.parametrize("suffix", ["pt", "safetensors"])
+def test_one_pass_load_refuses_flips_with_every_sidecar_algorithm(
+        tmp_path: Path, algo: str, suffix: str) -> None:
+    path, state = tmp_path / f"m.{suffix}", _state()
+    torchverity.save(state, path, algo=algo)
+    _, report = torchverity.load(path, with_report=True, sidecar="require")
+    assert (report.algo, report.fingerprint_check, report.verified) == (algo, "bound", True)
+    good = path.read_bytes()
+    weight = good.index(state["layer.weight"].numpy().tobytes()[:64]) + 16
+    # In a tensor (named), in the container's first bytes, in the pickle or header.
+    for offset, named in ((weight, ["layer.weight"]), (3, None), (len(good) - 40, None),
+                          (100, None)):
+        _flip(path, offset, 2)
+        with pytest.raises(IntegrityError, match=f"{algo} digest does not match") as info:
+            torchverity.load(path)
+        if named:
+            assert info.value.tensors == named
+        path.write_bytes(good)
+    assert _equal(torchverity.load(path), state)
+
+
 def test_meta_digest_catches_damage_without_sidecar(
     saved: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:
@@ -250,8 +272,43 @@ def test_old_sha256_fingerprint_records_still_verify(tmp_path: Path) -> None:
     meta["fingerprint"] = torchverity.fingerprint(other, mode="sha256").to_dict()
     mp.write_text(json.dumps(meta))
     with pytest.raises(IntegrityError) as info:
+        torchverity.load(path, recheck_tensors=True)
+    assert info.value.tensors == ["emb"]
+
+
+def test_file_digest_vouches_for_the_fingerprint_only_when_meta_recorded_it(
+        tmp_path: Path) -> None:
+    path, state = tmp_path / "m.pt", _state()
+    torchverity.save(state, path, algo="xxh128")
+    _, report = torchverity.load(path, with_report=True, sidecar="require")
+    assert (report.algo, report.fingerprint_check, report.verified) == ("xxh128", "bound", True)
+    _, report = torchverity.load(path, with_report=True, recheck_tensors=True)
+    assert report.fingerprint_check == "rehashed"
+    # Changed tensors with a sidecar re-written to match: the digest no longer
+    # is the one meta.json recorded, so the tensors are hashed and the change named.
+    state["emb"][1, 2] += 1
+    torch.save(state, path)
+    (tmp_path / "m.pt.xxh128").write_text(
+        f"{torchverity.digest.digest_file(path, 'xxh128').hexdigest}  m.pt\n")
+    mp = tmp_path / "m.pt.meta.json"
+    meta = json.loads(mp.read_text())
+    meta.pop("digest")
+    mp.write_text(json.dumps(meta))
+    with pytest.raises(IntegrityError) as info:
         torchverity.load(path)
     assert info.value.tensors == ["emb"]
+
+
+def test_bound_load_still_checks_names_shapes_and_values(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torchverity.save({"w": torch.ones(2, 3), "epoch": 3}, path, algo="xxh128")
+    mp = tmp_path / "m.pt.meta.json"
+    meta = json.loads(mp.read_text())
+    meta["fingerprint"] = torchverity.fingerprint({"w": torch.ones(3, 2), "epoch": 4}).to_dict()
+    mp.write_text(json.dumps(meta))
+    with pytest.raises(IntegrityError, match=r"2 tensor\(s\) differ: epoch, w") as info:
+        torchverity.load(path)
+    assert "expected int[] digest" in str(info.value)
 
 
 def test_resave_with_another_algorithm_drops_the_stale_sidecar(tmp_path: Path) -> None:

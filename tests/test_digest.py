@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 from pathlib import Path
 
 import blake3
 import pytest
+import xxhash
 
 from torchverity.digest import (
     READ_SIZE,
@@ -28,22 +30,37 @@ def data_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("algo", ["sha256", "blake3"])
+def _reference(algo: str, data: bytes) -> str:
+    if algo == "xxh128":
+        return xxhash.xxh3_128(data).hexdigest()
+    return (hashlib.sha256(data) if algo == "sha256" else blake3.blake3(data)).hexdigest()
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake3", "xxh128"])
 def test_digest_matches_reference_implementations(data_file: Path, algo: str) -> None:
     data = data_file.read_bytes()
-    expected = (
-        hashlib.sha256(data).hexdigest() if algo == "sha256" else blake3.blake3(data).hexdigest()
-    )
     got = digest_file(data_file, algo)
-    assert (got.hexdigest, got.size, got.algo) == (expected, len(data), algo)
+    assert (got.hexdigest, got.size, got.algo) == (_reference(algo, data), len(data), algo)
 
 
-@pytest.mark.parametrize("algo", ["sha256", "blake3"])
+@pytest.mark.parametrize("algo", ["sha256", "blake3", "xxh128"])
 def test_empty_file_digest(tmp_path: Path, algo: str) -> None:
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
-    ref = hashlib.sha256(b"") if algo == "sha256" else blake3.blake3(b"")
-    assert digest_file(empty, algo).hexdigest == ref.hexdigest()
+    assert digest_file(empty, algo).hexdigest == _reference(algo, b"")
+
+
+def test_xxh128_is_the_canonical_form_xxh128sum_prints(tmp_path: Path) -> None:
+    # Printed by xxh128sum (xxHash 0.8) for this content: byte order is part of the format.
+    path = tmp_path / "hello.bin"
+    path.write_bytes(b"hello" * 100_000)
+    assert digest_file(path, "xxh128").hexdigest == "c8e019839f20d918089c4491cab68cb4"
+    sidecar = write_sidecar(path, digest_file(path, "xxh128"))
+    assert sidecar.name == "hello.bin.xxh128"
+    assert read_sidecar(sidecar) == ("xxh128", "c8e019839f20d918089c4491cab68cb4", "hello.bin")
+    if shutil.which("xxh128sum"):
+        ok = subprocess.run(["xxh128sum", "-c", sidecar.name], cwd=tmp_path, capture_output=True)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
 
 
 def test_parallel_digests_equal_serial(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ writes ``FILE.sha256`` (a ``sha256sum`` line) and ``FILE.meta.json`` (versions,
 seed, data digest, fingerprint, keys/shapes/dtypes and the caller's metadata;
 see ``docs/formats/checkpoint.md``).
 
-``load`` checks the file digest before anything is unpickled, loads with
+``load`` checks the file digest as it reads the file (once), loads with
 ``weights_only=True``, compares the content fingerprint with meta.json and,
 given a model, checks keys, shapes and dtypes all at once. It never falls back
 to ``weights_only=False``: full pickles load only when the caller names the
@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 
 from torchverity import _safetensors as st
+from torchverity._hashing_reader import HashingReader
 from torchverity.digest import (
     ALGORITHMS,
     DEFAULT_ALGO,
@@ -73,6 +74,7 @@ from torchverity.fingerprint import (
     fingerprint_file,
     from_entries,
     iter_leaves,
+    layout,
     tensor_hasher,
 )
 
@@ -121,6 +123,9 @@ class LoadReport:
     model_checked: bool = False
     shards: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    # "rehashed": the loaded tensors were hashed and compared with meta.json;
+    # "bound": the verified file digest is the one meta.json recorded with it.
+    fingerprint_check: str | None = None
 
     @property
     def verified(self) -> bool:
@@ -621,12 +626,17 @@ def load(
     trust_sha256: str | None = None,
     with_report: bool = False,
     mmap: bool = False,
+    recheck_tensors: bool = False,
 ) -> Any:
     """Load a checkpoint (file or HF-style sharded folder) after verifying it.
 
     Returns the object, or ``(obj, LoadReport)`` with ``with_report=True``.
     With ``model`` the state is checked against it (all problems at once) and
-    loaded into it.
+    loaded into it. The file is hashed as it is read (one pass); when its
+    digest is the one meta.json recorded with the fingerprint, that digest
+    vouches for the content and the tensors are not hashed a second time:
+    ``recheck_tensors=True`` hashes them anyway, which also catches a fault in
+    this machine's memory during the load.
     """
     if sidecar not in ("warn", "require", "ignore"):
         raise UsageError(f"unknown sidecar policy '{sidecar}'", hint="use warn, require or ignore")
@@ -636,7 +646,7 @@ def load(
 
         obj, report = load_sharded(p, map_location=map_location, sidecar=sidecar, mmap=mmap)
     else:
-        obj, report = _load_file(p, map_location, sidecar, trust_sha256, mmap)
+        obj, report = _load_file(p, map_location, sidecar, trust_sha256, mmap, recheck_tensors)
     if model is not None:
         check_against_model(obj, model, p)
         report = _replace(report, model_checked=True)
@@ -652,7 +662,7 @@ def _replace(report: LoadReport, **changes: Any) -> LoadReport:
 
 
 def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: str | None,
-               mmap: bool) -> tuple[Any, LoadReport]:
+               mmap: bool, recheck_tensors: bool = False) -> tuple[Any, LoadReport]:
     notes = []
     expected: tuple[str, str, str] | None
     pending = _pending_records(p) if policy != "ignore" else None
@@ -673,21 +683,22 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
         notes.append(f"{p}: no sidecar: the file's bytes were not verified "
                      f"(write one with: torchverity hash --write {p})")
     full_pickle = _trusted(p, trust_sha256)
+    bound = _digest_binds_fingerprint(expected, meta) and not recheck_tensors
     if fmt == "safetensors":
-        obj, digest, fp = _read_safetensors(p, expected, meta)
+        obj, digest, fp = _read_safetensors(p, expected, meta, hash_tensors=not bound)
         if map_location not in (None, "cpu", torch.device("cpu")):
             obj = {k: v.to(map_location) for k, v in obj.items()}
     else:
-        digest = _check_digest(p, expected, meta)
-        obj = _torch_load(p, fmt, map_location, full_pickle, mmap and fmt == "pt")
+        obj, digest = _load_pt(p, fmt, expected, meta, map_location, full_pickle, mmap)
         fp = None
-    fp_root = _check_fingerprint(p, obj, meta, fp)
+    fp_root = _check_fingerprint(p, obj, meta, fp, bound)
     if fp_root is None and policy == "warn":
         notes.append(f"{p}: no meta.json: the content fingerprint was not verified")
     report = LoadReport(
         path=os.fspath(p), format=fmt, algo=expected[0] if expected else None,
         digest=digest, digest_source=expected[2] if expected else None, fingerprint=fp_root,
         fingerprint_verified=fp_root is not None, sidecar_policy=policy,
+        fingerprint_check=None if fp_root is None else "bound" if bound else "rehashed",
         weights_only=not full_pickle, tensors=_count_tensors(obj), warnings=tuple(notes),
     )
     return obj, report
@@ -816,20 +827,61 @@ def _trusted(p: Path, trust_sha256: str | None) -> bool:
     return True
 
 
+def _load_pt(p: Path, fmt: FileFormat, expected: tuple[str, str, str] | None,
+             meta: Mapping[str, Any] | None, map_location: Any, full_pickle: bool,
+             mmap: bool) -> tuple[Any, str | None]:
+    if expected is not None and fmt == "pt" and not (full_pickle or mmap):
+        return _load_while_hashing(p, expected, meta, map_location)
+    # A full pickle may run code: its bytes are verified before anything is unpickled.
+    digest = _check_digest(p, expected, meta)
+    return _torch_load(p, fmt, map_location, full_pickle, mmap and fmt == "pt"), digest
+
+
+def _load_while_hashing(p: Path, expected: tuple[str, str, str],
+                        meta: Mapping[str, Any] | None, map_location: Any) -> tuple[Any, str]:
+    """One pass over the file: torch.load reads it through a reader that hashes it.
+
+    The weights_only unpickler runs no code from the file, so it may read the
+    bytes before their digest is known; nothing is returned unless it matches,
+    and a file that fails to load is reported as damaged when its digest differs.
+    """
+    failure: Exception | None = None
+    obj: Any = None
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load") as pool:
+        reader = HashingReader(p, new_hasher(expected[0], threads=True), pool)
+        try:
+            obj = torch.load(reader, map_location=map_location,  # type: ignore[arg-type]
+                             weights_only=True)
+        except Exception as exc:  # judged below, once the digest says whether it is damage
+            failure = exc
+        finally:
+            actual = reader.hexdigest()
+            reader.close()
+    if actual != expected[1]:
+        raise _digest_mismatch(p, expected, actual, _locate_pt_damage(p, meta))
+    if failure is not None:
+        raise _load_failure(p, "pt", failure) from None
+    return obj, actual
+
+
 def _torch_load(p: Path, fmt: FileFormat, map_location: Any, full_pickle: bool,
                 mmap: bool) -> Any:
+    try:
+        return torch.load(p, map_location=map_location, weights_only=not full_pickle, mmap=mmap)
+    except Exception as exc:
+        raise _load_failure(p, fmt, exc) from None
+
+
+def _load_failure(p: Path, fmt: FileFormat, exc: Exception) -> Exception:
     import zipfile
 
     if fmt == "pt" and not zipfile.is_zipfile(p):
-        raise FormatError(
+        return FormatError(
             f"{p}: damaged or truncated PyTorch zip archive (its central directory, written "
             "last, is missing: the save was interrupted or the copy is partial)", path=p,
             hint=f"restore a good copy; torchverity verify {p} checks it against its sidecar",
         )
-    try:
-        return torch.load(p, map_location=map_location, weights_only=not full_pickle, mmap=mmap)
-    except Exception as exc:
-        raise _explained_load_error(p, exc) from None
+    return _explained_load_error(p, exc)
 
 
 def _explained_load_error(p: Path, exc: Exception) -> Exception:
@@ -853,64 +905,109 @@ def _explained_load_error(p: Path, exc: Exception) -> Exception:
 
 
 def _read_safetensors(p: Path, expected: tuple[str, str, str] | None,
-                      meta: Mapping[str, Any] | None,
-                      ) -> tuple[dict[str, torch.Tensor], str | None, Fingerprint]:
-    """One pass: read tensors into place while hashing the file and each tensor."""
+                      meta: Mapping[str, Any] | None, hash_tensors: bool = True,
+                      ) -> tuple[dict[str, torch.Tensor], str | None, Fingerprint | None]:
+    """One pass: read tensors into place while hashing the file and (``hash_tensors``) each tensor.
+
+    Without meta.json there is no fingerprint to compare with, so none is computed.
+    """
     try:
         header = st.read_header(p)
     except FormatError:
         _check_digest(p, expected, None)  # a damaged header is reported as damage
         raise
     file_hasher = new_hasher(expected[0]) if expected else None
-    algo = _exact_algo(_meta_fingerprint(meta, meta_path_for(p))) if meta else EXACT
+    recorded = _meta_fingerprint(meta, meta_path_for(p)) if meta else None
+    algo = _exact_algo(recorded) if recorded else EXACT
     tensor_hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape, algo)
-                      for e in header.entries}
+                      for e in header.entries} if hash_tensors and recorded else {}
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load") as pool:
         pending: list[Future[Any]] = []
 
         def feed(name: str, chunk: memoryview) -> None:
-            # The file digest runs beside the tensor digest: two cores, one read.
-            if file_hasher is not None:
-                pending.append(pool.submit(file_hasher.update, chunk))
-            if name:
-                tensor_hashers[name].update(chunk)
+            # The file digest of a chunk runs on the pool while this thread hashes
+            # the tensor and reads the next chunk: two cores, one read. A chunk's
+            # view keeps its tensor alive until the pool is done with it.
             for f in pending:
                 f.result()
             pending.clear()
+            if file_hasher is not None:
+                pending.append(pool.submit(file_hasher.update, chunk))
+            if name and tensor_hashers:
+                tensor_hashers[name].update(chunk)
 
         tensors = st.read_tensors(p, header, feed)
+        for f in pending:
+            f.result()
     fp = from_entries(algo, [
         TensorDigest(e.name, dtype_name(e.dtype), e.shape, tensor_hashers[e.name].hexdigest())
         for e in header.entries
-    ])
+    ]) if tensor_hashers else None
     digest = file_hasher.hexdigest() if file_hasher else None
     if expected is not None and digest != expected[1]:
-        damaged = _meta_fingerprint(meta, meta_path_for(p)).differing(fp) if meta else []
+        damaged = (recorded.differing(fp) if recorded and fp
+                   else _locate_pt_damage(p, meta))
         raise _digest_mismatch(p, expected, str(digest), damaged)
     return tensors, digest, fp
 
 
+def _digest_binds_fingerprint(expected: tuple[str, str, str] | None,
+                              meta: Mapping[str, Any] | None) -> bool:
+    """Whether the verified file digest is the one meta.json recorded beside its fingerprint.
+
+    ``save`` computes both from the same tensors in one call, so bytes that
+    match that digest are the bytes the fingerprint describes: hashing the
+    loaded tensors again would only catch a fault in this machine's memory
+    during the load (``recheck_tensors=True`` asks for that).
+    """
+    if expected is None or meta is None:
+        return False
+    recorded = meta.get("digest")
+    return (isinstance(recorded, dict) and recorded.get("algo") == expected[0]
+            and recorded.get("hex") == expected[1])
+
+
 def _check_fingerprint(p: Path, obj: Any, meta: Mapping[str, Any] | None,
-                       computed: Fingerprint | None) -> str | None:
+                       computed: Fingerprint | None, bound: bool = False) -> str | None:
     if meta is None:
         return None
     recorded = _meta_fingerprint(meta, meta_path_for(p))
+    if bound and computed is None:
+        _check_layout(p, obj, recorded)
+        return recorded.root
     actual = computed or fingerprint(obj, mode=_exact_algo(recorded))
     bad = recorded.differing(actual)
     if bad:
-        first = bad[0]
-        want = recorded.tensors.get(first)
-        got = actual.tensors.get(first)
-        raise IntegrityError(
-            f"{p}: content does not match {p.name}{META_SUFFIX}: {len(bad)} tensor(s) differ: "
-            f"{', '.join(bad[:10])} (first: '{first}' expected "
-            f"{_describe(want)}, got {_describe(got)})",
-            path=p, expected=want.digest if want else None,
-            actual=got.digest if got else None, tensors=bad,
-            hint=f"restore {p.name} from a verified copy, or its meta.json if only that changed; "
-                 f"torchverity diff {p} <good copy>",
-        )
+        raise _content_mismatch(p, recorded, actual.tensors, bad)
     return actual.root
+
+
+def _check_layout(p: Path, obj: Any, recorded: Fingerprint) -> None:
+    """Names, dtypes, shapes and plain values against the record (tensor bytes not hashed)."""
+    loaded, want = layout(obj), recorded.tensors
+    bad = sorted(
+        set(loaded) ^ set(want)
+        | {n for n, e in loaded.items() if n in want and (
+            (e.dtype, e.shape) != (want[n].dtype, want[n].shape)
+            or (e.digest and e.digest != want[n].digest))}
+    )
+    if bad:
+        raise _content_mismatch(p, recorded, loaded, bad)
+
+
+def _content_mismatch(p: Path, recorded: Fingerprint, actual: Mapping[str, TensorDigest],
+                      bad: list[str]) -> IntegrityError:
+    first = bad[0]
+    want, got = recorded.tensors.get(first), actual.get(first)
+    return IntegrityError(
+        f"{p}: content does not match {p.name}{META_SUFFIX}: {len(bad)} tensor(s) differ: "
+        f"{', '.join(bad[:10])} (first: '{first}' expected "
+        f"{_describe(want)}, got {_describe(got)})",
+        path=p, expected=want.digest if want else None,
+        actual=(got.digest or None) if got else None, tensors=bad,
+        hint=f"restore {p.name} from a verified copy, or its meta.json if only that changed; "
+             f"torchverity diff {p} <good copy>",
+    )
 
 
 def _exact_algo(recorded: Fingerprint) -> str:
@@ -921,7 +1018,8 @@ def _exact_algo(recorded: Fingerprint) -> str:
 def _describe(entry: TensorDigest | None) -> str:
     if entry is None:
         return "no such entry"
-    return f"{entry.dtype}{list(entry.shape)} digest {entry.digest[:16]}..."
+    digest = f" digest {entry.digest[:16]}..." if entry.digest else ""
+    return f"{entry.dtype}{list(entry.shape)}{digest}"
 
 
 def _count_tensors(obj: Any) -> int:

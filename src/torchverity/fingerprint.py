@@ -230,6 +230,20 @@ def _exact_digest(name: str, value: Any, algo: str = EXACT, spread: bool = False
     return _value_digest(name, value)
 
 
+def layout(obj: Any) -> dict[str, TensorDigest]:
+    """Entries of ``obj`` without reading tensor data: a tensor's digest is ``""``.
+
+    Plain values (epoch, lr, flags) are tiny, so they get their full digest.
+    Compare with a recorded fingerprint when something else vouches for the
+    tensors' bytes (e.g. a verified file digest).
+    """
+    return {
+        name: (TensorDigest(name, dtype_name(v.dtype), tuple(v.shape), "")
+               if isinstance(v, torch.Tensor) else _value_digest(name, v))
+        for name, v in iter_leaves(obj)
+    }
+
+
 def _value_digest(name: str, value: Any) -> TensorDigest:
     kind = type(value).__name__ if value is not None else "none"
     text = value.hex() if isinstance(value, float) else json.dumps(value)
