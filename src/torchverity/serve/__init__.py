@@ -35,6 +35,8 @@ _PUBLIC: dict[str, str] = {
     "FINGERPRINT_HEADER": "_rechecks",
     "Client": "_client",
     "ContentDigestMiddleware": "_digest_fields",
+    "DeferredDigest": "_digest_fields",
+    "DEFERRED_DIGEST": "_digest_fields",
     "parse_digest_field": "_digest_fields",
     "verify_digest": "_digest_fields",
     "format_digest": "_digest_fields",

@@ -24,9 +24,10 @@ the algorithm the client prefers in ``Want-Content-Digest`` (or the default).
 
 ``deferred=True`` (opt-in, used by the model service) overlaps the check with
 the application's own work: a large body (``DEFER_MIN_BYTES`` and up) is
-handed to the application while a worker thread hashes it (hashlib releases
-the GIL), and ``scope[DEFERRED_DIGEST]`` holds the pending check
-(:class:`DeferredDigest`). The application may parse the body meanwhile but
+handed to the application at once, and hashed on the event loop as soon as
+the application first waits (hashlib releases the GIL, so the hash runs
+beside the application's worker threads); ``scope[DEFERRED_DIGEST]`` holds
+the pending check (:class:`DeferredDigest`). The application may parse the body meanwhile but
 must call ``check()`` (from a thread) or ``await verified()`` before anything
 with an effect; a mismatch raises the same 400 problem. Whatever the
 application does, its response is held until the check is done and replaced
@@ -42,7 +43,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Literal
 
 from torchverity.serve._problem import (
@@ -348,25 +349,19 @@ def _raise_if(problem: Problem | None) -> None:
         raise ProblemError(problem)
 
 
-def _hash_and_compare(
-    body: bytes, expected: Mapping[str, bytes], started: Callable[[], object]
-) -> Problem | None:
-    """The worker-thread half of deferred mode: one update per algorithm over the whole body,
-    so the GIL is released for all of it."""
-    started()
+def _hash_into(outcome: Future[Problem | None], body: bytes,
+               expected: Mapping[str, bytes]) -> None:
+    """Deferred mode's check: one update per algorithm over the whole body, so the GIL is
+    released for all of it."""
     hashers = new_hashers(expected)
     for hasher in hashers.values():
         hasher.update(body)
     try:
         check_digests("content-digest", expected, hashers)
     except ProblemError as exc:
-        return exc.problem
-    return None
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():  # the request may have been cancelled meanwhile
-        future.set_result(None)
+        outcome.set_result(exc.problem)
+        return
+    outcome.set_result(None)
 
 
 class ContentDigestMiddleware:
@@ -400,7 +395,6 @@ class ContentDigestMiddleware:
         self.max_body = max_body
         self.response_algorithm = response_algorithm
         self.deferred = deferred
-        self._pool: ThreadPoolExecutor | None = None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -448,7 +442,7 @@ class ContentDigestMiddleware:
         if defer:
             body = b"".join(chunks)
             if len(body) >= DEFER_MIN_BYTES:
-                return [body], await self._start_check(body, expected)
+                return [body], _start_check(body, expected)
             for hasher in hashers.values():
                 hasher.update(body)
         if expected:
@@ -464,19 +458,14 @@ class ContentDigestMiddleware:
             )
         return chunks, None
 
-    async def _start_check(self, body: bytes, expected: Mapping[str, bytes]) -> DeferredDigest:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(2, thread_name_prefix="torchverity-digest")
-        loop = asyncio.get_running_loop()
-        started: asyncio.Future[None] = loop.create_future()
 
-        outcome = self._pool.submit(_hash_and_compare, body, expected,
-                                    lambda: loop.call_soon_threadsafe(_resolve, started))
-        # The application's JSON parsing holds the GIL for milliseconds at a
-        # time; it only overlaps with the hash if the worker is already inside
-        # hashlib (GIL released) when the application starts.
-        await started
-        return DeferredDigest(outcome)
+def _start_check(body: bytes, expected: Mapping[str, bytes]) -> DeferredDigest:
+    """Schedule the hash on the event loop, to run when the application first waits
+    (the model service waits for its parsing thread): hashlib releases the GIL, so
+    hashing and parsing run at once on two cores, with no thread hand-off of its own."""
+    outcome: Future[Problem | None] = Future()
+    asyncio.get_running_loop().call_soon(_hash_into, outcome, body, expected)
+    return DeferredDigest(outcome)
 
 
 def _headers(scope: Message) -> dict[str, str]:
