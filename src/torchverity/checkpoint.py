@@ -22,6 +22,7 @@ file's SHA-256 (``trust_sha256=``), and that is logged.
 from __future__ import annotations
 
 import errno
+import functools
 import glob
 import json
 import logging
@@ -548,14 +549,17 @@ def environment() -> dict[str, Any]:
         "cudnn": cudnn,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "git_commit": _git_commit(),
+        "git_commit": _git_commit(os.getcwd()),
     }
 
 
-def _git_commit() -> str | None:
+@functools.lru_cache(maxsize=8)
+def _git_commit(cwd: str) -> str | None:
+    """HEAD of the repository around ``cwd``, asked once per folder: a process runs
+    the code it imported, whatever later commits do to the checkout."""
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=5, check=False)
+                              timeout=5, check=False, cwd=cwd)
     except (OSError, subprocess.SubprocessError):
         return None
     return done.stdout.strip() or None if done.returncode == 0 else None
