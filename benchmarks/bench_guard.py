@@ -1,23 +1,35 @@
 """Per-step overhead of TrainingGuard vs an unguarded loop, side by side in one run.
 
-    python benchmarks/bench_guard.py [--quick]
+    python benchmarks/bench_guard.py [--quick] [--rounds N]
 
-Models: a small MLP and a small transformer encoder, trained on CPU with
-AdamW on synthetic data. Configurations run interleaved (round-robin, several
-rounds) so machine load hits them alike, and each keeps its best round: on a
-shared machine other jobs only ever add time (cache and memory-bandwidth
-contention inflate even the process CPU time), so the minimum is the stable
-estimate. Writes the markdown table to docs/benchmarks/guard.md.
+Models: a small MLP and a small transformer encoder, trained on CPU with AdamW
+(foreach and fused) on synthetic data, torch pinned to one thread. Every
+configuration keeps its own model, optimizer and guard for the whole run; the
+run is many short rounds, and in each round the blocks of a few steps alternate
+baseline, configuration, baseline, configuration, ... (ABAB, the order of the
+configurations rotated from round to round), so load from other jobs hits
+them alike. A block's ratio is to the mean of the two baseline blocks around
+it; the overhead is the median of those paired ratios over the rounds, the
+spread their interquartile range and a 95% interval of the median (order
+statistics). *A/A* rows time a second, identical unguarded loop against the
+first: they show the noise floor of the run, and a target only counts as met
+when the median is within it with room to spare. Wall time is the step time;
+process CPU time is reported beside it (the guard's helper thread runs on the
+other core, so its CPU time can exceed its wall time). Writes the markdown to
+docs/benchmarks/guard.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,29 +38,37 @@ import torch
 from torchverity.guard import TrainingGuard
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "guard.md"
-
-# name -> (TrainingGuard options or None for the plain loop, fused AdamW)
-CONFIGS: dict[str, tuple[dict[str, Any] | None, bool]] = {
-    "unguarded": (None, False),
-    "interval 10": ({"check_every": 10}, False),
-    "interval 1": ({"check_every": 1}, False),
-    "interval 10, at-rest every 10 steps": ({"check_every": 10, "rest_every": 10}, False),
-    "interval 1, at-rest every 10 steps": ({"check_every": 1, "rest_every": 10}, False),
-    "interval 10, device skip": ({"check_every": 10, "host_skip": False}, False),
-    "interval 1, device skip": ({"check_every": 1, "host_skip": False}, False),
-    "interval 10, at-rest of parameters only": ({"check_every": 10, "optimizer_state": False},
-                                                False),
-    "interval 10, no at-rest": ({"check_every": 10, "at_rest": False}, False),
-    "interval 10, record only": ({"check_every": 10, "policy": "record", "at_rest": False},
-                                 False),
-    "unguarded, fused AdamW": (None, True),
-    "interval 10, fused AdamW": ({"check_every": 10}, True),
-    "interval 1, fused AdamW": ({"check_every": 1}, True),
-    "interval 10, fused AdamW, device skip": ({"check_every": 10, "host_skip": False}, True),
-}
+TARGETS = {1: 5.0, 10: 1.0}  # issue 5: check interval -> max overhead in percent
 
 
-def mlp() -> tuple[torch.nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]], str]:
+@dataclass(frozen=True)
+class Config:
+    name: str
+    options: dict[str, Any] | None  # TrainingGuard options; None = the plain loop
+    fused: bool = False
+    baseline: str = "unguarded"
+    interval: int | None = None  # the issue-5 target this row is judged against
+
+
+CONFIGS = (
+    Config("unguarded", None),
+    Config("unguarded (A/A)", None),
+    Config("interval 10", {"check_every": 10}, interval=10),
+    Config("interval 1", {"check_every": 1}, interval=1),
+    Config("interval 10, no helper thread", {"check_every": 10, "overlap": False}),
+    Config("interval 10, no at-rest", {"check_every": 10, "at_rest": False}),
+    Config("unguarded, fused AdamW", None, fused=True, baseline="unguarded, fused AdamW"),
+    Config("unguarded, fused AdamW (A/A)", None, fused=True, baseline="unguarded, fused AdamW"),
+    Config("interval 10, fused AdamW", {"check_every": 10}, fused=True,
+           baseline="unguarded, fused AdamW", interval=10),
+    Config("interval 1, fused AdamW", {"check_every": 1}, fused=True,
+           baseline="unguarded, fused AdamW", interval=1),
+)
+
+Batch = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+
+def mlp() -> tuple[torch.nn.Module, Batch, str]:
     model = torch.nn.Sequential(
         torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024), torch.nn.GELU(),
         torch.nn.Linear(1024, 10),
@@ -69,99 +89,164 @@ class _Encoder(torch.nn.Module):
         return self.head(self.body(self.embed(ids))).flatten(0, 1)
 
 
-def transformer() -> tuple[torch.nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]], str]:
+def transformer() -> tuple[torch.nn.Module, Batch, str]:
     ids = torch.randint(0, 1000, (16, 64))
     return _Encoder(), lambda: (ids, ids.flatten()), "Transformer 2x128 (d_ff 512), 16x64 tokens"
 
 
-def _steps(make: Callable[..., Any], config: dict[str, Any] | None, fused: bool,
-           steps: int) -> float:
-    torch.manual_seed(0)
-    model, batch, _ = make()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
-    guard = TrainingGuard(model, opt, **config) if config is not None else None
-    loss_fn = torch.nn.functional.cross_entropy
-    for _ in range(3):  # warm-up: allocator, optimizer state, packing plans
-        _one(model, opt, guard, batch, loss_fn)
-    # CPU time of this process: other jobs on the shared cores do not inflate it.
-    start = time.process_time()
-    for _ in range(steps):
-        _one(model, opt, guard, batch, loss_fn)
-    if guard is not None:
-        guard.close()
-    return (time.process_time() - start) / steps
+class Runner:
+    """One configuration's model, optimizer and guard, trained a few steps per call."""
+
+    def __init__(self, make: Callable[[], tuple[torch.nn.Module, Batch, str]],
+                 config: Config) -> None:
+        torch.manual_seed(0)
+        self.model, self.batch, _ = make()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=config.fused)
+        self.guard = (TrainingGuard(self.model, self.opt, **config.options)
+                      if config.options is not None else None)
+        self.run(3)  # warm-up: allocator, optimizer state, packing plans
+
+    def run(self, steps: int) -> tuple[float, float]:
+        """(wall, process CPU) seconds per step; the guard's helper work is waited for."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            self._one()
+        if self.guard is not None:
+            self.guard.wait()  # nothing of this block may run into the next one
+        return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
+
+    def _one(self) -> None:
+        x, y = self.batch()
+        self.opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(self.model(x), y)
+        loss.backward()
+        if self.guard is None:
+            self.opt.step()
+        else:
+            self.guard.check(loss)
+            self.guard.step()
+
+    def close(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
 
 
-def _one(model: torch.nn.Module, opt: torch.optim.Optimizer, guard: TrainingGuard | None,
-         batch: Callable[[], tuple[torch.Tensor, torch.Tensor]], loss_fn: Any) -> None:
-    x, y = batch()
-    opt.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), y)
-    loss.backward()
-    if guard is None:
-        opt.step()
-    else:
-        guard.check(loss)
-        guard.step()
+@dataclass(frozen=True)
+class Row:
+    config: Config
+    ms: float  # median wall ms/step
+    wall: tuple[float, float, float, float]  # median, q1, q3 of paired ratios (%), CI half
+    cpu: float  # median paired CPU-time ratio (%)
 
 
-def measure(make: Callable[..., Any], rounds: int, steps: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in CONFIGS}
-    for _ in range(rounds):
-        for name, (config, fused) in CONFIGS.items():
-            times[name].append(_steps(make, config, fused, steps))
-    return {name: min(v) for name, v in times.items()}
+def _summary(ratios: list[float]) -> tuple[float, float, float, float]:
+    """Median, quartiles and the half-width of a 95% interval of the median, in percent."""
+    pct = sorted((r - 1.0) * 100.0 for r in ratios)
+    n = len(pct)
+    q = statistics.quantiles(pct, n=4) if n > 1 else [pct[0]] * 3
+    k = max(0, int(n / 2 - 1.96 * math.sqrt(n) / 2))
+    half = (pct[n - 1 - k] - pct[k]) / 2 if n > 2 else float("nan")
+    return statistics.median(pct), q[0], q[2], half
+
+
+def measure(make: Callable[[], tuple[torch.nn.Module, Batch, str]], rounds: int,
+            steps: int) -> list[Row]:
+    """Each round runs baseline, config, baseline, config, ... baseline (per baseline), in
+    a rotated order; a config's ratio is to the mean of the two baseline blocks around it."""
+    runners = {c.name: Runner(make, c) for c in CONFIGS}
+    wall: dict[str, list[float]] = {c.name: [] for c in CONFIGS if c.name != c.baseline}
+    cpu: dict[str, list[float]] = {name: [] for name in wall}
+    ms: dict[str, list[float]] = {name: [] for name in wall}
+    groups = [[c for c in CONFIGS if c.baseline == b and c.name != b]
+              for b in dict.fromkeys(c.baseline for c in CONFIGS)]
+    for r in range(rounds):
+        for group in groups:
+            order = group[r % len(group):] + group[: r % len(group)]
+            base = runners[group[0].baseline]
+            before = base.run(steps)
+            for c in order:
+                w, p = runners[c.name].run(steps)
+                after = base.run(steps)
+                wall[c.name].append(w / ((before[0] + after[0]) / 2))
+                cpu[c.name].append(p / ((before[1] + after[1]) / 2))
+                ms[c.name].append(w)
+                before = after
+    for runner in runners.values():
+        runner.close()
+    return [Row(c, statistics.median(ms[c.name]) * 1e3, _summary(wall[c.name]),
+                _summary(cpu[c.name])[0]) for c in CONFIGS if c.name in wall]
+
+
+def verdict(row: Row, noise: float) -> str:
+    """Against the issue-5 target of the row's interval, judged with the A/A noise."""
+    if row.config.interval is None:
+        return ""
+    target = TARGETS[row.config.interval]
+    median, _, _, half = row.wall
+    if median + max(half, abs(noise)) <= target:
+        return f"met (<= {target:g}%)"
+    if median <= target:
+        return f"within noise of {target:g}%"
+    return f"NOT met (> {target:g}%)"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    parser.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
+    parser.add_argument("--rounds", type=int, help="rounds per model (default 30, quick 5)")
     args = parser.parse_args()
-    rounds, steps = (3, 10) if args.quick else (7, 30)
+    rounds = args.rounds or (5 if args.quick else 30)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        load = f", load average {os.getloadavg()[0]:.1f} at the start"
+    except OSError:
+        load = ""
+    command = "python benchmarks/bench_guard.py" + (" --quick" if args.quick else "")
     lines = [
         "# TrainingGuard overhead",
         "",
-        f"Command: `python benchmarks/bench_guard.py{' --quick' if args.quick else ''}`; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
-        f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs; process CPU "
-        f"time per step, best of {rounds} interleaved rounds of {steps} steps.",
+        f"Command: `{command}`; torch {torch.__version__}, {torch.get_num_threads()} torch "
+        f"thread(s), {platform.machine()}, {os.cpu_count()} cores{load}. {rounds} rounds "
+        "per model; in each round, blocks of a few steps (MLP 4, transformer 2) alternate "
+        "unguarded, configuration, unguarded, ... Overhead = median over the rounds of a "
+        "block's wall time over the mean of the two unguarded blocks around it; IQR = the "
+        "quartiles of those ratios; 95% = half-width of a 95% interval of the median; CPU = "
+        "the same median on process CPU time.",
         "",
-        "| model | configuration | ms/step | overhead vs unguarded |",
-        "|---|---|---|---|",
+        "| model | configuration | ms/step | overhead (wall) | IQR | 95% | CPU time | target |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for make in (mlp, transformer):
+    for make, steps in ((mlp, 4), (transformer, 2)):
         label = make()[2]
-        result = measure(make, rounds, steps)
-        for name, t in result.items():
-            fused = CONFIGS[name][1]
-            base = result["unguarded, fused AdamW" if fused else "unguarded"]
-            over = "-" if CONFIGS[name][0] is None else f"{(t / base - 1) * 100:+.1f}%"
-            lines.append(f"| {label} | {name} | {t * 1e3:.2f} | {over} |")
+        rows = measure(make, rounds, steps)
+        noise = {r.config.fused: r.wall[0] for r in rows if r.config.name.endswith("(A/A)")}
+        for row in rows:
+            med, q1, q3, half = row.wall
+            lines.append(
+                f"| {label} | {row.config.name} | {row.ms:.2f} | {med:+.2f}% | "
+                f"{q1:+.1f}..{q3:+.1f}% | +-{half:.2f}% | {row.cpu:+.2f}% | "
+                f"{verdict(row, noise[row.config.fused])} |")
             print(lines[-1], flush=True)
-    lines += [
-        "",
-        "Configurations: *interval N* = `TrainingGuard(model, opt, check_every=N)`, "
-        "everything else default: the parameters are on the CPU, so a flagged update is "
-        "skipped by not running `optimizer.step()` (the host reads the step's decision, a "
-        "memory load on the CPU, not a device sync; nothing is copied), and the at-rest "
-        "checksum of parameters and optimizer state is taken after every update and "
-        "verified before the next one (a plain 32-bit word sum, one read per tensor each "
-        "time). *at-rest every 10 steps* = `rest_every=10` (a change between two updates "
-        "is caught at the next recorded step, and anything that persists is still caught). "
-        "*device skip* = `host_skip=False`, the accelerator mechanism measured on the CPU: "
-        "a non-fused optimizer's parameters and state are copied before each update and "
-        "kept or restored with `where` after it; a fused one gets the decision as its "
-        "`found_inf` input (as with AMP). *parameters only* = `optimizer_state=False`; *no "
-        "at-rest* = `at_rest=False`; *record only* = no policy skips and no at-rest, the "
-        "detectors and flag bookkeeping alone. *fused AdamW* rows compare with an "
-        "unguarded fused AdamW loop.",
-        "",
-    ]
+    lines += ["", NOTES, ""]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("\n".join(lines), encoding="utf-8")
     print(f"written {OUT}", file=sys.stderr)
     return 0
+
+
+NOTES = (
+    "Configurations: *interval N* = `TrainingGuard(model, opt, check_every=N)`, everything "
+    "else default: every detector on, the at-rest checksum of every parameter and AdamW "
+    "state tensor recorded after each update and verified before the next one (every "
+    "window between two updates is covered), a flagged update skipped on the host (CPU "
+    "parameters: reading the decision is a memory load, not a device sync). On CPU "
+    "parameters the guard's helper thread takes the at-rest record and the step's "
+    "bookkeeping while the next forward pass runs, and half of the verification beside "
+    "the main thread; *no helper thread* = `overlap=False`, all of it on the training "
+    "thread. *no at-rest* = `at_rest=False`. *fused AdamW* rows compare with an unguarded "
+    "fused AdamW loop. A target is *met* when the median plus the larger of its 95% "
+    "half-width and the A/A median stays within it."
+)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 
 from torchverity import faults
 from torchverity._console import dumps
+from torchverity._guard_checksum import PairedSums, WordSums, _balanced_cut, checksums
 from torchverity.errors import TrainingAnomalyError, UsageError
 from torchverity.guard import AnomalyWarning, TrainingGuard
 
@@ -743,3 +745,143 @@ def test_host_skip_falls_back_to_the_device_copy_where_it_cannot_apply() -> None
     assert not TrainingGuard(model, opt, host_skip=False)._host_skip
     assert not TrainingGuard(model, opt, policy="record")._host_skip  # nothing ever skips
     assert TrainingGuard(model, opt)._host_skip
+
+
+# ------------------------------------------------------------ helper thread (CPU, a spare core)
+
+
+def _step(guard: TrainingGuard, model: torch.nn.Module, step: int) -> None:
+    guard.optimizer.zero_grad()
+    x, y = batch_at(step)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    guard.check(loss)
+    guard.step()
+
+
+@pytest.mark.parametrize("opt_name", sorted(_OPTIMIZERS))
+def test_helper_thread_gives_the_same_events_log_and_bits(opt_name: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    # _faulty_run: a NaN and an Inf gradient, a lowest-mantissa flip in 0.bias, a spike replayed.
+    runs = {}
+    for overlap in (True, False):
+        monkeypatch.setattr("torchverity.guard._spare_core", lambda o=overlap: o)
+        runs[overlap] = _faulty_run(_OPTIMIZERS[opt_name], True, tmp_path / f"{overlap}.jsonl")
+    helper, alone = runs[True], runs[False]
+    events = [e.to_dict() for e in helper.guard.events]
+    assert [(e["step"], e["kind"], e["suspects"]) for e in events][:3] == [
+        (0, "nonfinite_grad", ["0.weight"]), (12, "nonfinite_grad", ["2.bias"]),
+        (20, "weights_changed", ["0.bias"])]
+    assert dumps(events) == dumps([e.to_dict() for e in alone.guard.events])
+    assert helper.guard.summary() == alone.guard.summary()
+
+    def records(path: Path) -> list[str]:
+        return [line.split('"time"')[0] for line in path.read_text().splitlines()[1:]]
+
+    assert records(tmp_path / "True.jsonl") == records(tmp_path / "False.jsonl")
+    for a, b in zip(helper.model.parameters(), alone.model.parameters(), strict=True):
+        assert _bits(a) == _bits(b)
+
+
+@pytest.mark.parametrize("check_every", [1, 3])
+def test_a_flip_right_after_step_returns_is_caught_and_named(check_every: int) -> None:
+    """The record is complete when step() returns, though half of it ran on the helper."""
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, check_every=check_every, overlap=True,
+                          policies={"weights_changed": "record"})
+    assert guard._helper is not None
+    lsb = faults.mantissa_lsb(torch.float32)
+    flips = {4: ("2.weight", lambda: model[2].weight, lsb),
+             5: ("0.bias", lambda: model[0].bias, lsb),  # with interval 3: right after a read
+             7: ("optimizer.0.weight.exp_avg_sq", lambda: opt.state[model[0].weight]["exp_avg_sq"],
+                 0)}
+    for step in range(10):
+        _step(guard, model, step)
+        if step in flips:
+            _, tensor, bit = flips[step]
+            faults.flip_bit(tensor(), 3, bit)
+    guard.close()
+    assert [(e.step, e.kind, e.suspects) for e in guard.events] == [
+        (step + 1, "weights_changed", (name,)) for step, (name, _, _) in flips.items()]
+    assert guard._helper is None  # shut down with the guard
+
+
+def test_clean_run_with_the_helper_raises_nothing() -> None:
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, check_every=7, overlap=True, per_layer=True,
+                          min_samples=20, window=64)
+    for step in range(200):
+        _step(guard, model, step)
+    summary = guard.close()
+    assert guard.events == [] and summary.skipped == 0 and summary.steps == 200
+
+
+def test_hot_path_with_the_helper_never_reads_the_device() -> None:
+    model, opt = make_model(lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
+    guard = TrainingGuard(model, opt, check_every=50, overlap=True, host_skip=False,
+                          update_ratio=True)
+    with count_syncs() as calls:
+        for step in range(12):
+            _step(guard, model, step)
+        guard.wait()
+    assert calls == []
+    guard.close()
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_helper_is_used_only_with_a_spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = make_model()
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with torch_threads(2):
+        assert TrainingGuard(model, opt)._helper is not None
+        assert TrainingGuard(model, opt, overlap=False)._helper is None
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks on this host
+        assert TrainingGuard(model, opt)._helper is None
+        assert TrainingGuard(model, opt, overlap=True)._helper is not None
+    with torch_threads(4):
+        monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        assert TrainingGuard(model, opt)._helper is None
+
+
+def test_paired_sums_equal_the_single_thread_sums_and_locate_every_flip() -> None:
+    gen = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(300, 200, generator=gen), torch.randn(7, generator=gen),
+               torch.randn(5, generator=gen).to(torch.bfloat16),
+               torch.randn(90, 100, generator=gen), torch.randint(0, 9, (3,), generator=gen),
+               torch.randn(40, 30, generator=gen)]
+    record = checksums(tensors, weighted=False)
+    with ThreadPoolExecutor(1) as pool:
+        for weighted in (False, True):
+            paired = PairedSums(tensors, weighted=weighted)
+            expected = WordSums(tensors, weighted=weighted)()
+            assert torch.equal(paired(), expected) and torch.equal(paired(pool), expected)
+        paired = PairedSums(tensors, weighted=False)
+        for i, t in enumerate(tensors):
+            for index in (0, t.numel() - 1):
+                faults.flip_bit(t, index, 0)
+                changed = (paired(pool) != record).any(dim=1).tolist()
+                faults.flip_bit(t, index, 0)
+                assert changed == [j == i for j in range(len(tensors))], (i, index)
+        assert torch.equal(paired(pool), record)
+        assert torch.equal(PairedSums(tensors[:1], weighted=False)(pool), record[:1])
+    assert paired.matches(tensors) and not paired.matches(tensors[::-1])
+
+
+def test_balanced_cut_splits_the_bytes_evenly() -> None:
+    assert _balanced_cut([10, 1, 1, 10]) == 2
+    assert _balanced_cut([100, 1, 1]) == 1
+    assert _balanced_cut([1, 1, 100]) == 2
+    assert _balanced_cut([5]) == 1
+    assert _balanced_cut([]) == 0
+    assert _balanced_cut([3, 3, 3, 3]) == 2

@@ -27,6 +27,7 @@ a model with hundreds of small tensors costs little more than its bytes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Executor
 
 import torch
 
@@ -173,3 +174,46 @@ class WordSums:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+class PairedSums:
+    """:class:`WordSums` of a fixed list split in two halves of about equal bytes, so a
+    helper thread can sum one half while the calling thread sums the other.
+
+    Rows come back in the order of ``tensors`` whichever thread summed them.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], *, weighted: bool) -> None:
+        self.tensors = list(tensors)
+        self.weighted = weighted
+        cut = _balanced_cut([_nbytes(t) for t in self.tensors])
+        self._first = WordSums(self.tensors[:cut], weighted=weighted)
+        self._second = WordSums(self.tensors[cut:], weighted=weighted) if cut < len(
+            self.tensors) else None
+
+    def matches(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """The same tensor objects, in the same order, with the same storage."""
+        if self._second is None:
+            return self._first.matches(tensors)
+        cut = len(self._first.tensors)
+        return self._first.matches(tensors[:cut]) and self._second.matches(tensors[cut:])
+
+    def __call__(self, pool: Executor | None = None) -> torch.Tensor:
+        """As :meth:`WordSums.__call__`; with ``pool``, the second half is summed there."""
+        if self._second is None:
+            return self._first()
+        if pool is None:
+            return torch.cat([self._first(), self._second()])
+        later = pool.submit(self._second)
+        return torch.cat([self._first(), later.result()])
+
+
+def _balanced_cut(sizes: Sequence[int]) -> int:
+    """The index that splits ``sizes`` into two runs of the nearest totals."""
+    total, run, best, cut = sum(sizes), 0, None, len(sizes)
+    for i, size in enumerate(sizes):
+        gap = abs(total - 2 * run)
+        if best is None or gap < best:
+            best, cut = gap, i
+        run += size
+    return max(cut, 1) if sizes else 0

@@ -44,16 +44,19 @@ Policies per kind:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from torchverity._guard_checksum import WordSums, checksums
+from torchverity._guard_checksum import PairedSums, checksums
 from torchverity._guard_events import (
     ACTIONS,
     DEFAULT_POLICIES,
@@ -102,6 +105,7 @@ class GuardConfig:
     optimizer_state: bool = True
     fused_skip: bool = True
     host_skip: bool | None = None
+    overlap: bool | None = None
     replay_every: int | None = None
     replay_tolerance: float | None = None
     checkpoint_every: int | None = None
@@ -167,6 +171,50 @@ def _set_torch_rng(state: tuple[torch.Tensor, tuple[torch.Tensor, ...]]) -> None
     torch.set_rng_state(state[0])
     if state[1]:
         torch.cuda.set_rng_state_all(list(state[1]))
+
+
+class _Helper:
+    """One background thread for guard work that may run beside the training thread.
+
+    Used with CPU parameters and a spare core (on an accelerator the work is already
+    asynchronous): it sums half of the bytes of each at-rest verification and record
+    beside the training thread, both complete before the update starts or ``step()``
+    returns, and takes the step's bookkeeping (statistics, flag row), which touches no
+    guarded tensor, beside the next forward pass. Jobs run in submission order;
+    :meth:`join` waits for all of them and re-raises the first failure.
+    """
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="torchverity-guard")
+        self._jobs: list[Future[None]] = []
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._jobs.append(self.pool.submit(_no_grad_call, fn))
+
+    def join(self) -> None:
+        jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _spare_core() -> bool:
+    """Whether this process's torch threads (times the local ranks that torchrun started)
+    leave a core free: only then does a helper thread not compete with training."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return torch.get_num_threads() * ranks < cores
+
+
+def _no_grad_call(fn: Callable[[], None]) -> None:
+    # Grad mode is per thread, and a new thread starts with it on.
+    with torch.no_grad():
+        fn()
 
 
 def _rank() -> int:
@@ -277,6 +325,9 @@ class TrainingGuard:
         on_cpu = all(p.device.type == "cpu" for p in self._params)
         host = on_cpu if cfg.host_skip is None else cfg.host_skip
         self._host_skip = host and any(skipping) and not cfg.update_ratio
+        # A second thread on the CPU; an accelerator already runs the work asynchronously.
+        overlap = on_cpu and (_spare_core() if cfg.overlap is None else cfg.overlap)
+        self._helper = _Helper() if overlap else None
         self._latched = torch.zeros((), dtype=torch.bool, device=dev)
         self._false = torch.zeros((), dtype=torch.bool, device=dev)
         self._zeros_n = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -288,8 +339,8 @@ class TrainingGuard:
         self._has_prev = torch.zeros((), dtype=torch.bool, device=dev)
         self._consec = torch.zeros((), dtype=torch.int64, device=dev)
         self._rest_record: torch.Tensor | None = None
-        self._rest_sums: WordSums | None = None
-        self._copy_sums: WordSums | None = None
+        self._rest_sums: PairedSums | None = None
+        self._copy_sums: PairedSums | None = None
         self._rest_names: tuple[str, ...] = ()
         self._snapshot = Snapshot()
         self._found_inf: torch.Tensor | None = None
@@ -359,6 +410,7 @@ class TrainingGuard:
         """One whole guarded step with ``step_fn``: zero_grad, forward, backward, check, step."""
         if self.step_fn is None:
             raise UsageError("train_step() needs step_fn= given to TrainingGuard")
+        self._join()
         self._rng_next = _torch_rng()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.step_fn(batch)
@@ -389,6 +441,7 @@ class TrainingGuard:
         if pending is None:
             raise UsageError("TrainingGuard.step() called before check(loss)",
                              hint="call guard.check(loss) after loss.backward()")
+        self._join()
         undo = self._needs_backup and not host
         if undo:
             # An undo must restore the optimizer state too.
@@ -423,21 +476,44 @@ class TrainingGuard:
         if pending.undo:
             self._select(applied)
         accept = applied & ~hit.any()
+        step, self.global_step = self.global_step, self.global_step + 1
+        self._steps_since_checkpoint += 1
+        if self._replaying:
+            self._rng_next = _torch_rng()
+        # The record is complete before step() returns: a bit that changes afterwards,
+        # however soon, is a change against it. Half of it runs on the helper thread.
+        self._record_at_rest(step)
+        book = functools.partial(self._bookkeep, step, pending, flags, applied,
+                                 accept, ratio, ratio_vec)
+        due = len(self._rows) + 1 >= self.config.check_every
+        if self._helper is None or due:  # a flush reads the row now
+            book()
+        else:  # touches no guarded tensor: runs beside the next forward pass
+            self._helper.submit(book)
+        if due:
+            self._read_flags()
+
+    def _bookkeep(self, step: int, pending: _Pending, flags: torch.Tensor,
+                  applied: torch.Tensor, accept: torch.Tensor, ratio: torch.Tensor,
+                  ratio_vec: torch.Tensor) -> None:
+        """After the update: rolling statistics, and the step's row for the next flush."""
         self.stats.push(pending.metrics, accept)
         if self.ratio_stats is not None:
             self.ratio_stats.push(ratio, accept)
-        self._record_at_rest()
         scalars = torch.stack([pending.loss, pending.gnorm, pending.thresholds[0],
                                pending.thresholds[1], applied.float()])
         row = torch.cat([flags, scalars, pending.gvec, pending.layer_vec.float(), ratio,
                          ratio_vec.float(), pending.replay_vec.float(), pending.rest_vec.float()])
-        self._rows.append(_Row(self.global_step, row, pending.rest_names))
-        self.global_step += 1
-        self._steps_since_checkpoint += 1
-        if self._replaying:
-            self._rng_next = _torch_rng()
-        if len(self._rows) >= self.config.check_every:
-            self.flush()
+        self._rows.append(_Row(step, row, pending.rest_names))
+
+    def _join(self) -> None:
+        """Wait for the helper thread's work: call before reading or changing guard state."""
+        if self._helper is not None:
+            self._helper.join()
+
+    def wait(self) -> None:
+        """Wait until the work the guard runs beside training (CPU parameters) is done."""
+        self._join()
 
     def _decide(self, pending: _Pending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Combine the flags (across ranks with the reducer) and decide: ``applied`` or not."""
@@ -452,6 +528,7 @@ class TrainingGuard:
     # ------------------------------------------------------------ detectors (device only)
 
     def _detect(self, loss: torch.Tensor, replay_vec: torch.Tensor) -> _Pending:
+        self._join()  # the previous step's statistics and record
         cfg = self.config
         gvec = self._grad_norms()
         gnorm = torch.linalg.vector_norm(gvec)
@@ -496,6 +573,10 @@ class TrainingGuard:
         self._has_prev.logical_or_(finite)
         return self._consec >= self.config.rel_patience
 
+    def _pool(self) -> ThreadPoolExecutor | None:
+        """The helper's pool for the half of a verification that runs beside this thread."""
+        return self._helper.pool if self._helper is not None else None
+
     def _verify_at_rest(self, use_copy: bool) -> tuple[torch.Tensor, tuple[str, ...]]:
         record, self._rest_record = self._rest_record, None
         sums = self._rest_sums
@@ -506,14 +587,14 @@ class TrainingGuard:
         copied = self._snapshot.copies_of(sums.tensors) if use_copy else None
         if copied is not None:
             if self._copy_sums is None or not self._copy_sums.matches(copied):
-                self._copy_sums = WordSums(copied, weighted=sums.weighted)
-            now = self._copy_sums()
+                self._copy_sums = PairedSums(copied, weighted=sums.weighted)
+            now = self._copy_sums(self._pool())
         else:
-            now = sums()
+            now = sums(self._pool())
         return (now != record).any(dim=1), self._rest_names
 
-    def _record_at_rest(self) -> None:
-        if not self.config.at_rest or self.global_step % self.config.rest_every:
+    def _record_at_rest(self, step: int) -> None:
+        if not self.config.at_rest or step % self.config.rest_every:
             return
         self._rest_record = self._rest_checksums()
 
@@ -523,11 +604,12 @@ class TrainingGuard:
         sums = self._rest_sums
         if sums is None or not sums.matches(self._covered_tensors(with_state)):
             self._rest_names, tensors = self._covered(with_state)
-            sums = self._rest_sums = WordSums(tensors, weighted=self.config.rest_weighted)
-        return sums()
+            sums = self._rest_sums = PairedSums(tensors, weighted=self.config.rest_weighted)
+        return sums(self._pool())
 
     def refresh(self) -> None:
         """Re-record the at-rest checksums after changing parameters outside ``step()``."""
+        self._join()
         if self.config.at_rest:
             self._rest_record = self._rest_checksums()
 
@@ -628,6 +710,10 @@ class TrainingGuard:
 
     def flush(self) -> list[AnomalyEvent]:
         """Read the flags of the steps since the last read (one device-to-host transfer)."""
+        self._join()
+        return self._read_flags()
+
+    def _read_flags(self) -> list[AnomalyEvent]:
         rows, self._rows = self._rows, []
         if not rows:
             return []
@@ -734,6 +820,7 @@ class TrainingGuard:
         from torchverity.checkpoint import save
         from torchverity.determinism import capture_rng
 
+        self._join()
         if self.checkpoint_dir is None:
             raise UsageError("save_checkpoint() needs checkpoint_dir= given to TrainingGuard")
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -759,6 +846,7 @@ class TrainingGuard:
         every = self.config.checkpoint_every
         if self.checkpoint_dir is None or every is None or self._steps_since_checkpoint < every:
             return
+        self._join()
         if self._rest_record is not None and self._rest_sums is not None:
             changed = (self._rest_sums() != self._rest_record).any(dim=1)
             if bool(changed.any()):  # corrupted since the last update: never checkpoint it
@@ -770,6 +858,7 @@ class TrainingGuard:
         from torchverity.checkpoint import load
         from torchverity.determinism import RngState, restore_rng
 
+        self._join()
         if not self.checkpoints:
             raise UsageError("no checkpoint to roll back to", hint="give checkpoint_dir=")
         path = self.checkpoints[-1]
@@ -799,10 +888,16 @@ class TrainingGuard:
         try:
             self.flush()
         finally:
+            self._close_helper()
             summary = self.summary()
             self._log.write({"event": "summary", **dataclasses.asdict(summary)})
             self._log.close()
         return summary
+
+    def _close_helper(self) -> None:
+        if self._helper is not None:
+            self._helper.close()
+            self._helper = None
 
     def __enter__(self) -> TrainingGuard:
         return self
@@ -811,6 +906,7 @@ class TrainingGuard:
         if exc[0] is None:
             self.close()
         else:
+            self._close_helper()
             self._log.close()
 
 
