@@ -237,3 +237,10 @@ def test_verify_names_the_damaged_tensor_of_a_saved_checkpoint(
     shown = run_cli("verify", path)
     assert shown.code == 1
     assert f"model{suffix}: damaged tensors (from its meta.json): b.bias" in shown.out
+
+
+def test_inject_output_naming_the_input_damages_it_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\x00" * 64)
+    flip_bit(path, 10, 1, output=path)
+    assert path.read_bytes()[10] == 2 and len(path.read_bytes()) == 64

@@ -40,6 +40,8 @@ def _target(path: str | os.PathLike[str], output: str | os.PathLike[str] | None)
     if output is None:
         return src
     dst = Path(output)
+    if dst.exists() and dst.samefile(src):
+        return src  # "-o FILE" naming FILE itself: damage it in place
     shutil.copyfile(src, dst)
     return dst
 
