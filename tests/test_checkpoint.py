@@ -687,6 +687,21 @@ def test_sharded_folder_round_trip(tmp_path: Path, shard_format: str) -> None:
     obj, loaded = torchverity.load(folder, with_report=True, sidecar="require")
     assert _equal(obj, state) and loaded.verified and len(loaded.shards) >= 2
     assert loaded.format == f"sharded-{'safetensors' if shard_format == 'safetensors' else 'pt'}"
+    assert loaded.fingerprint_check == "bound"  # every shard's digest vouched for its part
+
+
+def test_sharded_index_fingerprint_is_checked_against_its_shards(tmp_path: Path) -> None:
+    folder, state = tmp_path / "sharded", _state()
+    torchverity.save(state, folder, shard_bytes=4096)
+    mp = folder / "model.safetensors.index.json.meta.json"
+    meta = json.loads(mp.read_text())
+    other = _state()
+    other["steps"][0] = 7
+    meta["fingerprint"] = torchverity.fingerprint(other).to_dict()
+    mp.write_text(json.dumps(meta))
+    with pytest.raises(IntegrityError, match="1 tensor\\(s\\) differ: steps") as info:
+        torchverity.load(folder)
+    assert info.value.tensors == ["steps"]
 
 
 def test_sharded_folder_refuses_damage(tmp_path: Path) -> None:

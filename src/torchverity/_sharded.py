@@ -26,6 +26,7 @@ from torchverity.checkpoint import (
     _atomic_target,
     _check_digest,
     _check_fingerprint,
+    _content_mismatch,
     _data_record,
     _expected_digest,
     _json_ready,
@@ -173,7 +174,12 @@ def load_sharded(folder: Path, *, map_location: Any, sidecar: SidecarPolicy,
         _check_shard_names(index, shard, obj, {n for n, s in weight_map.items() if s == shard})
         merged.update(obj)
         reports.append(report)
-    fp_root = _check_fingerprint(index, merged, meta, None)
+    fp_root, check = None, None
+    if meta is not None and all(r.fingerprint_check == "bound" for r in reports):
+        fp_root, check = _check_union(folder, index, shards, meta), "bound"
+    if fp_root is None:
+        fp_root = _check_fingerprint(index, merged, meta, None)
+        check = "rehashed" if fp_root is not None else None
     report = LoadReport(
         path=os.fspath(folder), format=f"sharded-{reports[0].format}",
         algo=expected[0] if expected else None, digest=digest,
@@ -181,8 +187,28 @@ def load_sharded(folder: Path, *, map_location: Any, sidecar: SidecarPolicy,
         fingerprint_verified=fp_root is not None, sidecar_policy=sidecar, weights_only=True,
         tensors=len(merged), shards=tuple(shards),
         warnings=_summarise_warnings(index, reports, expected is None and sidecar == "warn"),
+        fingerprint_check=check,
     )
     return merged, report
+
+
+def _check_union(folder: Path, index: Path, shards: list[str],
+                 meta: Mapping[str, Any]) -> str | None:
+    """The index's fingerprint against the union of its shards' records (no hashing).
+
+    Each shard's verified digest vouches for its own recorded fingerprint, and
+    ``save_sharded`` records the index's fingerprint as exactly that union.
+    None when the records were made with different algorithms (then rehash).
+    """
+    recorded = _meta_fingerprint(meta, meta_path_for(index))
+    parts = [_meta_fingerprint(read_meta(folder / s), meta_path_for(folder / s)) for s in shards]
+    if any(part.algo != recorded.algo for part in parts):
+        return None
+    union = from_entries(recorded.algo, [e for part in parts for e in part.entries])
+    bad = recorded.differing(union)
+    if bad:
+        raise _content_mismatch(index, recorded, union.tensors, bad)
+    return recorded.root
 
 
 def _check_shards_exist(folder: Path, index: Path, weight_map: dict[str, str],
