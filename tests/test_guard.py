@@ -17,7 +17,7 @@ import torch
 
 from torchverity import faults
 from torchverity._console import dumps
-from torchverity._guard_checksum import PairedSums, WordSums, _balanced_cut, checksums
+from torchverity._guard_checksum import PairedSums, WordSums, balanced_cut, checksums
 from torchverity.errors import TrainingAnomalyError, UsageError
 from torchverity.guard import AnomalyWarning, TrainingGuard
 
@@ -879,9 +879,9 @@ def test_paired_sums_equal_the_single_thread_sums_and_locate_every_flip() -> Non
 
 
 def test_balanced_cut_splits_the_bytes_evenly() -> None:
-    assert _balanced_cut([10, 1, 1, 10]) == 2
-    assert _balanced_cut([100, 1, 1]) == 1
-    assert _balanced_cut([1, 1, 100]) == 2
-    assert _balanced_cut([5]) == 1
-    assert _balanced_cut([]) == 0
-    assert _balanced_cut([3, 3, 3, 3]) == 2
+    assert balanced_cut([10, 1, 1, 10]) == 2
+    assert balanced_cut([100, 1, 1]) == 1
+    assert balanced_cut([1, 1, 100]) == 2
+    assert balanced_cut([5]) == 1
+    assert balanced_cut([]) == 0
+    assert balanced_cut([3, 3, 3, 3]) == 2

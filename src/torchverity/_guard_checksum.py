@@ -26,8 +26,10 @@ a model with hundreds of small tensors costs little more than its bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from typing import Generic, TypeVar
 
 import torch
 
@@ -186,7 +188,7 @@ class PairedSums:
     def __init__(self, tensors: Sequence[torch.Tensor], *, weighted: bool) -> None:
         self.tensors = list(tensors)
         self.weighted = weighted
-        cut = _balanced_cut([_nbytes(t) for t in self.tensors])
+        cut = balanced_cut([_nbytes(t) for t in self.tensors])
         self._first = WordSums(self.tensors[:cut], weighted=weighted)
         self._second = WordSums(self.tensors[cut:], weighted=weighted) if cut < len(
             self.tensors) else None
@@ -202,13 +204,11 @@ class PairedSums:
         """As :meth:`WordSums.__call__`; with ``pool``, the second half is summed there."""
         if self._second is None:
             return self._first()
-        if pool is None:
-            return torch.cat([self._first(), self._second()])
-        later = pool.submit(self._second)
-        return torch.cat([self._first(), later.result()])
+        first, second = run_beside(pool, self._first, self._second)
+        return torch.cat([first, second])
 
 
-def _balanced_cut(sizes: Sequence[int]) -> int:
+def balanced_cut(sizes: Sequence[int]) -> int:
     """The index that splits ``sizes`` into two runs of the nearest totals."""
     total, run, best, cut = sum(sizes), 0, None, len(sizes)
     for i, size in enumerate(sizes):
@@ -217,3 +217,55 @@ def _balanced_cut(sizes: Sequence[int]) -> int:
             best, cut = gap, i
         run += size
     return max(cut, 1) if sizes else 0
+
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+
+def run_beside(pool: Executor | None, here: Callable[[], A], there: Callable[[], B]
+               ) -> tuple[A, B]:
+    """``(here(), there())``, with ``there`` offered to ``pool``'s thread meanwhile.
+
+    If that thread has not started it by the time ``here`` is done (the other core
+    busy with another process), this thread runs it itself: on a loaded machine the
+    pair costs what running both here would, never a wait for a descheduled thread.
+    """
+    if pool is None:
+        return here(), there()
+    job: _Claimable[B] = _Claimable(there)
+    pool.submit(job.run)
+    first = here()
+    return first, job.result()
+
+
+class _Claimable(Generic[B]):
+    """A call that whichever thread claims first runs; the other waits for its result."""
+
+    def __init__(self, fn: Callable[[], B]) -> None:
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._claimed = False
+        self._done = threading.Event()
+        self._value: B | None = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        with self._lock:
+            if self._claimed:
+                return
+            self._claimed = True
+        try:
+            with torch.no_grad():  # grad mode is per thread, on in a new one
+                self._value = self._fn()
+        except BaseException as exc:  # re-raised on the thread that asks for the result
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> B:
+        self.run()
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]

@@ -56,7 +56,7 @@ from typing import Any, Protocol
 
 import torch
 
-from torchverity._guard_checksum import PairedSums, checksums
+from torchverity._guard_checksum import PairedSums, balanced_cut, checksums, run_beside
 from torchverity._guard_events import (
     ACTIONS,
     DEFAULT_POLICIES,
@@ -306,6 +306,7 @@ class TrainingGuard:
         self._params: list[torch.Tensor] = [p for _, p in named]
         self._device = self._params[0].device
         self._param_names = {id(p): n for n, p in named}
+        self._norm_cut = balanced_cut([p.numel() * p.element_size() for p in self._params])
 
     def _setup_device_state(self) -> None:
         cfg, dev, n = self.config, self._device, len(self._params)
@@ -497,9 +498,11 @@ class TrainingGuard:
                   applied: torch.Tensor, accept: torch.Tensor, ratio: torch.Tensor,
                   ratio_vec: torch.Tensor) -> None:
         """After the update: rolling statistics, and the step's row for the next flush."""
-        self.stats.push(pending.metrics, accept)
-        if self.ratio_stats is not None:
-            self.ratio_stats.push(ratio, accept)
+        cfg = self.config
+        for stats, values in ((self.stats, pending.metrics), (self.ratio_stats, ratio)):
+            if stats is not None:
+                stats.push(values, accept)
+                stats.threshold(cfg.sigma, cfg.min_samples, cfg.rel_floor, cfg.abs_floor)
         scalars = torch.stack([pending.loss, pending.gnorm, pending.thresholds[0],
                                pending.thresholds[1], applied.float()])
         row = torch.cat([flags, scalars, pending.gvec, pending.layer_vec.float(), ratio,
@@ -558,7 +561,15 @@ class TrainingGuard:
         grads = [p.grad for p in self._params]
         present = [g for g in grads if g is not None]
         if len(present) == len(grads):
-            return torch.stack(torch._foreach_norm(present, 2, dtype=torch.float32))
+            cut = self._norm_cut
+            if self._helper is None or cut == len(grads):
+                return torch.stack(torch._foreach_norm(present, 2, dtype=torch.float32))
+            # Per tensor the same norms whichever list computes them; half on the helper.
+            first, second = run_beside(
+                self._helper.pool,
+                lambda: torch._foreach_norm(present[:cut], 2, dtype=torch.float32),
+                lambda: torch._foreach_norm(present[cut:], 2, dtype=torch.float32))
+            return torch.stack([*first, *second])
         norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else [])
         return torch.stack([next(norms) if g is not None else self._zero for g in grads])
 
