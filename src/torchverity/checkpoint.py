@@ -286,6 +286,7 @@ class _Staged:
     fd: int
     companions: dict[Path, str]
     stale: tuple[Path, ...] = ()
+    flushing: Future[None] | None = None  # an fsync of ``fd`` started early (its error counts)
 
 
 @contextmanager
@@ -309,14 +310,15 @@ def _atomic_target(target: Path) -> Iterator[_Staged]:
     try:
         staged.fd = os.open(temps[0][0], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         yield staged
-        os.fsync(staged.fd)
         if old_mode is not None:
             os.fchmod(staged.fd, old_mode)
+        companions = [(pending_name(final), final) for final in staged.companions]
+        temps.extend(companions)
+        _sync_together(staged.fd, {tmp: staged.companions[final] for tmp, final in companions})
+        if staged.flushing is not None:
+            staged.flushing.result()  # a write-back error is reported to one fsync only
         os.close(staged.fd)
         staged.fd = -1
-        for final, text in staged.companions.items():
-            temps.append((pending_name(final), final))
-            _write_synced(temps[-1][0], text)
         for tmp, final in temps:
             os.replace(tmp, final)
         for old in staged.stale:
@@ -344,6 +346,20 @@ def _temp_name(final: Path) -> Path:
 def pending_name(final: Path) -> Path:
     """Where a companion waits until the checkpoint is renamed (found by load after a crash)."""
     return final.with_name(f".{final.name}.pending")
+
+
+def _sync_together(fd: int, companions: dict[Path, str]) -> None:
+    """fsync ``fd`` and write and fsync every companion, all at once.
+
+    Concurrent fsyncs share the file system's journal commits instead of
+    paying one commit each, one after another.
+    """
+    with ThreadPoolExecutor(max_workers=1 + len(companions),
+                            thread_name_prefix="torchverity-sync") as pool:
+        jobs = [pool.submit(os.fsync, fd)]
+        jobs += [pool.submit(_write_synced, path, text) for path, text in companions.items()]
+        for job in jobs:
+            job.result()
 
 
 def _write_synced(path: Path, text: str) -> None:
@@ -437,6 +453,7 @@ def save(
     hasher = new_hasher(algo)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-fp") as fp_pool, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-hash") as pool, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-sync") as sync_pool, \
             _atomic_target(target) as staged:
         # Three threads: torch serializes and writes, one thread hashes the
         # written bytes behind it, one fingerprints the tensors in memory.
@@ -452,9 +469,9 @@ def save(
             if writer.error is not None:
                 raise writer.error from None
             raise
-        # The disk flush starts while the hashes catch up; the fsync in
-        # _atomic_target then finds little left to do.
-        os.fsync(staged.fd)
+        # The disk flush starts while the hashes catch up and meta.json is
+        # built; the fsync in _atomic_target then finds little left to do.
+        staged.flushing = sync_pool.submit(os.fsync, staged.fd)
         writer.finish()
         digest, fp = hasher.hexdigest(), fp_future.result()
         record = meta_record(target, fmt, algo, digest, writer.size, fp, seed, data_record,
