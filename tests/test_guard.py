@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -17,7 +18,13 @@ import torch
 
 from torchverity import faults
 from torchverity._console import dumps
-from torchverity._guard_checksum import PairedSums, WordSums, balanced_cut, checksums
+from torchverity._guard_checksum import (
+    PairedSums,
+    WordSums,
+    balanced_cut,
+    checksums,
+    run_beside,
+)
 from torchverity.errors import TrainingAnomalyError, UsageError
 from torchverity.guard import AnomalyWarning, TrainingGuard
 
@@ -660,7 +667,7 @@ _OPTIMIZERS: dict[str, MakeOptimizer] = {
 }
 
 
-def _faulty_run(make_opt: MakeOptimizer, host_skip: bool, log: Path) -> Run:
+def _faulty_run(make_opt: MakeOptimizer, host_skip: bool, log: Path, **options: Any) -> Run:
     def plan(inj: faults.FaultInjector) -> None:
         inj.gradient("0.weight", step=0, value=math.nan)  # the step that creates the state
         inj.gradient("2.bias", step=12, value=math.inf)
@@ -669,7 +676,7 @@ def _faulty_run(make_opt: MakeOptimizer, host_skip: bool, log: Path) -> Run:
     # The spike at 30 asks for a replay: the later steps of its interval stay skipped.
     return train(45, plan, poison=lambda s, y: y * 1e3 if s == 30 else y, check_every=5,
                  make_opt=make_opt, host_skip=host_skip, log=log,
-                 policies={"weights_changed": "record", "loss_spike": "replay"})
+                 policies={"weights_changed": "record", "loss_spike": "replay"}, **options)
 
 
 def _bits(t: torch.Tensor) -> list[int]:
@@ -760,15 +767,12 @@ def _step(guard: TrainingGuard, model: torch.nn.Module, step: int) -> None:
 
 
 @pytest.mark.parametrize("opt_name", sorted(_OPTIMIZERS))
-def test_helper_thread_gives_the_same_events_log_and_bits(opt_name: str, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch
-                                                          ) -> None:
+def test_helper_thread_gives_the_same_events_log_and_bits(opt_name: str, tmp_path: Path) -> None:
     # _faulty_run: a NaN and an Inf gradient, a lowest-mantissa flip in 0.bias, a spike replayed.
-    runs = {}
-    for overlap in (True, False):
-        monkeypatch.setattr("torchverity.guard._spare_core", lambda o=overlap: o)
-        runs[overlap] = _faulty_run(_OPTIMIZERS[opt_name], True, tmp_path / f"{overlap}.jsonl")
+    runs = {overlap: _faulty_run(_OPTIMIZERS[opt_name], True, tmp_path / f"{overlap}.jsonl",
+                                 overlap=overlap) for overlap in (True, False)}
     helper, alone = runs[True], runs[False]
+    assert helper.guard._helper is None and alone.guard._helper is None  # closed
     events = [e.to_dict() for e in helper.guard.events]
     assert [(e["step"], e["kind"], e["suspects"]) for e in events][:3] == [
         (0, "nonfinite_grad", ["0.weight"]), (12, "nonfinite_grad", ["2.bias"]),
@@ -829,29 +833,10 @@ def test_hot_path_with_the_helper_never_reads_the_device() -> None:
     guard.close()
 
 
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_helper_is_used_only_with_a_spare_core(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_helper_thread_is_opt_in() -> None:
     model, opt = make_model()
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    with torch_threads(2):
-        assert TrainingGuard(model, opt)._helper is not None
-        assert TrainingGuard(model, opt, overlap=False)._helper is None
-        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks on this host
-        assert TrainingGuard(model, opt)._helper is None
-        assert TrainingGuard(model, opt, overlap=True)._helper is not None
-    with torch_threads(4):
-        monkeypatch.delenv("LOCAL_WORLD_SIZE")
-        assert TrainingGuard(model, opt)._helper is None
+    assert TrainingGuard(model, opt)._helper is None
+    assert TrainingGuard(model, opt, overlap=True)._helper is not None
 
 
 def test_paired_sums_equal_the_single_thread_sums_and_locate_every_flip() -> None:
@@ -885,3 +870,26 @@ def test_balanced_cut_splits_the_bytes_evenly() -> None:
     assert balanced_cut([5]) == 1
     assert balanced_cut([]) == 0
     assert balanced_cut([3, 3, 3, 3]) == 2
+
+
+def test_run_beside_uses_the_helper_when_free_and_never_waits_for_a_busy_one() -> None:
+    here = threading.get_ident
+    with ThreadPoolExecutor(1) as pool:
+        started = threading.Event()
+
+        def there() -> int:
+            started.set()
+            return threading.get_ident()
+
+        a, b = run_beside(pool, lambda: (started.wait(10), here())[1], there)
+        assert a == here() and b != a  # the free helper ran its half
+        gate = threading.Event()
+        pool.submit(gate.wait, 10)  # now busy with something else
+        assert run_beside(pool, here, here) == (here(), here())  # both halves ran here
+        gate.set()
+
+        def fails() -> None:
+            raise ValueError("half failed")
+
+        with pytest.raises(ValueError, match="half failed"):
+            run_beside(pool, here, fails)

@@ -179,16 +179,18 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class PairedSums:
-    """:class:`WordSums` of a fixed list split in two halves of about equal bytes, so a
-    helper thread can sum one half while the calling thread sums the other.
+    """:class:`WordSums` of a fixed list, with ``split`` in two halves of about equal bytes
+    so a helper thread can sum one half while the calling thread sums the other.
 
-    Rows come back in the order of ``tensors`` whichever thread summed them.
+    Rows come back in the order of ``tensors`` whichever thread summed them. Unsplit,
+    it is one :class:`WordSums` (each half groups its own small tensors: more launches).
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], *, weighted: bool) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor], *, weighted: bool,
+                 split: bool = True) -> None:
         self.tensors = list(tensors)
         self.weighted = weighted
-        cut = balanced_cut([_nbytes(t) for t in self.tensors])
+        cut = balanced_cut([_nbytes(t) for t in self.tensors]) if split else len(self.tensors)
         self._first = WordSums(self.tensors[:cut], weighted=weighted)
         self._second = WordSums(self.tensors[cut:], weighted=weighted) if cut < len(
             self.tensors) else None

@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -105,7 +104,7 @@ class GuardConfig:
     optimizer_state: bool = True
     fused_skip: bool = True
     host_skip: bool | None = None
-    overlap: bool | None = None
+    overlap: bool = False
     replay_every: int | None = None
     replay_tolerance: float | None = None
     checkpoint_every: int | None = None
@@ -176,12 +175,14 @@ def _set_torch_rng(state: tuple[torch.Tensor, tuple[torch.Tensor, ...]]) -> None
 class _Helper:
     """One background thread for guard work that may run beside the training thread.
 
-    Used with CPU parameters and a spare core (on an accelerator the work is already
-    asynchronous): it sums half of the bytes of each at-rest verification and record
-    beside the training thread, both complete before the update starts or ``step()``
-    returns, and takes the step's bookkeeping (statistics, flag row), which touches no
-    guarded tensor, beside the next forward pass. Jobs run in submission order;
-    :meth:`join` waits for all of them and re-raises the first failure.
+    Opt-in (``overlap=True``), for CPU parameters with a core to spare; on an
+    accelerator the work is already asynchronous. It sums half of the bytes of each
+    memory-bound pass (gradient norms, at-rest verification and record) beside the
+    training thread, each pass complete before the guard goes on (the verification
+    before the update starts, the record before ``step()`` returns), and takes the
+    step's bookkeeping (statistics, flag row), which touches no guarded tensor, beside
+    the next forward pass. Jobs run in submission order; :meth:`join` waits for all
+    of them and re-raises the first failure.
     """
 
     def __init__(self) -> None:
@@ -198,17 +199,6 @@ class _Helper:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-
-
-def _spare_core() -> bool:
-    """Whether this process's torch threads (times the local ranks that torchrun started)
-    leave a core free: only then does a helper thread not compete with training."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    return torch.get_num_threads() * ranks < cores
 
 
 def _no_grad_call(fn: Callable[[], None]) -> None:
@@ -327,11 +317,11 @@ class TrainingGuard:
         host = on_cpu if cfg.host_skip is None else cfg.host_skip
         self._host_skip = host and any(skipping) and not cfg.update_ratio
         # A second thread on the CPU; an accelerator already runs the work asynchronously.
-        overlap = on_cpu and (_spare_core() if cfg.overlap is None else cfg.overlap)
-        self._helper = _Helper() if overlap else None
+        self._helper = _Helper() if cfg.overlap and on_cpu else None
         self._latched = torch.zeros((), dtype=torch.bool, device=dev)
         self._false = torch.zeros((), dtype=torch.bool, device=dev)
         self._zeros_n = torch.zeros(n, dtype=torch.float32, device=dev)
+        self._false_n = torch.zeros(n, dtype=torch.bool, device=dev)
         self._zero = torch.zeros((), dtype=torch.float32, device=dev)
         self._empty = torch.zeros(0, dtype=torch.float32, device=dev)
         self.stats = RollingStats(2 + (n if cfg.per_layer else 0), cfg.window, dev)
@@ -503,10 +493,10 @@ class TrainingGuard:
             if stats is not None:
                 stats.push(values, accept)
                 stats.threshold(cfg.sigma, cfg.min_samples, cfg.rel_floor, cfg.abs_floor)
-        scalars = torch.stack([pending.loss, pending.gnorm, pending.thresholds[0],
-                               pending.thresholds[1], applied.float()])
-        row = torch.cat([flags, scalars, pending.gvec, pending.layer_vec.float(), ratio,
-                         ratio_vec.float(), pending.replay_vec.float(), pending.rest_vec.float()])
+        # One cat (it promotes bool to float): loss, grad norm, their two thresholds, applied.
+        row = torch.cat([flags, pending.metrics[:2], pending.thresholds, applied.view(1),
+                         pending.gvec, pending.layer_vec, ratio, ratio_vec, pending.replay_vec,
+                         pending.rest_vec])
         self._rows.append(_Row(step, row, pending.rest_names))
 
     def _join(self) -> None:
@@ -542,17 +532,17 @@ class TrainingGuard:
         over = metrics > thr
         finite_loss, finite_g = torch.isfinite(loss), torch.isfinite(gvec)
         nf_grad = ~finite_g.all()
-        layer_vec = (ready & over[2:] & finite_g) if cfg.per_layer else self._zeros_n.bool()
+        layer_vec = (ready & over[2:] & finite_g) if cfg.per_layer else self._false_n
         parts = [
             ~finite_loss,
             nf_grad,
             ready & over[0] & finite_loss,
             ready & over[1] & ~nf_grad,
             self._loss_jump(loss, finite_loss),
-            layer_vec.any(),
+            layer_vec.any() if cfg.per_layer else self._false,
             self._false,
             self._false,  # weights_changed: set by before_update, next to the copy
-            replay_vec.bool().any(),
+            self._false if replay_vec is self._zeros_n else replay_vec.bool().any(),
         ]
         return _Pending(parts, metrics, thr[:2], loss, gnorm, gvec, layer_vec, replay_vec,
                         self._empty, ())
@@ -598,7 +588,8 @@ class TrainingGuard:
         copied = self._snapshot.copies_of(sums.tensors) if use_copy else None
         if copied is not None:
             if self._copy_sums is None or not self._copy_sums.matches(copied):
-                self._copy_sums = PairedSums(copied, weighted=sums.weighted)
+                self._copy_sums = PairedSums(copied, weighted=sums.weighted,
+                                             split=self._helper is not None)
             now = self._copy_sums(self._pool())
         else:
             now = sums(self._pool())
@@ -615,7 +606,8 @@ class TrainingGuard:
         sums = self._rest_sums
         if sums is None or not sums.matches(self._covered_tensors(with_state)):
             self._rest_names, tensors = self._covered(with_state)
-            sums = self._rest_sums = PairedSums(tensors, weighted=self.config.rest_weighted)
+            sums = self._rest_sums = PairedSums(tensors, weighted=self.config.rest_weighted,
+                                                split=self._helper is not None)
         return sums(self._pool())
 
     def refresh(self) -> None:
@@ -627,7 +619,7 @@ class TrainingGuard:
     @torch.no_grad()
     def _update_ratios(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ratio_stats is None:
-            return self._zeros_n, self._zeros_n.bool()
+            return self._zeros_n, self._false_n
         before = self._snapshot.copies[: len(self._params)]
         delta = torch._foreach_sub(self._params, before)
         dn = torch.stack(torch._foreach_norm(delta, 2, dtype=torch.float32))
