@@ -396,6 +396,21 @@ def test_large_clean_body_is_answered_after_its_check(service: Service) -> None:
     assert service.model.calls == calls + 2  # this request, then the reference above
 
 
+def test_without_overlap_a_large_body_is_checked_before_it_is_read(workspace: Path) -> None:
+    svc = start(create_app("tvserve_model:build", workspace / "model.pt",
+                           recheck_interval=None, overlap_digest=False))
+    try:
+        body = large_request_body()
+        tampered = body.replace(b"0.1", b"0.3", 1)
+        r = post(svc.url, tampered, **{"Content-Digest": sha256_field(body)})
+        problem(r, 400, DIGEST_MISMATCH)
+        assert svc.model.calls == 0
+        r = post(svc.url, body, **{"Content-Digest": sha256_field(body)})
+        assert r.status_code == 200 and svc.model.calls == 1
+    finally:
+        svc.stop()
+
+
 @pytest.fixture(scope="module")
 def deferred_service() -> Iterator[tuple[Service, list[str]]]:
     """ContentDigestMiddleware(deferred=True) in a plain Starlette app. ``/effect`` records an

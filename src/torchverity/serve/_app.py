@@ -177,6 +177,7 @@ def create_app(
     recheck_interval: float | None = DEFAULT_RECHECK_INTERVAL,
     response_digest: str | None = "sha-256",
     device: str | torch.device | None = None,
+    overlap_digest: bool = True,
 ) -> "FastAPI":
     """Verify, load and golden-check the model, then return the FastAPI app serving it.
 
@@ -185,8 +186,11 @@ def create_app(
     ``weights`` the module's in-memory weights are served as they are (their
     fingerprint is still watched). ``device`` moves the model after the
     weights were verified; on an accelerator the re-checks use the on-device
-    fingerprint (no copy to the host). Raises IntegrityError, InputError or
-    UsageError instead of returning a service that should not run.
+    fingerprint (no copy to the host). ``overlap_digest`` (default) parses a
+    large request body while its digest is computed, and runs the model only
+    after it matched; ``False`` checks the digest before the body is read (the
+    cheaper choice when every core is busy). Raises IntegrityError, InputError
+    or UsageError instead of returning a service that should not run.
     """
     require_extra("fastapi", extra="serve", feature="torchverity.serve.create_app")
     module = build_model(model)
@@ -200,10 +204,10 @@ def create_app(
     )
     state.startup_check()
     app = _build_app(state, recheck_interval)
-    # Deferred: /predict parses a large body while its digest is computed on
-    # another thread, and runs the model only once it matched (_answer).
+    # Deferred: /predict parses a large body while the event loop hashes it,
+    # and runs the model only once it matched (_answer).
     app.add_middleware(ContentDigestMiddleware, policy=digest_policy, max_body=max_body,
-                       response_algorithm=response_digest, deferred=True)
+                       response_algorithm=response_digest, deferred=overlap_digest)
     app.add_middleware(FingerprintHeaderMiddleware, value=state.fingerprint_header)
     return app
 
