@@ -14,7 +14,8 @@ Measurement, built for a shared 2-core machine where single runs move by
 several percent: every round runs the plain loop twice (A1, A2) and
 torchverity once (T), in an order that rotates from round to round, so each
 configuration meets every position and the same moments of the machine's
-load. Per round, torchverity's overhead is T / mean(A1, A2) - 1 and the A/A
+load; before each run the outputs of the previous one are removed and the
+page cache is flushed (``os.sync``), outside the clock. Per round, torchverity's overhead is T / mean(A1, A2) - 1 and the A/A
 row is A2 / A1 - 1 (the plain loop against itself: the noise floor of one
 paired comparison; it is noisier than the T row, which compares with two
 runs, so it is a conservative floor). The table reports the median of the
@@ -42,6 +43,7 @@ import functools
 import hashlib
 import importlib
 import io
+import os
 import resource
 import shutil
 import statistics
@@ -172,6 +174,9 @@ def timed(job: Callable[[Work], None], work: Work, out: Path) -> Run:
     # The previous run's outputs go before the clock starts: removing them is no job's work.
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    # Every run starts with no dirty pages: otherwise the kernel writes back the plain
+    # loop's outputs (it never flushes them) during whichever run comes next.
+    os.sync()
     span = Span(work)
     used, wall = _cpu(), time.perf_counter()
     job(span)

@@ -211,6 +211,11 @@ class Journal:
             params = states
         return [ItemRow(*row) for row in self._query(sql + " ORDER BY id", params)]
 
+    def committed_outputs(self) -> list[tuple[str, int, str]]:
+        """(output, size, digest) of every committed item: only the columns the bag needs."""
+        return self._query("SELECT output, output_size, output_digest FROM items"
+                           " WHERE state = 'committed' ORDER BY id")
+
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         try:
             return self._conn.execute(sql, params).fetchall()

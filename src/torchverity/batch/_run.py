@@ -329,7 +329,8 @@ def _has_files(folder: Path) -> bool:
 def _create(config: JobConfig, out: Path, fingerprint: str, doc: dict[str, Any]) -> Journal:
     records = list_inputs(config.inputs, exclude=out)
     outputs = [f"{DATA_DIR}/{r.key}{config.suffix}" for r in records]
-    folders = {(out / o).parent for o in outputs}
+    # Strings first: a Path per output costs milliseconds per thousand items, at start-up.
+    folders = {out / d for d in {os.path.dirname(o) for o in outputs}}
     # Every new folder's entry lives in its parent: all of them up to OUT must be synced
     # (OUT itself by Journal.create, after the journal's rename).
     ancestors = {a for f in folders for a in (f, *f.parents)
@@ -525,9 +526,7 @@ def _finish(journal: Journal, out: Path) -> str | None:
     counts = journal.counts()
     if counts[PENDING] or not counts[COMMITTED]:
         return None
-    rows = journal.items(COMMITTED)
-    entries = [ManifestEntry(r.output, int(r.output_size or 0), str(r.output_digest))
-               for r in rows]
+    entries = [ManifestEntry(*row) for row in journal.committed_outputs()]
     return os.fspath(write_bag(out, entries))
 
 
