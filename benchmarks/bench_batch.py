@@ -15,8 +15,9 @@ several percent: every round runs the plain loop twice (A1, A2) and
 torchverity once (T), in an order that rotates from round to round, so each
 configuration meets every position and the same moments of the machine's
 load; before each run the outputs of the previous one are removed and the
-page cache is flushed (``os.sync``), outside the clock. Per round, torchverity's overhead is T / mean(A1, A2) - 1 and the A/A
-row is A2 / A1 - 1 (the plain loop against itself: the noise floor of one
+page cache is flushed (``os.sync``), outside the clock. Per round,
+torchverity's overhead is T / mean(A1, A2) - 1 and the A/A row is
+A2 / A1 - 1 (the plain loop against itself: the noise floor of one
 paired comparison; it is noisier than the T row, which compares with two
 runs, so it is a conservative floor). The table reports the median of the
 paired ratios and their spread (25th-75th percentile). A target counts as met

@@ -463,6 +463,35 @@ def test_input_list_file_and_output_folder_inside_the_inputs(tmp_path: Path) -> 
         run_batch(listing, _transform, tmp_path / "dup")
 
 
+def test_listing_takes_regular_files_at_any_depth_and_nothing_else(tmp_path: Path) -> None:
+    from torchverity.batch._inputs import list_inputs
+
+    root = tmp_path / "in"
+    files = make_inputs(root, 4)  # in part0/, part1/, part2/
+    (root / "a/b/c").mkdir(parents=True)
+    (root / "a/b/c/deep.bin").write_bytes(b"deep")
+    (root / "link-to-file.bin").symlink_to(root / "a/b/c/deep.bin")  # a file: listed
+    (root / "link-to-folder").symlink_to(root / "a")  # not entered: no double listing
+    (root / "broken-link").symlink_to(tmp_path / "nowhere")
+    (root / "empty").mkdir()
+    (root / "old-job/data").mkdir(parents=True)  # another job's folder: never an input
+    (root / "old-job" / JOURNAL_NAME).write_bytes(b"")
+    (root / "old-job/data/x.out").write_bytes(b"x")
+    (root / "results/data").mkdir(parents=True)  # this job's output folder
+    (root / "results/data/y.out").write_bytes(b"y")
+
+    records = list_inputs(root, exclude=root / "results")
+    expected = {**files, "a/b/c/deep.bin": b"deep", "link-to-file.bin": b"deep"}
+    assert [r.key for r in records] == sorted(expected)
+    for record in records:
+        content = expected[record.key]
+        assert record.digest == hashlib.sha256(content).hexdigest(), record.key
+        assert record.size == len(content)
+        assert record.path == os.fspath(root.resolve() / record.key)
+        assert record.mtime_ns == os.stat(record.path).st_mtime_ns
+    assert [r.key for r in list_inputs(root)] == sorted([*expected, "results/data/y.out"])
+
+
 def test_a_second_run_on_the_same_folder_is_refused_while_the_first_works(
     tmp_path: Path,
 ) -> None:

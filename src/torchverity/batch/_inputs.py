@@ -62,41 +62,51 @@ def list_inputs(spec: Path, *, exclude: Path | None = None) -> list[InputRecord]
     return sorted((r for chunk in done for r in chunk), key=lambda r: r.key)
 
 
-def _records(keyed: list[tuple[str, Path]]) -> list[InputRecord]:
+def _records(keyed: list[tuple[str, str]]) -> list[InputRecord]:
     return [_record(key, path) for key, path in keyed]
 
 
-def _record(key: str, path: Path) -> InputRecord:
+def _record(key: str, path: str) -> InputRecord:
     from torchverity.batch._item import file_sha256
 
     st = _stat(path)
     found = file_sha256(path)
     if found is None:
         raise InputError(f"{path}: vanished while the inputs were listed", path=path)
-    return InputRecord(key, os.fspath(path), found[1], st.st_mtime_ns, found[0])
+    return InputRecord(key, path, found[1], st.st_mtime_ns, found[0])
 
 
 def _cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _walk(root: Path, exclude: Path | None) -> list[tuple[str, Path]]:
-    found: list[tuple[str, Path]] = []
-    for folder, dirs, files in os.walk(root):
-        here = Path(folder)
-        # Output folders may live inside the inputs folder: never list a job's outputs.
-        dirs[:] = sorted(
-            d for d in dirs
-            if here / d != exclude and not (here / d / JOURNAL_NAME).exists()
-        )
-        for name in sorted(files):
-            path = here / name
-            if path.is_file():
-                found.append((path.relative_to(root).as_posix(), path))
+def _walk(root: Path, exclude: Path | None) -> list[tuple[str, str]]:
+    """(key, path) of every regular file under ``root`` (symlinks to files count; symlinked
+    folders are not entered, as with ``os.walk``); unreadable folders are skipped."""
+    found: list[tuple[str, str]] = []
+    # Strings and DirEntry types, no Path per file: listing thousands of small inputs
+    # with pathlib cost more than hashing them.
+    _scan(os.fspath(root), "", os.fspath(exclude) if exclude else None, found)
     return sorted(found)
 
 
-def _read_list(list_file: Path) -> list[tuple[str, Path]]:
+def _scan(folder: str, prefix: str, exclude: str | None, found: list[tuple[str, str]]) -> None:
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.is_dir():
+            # Output folders may live inside the inputs folder: never list a job's outputs.
+            skip = entry.is_symlink() or entry.path == exclude or os.path.exists(
+                os.path.join(entry.path, JOURNAL_NAME))
+            if not skip:
+                _scan(entry.path, f"{prefix}{entry.name}/", exclude, found)
+        elif entry.is_file():
+            found.append((prefix + entry.name, entry.path))
+
+
+def _read_list(list_file: Path) -> list[tuple[str, str]]:
     base = list_file.resolve().parent
     try:
         lines = list_file.read_text(encoding="utf-8").splitlines()
@@ -117,7 +127,7 @@ def _read_list(list_file: Path) -> list[tuple[str, Path]]:
         if not path.is_file():
             raise InputError(f"{list_file}:{number}: {path}: no such file", path=path)
         found[key] = path
-    return sorted(found.items())
+    return sorted((key, os.fspath(path)) for key, path in found.items())
 
 
 def _list_key(path: Path, base: Path) -> str:
@@ -128,9 +138,9 @@ def _list_key(path: Path, base: Path) -> str:
         return path.as_posix().lstrip("/")
 
 
-def _stat(path: Path) -> os.stat_result:
+def _stat(path: str) -> os.stat_result:
     try:
-        return path.stat()
+        return os.stat(path)
     except OSError as exc:
         raise InputError(f"{path}: cannot stat: {exc.strerror or exc}", path=path) from None
 

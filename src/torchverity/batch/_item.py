@@ -230,7 +230,7 @@ def _ctypes_errno() -> int:
 _WHOLE_READ_MAX = 8 * 1024 * 1024
 
 
-def file_sha256(path: Path) -> tuple[str, int] | None:
+def file_sha256(path: str | os.PathLike[str]) -> tuple[str, int] | None:
     """SHA-256 and size of a file (an input or a stored output), or None when it is missing."""
     from torchverity.digest import digest_file
     from torchverity.errors import InputError
