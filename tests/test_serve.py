@@ -414,7 +414,8 @@ def test_without_overlap_a_large_body_is_checked_before_it_is_read(workspace: Pa
 @pytest.fixture(scope="module")
 def deferred_service() -> Iterator[tuple[Service, list[str]]]:
     """ContentDigestMiddleware(deferred=True) in a plain Starlette app. ``/effect`` records an
-    effect only after awaiting the check; ``/careless`` answers without checking at all."""
+    effect only after awaiting the check; ``/careless`` answers without checking at all;
+    ``/fragile`` fails on every body."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import Response
@@ -434,8 +435,12 @@ def deferred_service() -> Iterator[tuple[Service, list[str]]]:
         effects.append("careless")
         return Response(await request.body(), media_type="application/octet-stream")
 
+    async def fragile(request: Request) -> Response:
+        raise ValueError(f"cannot use {len(await request.body())} bytes")
+
     app = Starlette(routes=[Route("/effect", effect, methods=["POST"]),
-                            Route("/careless", careless, methods=["POST"])])
+                            Route("/careless", careless, methods=["POST"]),
+                            Route("/fragile", fragile, methods=["POST"])])
     app.add_middleware(ContentDigestMiddleware, policy="require", max_body=1 << 20,
                        deferred=True)
     svc = start(app)
@@ -477,6 +482,21 @@ def test_deferred_mode_holds_back_an_unchecked_answer(
     r = httpx.post(svc.url + "/careless", content=body,
                    headers={"Content-Digest": format_digest("sha-256", body)})
     assert r.status_code == 200 and r.content == body
+
+
+
+def test_deferred_mode_answers_400_when_the_app_fails_on_a_tampered_body(
+    deferred_service: tuple[Service, list[str]]
+) -> None:
+    svc, _ = deferred_service
+    body = os.urandom(DEFER_MIN_BYTES * 2)
+    tampered = bytes(16) + body[16:]
+    r = httpx.post(svc.url + "/fragile", content=tampered,
+                   headers={"Content-Digest": format_digest("sha-256", body)})
+    problem(r, 400, DIGEST_MISMATCH)  # the body's fault, as in strict mode
+    r = httpx.post(svc.url + "/fragile", content=body,
+                   headers={"Content-Digest": format_digest("sha-256", body)})
+    assert r.status_code == 500  # a matching body: the app's own failure stays a 500
 
 
 # ------------------------------------------------ the client checks the service

@@ -31,7 +31,8 @@ the pending check (:class:`DeferredDigest`). The application may parse the body 
 must call ``check()`` (from a thread) or ``await verified()`` before anything
 with an effect; a mismatch raises the same 400 problem. Whatever the
 application does, its response is held until the check is done and replaced
-by the 400 problem when the digest does not match.
+by the 400 problem when the digest does not match, and an exception it
+raises on such a body is answered with that 400 too.
 """
 
 from __future__ import annotations
@@ -337,11 +338,11 @@ class DeferredDigest:
         _raise_if(self._outcome.result())
 
     async def verified(self) -> None:
-        _raise_if(await asyncio.wrap_future(self._outcome))
+        _raise_if(await self.problem())
 
-    def failed_with(self, exc: ProblemError) -> bool:
-        """Whether ``exc`` is this check's own failure."""
-        return self._outcome.done() and exc.problem is self._outcome.result()
+    async def problem(self) -> Problem | None:
+        """The 400 problem when the body does not match, else None (waits for the hash)."""
+        return await asyncio.wrap_future(self._outcome)
 
 
 def _raise_if(problem: Problem | None) -> None:
@@ -419,12 +420,14 @@ class ContentDigestMiddleware:
         try:
             await self.app({**scope, DEFERRED_DIGEST: pending}, _replay(chunks, receive),
                            gate.send)
-        except ProblemError as exc:
-            # The application let the failed check escape (a plain Starlette app
-            # has no handler for it): it is ours to answer, not a server error.
-            if not pending.failed_with(exc):
+        except Exception:
+            # The failed check escaped the application (a plain Starlette app has
+            # no handler for it), or the application choked on a body that did
+            # not match: either way the answer is the 400, as in strict mode.
+            problem = await pending.problem()
+            if problem is None:
                 raise
-            await gate.refuse(exc.problem)
+            await gate.refuse(problem)
 
     async def _checked_body(
         self, headers: Mapping[str, str], receive: Receive
