@@ -105,9 +105,11 @@ class Runner:
     """One configuration's model, optimizer and guard, trained a few steps per call."""
 
     def __init__(self, make: Callable[[], tuple[torch.nn.Module, Batch, str]],
-                 config: Config) -> None:
+                 config: Config, device: torch.device) -> None:
         torch.manual_seed(0)
-        self.model, self.batch, _ = make()
+        model, batch, _ = make()
+        x, y = (t.to(device) for t in batch())
+        self.model, self.batch, self.device = model.to(device), (lambda: (x, y)), device
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=config.fused)
         self.guard = (TrainingGuard(self.model, self.opt, **config.options)
                       if config.options is not None else None)
@@ -121,6 +123,8 @@ class Runner:
             self._one()
         if self.guard is not None:
             self.guard.wait()  # nothing of this block may run into the next one
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the block's kernels, not the next one's
         return (time.perf_counter() - wall) / steps, (time.process_time() - cpu) / steps
 
     def _one(self) -> None:
@@ -169,10 +173,10 @@ def _summary(ratios: list[float]) -> tuple[float, float, float, float]:
 
 
 def measure(make: Callable[[], tuple[torch.nn.Module, Batch, str]], rounds: int,
-            steps: int) -> list[Row]:
+            steps: int, device: torch.device) -> list[Row]:
     """Each round runs baseline, config, baseline, config, ... baseline (per baseline), in
     a rotated order; a config's ratio is to the mean of the two baseline blocks around it."""
-    runners = {c.name: Runner(make, c) for c in CONFIGS}
+    runners = {c.name: Runner(make, c, device) for c in CONFIGS}
     wall: dict[str, list[float]] = {c.name: [] for c in CONFIGS if c.name != c.baseline}
     cpu: dict[str, list[float]] = {name: [] for name in wall}
     ms: dict[str, list[float]] = {name: [] for name in wall}
@@ -213,19 +217,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds (a smoke run)")
     parser.add_argument("--rounds", type=int, help="rounds per model (default 24, quick 4)")
+    parser.add_argument("--device", default="cpu",
+                        help="e.g. cuda: the same tables on a GPU (blocks end with a sync)")
     args = parser.parse_args()
+    device = torch.device(args.device)
     rounds = args.rounds or (4 if args.quick else 24)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
         load = f", load average {os.getloadavg()[0]:.1f} at the start"
     except OSError:
         load = ""
-    command = "python benchmarks/bench_guard.py" + (" --quick" if args.quick else "")
+    command = "python benchmarks/bench_guard.py" + (" --quick" if args.quick else "") + (
+        f" --device {args.device}" if device.type != "cpu" else "")
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else platform.machine())
     lines = [
         "# TrainingGuard overhead",
         "",
         f"Command: `{command}`; torch {torch.__version__}, {torch.get_num_threads()} torch "
-        f"thread(s), {platform.machine()}, {os.cpu_count()} cores{load}. {rounds} rounds "
+        f"thread(s), {where}, {os.cpu_count()} cores{load}. {rounds} rounds "
         "per model; in each round, blocks of a few steps (MLP 4, transformer 2) alternate "
         "unguarded, configuration, unguarded, ... Overhead = median over the rounds of a "
         "block's wall time over the mean of the two unguarded blocks around it; IQR = the "
@@ -237,7 +247,7 @@ def main() -> int:
     ]
     for make, steps in ((mlp, 4), (transformer, 2)):
         label = make()[2]
-        rows = measure(make, rounds, steps)
+        rows = measure(make, rounds, steps, device)
         noise = {r.config.fused: r.wall[0] for r in rows if r.config.name.endswith("(A/A)")}
         for row in rows:
             med, q1, q3, half = row.wall
@@ -247,9 +257,10 @@ def main() -> int:
                 f"{verdict(row, noise[row.config.fused])} |")
             print(lines[-1], flush=True)
     lines += ["", NOTES, ""]
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text("\n".join(lines), encoding="utf-8")
-    print(f"written {OUT}", file=sys.stderr)
+    out = OUT if device.type == "cpu" else OUT.with_name(f"guard-{device.type}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines), encoding="utf-8")
+    print(f"written {out}", file=sys.stderr)
     return 0
 
 
