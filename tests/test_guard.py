@@ -893,3 +893,28 @@ def test_run_beside_uses_the_helper_when_free_and_never_waits_for_a_busy_one() -
 
         with pytest.raises(ValueError, match="half failed"):
             run_beside(pool, here, fails)
+
+
+def test_rolling_threshold_is_recomputed_after_every_push_and_load() -> None:
+    from torchverity._guard_stats import RollingStats
+
+    def fresh(stats: RollingStats) -> tuple[torch.Tensor, torch.Tensor]:
+        copy = RollingStats(2, 8, torch.device("cpu"))
+        copy.load_state_dict(stats.state_dict())
+        return copy.threshold(6.0, 3, 1e-3, 1e-8)
+
+    stats = RollingStats(2, 8, torch.device("cpu"))
+    seen = []
+    for i in range(12):
+        stats.push(torch.tensor([1.0 + i % 3, 10.0 - i]), torch.tensor(i != 5))
+        thr, ready = stats.threshold(6.0, 3, 1e-3, 1e-8)
+        assert thr is stats.threshold(6.0, 3, 1e-3, 1e-8)[0]  # cached until the next push
+        want_thr, want_ready = fresh(stats)
+        assert torch.equal(thr, want_thr) and torch.equal(ready, want_ready)
+        seen.append(thr.clone())
+    assert len({tuple(t.tolist()) for t in seen}) > 6  # it did move with the pushes
+    other = RollingStats(2, 8, torch.device("cpu"))
+    other.threshold(6.0, 3, 1e-3, 1e-8)
+    other.load_state_dict(stats.state_dict())
+    assert torch.equal(other.threshold(6.0, 3, 1e-3, 1e-8)[0], seen[-1])
+    assert not torch.equal(other.threshold(5.0, 3, 1e-3, 1e-8)[0], seen[-1])  # other sigma
