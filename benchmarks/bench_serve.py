@@ -405,6 +405,11 @@ def report(results: dict[str, Measured]) -> tuple[str, dict[str, Any]]:
             }
             for view, name in (("service", "on, service"), ("end to end", "on, end to end"))
         }
+        strict = "on, strict middleware"
+        summary[label]["strict middleware"] = {
+            "latency": assess(res["latency"][strict], res["latency"][aa], False),
+            "throughput": assess(res["throughput"][strict], res["throughput"][aa], False),
+        }
         summary[label]["encoded per request"] = {"latency": assess(
             res["latency"]["on, encoded per request"], res["latency"][aa], judged)}
         summary[label]["in process"] = assess(res["in_process"]["on, service"],
@@ -473,6 +478,9 @@ def main() -> None:
         for view in ("service", "end to end"):
             body += (f"- {label}, {view}: latency {s[view]['latency']}; throughput "
                      f"{s[view]['throughput']}.\n")
+        body += (f"- {label}, service with the strict middleware instead (for comparison, "
+                 f"not judged): latency {s['strict middleware']['latency']}; throughput "
+                 f"{s['strict middleware']['throughput']}.\n")
         body += (f"- {label}, body encoded per request: latency "
                  f"{s['encoded per request']['latency']}.\n")
         body += f"- {label}, server in process: {s['in process']}.\n"
