@@ -34,6 +34,8 @@ CPU tensor is a memory read and not a device sync, and does not call
 On an accelerator (or with ``host_skip=False``) a step is skipped on the device
 (a fused optimizer's ``found_inf``, otherwise parameters and optimizer state
 restored from a copy taken before the update) so ``step()`` is always called.
+With ``overlap=True`` (CPU parameters, a core to spare) a helper thread sums half of
+the bytes of each memory-bound pass and keeps the books beside the next forward pass.
 Policies per kind:
 ``record``, ``warn``, ``skip``, ``stop`` (raise :class:`TrainingAnomalyError`),
 ``rollback`` (reload the last checkpoint verified by torchverity and go on) and
@@ -472,7 +474,7 @@ class TrainingGuard:
         if self._replaying:
             self._rng_next = _torch_rng()
         # The record is complete before step() returns: a bit that changes afterwards,
-        # however soon, is a change against it. Half of it runs on the helper thread.
+        # however soon, is a change against it (with a helper, half of it ran there).
         self._record_at_rest(step)
         book = functools.partial(self._bookkeep, step, pending, flags, applied,
                                  accept, ratio, ratio_vec)
@@ -521,7 +523,7 @@ class TrainingGuard:
     # ------------------------------------------------------------ detectors (device only)
 
     def _detect(self, loss: torch.Tensor, replay_vec: torch.Tensor) -> _Pending:
-        self._join()  # the previous step's statistics and record
+        self._join()  # the previous step's statistics and flag row
         cfg = self.config
         gvec = self._grad_norms()
         gnorm = torch.linalg.vector_norm(gvec)
