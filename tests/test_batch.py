@@ -17,6 +17,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 
 from torchverity.batch import BatchItem, run_batch, verify_batch
+from torchverity.batch._engine_local import HELPER_MIN_BYTES
 from torchverity.batch._journal import JOURNAL_NAME, Journal
 from torchverity.errors import BatchError, FormatError
 
@@ -182,6 +184,28 @@ def test_clean_rerun_of_a_finished_job_changes_nothing(tmp_path: Path) -> None:
 
 def _transform(item: BatchItem) -> bytes:
     return expected_output(item.data)
+
+
+@pytest.mark.parametrize(("size", "durability", "threads"), [
+    (HELPER_MIN_BYTES - 1, "group", 1),  # small items: the model's thread does the checks
+    (HELPER_MIN_BYTES, "group", 2),  # large items: one helper thread beside the model
+    (10 * 1024, "file", 5),  # an fsync per output: four helpers hide its latency
+])
+def test_local_engine_adds_helper_threads_only_where_they_pay(
+    tmp_path: Path, size: int, durability: str, threads: int
+) -> None:
+    files = make_inputs(tmp_path / "in", 12, size=size)
+    seen: set[str] = set()
+
+    def transform(item: BatchItem) -> bytes:
+        seen.update(t.name for t in threading.enumerate() if t.name.startswith("tv-batch-"))
+        return _transform(item)
+
+    out = tmp_path / "out"
+    report = run_batch(tmp_path / "in", transform, out, durability=durability)
+    assert report.ok and len(seen) == threads, seen
+    assert_exactly_once(out, files)
+    assert verify_batch(out).ok
 
 
 # ------------------------------------------------------------ inputs that change

@@ -2,11 +2,12 @@
 
 Reading, hashing, fsync and torch all release the GIL, so threads keep the
 cores busy without copying the model into other processes. At most
-``workers`` threads run the model at once; the other threads read and verify
-inputs and hash and write outputs (temp, fsync, rename) meanwhile, so the
-checks overlap the model's compute and the filesystem can group concurrent
-fsyncs into one journal commit. The driver alone records outcomes in the
-journal.
+``workers`` threads run the model at once; once items of at least
+``HELPER_MIN_BYTES`` arrive (and always when every output is fsynced), helper
+threads read and verify inputs and hash and write outputs (temp, fsync,
+rename) meanwhile, so the checks overlap the model's compute and the
+filesystem can group concurrent fsyncs into one journal commit. The driver
+alone records outcomes in the journal.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ EngineEvent = ItemResult | OutputWriteError
 # model thread keeps the model busy (more only contend for the cores: +26% CPU on 10 KiB
 # items with 4); with an fsync per output, more of them hide its latency.
 FSYNC_HELPER_THREADS = 4
+# Below this input size a helper thread costs the model more than the checks it takes
+# over: a second Python thread takes the GIL at each of the model's small torch calls.
+# bench_batch MLP, loaded 2-core machine, overhead vs a plain loop without / with one
+# helper: 10 KiB +13% / +35%, 16 KiB +4% / +16%, 32 KiB +16% / +9%, 128 KiB +10% / +6%,
+# 1 MiB +15% / +0.4%.
+HELPER_MIN_BYTES = 32 * 1024
 # Items queued ahead of the threads (not read yet, so they cost no memory): enough
 # that the model never waits while the driver runs a slow commit point (a flush on a
 # busy disk can take a quarter of a second).
@@ -64,8 +71,8 @@ class LocalEngine:
     name = "local"
 
     def __init__(self, fn: ItemFn, out: Path, workers: int, *, fsync: bool) -> None:
-        threads = workers + (FSYNC_HELPER_THREADS if fsync else workers)
-        self.backlog = threads + BACKLOG
+        self._helpers = FSYNC_HELPER_THREADS if fsync else workers
+        self.backlog = workers + self._helpers + BACKLOG
         self._fn = fn
         self._out = out
         self._fsync = fsync
@@ -74,11 +81,17 @@ class LocalEngine:
         self._todo: queue.SimpleQueue[WorkItem | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[EngineEvent | BaseException] = queue.SimpleQueue()
         self._in_flight = 0
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"tv-batch-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        for thread in self._threads:
+        self._threads: list[threading.Thread] = []
+        # An fsync's latency is worth hiding whatever the item size.
+        self._helping = fsync
+        self._start_threads(workers + (self._helpers if fsync else 0))
+
+    def _start_threads(self, count: int) -> None:
+        first = len(self._threads)
+        new = [threading.Thread(target=self._loop, name=f"tv-batch-{i}", daemon=True)
+               for i in range(first, first + count)]
+        self._threads += new
+        for thread in new:
             thread.start()
 
     @property
@@ -86,6 +99,9 @@ class LocalEngine:
         return self._in_flight
 
     def submit(self, work: WorkItem) -> None:
+        if not self._helping and work.size >= HELPER_MIN_BYTES:
+            self._helping = True
+            self._start_threads(self._helpers)
         self._in_flight += 1
         self._todo.put(work)
 
