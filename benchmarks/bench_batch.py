@@ -12,9 +12,10 @@ overhead at most 15% for 10 KiB items and 5% for 1 MiB items.
 
 Measurement, built for a shared 2-core machine where single runs move by
 several percent: every round runs the plain loop twice (A1, A2) and
-torchverity once (T), in an order that rotates from round to round, so each
-configuration meets every position and the same moments of the machine's
-load; before each run the outputs of the previous one are removed and the
+torchverity once (T), in an order that changes from round to round
+(rotations, forwards and backwards), so each configuration takes every
+position, follows every other equally often and meets the same moments of
+the machine's load; before each run the outputs of the previous one are removed and the
 page cache is flushed (``os.sync``), outside the clock. Per round,
 torchverity's overhead is T / mean(A1, A2) - 1 and the A/A row is
 A2 / A1 - 1 (the plain loop against itself: the noise floor of one
@@ -212,14 +213,22 @@ def measure(config: Config, work: Work, variants: dict[str, Callable[[Path, Path
     listing: list[float] = []
     names = list(variants)
     for r in range(config.rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in round_order(names, r):
             runs[name].append(timed(functools.partial(variants[name], inputs, outs[name]),
                                     work, outs[name]))
         start = time.perf_counter()
         list_inputs(inputs)
         listing.append(time.perf_counter() - start)
     return runs, listing
+
+
+def round_order(names: Sequence[str], r: int) -> list[str]:
+    """Rotations of ``names``, each run forwards then backwards: every configuration
+    takes every position and follows every other one equally often (a rotation alone
+    keeps the same successor: T would always follow A2)."""
+    shift = (r // 2) % len(names)
+    order = [*names[shift:], *names[:shift]]
+    return order[::-1] if r % 2 else order
 
 
 def verdict(overhead: float, noise: float, target: float) -> str:
@@ -301,9 +310,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer items and rounds")
     parser.add_argument("--baseline", metavar="REV",
                         help="also run torchverity.batch as of this git revision, interleaved")
-    parser.add_argument("--small", type=int, help="number of 10 KiB items (default 1500)")
-    parser.add_argument("--large", type=int, help="number of 1 MiB items (default 96)")
-    parser.add_argument("--rounds", type=int, help="rounds per item size (default 8)")
+    parser.add_argument("--small", type=int, help="number of 10 KiB items (default 1200)")
+    parser.add_argument("--large", type=int, help="number of 1 MiB items (default 80)")
+    parser.add_argument("--rounds", type=int, help="rounds per item size (default 12)")
     parser.add_argument("--modes", default="group",
                         help="durabilities to run, comma-separated (default: group)")
     args = parser.parse_args()
@@ -311,7 +320,7 @@ def main() -> None:
 
     WORK.mkdir(parents=True, exist_ok=True)
     work = make_work()
-    small, large, small_rounds, large_rounds = (300, 32, 3, 3) if args.quick else (1500, 96, 8, 8)
+    small, large, small_rounds, large_rounds = (300, 32, 4, 4) if args.quick else (1200, 80, 12, 12)
     configs = (Config("10KiB", args.small or small, 10 * KiB, args.rounds or small_rounds),
                Config("1MiB", args.large or large, MiB, args.rounds or large_rounds))
     modes = args.modes.split(",")
@@ -344,13 +353,14 @@ def write_doc(args: argparse.Namespace, configs: Sequence[Config], rows: list[tu
                    "CPU overhead (median)", "target", "verdict"), rows)
     body += (
         "\nEach round runs the plain loop twice (A1, A2) and torchverity once, in an order "
-        "that rotates from round to round. Overhead per round: torchverity / mean(A1, A2) "
-        "- 1; the A/A row is A2 / A1 - 1, the noise of one paired comparison on this "
+        "that changes from round to round (every position, every predecessor equally "
+        "often), after an os.sync. Overhead per round: torchverity / mean(A1, A2) - 1; "
+        "the A/A row is A2 / A1 - 1, the noise of one paired comparison on this "
         "machine at this time (conservative: it compares single runs). A target is called "
         "met only when the median overhead plus the A/A noise (the larger of the A/A "
         "median and half its 25-75% spread) is within it. CPU overhead: user + system "
-        "seconds of all threads, torchverity vs the plain loop (the checks run on a second "
-        "core, so CPU grows more than wall time).\n\n"
+        "seconds of all threads, torchverity vs the plain loop (for 1 MiB items the checks "
+        "run on a helper thread beside the model, so CPU grows more than wall time).\n\n"
         "## Where the time goes (medians of per-round differences vs the plain loop)\n\n"
     )
     body += table(("items", "run", "listing ms (part of start-up)", "other start-up ms",
@@ -364,9 +374,11 @@ def write_doc(args: argparse.Namespace, configs: Sequence[Config], rows: list[tu
         "call to the return: the last output's hash and write, the final syncfs and "
         "journal commit, and the bag files (fixed). The steady state is everything in "
         "between: its difference per item is what the checks cost the model thread while "
-        "the job runs (re-verifying each input as it is read and hashing, writing and "
-        "renaming each output happen on a helper thread meanwhile, so on a free second "
-        "core it stays near zero; on a busy machine it is where contention shows). The last "
+        "the job runs: re-verifying each input as it is read and hashing, writing and "
+        "renaming each output. For 1 MiB items they happen on a helper thread meanwhile, "
+        "so with a free second core this stays near zero; 10 KiB items do them on the "
+        "model's thread (a helper would cost more in GIL hand-overs than it takes over), "
+        "where they cost tens of microseconds. The last "
         "column is a floor for a machine whose second core is busy: each item's bytes "
         "pass through SHA-256 three times (the listing, the re-verification of the bytes "
         "handed to the model, the output), all required, and when they cannot run beside "
@@ -376,7 +388,8 @@ def write_doc(args: argparse.Namespace, configs: Sequence[Config], rows: list[tu
     if args.baseline:
         body += (f"\nRows marked ({args.baseline}) run `torchverity.batch` as of that git "
                  "revision (only the batch package; the rest is today's), interleaved with "
-                 "today's in the same rounds.\n")
+                 "today's in the same rounds. Their listing column is today's listing "
+                 "(timed on its own); what theirs costs beyond it shows as start-up.\n")
     body += "\nVerdicts:\n\n" + "".join(f"- {line}\n" for line in lines)
     cmd = "python benchmarks/bench_batch.py" + "".join(
         f" --{k} {v}" for k, v in (("small", args.small), ("large", args.large),
