@@ -23,6 +23,7 @@ import gc
 import hashlib
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -172,8 +173,8 @@ def interleaved(cases: dict[str, Callable[[], object]], repeat: int,
                 paired: dict[str, float]) -> dict[str, float]:
     """Best wall time per case; least user and system CPU time into ``cpu``; into
     ``paired`` the median over rounds of each case's time over the first case's time
-    in the same round. The order rotates every round, so no case always follows the
-    same one (a case pays for the page cache the one before it left dirty)."""
+    in the same round. The order is shuffled every round, so no case always follows
+    the same one (a case pays for the page cache the one before it left behind)."""
     names = list(cases)
     times: dict[str, list[float]] = {name: [] for name in names}
     # One untimed round first: on this VM the first write into memory the guest has
@@ -181,7 +182,9 @@ def interleaved(cases: dict[str, Callable[[], object]], repeat: int,
     for name in names:
         cases[name]()
     for r in range(repeat):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        order = names[:]
+        random.Random(r).shuffle(order)
+        for name in order:
             gc.collect()
             os.sync()
             start, cpu_start = time.perf_counter(), _cpu_seconds()
@@ -259,7 +262,7 @@ def load_section(load: dict[str, float], fresh: dict[str, float],
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="256 MiB instead of 1 GiB")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
     size = (256 if args.quick else 1024) * MiB
     work = WORK / "checkpoint"
@@ -327,7 +330,7 @@ def main() -> None:
     body += floors(size, speed, save, load)
     body += READING
     cmd = ("python benchmarks/bench_checkpoint.py" + (" --quick" if args.quick else "")
-           + (f" --repeat {args.repeat}" if args.repeat != 5 else ""))
+           + (f" --repeat {args.repeat}" if args.repeat != 7 else ""))
     print(write_results("checkpoint", "Checkpoints: save, load, fingerprint", cmd, body)
           .read_text())
     print(json.dumps({"save": save, "fingerprint": fp, "load": load, "fresh": fresh}, indent=1))

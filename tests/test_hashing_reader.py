@@ -21,10 +21,12 @@ def blob(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("algo", ["sha256", "blake3", "xxh128"])
-def test_any_read_order_gives_the_digest_of_the_whole_file(blob: Path, algo: str) -> None:
+@pytest.mark.parametrize("threaded", [True, False])
+def test_any_read_order_gives_the_digest_of_the_whole_file(blob: Path, algo: str,
+                                                            threaded: bool) -> None:
     data, rng = blob.read_bytes(), random.Random(algo)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        reader = HashingReader(blob, new_hasher(algo), pool)
+        reader = HashingReader(blob, new_hasher(algo), pool if threaded else None)
         # Far jumps (left for the end), small gaps (filled), overlaps, re-reads and
         # large reads that cross the hashed prefix, each checked against the file.
         for _ in range(60):

@@ -48,6 +48,7 @@ from torchverity._hashing_reader import HashingReader
 from torchverity.digest import (
     ALGORITHMS,
     DEFAULT_ALGO,
+    FASTER_THAN_COPY,
     check_algo,
     digest_file,
     find_sidecar,
@@ -893,7 +894,8 @@ def _load_while_hashing(p: Path, expected: tuple[str, str, str],
     failure: Exception | None = None
     obj: Any = None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load") as pool:
-        reader = HashingReader(p, new_hasher(expected[0], threads=True), pool)
+        inline = expected[0] in FASTER_THAN_COPY
+        reader = HashingReader(p, new_hasher(expected[0], threads=True), None if inline else pool)
         try:
             obj = torch.load(reader, map_location=map_location,  # type: ignore[arg-type]
                              weights_only=True)
