@@ -1,13 +1,12 @@
 """Model service latency and throughput with RFC 9530 digest checks on vs off.
 
 Four uvicorn server processes serve the same tiny model: "on" requires a
-request Content-Digest (sha-256; the service hashes the body on its event loop
-while /predict's worker thread parses it, and runs the model only after the
-digest matched) and adds one to every response; "off" and
-"off (A/A)" are two identical servers that ignore digests and add none. The
-A/A pair shows the noise floor: any difference between them is noise.
-"strict" is "on" with the middleware's default mode (the body is hashed before
-the application sees it), to show what the overlap gains.
+request Content-Digest (sha-256, checked before the application sees the
+body) and adds one to every response; "off" and "off (A/A)" are two identical
+servers that ignore digests and add none. The A/A pair shows the noise floor:
+any difference between them is noise. "overlap" is "on" with the opt-in
+overlap_digest=True (the body is hashed on the event loop while /predict's
+worker thread parses it; the model runs only after the digest matched).
 
 Every measurement is interleaved: a round runs one short block per
 configuration, in an order that rotates from round to round, and each round
@@ -59,7 +58,7 @@ from torchverity.serve._spec import encode_inputs
 
 KiB, MiB = 1 << 10, 1 << 20
 TARGET = 0.05
-SERVERS = ("off", "off2", "on", "strict")
+SERVERS = ("off", "off2", "on", "overlap")
 
 
 class SumNet(torch.nn.Module):
@@ -76,14 +75,14 @@ class SumNet(torch.nn.Module):
 
 
 def build_app(server: str) -> Any:
-    """"off"/"off2": no digests; "on": the service as shipped; "strict": "on" with the
-    middleware's default mode (the app sees no body before its digest matched)."""
+    """"off"/"off2": no digests; "on": the service as shipped (the app sees no body
+    before its digest matched); "overlap": "on" with overlap_digest=True."""
     from torchverity.serve import create_app
 
-    on = server in ("on", "strict")
+    on = server in ("on", "overlap")
     return create_app(SumNet(), digest_policy="require" if on else "ignore",
                       response_digest="sha-256" if on else None, recheck_interval=None,
-                      max_body=4 * MiB, overlap_digest=server != "strict")
+                      max_body=4 * MiB, overlap_digest=server == "overlap")
 
 
 def child(server: str, port: int) -> None:
@@ -129,7 +128,7 @@ class Config:
                         headers={"Content-Type": "application/json", "Content-Digest": field})
         if r.status_code != 200:
             raise SystemExit(f"benchmark request failed: {r.status_code} {r.text[:200]}")
-        if self.server in ("on", "strict"):
+        if self.server in ("on", "overlap"):
             verify_digest(r.headers["content-digest"], r.content)
         return time.perf_counter() - start
 
@@ -147,7 +146,7 @@ class Payload:
 
 THROUGHPUT = (Config("off", "off", False), Config("off (A/A)", "off2", False),
               Config("on, service", "on", False), Config("on, end to end", "on", True),
-              Config("on, strict middleware", "strict", False))
+              Config("on, overlapping check (opt-in)", "overlap", False))
 LATENCY = (*THROUGHPUT, Config("off, encoded per request", "off", False, True),
            Config("on, encoded per request", "on", True, True))
 
@@ -160,7 +159,7 @@ def rotated(items: Sequence[Any], round_no: int) -> list[Any]:
 # Each configuration is compared with the "off" configuration that sends the same way.
 BASELINE = {"off (A/A)": "off", "on, service": "off", "on, end to end": "off",
             "on, encoded per request": "off, encoded per request",
-            "on, strict middleware": "off"}
+            "on, overlapping check (opt-in)": "off"}
 
 
 def paired(blocks: dict[str, list[float]], invert: bool = False) -> dict[str, list[float]]:
@@ -223,7 +222,7 @@ def throughput_rounds(urls: dict[str, str], payload: Payload, rounds: int, per_b
 def in_process_rounds(body: bytes, rounds: int, per_block: int) -> dict[str, list[float]]:
     """The three apps through ASGI in this process: block medians of the server's own time."""
     labels = {"off": "off", "off2": "off (A/A)", "on": "on, service",
-              "strict": "on, strict middleware"}
+              "overlap": "on, overlapping check (opt-in)"}
     apps = {s: build_app(s) for s in labels}
     field = format_digest("sha-256", body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-digest", field),
@@ -405,10 +404,10 @@ def report(results: dict[str, Measured]) -> tuple[str, dict[str, Any]]:
             }
             for view, name in (("service", "on, service"), ("end to end", "on, end to end"))
         }
-        strict = "on, strict middleware"
-        summary[label]["strict middleware"] = {
-            "latency": assess(res["latency"][strict], res["latency"][aa], False),
-            "throughput": assess(res["throughput"][strict], res["throughput"][aa], False),
+        overlap = "on, overlapping check (opt-in)"
+        summary[label]["overlap"] = {
+            "latency": assess(res["latency"][overlap], res["latency"][aa], False),
+            "throughput": assess(res["throughput"][overlap], res["throughput"][aa], False),
         }
         summary[label]["encoded per request"] = {"latency": assess(
             res["latency"]["on, encoded per request"], res["latency"][aa], judged)}
@@ -450,12 +449,13 @@ def main() -> None:
             proc.wait(timeout=30)
     text, summary = report(results)
     body = (
-        "Same tiny model behind four servers: \"on\" requires a sha-256 `Content-Digest` "
-        "(hashed on the event loop while /predict's worker thread parses the body; the "
-        "model runs only after it matched) and adds one to every response, which the "
-        "client verifies; \"off\" and \"off (A/A)\" are identical servers without digests, "
-        "so their difference is the noise floor; \"on, strict middleware\" hashes the body "
-        "before the application sees it (the middleware's default), for comparison. "
+        "Same tiny model behind four servers: \"on\" (the service as shipped) requires a "
+        "sha-256 `Content-Digest`, checked before the application sees the body, and adds "
+        "one to every response, which the client verifies; \"off\" and \"off (A/A)\" are "
+        "identical servers without digests, so their difference is the noise floor; "
+        "\"on, overlapping check (opt-in)\" is `overlap_digest=True` (the body is hashed "
+        "on the event loop while /predict's worker thread parses it; the model runs only "
+        "after it matched), for comparison. "
         "\"service\": the client sends a digest it already has; \"end to end\": the client "
         "hashes every request body before sending it; \"encoded per request\": the client "
         "builds the JSON from a tensor for every request (as `torchverity.serve.Client` "
@@ -467,10 +467,9 @@ def main() -> None:
         "driven through ASGI without network or client.\n\n")
     body += text + "\n"
     body += (f"For scale: one sha-256 over 1 MiB takes {hash_cost_ms(MiB):.2f} ms here; the "
-             "server hashes each request once (overlapped with parsing when a second core is "
-             "free) and each response once (tiny here), and the end-to-end client hashes "
-             "each request once more before it can send it (the digest goes in a header, "
-             "ahead of the body).\n\n")
+             "server hashes each request once and each response once (tiny here), and the "
+             "end-to-end client hashes each request once more before it can send it (the "
+             "digest goes in a header, ahead of the body).\n\n")
     body += ("Target: digest verification adds under 5% at 1 MiB, judged on the service "
              "view; met only when the 95% bootstrap interval of the median per-round ratio, "
              "widened by the A/A offset, lies below 5%.\n\n")
@@ -478,9 +477,9 @@ def main() -> None:
         for view in ("service", "end to end"):
             body += (f"- {label}, {view}: latency {s[view]['latency']}; throughput "
                      f"{s[view]['throughput']}.\n")
-        body += (f"- {label}, service with the strict middleware instead (for comparison, "
-                 f"not judged): latency {s['strict middleware']['latency']}; throughput "
-                 f"{s['strict middleware']['throughput']}.\n")
+        body += (f"- {label}, service with the opt-in overlapping check instead (for "
+                 f"comparison, not judged): latency {s['overlap']['latency']}; throughput "
+                 f"{s['overlap']['throughput']}.\n")
         body += (f"- {label}, body encoded per request: latency "
                  f"{s['encoded per request']['latency']}.\n")
         body += f"- {label}, server in process: {s['in process']}.\n"

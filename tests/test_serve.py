@@ -133,8 +133,10 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def service(workspace: Path) -> Iterator[Service]:
+    # The overlapping check (opt-in) here; the default strict check has its own test.
     app = create_app("tvserve_model:build", workspace / "model.pt",
-                     golden=workspace / "golden.json", recheck_interval=0.1, max_body=1 << 20)
+                     golden=workspace / "golden.json", recheck_interval=0.1, max_body=1 << 20,
+                     overlap_digest=True)
     svc = start(app)
     yield svc
     svc.stop()

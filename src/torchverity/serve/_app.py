@@ -177,7 +177,7 @@ def create_app(
     recheck_interval: float | None = DEFAULT_RECHECK_INTERVAL,
     response_digest: str | None = "sha-256",
     device: str | torch.device | None = None,
-    overlap_digest: bool = True,
+    overlap_digest: bool = False,
 ) -> "FastAPI":
     """Verify, load and golden-check the model, then return the FastAPI app serving it.
 
@@ -186,10 +186,10 @@ def create_app(
     ``weights`` the module's in-memory weights are served as they are (their
     fingerprint is still watched). ``device`` moves the model after the
     weights were verified; on an accelerator the re-checks use the on-device
-    fingerprint (no copy to the host). ``overlap_digest`` (default) parses a
-    large request body while its digest is computed, and runs the model only
-    after it matched; ``False`` checks the digest before the body is read (the
-    cheaper choice when every core is busy). Raises IntegrityError, InputError
+    fingerprint (no copy to the host). By default the digest is checked before
+    the body is read; ``overlap_digest=True`` parses a large request body while
+    its digest is computed, and runs the model only after it matched (measured
+    slower on a 2-core host, see docs/serving.md). Raises IntegrityError, InputError
     or UsageError instead of returning a service that should not run.
     """
     require_extra("fastapi", extra="serve", feature="torchverity.serve.create_app")
