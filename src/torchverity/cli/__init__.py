@@ -12,11 +12,13 @@ traceback is printed only when ``TORCHVERITY_DEBUG=1``.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import pkgutil
 import sys
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 from torchverity._console import Output
 from torchverity.errors import EXIT_USAGE, TorchVerityError
@@ -42,12 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"torchverity {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     common = _common_parser()
-    package = importlib.import_module(__name__)
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        if info.name.startswith("_cmd_"):
-            module = importlib.import_module(f"{__name__}.{info.name}")
-            module.register(subparsers, common)
+    for module in _command_modules():
+        module.register(subparsers, common)
     return parser
+
+
+@functools.lru_cache(maxsize=1)
+def _command_modules() -> tuple[ModuleType, ...]:
+    """The ``_cmd_*`` modules, found once per process (the folder may not stay
+    readable: a process that drops privileges still has its commands)."""
+    package = importlib.import_module(__name__)
+    names = sorted(info.name for info in pkgutil.iter_modules(package.__path__)
+                   if info.name.startswith("_cmd_"))
+    return tuple(importlib.import_module(f"{__name__}.{name}") for name in names)
 
 
 def _report_error(exc: TorchVerityError, out: Output) -> None:
