@@ -53,6 +53,7 @@ from torchverity.digest import (
     digest_file,
     find_sidecar,
     format_sidecar_line,
+    fsync_path,
     new_hasher,
     read_sidecar,
     sidecar_path,
@@ -271,14 +272,6 @@ def _write_all(fd: int, view: memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass
 class _Staged:
     """A save in progress: the temp file's fd, the small companion files to publish
@@ -326,7 +319,7 @@ def _atomic_target(target: Path) -> Iterator[_Staged]:
             os.replace(tmp, final)
         for old in staged.stale:
             old.unlink(missing_ok=True)
-        _fsync_dir(folder)
+        fsync_path(folder)
     except OSError as exc:
         raise _write_error(target, exc, old_mode is not None) from None
     finally:

@@ -294,6 +294,15 @@ def read_sidecar(sidecar: str | os.PathLike[str]) -> tuple[str, str, str]:
     return algo, match["hex"].lower(), match["name"]
 
 
+def fsync_path(path: Path) -> None:
+    """fsync a file or folder by name (a folder's fsync makes its renames durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write a small text file via a temp file and rename: readers never see half of it."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from torchverity.batch._inputs import JOURNAL_NAME, InputRecord
+from torchverity.digest import fsync_path
 from torchverity.errors import BatchError, FormatError
 
 SCHEMA_VERSION = 1
@@ -128,9 +129,9 @@ class Journal:
         journal._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         journal.close()
         try:
-            _fsync_path(building)
+            fsync_path(building)
             os.replace(building, path)
-            _fsync_path(out)
+            fsync_path(out)
         except OSError as exc:
             raise BatchError(f"{path}: cannot create the batch journal: {exc.strerror or exc}",
                              out=out) from None
@@ -302,14 +303,6 @@ class _Transaction:
                 conn.execute("ROLLBACK")
         if isinstance(exc, sqlite3.Error):
             raise _write_failed(self._journal.path, exc) from None
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def discard_building(out: Path) -> None:
