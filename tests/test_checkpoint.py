@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import torchverity
+from torchverity._safetensors import write_tensors
 from torchverity.checkpoint import CheckpointWarning, file_format, read_meta
 from torchverity.digest import digest_file
 from torchverity.errors import (
@@ -688,6 +689,30 @@ def test_sharded_folder_round_trip(tmp_path: Path, shard_format: str) -> None:
     assert _equal(obj, state) and loaded.verified and len(loaded.shards) >= 2
     assert loaded.format == f"sharded-{'safetensors' if shard_format == 'safetensors' else 'pt'}"
     assert loaded.fingerprint_check == "bound"  # every shard's digest vouched for its part
+
+
+def test_sharded_recheck_rehashes_every_shard(tmp_path: Path) -> None:
+    folder, state = tmp_path / "sharded", _state()
+    torchverity.save(state, folder, shard_bytes=4096, algo="xxh128")
+    obj, report = torchverity.load(folder, with_report=True, recheck_tensors=True)
+    assert _equal(obj, state) and report.fingerprint_check == "rehashed" and report.verified
+    # A shard changed, its sidecar re-written to match and its meta.json's digest
+    # dropped: only hashing the shard's tensors can see it, and it names the tensor.
+    shard = folder / json.loads((folder / "model.safetensors.index.json").read_text())[
+        "weight_map"]["steps"]
+    changed = torchverity.load(shard)
+    changed["steps"][0] = 7
+    with open(shard, "wb") as fh:
+        write_tensors(changed, fh)
+    side = shard.parent / f"{shard.name}.xxh128"
+    side.write_text(f"{digest_file(shard, 'xxh128').hexdigest}  {shard.name}\n")
+    mp = shard.parent / f"{shard.name}.meta.json"
+    meta = json.loads(mp.read_text())
+    meta.pop("digest")
+    mp.write_text(json.dumps(meta))
+    with pytest.raises(IntegrityError) as info:
+        torchverity.load(folder)
+    assert info.value.tensors == ["steps"]
 
 
 def test_sharded_index_fingerprint_is_checked_against_its_shards(tmp_path: Path) -> None:

@@ -158,7 +158,8 @@ def _publish_index(index: Path, body: bytes, algo: str, fp: Fingerprint, seed: i
 
 
 def load_sharded(folder: Path, *, map_location: Any, sidecar: SidecarPolicy,
-                 mmap: bool = False) -> tuple[dict[str, Any], LoadReport]:
+                 mmap: bool = False, recheck_tensors: bool = False,
+                 ) -> tuple[dict[str, Any], LoadReport]:
     """Verify the index, every shard, the index's tensor list and the whole fingerprint."""
     index = find_index(folder)
     meta = read_meta(index) if meta_path_for(index).exists() else None
@@ -170,13 +171,18 @@ def load_sharded(folder: Path, *, map_location: Any, sidecar: SidecarPolicy,
     merged: dict[str, Any] = {}
     reports = []
     for shard in shards:
-        obj, report = _load_file(folder / shard, map_location, sidecar, None, mmap)
+        obj, report = _load_file(folder / shard, map_location, sidecar, None, mmap,
+                                 recheck_tensors)
         _check_shard_names(index, shard, obj, {n for n, s in weight_map.items() if s == shard})
         merged.update(obj)
         reports.append(report)
+    # Every shard checked against its own record (by its digest or by hashing it):
+    # the index's record is then compared with their union, nothing is hashed again.
     fp_root, check = None, None
-    if meta is not None and all(r.fingerprint_check == "bound" for r in reports):
-        fp_root, check = _check_union(folder, index, shards, meta), "bound"
+    if meta is not None and all(r.fingerprint_verified for r in reports):
+        fp_root = _check_union(folder, index, shards, meta)
+        bound = all(r.fingerprint_check == "bound" for r in reports)
+        check = "bound" if bound else "rehashed"
     if fp_root is None:
         fp_root = _check_fingerprint(index, merged, meta, None)
         check = "rehashed" if fp_root is not None else None

@@ -21,6 +21,7 @@ file's SHA-256 (``trust_sha256=``), and that is logged.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import glob
@@ -683,7 +684,8 @@ def load(
     if p.is_dir():
         from torchverity._sharded import load_sharded
 
-        obj, report = load_sharded(p, map_location=map_location, sidecar=sidecar, mmap=mmap)
+        obj, report = load_sharded(p, map_location=map_location, sidecar=sidecar, mmap=mmap,
+                                   recheck_tensors=recheck_tensors)
     else:
         obj, report = _load_file(p, map_location, sidecar, trust_sha256, mmap, recheck_tensors)
     if model is not None:
@@ -886,9 +888,10 @@ def _load_while_hashing(p: Path, expected: tuple[str, str, str],
     """
     failure: Exception | None = None
     obj: Any = None
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load") as pool:
-        inline = expected[0] in FASTER_THAN_COPY
-        reader = HashingReader(p, new_hasher(expected[0], threads=True), None if inline else pool)
+    inline = expected[0] in FASTER_THAN_COPY
+    with (contextlib.nullcontext() if inline else
+          ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load")) as pool:
+        reader = HashingReader(p, new_hasher(expected[0], threads=True), pool)
         try:
             obj = torch.load(reader, map_location=map_location,  # type: ignore[arg-type]
                              weights_only=True)
