@@ -702,3 +702,19 @@ def _worker(scenario: str, rank: int, world: int, port: int, out: Path) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5]))
+
+
+def test_demo_step_names_each_failed_rank_with_its_status_and_output(tmp_path: Path) -> None:
+    from torchverity.demo._s50_distributed import _failures
+
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for code in ("pass", "print('Address already in use'); raise SystemExit(3)",
+                          "raise SystemExit(4)")]
+    logs = [p.communicate()[0] for p in procs]
+    text = _failures(procs, logs, tmp_path / "result.json")
+    assert text == ("rank 1 exited with status 3:\nAddress already in use\n"
+                    "rank 2 exited with status 4:\n(no output)")
+    clean = [procs[0]]
+    assert _failures(clean, logs[:1], tmp_path / "result.json") == (
+        f"every rank exited cleanly but rank 0 wrote no {tmp_path / 'result.json'}")

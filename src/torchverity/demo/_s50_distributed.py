@@ -48,8 +48,9 @@ def run(ctx: DemoContext) -> None:
     result_file = out / "result.json"
     if any(p.returncode for p in procs) or not result_file.exists():
         raise DemoFailure(
-            f"demo: the distributed step failed:\n{logs[0][-2000:]}",
-            hint="run: python -m torchverity.demo._s50_distributed (see the log above)",
+            f"demo: the distributed step failed: {_failures(procs, logs, result_file)}",
+            hint=f"rerun the demo; to run the ranks by hand: python -m {__name__} RANK PORT "
+                 "OUTDIR for RANK 0, 1 and 2",
         )
     result = json.loads(result_file.read_text())
     ctx.say(f"after 3 steps all replicas agree: {result['clean']}")
@@ -59,6 +60,14 @@ def run(ctx: DemoContext) -> None:
                "the majority of 3 replicas names rank 1 and tensor 0.weight")
     ctx.say("the repaired ranks wrote a distributed checkpoint with tvd.save_dcp (+ manifest):")
     ctx.cli("verify", str(out / "dcp"))
+
+
+def _failures(procs: list[subprocess.Popen[str]], logs: list[str], result: Path) -> str:
+    """Each rank that failed, with its exit status and the end of its output."""
+    parts = [f"rank {rank} exited with status {p.returncode}:\n"
+             f"{logs[rank][-1500:].rstrip() or '(no output)'}"
+             for rank, p in enumerate(procs) if p.returncode]
+    return "\n".join(parts) or f"every rank exited cleanly but rank 0 wrote no {result}"
 
 
 def _wait(proc: subprocess.Popen[str], procs: list[subprocess.Popen[str]]) -> str:
