@@ -115,7 +115,7 @@ def test_faults_in_parameters_stop_the_run_within_one_interval_naming_the_tensor
 ) -> None:
     with pytest.raises(TrainingAnomalyError) as info:
         train(60, lambda inj: inj.parameter(name, step=45, index=0, **how), check_every=10,
-              close=False)
+              rest_every=1, close=False)
     err = info.value
     assert (err.step, err.kind, err.suspects) == (45, "weights_changed", [name])
     assert err.hint == "pass log='events.jsonl' to TrainingGuard to keep events"
@@ -148,7 +148,7 @@ def test_activation_fault_is_caught_at_its_step(how: dict[str, float]) -> None:
 def test_lowest_mantissa_bit_flip_between_steps_is_caught_and_named() -> None:
     bit = faults.mantissa_lsb(torch.float32)
     run = train(30, lambda inj: inj.parameter("2.weight", step=17, index=7, bit=bit),
-                check_every=5, policies={"weights_changed": "record"})
+                check_every=5, rest_every=1, policies={"weights_changed": "record"})
     assert [(e.step, e.kind, e.suspects) for e in run.guard.events] == [
         (17, "weights_changed", ("2.weight",))
     ]
@@ -206,7 +206,7 @@ def test_unguarded_fault_ruins_the_run_the_guard_saves() -> None:
 
 def test_warn_policy_warns(recwarn: pytest.WarningsRecorder) -> None:
     train(30, lambda inj: inj.parameter("0.bias", step=12, index=4, bit=0), check_every=5,
-          policies={"weights_changed": "warn"})
+          rest_every=1, policies={"weights_changed": "warn"})
     messages = [str(w.message) for w in recwarn if issubclass(w.category, AnomalyWarning)]
     assert len(messages) == 1
     assert messages[0].startswith("torchverity: training anomaly at step 12: weights_changed (")
@@ -218,8 +218,9 @@ def test_check_interval_1_and_10_find_the_same_events() -> None:
         inj.parameter("0.weight", step=33, index=1, bit=29)
         inj.gradient("2.weight", step=47, value=math.nan)
 
-    every1 = train(60, plan, check_every=1, policies={"weights_changed": "record"})
-    every10 = train(60, plan, check_every=10, policies={"weights_changed": "record"})
+    every1 = train(60, plan, check_every=1, rest_every=1, policies={"weights_changed": "record"})
+    every10 = train(60, plan, check_every=10, rest_every=1,
+                    policies={"weights_changed": "record"})
     assert dumps([e.to_dict() for e in every1.guard.events]) == dumps(
         [e.to_dict() for e in every10.guard.events])
     assert [e.kind for e in every1.guard.events] == ["weights_changed", "nonfinite_grad"]
@@ -336,7 +337,7 @@ def test_hot_path_never_reads_the_device(fused: bool) -> None:
 
     # host_skip=False: the device-side skip an accelerator uses, proven on the CPU.
     guard = TrainingGuard(model, opt, check_every=50, per_layer=True, update_ratio=not fused,
-                          step_fn=step_fn, replay_every=3, host_skip=False,
+                          step_fn=step_fn, replay_every=3, host_skip=False, stats="device",
                           policies={"loss_spike": "replay", "loss_jump": "stop"})
     with count_syncs() as calls:
         for step in range(24):
@@ -387,8 +388,8 @@ def test_rollback_reloads_the_verified_checkpoint_and_the_run_finishes(
         inj.parameter("2.weight", step=210, index=3, bit=0)  # the smallest possible change
 
     log = tmp_path / "events.jsonl"
-    run = train(300, plan, check_every=10, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=50,
-                log=log)
+    run = train(300, plan, check_every=10, rest_every=1, checkpoint_dir=tmp_path / "ckpt",
+                checkpoint_every=50, log=log)
     assert [(e.step, e.kind, e.action, e.suspects) for e in run.guard.events
             if e.kind == "weights_changed"] == [
         (130, "weights_changed", "rolled_back", ("0.weight",)),
@@ -555,8 +556,8 @@ def test_bfloat16_model_is_guarded_and_a_flip_in_it_is_named() -> None:
     model, _ = make_model()
     model = model.to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = TrainingGuard(model, opt, check_every=4, per_layer=True, update_ratio=True,
-                          policies={"weights_changed": "record"})
+    guard = TrainingGuard(model, opt, check_every=4, rest_every=1, per_layer=True,
+                          update_ratio=True, policies={"weights_changed": "record"})
     for step in range(12):
         if step == 9:
             faults.flip_bit(model[2].weight, index=4, bit=faults.mantissa_lsb(torch.bfloat16))
@@ -675,7 +676,7 @@ def _faulty_run(make_opt: MakeOptimizer, host_skip: bool, log: Path, **options: 
 
     # The spike at 30 asks for a replay: the later steps of its interval stay skipped.
     return train(45, plan, poison=lambda s, y: y * 1e3 if s == 30 else y, check_every=5,
-                 make_opt=make_opt, host_skip=host_skip, log=log,
+                 rest_every=1, make_opt=make_opt, host_skip=host_skip, log=log,
                  policies={"weights_changed": "record", "loss_spike": "replay"}, **options)
 
 
@@ -792,7 +793,7 @@ def test_helper_thread_gives_the_same_events_log_and_bits(opt_name: str, tmp_pat
 def test_a_flip_right_after_step_returns_is_caught_and_named(check_every: int) -> None:
     """The record is complete when step() returns, though half of it ran on the helper."""
     model, opt = make_model()
-    guard = TrainingGuard(model, opt, check_every=check_every, overlap=True,
+    guard = TrainingGuard(model, opt, check_every=check_every, rest_every=1, overlap=True,
                           policies={"weights_changed": "record"})
     assert guard._helper is not None
     lsb = faults.mantissa_lsb(torch.float32)
@@ -824,7 +825,7 @@ def test_clean_run_with_the_helper_raises_nothing() -> None:
 def test_hot_path_with_the_helper_never_reads_the_device() -> None:
     model, opt = make_model(lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
     guard = TrainingGuard(model, opt, check_every=50, overlap=True, host_skip=False,
-                          update_ratio=True)
+                          stats="device", update_ratio=True)
     with count_syncs() as calls:
         for step in range(12):
             _step(guard, model, step)
@@ -918,3 +919,130 @@ def test_rolling_threshold_is_recomputed_after_every_push_and_load() -> None:
     other.load_state_dict(stats.state_dict())
     assert torch.equal(other.threshold(6.0, 3, 1e-3, 1e-8)[0], seen[-1])
     assert not torch.equal(other.threshold(5.0, 3, 1e-3, 1e-8)[0], seen[-1])  # other sigma
+
+
+# ------------------------------------------------------------ rules on floats (CPU) vs the device
+
+
+_DRILL_POLICIES = {"weights_changed": "record", "loss_spike": "replay", "loss_jump": "record",
+                   "layer_grad_spike": "record", "update_ratio_spike": "skip"}
+
+
+def _drill(stats: str, update_ratio: bool, faulty: bool = True, steps: int = 70
+           ) -> tuple[TrainingGuard, torch.nn.Module]:
+    """Every detector fires once (faulty) on the same run; the guard's rules run on ``stats``."""
+    make_opt = None if update_ratio else _OPTIMIZERS["adamw-fused"]
+    model, opt = make_model(make_opt)
+
+    def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+
+    # update_ratio=True keeps the undo copy; without it the CPU skip is decided on the host.
+    guard = TrainingGuard(model, opt, step_fn=step_fn, stats=stats, check_every=5, rest_every=1,
+                          min_samples=20, window=64, per_layer=True, update_ratio=update_ratio,
+                          policies=_DRILL_POLICIES)
+    injector = faults.FaultInjector(model)
+    factors: dict[int, float] = {}
+    if faulty:
+        injector.gradient("0.weight", step=0, value=math.nan)
+        injector.gradient("2.bias", step=12, value=math.inf)
+        injector.parameter("0.bias", step=20, index=3, bit=faults.mantissa_lsb(torch.float32))
+        injector.gradient("2.bias", step=38, value=40.0)
+        factors = {30: 1e3, 44: 10.0, 45: 100.0, 46: 1000.0}
+    for step in range(steps):
+        injector.begin_step(step)
+        opt.param_groups[0]["lr"] = 1.0 if faulty and step == 60 else 1e-2
+        x, y = batch_at(step)
+        guard.train_step((x, y * factors.get(step, 1.0)))
+    guard.close()
+    return guard, model
+
+
+@pytest.mark.parametrize("update_ratio", [True, False])
+def test_rules_on_floats_and_on_the_device_find_the_same_events(update_ratio: bool) -> None:
+    runs = {stats: _drill(stats, update_ratio) for stats in ("host", "device")}
+    (host, host_model), (device, device_model) = runs["host"], runs["device"]
+    assert host._host is not None and device._host is None
+
+    def seen(guard: TrainingGuard) -> list[tuple[int, str, str, tuple[str, ...], str | None]]:
+        return [(e.step, e.kind, e.action, e.suspects, e.replay) for e in guard.events]
+
+    assert seen(host) == seen(device)
+    found = {(e.step, e.kind): e for e in host.events}
+    expected = {(0, "nonfinite_grad"), (12, "nonfinite_grad"), (20, "weights_changed"),
+                (30, "loss_spike"), (38, "layer_grad_spike"), (46, "loss_jump")}
+    if update_ratio:
+        expected.add((60, "update_ratio_spike"))
+    assert expected <= set(found), sorted(found)
+    assert found[(20, "weights_changed")].suspects == ("0.bias",)
+    assert found[(38, "layer_grad_spike")].suspects == ("2.bias",)
+    assert found[(12, "nonfinite_grad")].suspects == ("2.bias",)
+    assert found[(30, "loss_spike")].replay == "reproducible"
+    # Values agree to float32 rounding (the host sums in float64).
+    for mine, theirs in zip(host.events, device.events, strict=True):
+        assert mine.values == pytest.approx(theirs.values, rel=1e-5, nan_ok=True)
+        assert mine.thresholds == pytest.approx(theirs.thresholds, rel=1e-4)
+    assert host.summary() == device.summary()
+    for a, b in zip(host_model.parameters(), device_model.parameters(), strict=True):
+        assert _bits(a) == _bits(b)
+
+
+@pytest.mark.parametrize("stats", ["host", "device"])
+def test_clean_runs_raise_nothing_on_either_path(stats: str) -> None:
+    guard, _ = _drill(stats, update_ratio=True, faulty=False, steps=150)
+    assert guard.events == [] and guard.summary().skipped == 0
+
+
+def test_rules_run_on_floats_by_default_on_the_cpu() -> None:
+    model, opt = make_model()
+    assert TrainingGuard(model, opt)._host is not None
+    assert TrainingGuard(model, opt, stats="device")._host is None
+    with pytest.raises(UsageError, match="unknown stats='gpu'"):
+        TrainingGuard(model, opt, stats="gpu")
+
+
+def test_host_rolling_stats_follow_the_device_rule_and_share_its_checkpoint_layout() -> None:
+    from torchverity._guard_host import HostRollingStats
+    from torchverity._guard_stats import RollingStats
+
+    gen = torch.Generator().manual_seed(9)
+    rows = (torch.randn(40, 3, generator=gen) * torch.tensor([1.0, 50.0, 1e-3]) + 7).tolist()
+    device, host = RollingStats(3, 16, torch.device("cpu")), HostRollingStats(3, 16)
+    rule = (6.0, 8, 1e-3, 1e-8)
+    for i, row in enumerate(rows):
+        accept = i % 5 != 2  # rejected rows leave both windows untouched
+        device.push(torch.tensor(row), torch.tensor(accept))
+        host.push(row, accept)
+        thr, ready = device.threshold(*rule)
+        host_thr, host_ready = host.threshold(*rule)
+        assert host_thr == pytest.approx(thr.tolist(), rel=1e-5) and host_ready == bool(ready)
+    # Either loads the other's state: a checkpoint works whichever path wrote it.
+    into_host, into_device = HostRollingStats(3, 16), RollingStats(3, 16, torch.device("cpu"))
+    into_host.load_state_dict(device.state_dict())
+    into_device.load_state_dict(host.state_dict())
+    assert into_host.threshold(*rule)[0] == pytest.approx(thr.tolist(), rel=1e-5)
+    assert into_device.threshold(*rule)[0].tolist() == pytest.approx(thr.tolist(), rel=1e-5)
+
+
+# ------------------------------------------------------------ at-rest cadence
+
+
+@pytest.mark.parametrize(("check_every", "rest_every", "caught"), [
+    (5, None, [9]),  # the default: the window ending at each read (after step 9's row)
+    (5, 1, [9, 12]),  # every window
+    (1, None, [9, 12]),  # interval 1: every window is one ending at a read
+])
+def test_at_rest_verifies_the_window_ending_at_each_read_by_default(
+        check_every: int, rest_every: int | None, caught: list[int]) -> None:
+    def plan(inj: faults.FaultInjector) -> None:
+        for step in (9, 12):  # flipped before the step's forward: between two updates
+            inj.parameter("2.weight", step=step, index=step, bit=faults.mantissa_lsb(
+                torch.float32))
+
+    run = train(20, plan, check_every=check_every, rest_every=rest_every,
+                policies={"weights_changed": "record"})
+    assert [(e.step, e.kind, e.suspects) for e in run.guard.events] == [
+        (s, "weights_changed", ("2.weight",)) for s in caught]
+    # Reported at the first read of the step's row (steps 4, 9, 14, ... with interval 5):
+    # with the default cadence that is the read of the step that verified it.
+    assert [run.detected_at[s] for s in caught] == [s + (-s - 1) % check_every for s in caught]

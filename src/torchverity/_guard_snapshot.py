@@ -60,8 +60,13 @@ class Snapshot:
                 self.copies, tensors, self._live_words, strict=True)]
         torch._foreach_copy_(self._copy_words, self._live_words)
 
-    def keep_if(self, applied: torch.Tensor) -> None:
-        """Keep the updated bits where ``applied`` (0-dim bool) is true, else the copy's."""
+    def keep_if(self, applied: torch.Tensor | bool) -> None:
+        """Keep the updated bits where ``applied`` (0-dim bool, or known on the host) is
+        true, else the copy's."""
+        if isinstance(applied, bool):  # decided on the host: nothing, or one fused copy back
+            if not applied:
+                torch._foreach_copy_(self._live_words, self._copy_words)
+            return
         # The output aliases an input exactly: one pass, no temporary.
         for cur, old in zip(self._live_words, self._copy_words, strict=True):
             torch.where(applied, cur, old, out=cur)

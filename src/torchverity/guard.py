@@ -72,6 +72,7 @@ from torchverity._guard_events import (
     GuardSummary,
     Tally,
 )
+from torchverity._guard_host import HostDetectors, HostPending
 from torchverity._guard_snapshot import Snapshot
 from torchverity._guard_stats import RollingStats
 from torchverity.errors import TrainingAnomalyError, UsageError
@@ -101,24 +102,28 @@ class GuardConfig:
     per_layer: bool = False
     update_ratio: bool = False
     at_rest: bool = True
-    rest_every: int = 1
+    rest_every: int | None = None  # None: the check interval, ending at each flag read
     rest_weighted: bool = False
     optimizer_state: bool = True
     fused_skip: bool = True
     host_skip: bool | None = None
     overlap: bool = False
+    stats: str = "auto"  # "host": rules on floats (CPU default), "device": on tensors
     replay_every: int | None = None
     replay_tolerance: float | None = None
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
 
     def validate(self) -> None:
-        for name in ("check_every", "window", "rest_every", "rel_patience", "keep_checkpoints"):
+        for name in ("check_every", "window", "rel_patience", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise UsageError(f"TrainingGuard: {name} must be >= 1")
         if not 1 <= self.min_samples <= self.window:
             raise UsageError("TrainingGuard: min_samples must be between 1 and window")
-        for name in ("replay_every", "checkpoint_every"):
+        if self.stats not in ("auto", "host", "device"):
+            raise UsageError(f"TrainingGuard: unknown stats='{self.stats}'",
+                             hint="stats='auto' (host on the CPU), 'host' or 'device'")
+        for name in ("rest_every", "replay_every", "checkpoint_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"TrainingGuard: {name} must be >= 1 or None")
@@ -145,7 +150,7 @@ class _Pending:
 @dataclass(frozen=True)
 class _Row:
     step: int
-    row: torch.Tensor
+    row: torch.Tensor | list[float]  # device path: a tensor read at the flush; host: floats
     rest_names: tuple[str, ...]
 
 
@@ -161,6 +166,29 @@ class _History:
 
 
 _N_SCALARS = 5  # loss, grad_norm, loss threshold, grad-norm threshold, applied
+
+
+def _scalar(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a detached float32 scalar (the mean of a non-scalar loss)."""
+    loss = loss.detach()
+    if loss.dim() == 0 and loss.dtype == torch.float32:
+        return loss  # already the value: no op to dispatch
+    return loss.float().mean()
+
+
+def _row_values(rows: list[_Row]) -> list[list[float]]:
+    """Each row's values: device rows read in one transfer, host rows as they are."""
+    tensors = [r.row for r in rows if isinstance(r.row, torch.Tensor)]
+    flat = torch.cat(tensors).cpu().tolist() if tensors else []
+    out, offset = [], 0
+    for r in rows:
+        if isinstance(r.row, torch.Tensor):
+            size = r.row.numel()
+            out.append(flat[offset: offset + size])
+            offset += size
+        else:
+            out.append(r.row)
+    return out
 
 
 def _torch_rng() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -250,7 +278,7 @@ class TrainingGuard:
         self._setup_params()
         self._setup_device_state()
         self._rows: list[_Row] = []
-        self._pending: _Pending | None = None
+        self._pending: _Pending | HostPending | None = None
         self._history: dict[int, _History] = {}
         self._rng_next = _torch_rng() if self._replaying else None
         self._steps_since_checkpoint = 0
@@ -320,6 +348,10 @@ class TrainingGuard:
         self._host_skip = host and any(skipping) and not cfg.update_ratio
         # A second thread on the CPU; an accelerator already runs the work asynchronously.
         self._helper = _Helper() if cfg.overlap and on_cpu else None
+        # On the CPU the rules run on floats: no sync to avoid, and a hundred tiny torch
+        # ops per step cost more than the Python arithmetic they stand for.
+        use_host = on_cpu if cfg.stats == "auto" else cfg.stats == "host"
+        self._host = HostDetectors(cfg, n, self.policies) if use_host else None
         self._latched = torch.zeros((), dtype=torch.bool, device=dev)
         self._false = torch.zeros((), dtype=torch.bool, device=dev)
         self._zeros_n = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -377,7 +409,7 @@ class TrainingGuard:
         if self._pending is not None:
             raise UsageError("TrainingGuard.check() called twice in one step",
                              hint="call guard.step() after each check()")
-        self._pending = self._detect(loss.detach().float().mean(), self._zeros_n)
+        self._pending = self._detect_step(_scalar(loss), None)
         if self._replaying and batch is not None:
             self._remember(batch, self._pending)
 
@@ -408,12 +440,12 @@ class TrainingGuard:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.step_fn(batch)
         loss.backward()
-        loss_d = loss.detach().float().mean()
+        loss_d = _scalar(loss)
         every = self.config.replay_every
-        replay_vec = self._zeros_n
+        replay_vec = None
         if every is not None and self.global_step % every == 0:
             replay_vec = self._audit(batch, loss_d)
-        self._pending = self._detect(loss_d, replay_vec)
+        self._pending = self._detect_step(loss_d, replay_vec)
         if self._replaying:
             self._remember(batch, self._pending)
         self.step()
@@ -440,51 +472,106 @@ class TrainingGuard:
             # An undo must restore the optimizer state too.
             self._snapshot.take(self._covered_tensors(with_state=True))
             pending.undo = True
-        pending.rest_vec, pending.rest_names = self._verify_at_rest(use_copy=undo)
-        if pending.rest_names:
+        sums = self._verify_at_rest(use_copy=undo)
+        if isinstance(pending, HostPending):
+            return self._prepare_host(pending, sums, host)
+        if sums is not None:
+            pending.rest_vec, pending.rest_names = (sums[0] != sums[1]).any(dim=1), self._rest_names
             pending.parts[KIND_INDEX["weights_changed"]] = pending.rest_vec.any()
         if host:
             pending.decision = self._decide(pending)
             return bool(pending.decision[2])
         if self._fused_skip:
             pending.decision = self._decide(pending)
-            # The attribute torch's fused optimizers read (GradScaler sets it too).
-            self._found_inf = (~pending.decision[2]).float()
-            self.optimizer.found_inf = self._found_inf  # type: ignore[attr-defined]
+            self._hand_found_inf((~pending.decision[2]).float())
         return True
+
+    def _prepare_host(self, pending: HostPending,
+                      sums: tuple[torch.Tensor, torch.Tensor] | None, host: bool) -> bool:
+        """:meth:`_prepare` after the at-rest sums, with the rules on floats."""
+        assert self._host is not None
+        if sums is not None:
+            now, record = sums[0].tolist(), sums[1].tolist()
+            pending.rest = [float(a != b) for a, b in zip(now, record, strict=True)]
+            pending.rest_names = self._rest_names
+            pending.flags[KIND_INDEX["weights_changed"]] = float(any(pending.rest))
+        if not (host or self._fused_skip):
+            return True  # decided after the update (update ratios), undone from the copy
+        pending.decision = self._host.decide(pending.flags, self.reducer)
+        applied = pending.decision[2]
+        if not host:
+            self._hand_found_inf(torch.full((), 0.0 if applied else 1.0, device=self._device))
+        return applied
+
+    def _hand_found_inf(self, found_inf: torch.Tensor) -> None:
+        # The attribute torch's fused optimizers read (GradScaler sets it too).
+        self._found_inf = found_inf
+        self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+
+    def _take_back_found_inf(self) -> None:
+        found_inf, self._found_inf = self._found_inf, None
+        if found_inf is not None and getattr(self.optimizer, "found_inf", None) is found_inf:
+            del self.optimizer.found_inf  # type: ignore[attr-defined]
 
     def after_update(self) -> None:
         """Decide on the device whether the update stands, record checksums, maybe read flags."""
         pending, self._pending = self._pending, None
         assert pending is not None
+        if isinstance(pending, HostPending):
+            host_row, book = self._conclude_host(pending), None
+        else:
+            host_row, book = None, self._conclude_device(pending)
+        step, self.global_step = self.global_step, self.global_step + 1
+        self._steps_since_checkpoint += 1
+        if self._replaying:
+            self._rng_next = _torch_rng()
+        due = len(self._rows) + 1 >= self.config.check_every
+        # The record is complete before step() returns: a bit that changes afterwards,
+        # however soon, is a change against it (with a helper, half of it ran there).
+        self._record_at_rest(step, due)
+        if host_row is not None:
+            self._rows.append(_Row(step, host_row, pending.rest_names))
+        elif book is not None:
+            if self._helper is None or due:  # a flush reads the row now
+                book(step)
+            else:  # touches no guarded tensor: runs beside the next forward pass
+                self._helper.submit(functools.partial(book, step))
+        if due:
+            self._read_flags()
+
+    def _conclude_device(self, pending: _Pending) -> Callable[[int], None]:
+        """After the update, on the device: decide if not yet decided, undo; the bookkeeping
+        (statistics and the step's row) is returned, to run now or beside the next step."""
         ratio, ratio_vec = self._update_ratios()
         if pending.decision is None:
             pending.parts[KIND_INDEX["update_ratio_spike"]] = ratio_vec.any()
             flags, hit, applied = self._decide(pending)
         else:
             flags, hit, applied = pending.decision
-            found_inf, self._found_inf = self._found_inf, None
-            if found_inf is not None and getattr(self.optimizer, "found_inf", None) is found_inf:
-                del self.optimizer.found_inf  # type: ignore[attr-defined]
+            self._take_back_found_inf()
         if pending.undo:
             self._select(applied)
         accept = applied & ~hit.any()
-        step, self.global_step = self.global_step, self.global_step + 1
-        self._steps_since_checkpoint += 1
-        if self._replaying:
-            self._rng_next = _torch_rng()
-        # The record is complete before step() returns: a bit that changes afterwards,
-        # however soon, is a change against it (with a helper, half of it ran there).
-        self._record_at_rest(step)
-        book = functools.partial(self._bookkeep, step, pending, flags, applied,
-                                 accept, ratio, ratio_vec)
-        due = len(self._rows) + 1 >= self.config.check_every
-        if self._helper is None or due:  # a flush reads the row now
-            book()
-        else:  # touches no guarded tensor: runs beside the next forward pass
-            self._helper.submit(book)
-        if due:
-            self._read_flags()
+        return functools.partial(self._bookkeep, pending=pending, flags=flags, applied=applied,
+                                 accept=accept, ratio=ratio, ratio_vec=ratio_vec)
+
+    def _conclude_host(self, pending: HostPending) -> list[float]:
+        """After the update, on floats: decide if not yet decided, undo, push; the row."""
+        host, n = self._host, len(self._params)
+        assert host is not None
+        ratio, ratio_hit = [0.0] * n, [0.0] * n
+        if host.ratio_stats is not None:
+            ratio = self._ratios().tolist()
+            ratio_hit = host.ratio_flags(ratio)
+        if pending.decision is None:
+            pending.flags[KIND_INDEX["update_ratio_spike"]] = float(any(ratio_hit))
+            pending.decision = host.decide(pending.flags, self.reducer)
+        else:
+            self._take_back_found_inf()
+        flags, hit, applied = pending.decision
+        if pending.undo:
+            self._select(applied)
+        return host.conclude(pending, applied, hit, flags, ratio, ratio_hit)
 
     def _bookkeep(self, step: int, pending: _Pending, flags: torch.Tensor,
                   applied: torch.Tensor, accept: torch.Tensor, ratio: torch.Tensor,
@@ -522,6 +609,16 @@ class TrainingGuard:
 
     # ------------------------------------------------------------ detectors (device only)
 
+    def _detect_step(self, loss: torch.Tensor, replay_vec: torch.Tensor | None
+                     ) -> _Pending | HostPending:
+        """This step's flags: on floats (one read of the norms and the loss) or the device."""
+        if self._host is None:
+            return self._detect(loss, self._zeros_n if replay_vec is None else replay_vec)
+        self._join()
+        values = torch.stack([*self._norm_list(), loss]).tolist()
+        replay = replay_vec.tolist() if replay_vec is not None else None
+        return self._host.detect(values[-1], values[:-1], replay)
+
     def _detect(self, loss: torch.Tensor, replay_vec: torch.Tensor) -> _Pending:
         self._join()  # the previous step's statistics and flag row
         cfg = self.config
@@ -550,20 +647,24 @@ class TrainingGuard:
                         self._empty, ())
 
     def _grad_norms(self) -> torch.Tensor:
+        return torch.stack(self._norm_list())
+
+    def _norm_list(self) -> list[torch.Tensor]:
+        """Per-parameter gradient norms (float32, 0-dim; zero for a missing gradient)."""
         grads = [p.grad for p in self._params]
         present = [g for g in grads if g is not None]
         if len(present) == len(grads):
             cut = self._norm_cut
             if self._helper is None or cut == len(grads):
-                return torch.stack(torch._foreach_norm(present, 2, dtype=torch.float32))
+                return list(torch._foreach_norm(present, 2, dtype=torch.float32))
             # Per tensor the same norms whichever list computes them; half on the helper.
             first, second = run_beside(
                 self._helper.pool,
                 lambda: torch._foreach_norm(present[:cut], 2, dtype=torch.float32),
                 lambda: torch._foreach_norm(present[cut:], 2, dtype=torch.float32))
-            return torch.stack([*first, *second])
+            return [*first, *second]
         norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else [])
-        return torch.stack([next(norms) if g is not None else self._zero for g in grads])
+        return [next(norms) if g is not None else self._zero for g in grads]
 
     def _loss_jump(self, loss: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
         if self.config.rel_change is None:
@@ -580,11 +681,13 @@ class TrainingGuard:
         """The helper's pool for the half of a verification that runs beside this thread."""
         return self._helper.pool if self._helper is not None else None
 
-    def _verify_at_rest(self, use_copy: bool) -> tuple[torch.Tensor, tuple[str, ...]]:
+    def _verify_at_rest(self, use_copy: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(checksums now, record)`` of the tensors named by ``_rest_names``; None when
+        there is no record to verify (this window is not covered)."""
         record, self._rest_record = self._rest_record, None
         sums = self._rest_sums
         if record is None or sums is None:
-            return self._empty, ()
+            return None
         # Right after the undo copy, the copy holds the same bits as the live tensors and
         # is still in cache: summing it instead saves a read from memory.
         copied = self._snapshot.copies_of(sums.tensors) if use_copy else None
@@ -595,10 +698,21 @@ class TrainingGuard:
             now = self._copy_sums(self._pool())
         else:
             now = sums(self._pool())
-        return (now != record).any(dim=1), self._rest_names
+        return now, record
 
-    def _record_at_rest(self, step: int) -> None:
-        if not self.config.at_rest or step % self.config.rest_every:
+    def _record_at_rest(self, step: int, due: bool) -> None:
+        """After the update of ``step`` (``due``: its row is read now): record the checksums
+        if the window up to the next update is one the cadence verifies."""
+        cfg = self.config
+        if not cfg.at_rest:
+            return
+        if cfg.rest_every is None:
+            # The window that ends at the next update whose row comes due for a read, so
+            # a change in it is reported at that very read.
+            rows_after = 0 if due else len(self._rows) + 1
+            if rows_after + 1 < cfg.check_every:
+                return
+        elif step % cfg.rest_every:
             return
         self._rest_record = self._rest_checksums()
 
@@ -622,37 +736,52 @@ class TrainingGuard:
     def _update_ratios(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.ratio_stats is None:
             return self._zeros_n, self._false_n
-        before = self._snapshot.copies[: len(self._params)]
-        delta = torch._foreach_sub(self._params, before)
-        dn = torch.stack(torch._foreach_norm(delta, 2, dtype=torch.float32))
-        pn = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
-        ratio = dn / (pn + 1e-12)
+        ratio = self._ratios()
         cfg = self.config
         thr, ready = self.ratio_stats.threshold(cfg.sigma, cfg.min_samples, cfg.rel_floor,
                                                 cfg.abs_floor)
         return ratio, ready & (ratio > thr) & torch.isfinite(ratio)
 
     @torch.no_grad()
-    def _select(self, applied: torch.Tensor) -> None:
+    def _ratios(self) -> torch.Tensor:
+        """``|Δp| / |p|`` per parameter, against the copy taken before the update."""
+        before = self._snapshot.copies[: len(self._params)]
+        delta = torch._foreach_sub(self._params, before)
+        dn = torch.stack(torch._foreach_norm(delta, 2, dtype=torch.float32))
+        pn = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
+        return dn / (pn + 1e-12)
+
+    @torch.no_grad()
+    def _select(self, applied: torch.Tensor | bool) -> None:
+        """Keep the update where ``applied`` (a device flag, or known on the host), else
+        restore the copy."""
         self._snapshot.keep_if(applied)
         current = self._covered_tensors(with_state=True)
-        if self._snapshot.same(current):
+        if self._snapshot.same(current) or applied is True:
             return
         # State the optimizer created during this step had no copy: reset it to
         # zero on a skip, the initial value of every built-in optimizer's buffers.
         known = {id(t) for t in self._snapshot.live}
         for value in current:
             if id(value) not in known:
-                torch.where(applied, value, torch.zeros((), dtype=value.dtype,
-                                                        device=value.device), out=value)
+                if isinstance(applied, torch.Tensor):
+                    torch.where(applied, value, torch.zeros((), dtype=value.dtype,
+                                                            device=value.device), out=value)
+                else:
+                    value.zero_()
 
     # ------------------------------------------------------------ replay
 
-    def _remember(self, batch: Any, pending: _Pending) -> None:
+    def _remember(self, batch: Any, pending: _Pending | HostPending) -> None:
         assert self._rng_next is not None
         grads = [p.grad if p.grad is not None else self._zero for p in self._params]
-        self._history[self.global_step] = _History(
-            batch, self._rng_next, checksums(grads), pending.loss, pending.gvec)
+        if isinstance(pending, HostPending):  # the float32 values, exactly
+            loss, gvec = (torch.tensor(v, dtype=torch.float32) for v in (pending.loss,
+                                                                        pending.gvec))
+        else:
+            loss, gvec = pending.loss, pending.gvec
+        self._history[self.global_step] = _History(batch, self._rng_next, checksums(grads),
+                                                   loss, gvec)
 
     def _rerun(self, batch: Any, rng: tuple[torch.Tensor, tuple[torch.Tensor, ...]]
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -722,13 +851,9 @@ class TrainingGuard:
         rows, self._rows = self._rows, []
         if not rows:
             return []
-        flat = torch.cat([r.row for r in rows]).cpu().tolist()
         events: list[AnomalyEvent] = []
-        offset = 0
-        for r in rows:
-            size = len(KINDS) + _N_SCALARS + 5 * len(self._params) + len(r.rest_names)
-            events.extend(self._read_row(r, flat[offset: offset + size]))
-            offset += size
+        for r, values in zip(rows, _row_values(rows), strict=True):
+            events.extend(self._read_row(r, values))
         self._act(events)
         self._history.clear()
         self._log.flush()
@@ -770,6 +895,8 @@ class TrainingGuard:
         if rollbacks and not stops:
             self.rollback(rollbacks[0].step)
         self._latched.zero_()
+        if self._host is not None:
+            self._host.latched = False
         if stops:
             self._stop(stops[0])
         elif not events:
@@ -814,10 +941,14 @@ class TrainingGuard:
     # ------------------------------------------------------------ checkpoints
 
     def _guard_state(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"step": self.global_step, "stats": self.stats.state_dict(),
-                                 "prev_loss": self._prev_loss.clone()}
-        if self.ratio_stats is not None:
-            state["ratio_stats"] = self.ratio_stats.state_dict()
+        # One layout for both paths: a checkpoint loads into either.
+        rules = self._host if self._host is not None else self
+        prev_loss = (torch.tensor(self._host.prev_loss, dtype=torch.float32)
+                     if self._host is not None else self._prev_loss.clone())
+        state: dict[str, Any] = {"step": self.global_step, "stats": rules.stats.state_dict(),
+                                 "prev_loss": prev_loss}
+        if rules.ratio_stats is not None:
+            state["ratio_stats"] = rules.ratio_stats.state_dict()
         return state
 
     def save_checkpoint(self) -> Path:
@@ -870,10 +1001,13 @@ class TrainingGuard:
         state = load(path, sidecar="require")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.stats.load_state_dict(state["guard"]["stats"])
+        rules = self._host if self._host is not None else self
+        rules.stats.load_state_dict(state["guard"]["stats"])
+        if rules.ratio_stats is not None:
+            rules.ratio_stats.load_state_dict(state["guard"]["ratio_stats"])
         self._prev_loss.copy_(state["guard"]["prev_loss"])
-        if self.ratio_stats is not None:
-            self.ratio_stats.load_state_dict(state["guard"]["ratio_stats"])
+        if self._host is not None:
+            self._host.reset_rules(float(state["guard"]["prev_loss"]))
         restore_rng(RngState.from_state(state["rng"]))
         self._snapshot = Snapshot()
         self._consec.zero_()
