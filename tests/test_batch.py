@@ -121,15 +121,16 @@ def assert_exactly_once(out: Path, files: dict[str, bytes], scale: float = 1.0) 
 # ------------------------------------------------------------ SIGKILL, resume, verify
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])  # 1: items on the driver's own thread
 def test_sigkill_at_random_moments_then_resume_gives_exactly_one_output_per_input(
-    tmp_path: Path, model_dir: Path, run_cli: Callable[..., Any]
+    tmp_path: Path, model_dir: Path, run_cli: Callable[..., Any], workers: str
 ) -> None:
     files = make_inputs(tmp_path / "in", 2000)
     out = tmp_path / "out"
     args = cli("batch", "run", "--inputs", tmp_path / "in", "--model", "tvbatch_model:build",
-               "--out", out, "--workers", "2")
+               "--out", out, "--workers", workers)
     env = cli_env(model_dir, TV_BATCH_DELAY="0.002")
-    rng = random.Random(9)
+    rng = random.Random(9 + int(workers))
     landed_mid_job = 0
     for attempt in range(4):
         before = committed_now(out)
@@ -186,8 +187,48 @@ def _transform(item: BatchItem) -> bytes:
     return expected_output(item.data)
 
 
+def test_commit_points_flush_after_the_renames_they_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journal calls an output committed only after a flush that began once it was in
+    place; the flushes run on the committer thread while the items go on."""
+    from torchverity.batch import _item, _journal
+
+    files = make_inputs(tmp_path / "in", 600, nested=False)
+    out = tmp_path / "out"
+    flushes: list[tuple[set[str], str]] = []  # outputs in place as a flush began, its thread
+    recorded: list[tuple[set[str], int]] = []  # outputs recorded committed, flushes before
+    flush, record = _item.Durability.commit_point, _journal.Journal.record
+
+    def spied_flush(self: _item.Durability, folders: set[Path]) -> None:
+        present = {p.name for p in (out / "data").iterdir() if p.name.endswith(".out")}
+        flushes.append((present, threading.current_thread().name))
+        flush(self, folders)
+
+    def spied_record(self: _journal.Journal, outcomes: Any, running: Any = ()) -> None:
+        ids = {o.id for o in outcomes if o.state == "committed"}
+        names = {f"item{i - 1:05d}.bin.out" for i in ids}
+        recorded.append((names, len(flushes)))
+        record(self, outcomes, running)
+
+    monkeypatch.setattr(_item.Durability, "commit_point", spied_flush)
+    monkeypatch.setattr(_journal.Journal, "record", spied_record)
+
+    def slow(item: BatchItem) -> bytes:
+        time.sleep(0.001)  # several commit points while the job runs
+        return _transform(item)
+
+    assert run_batch(tmp_path / "in", slow, out).ok
+    assert len(recorded) >= 3
+    assert {thread for _, thread in flushes} == {"tv-journal-commit"}
+    for names, flushed in recorded:
+        assert flushed and names <= flushes[flushed - 1][0]
+    assert set().union(*(names for names, _ in recorded)) == {f"{k}.out" for k in files}
+    assert_exactly_once(out, files)
+
+
 @pytest.mark.parametrize(("size", "durability", "threads"), [
-    (HELPER_MIN_BYTES - 1, "group", 1),  # small items: the model's thread does the checks
+    (HELPER_MIN_BYTES - 1, "group", 0),  # small items: all on the caller's thread
     (HELPER_MIN_BYTES, "group", 2),  # large items: one helper thread beside the model
     (10 * 1024, "file", 5),  # an fsync per output: four helpers hide its latency
 ])
@@ -196,16 +237,56 @@ def test_local_engine_adds_helper_threads_only_where_they_pay(
 ) -> None:
     files = make_inputs(tmp_path / "in", 12, size=size)
     seen: set[str] = set()
+    callers: set[str] = set()
 
     def transform(item: BatchItem) -> bytes:
         seen.update(t.name for t in threading.enumerate() if t.name.startswith("tv-batch-"))
+        callers.add(threading.current_thread().name)
         return _transform(item)
 
     out = tmp_path / "out"
     report = run_batch(tmp_path / "in", transform, out, durability=durability)
     assert report.ok and len(seen) == threads, seen
+    assert (callers == {"MainThread"}) == (threads == 0), callers
     assert_exactly_once(out, files)
     assert verify_batch(out).ok
+
+
+def test_a_job_moves_from_the_callers_thread_to_the_pool_at_its_first_large_item(
+    tmp_path: Path,
+) -> None:
+    """Small items run inline until a large one comes up; every item still ends exactly once,
+    and a changed input is caught on either side of the move."""
+    folder = tmp_path / "in"
+    files = {f"a{i:03d}.bin": os.urandom(100) for i in range(40)}
+    files |= {f"b{i:03d}.bin": os.urandom(HELPER_MIN_BYTES) for i in range(8)}
+    for key, content in files.items():
+        (folder / key).parent.mkdir(parents=True, exist_ok=True)
+        (folder / key).write_bytes(content)
+    callers: dict[str, str] = {}
+
+    def transform(item: BatchItem) -> bytes:
+        callers[item.key] = threading.current_thread().name
+        if item.key == "a000.bin":  # one input of each kind changes after listing
+            for changed in ("a030.bin", "b005.bin"):
+                raw = bytearray((folder / changed).read_bytes())
+                raw[7] ^= 0x01
+                (folder / changed).write_bytes(raw)
+        return _transform(item)
+
+    out = tmp_path / "out"
+    report = run_batch(folder, transform, out)
+    assert (report.committed, report.changed, report.failed) == (46, 2, 0)
+    assert {p.key for p in report.problems} == {"a030.bin", "b005.bin"}
+    # The first items ran inline; those not started yet when b000 came up moved with it.
+    assert {callers[f"a{i:03d}.bin"] for i in range(16)} == {"MainThread"}
+    assert all(callers[k].startswith("tv-batch-") for k in callers if k.startswith("b"))
+    assert "a030.bin" not in callers and "b005.bin" not in callers
+    kept = {k: v for k, v in files.items() if k not in ("a030.bin", "b005.bin")}
+    data = out / "data"
+    assert sorted(p.name for p in data.iterdir()) == sorted(f"{k}.out" for k in kept)
+    for key, content in kept.items():
+        assert (data / f"{key}.out").read_bytes() == expected_output(content), key
 
 
 # ------------------------------------------------------------ inputs that change
@@ -514,6 +595,27 @@ def test_listing_takes_regular_files_at_any_depth_and_nothing_else(tmp_path: Pat
         assert record.path == os.fspath(root.resolve() / record.key)
         assert record.mtime_ns == os.stat(record.path).st_mtime_ns
     assert [r.key for r in list_inputs(root)] == sorted([*expected, "results/data/y.out"])
+
+
+@pytest.mark.parametrize("sizes", [
+    (100, 10 * 1024),  # small inputs: listed on one thread
+    (64 * 1024, 200 * 1024, 9 * 1024 * 1024),  # large ones: on every core, the last streamed
+])
+def test_listing_records_each_inputs_size_mtime_and_digest(
+    tmp_path: Path, sizes: tuple[int, ...]
+) -> None:
+    from torchverity.batch._inputs import list_inputs
+
+    expected = {}
+    for i in range(6):
+        path = tmp_path / f"in/f{i}.bin"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(os.urandom(sizes[i % len(sizes)]))
+        raw = path.read_bytes()
+        expected[path.name] = (len(raw), path.stat().st_mtime_ns, hashlib.sha256(raw).hexdigest())
+    records = list_inputs(tmp_path / "in")
+    assert [r.key for r in records] == sorted(expected)
+    assert {r.key: (r.size, r.mtime_ns, r.digest) for r in records} == expected
 
 
 def test_a_second_run_on_the_same_folder_is_refused_while_the_first_works(

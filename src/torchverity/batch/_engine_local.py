@@ -1,8 +1,15 @@
-"""The local engine: a pool of threads in the driver process.
+"""The local engine: the driver's own thread, or a pool of threads in the driver process.
 
-Reading, hashing, fsync and torch all release the GIL, so threads keep the
-cores busy without copying the model into other processes. At most
-``workers`` threads run the model at once; once items of at least
+With one worker and small items (the default durability), the driver's
+thread runs every item itself, one after the other: read and verify, model,
+hash, write and rename, with no hand-over to another thread per item (each
+cost the model more than the checks it took over). The commit points run on
+a thread of their own (see ``_run._Committer``), so the model never waits for
+the disk.
+
+Otherwise threads: reading, hashing, fsync and torch all release the GIL, so
+threads keep the cores busy without copying the model into other processes.
+At most ``workers`` threads run the model at once; once items of at least
 ``HELPER_MIN_BYTES`` arrive (and always when every output is fsynced), helper
 threads read and verify inputs and hash and write outputs (temp, fsync,
 rename) meanwhile, so the checks overlap the model's compute and the
@@ -16,6 +23,7 @@ import queue
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 from torchverity.batch._item import (
@@ -23,6 +31,7 @@ from torchverity.batch._item import (
     ItemResult,
     OutputWriteError,
     committed,
+    compute,
     read_input,
     run_fn,
     write_output,
@@ -51,6 +60,9 @@ BACKLOG = 256
 # less CPU). The queued items keep the model busy; near the end it wakes per item again.
 GATHER_ABOVE = 64
 GATHER_S = 0.005
+# Items handed to the driver's own thread at a time: the scheduler's bookkeeping
+# between batches costs a few microseconds, not a few per item.
+INLINE_BACKLOG = 16
 
 
 def _thread_setup() -> None:
@@ -71,8 +83,8 @@ class LocalEngine:
     name = "local"
 
     def __init__(self, fn: ItemFn, out: Path, workers: int, *, fsync: bool) -> None:
+        self._workers = workers
         self._helpers = FSYNC_HELPER_THREADS if fsync else workers
-        self.backlog = workers + self._helpers + BACKLOG
         self._fn = fn
         self._out = out
         self._fsync = fsync
@@ -82,9 +94,18 @@ class LocalEngine:
         self._done: queue.SimpleQueue[EngineEvent | BaseException] = queue.SimpleQueue()
         self._in_flight = 0
         self._threads: list[threading.Thread] = []
+        # Items the driver's thread runs itself, while there is no pool.
+        self._inline: deque[WorkItem] = deque()
         # An fsync's latency is worth hiding whatever the item size.
         self._helping = fsync
-        self._start_threads(workers + (self._helpers if fsync else 0))
+        if fsync or workers > 1:
+            self._start_threads(workers + (self._helpers if fsync else 0))
+
+    @property
+    def backlog(self) -> int:
+        if not self._threads:
+            return INLINE_BACKLOG
+        return self._workers + self._helpers + BACKLOG
 
     def _start_threads(self, count: int) -> None:
         first = len(self._threads)
@@ -96,12 +117,22 @@ class LocalEngine:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        return self._in_flight + len(self._inline)
 
     def submit(self, work: WorkItem) -> None:
         if not self._helping and work.size >= HELPER_MIN_BYTES:
             self._helping = True
-            self._start_threads(self._helpers)
+            # The model moves to a pool thread (the first item large enough to need a
+            # helper); items the driver had not started yet go with it, in order.
+            self._start_threads(self._helpers + (0 if self._threads else self._workers))
+            while self._inline:
+                self._enqueue(self._inline.popleft())
+        if self._threads:
+            self._enqueue(work)
+        else:
+            self._inline.append(work)
+
+    def _enqueue(self, work: WorkItem) -> None:
         self._in_flight += 1
         self._todo.put(work)
 
@@ -129,6 +160,8 @@ class LocalEngine:
 
     def wait(self, timeout: float) -> list[EngineEvent]:
         """Results of the items finished within ``timeout`` seconds (maybe none)."""
+        if self._inline:
+            return self._run_inline(time.monotonic() + timeout)
         if not self._in_flight:
             return []
         events: list[EngineEvent] = []
@@ -146,11 +179,29 @@ class LocalEngine:
             pass
         return events
 
+    def _run_inline(self, deadline: float) -> list[EngineEvent]:
+        """Run submitted items on this thread until none is left or ``deadline`` passes."""
+        events: list[EngineEvent] = []
+        while self._inline:
+            work = self._inline.popleft()
+            result, view = compute(work, self._fn)
+            if view is not None:
+                try:
+                    write_output(self._out, work, view, fsync=self._fsync)
+                except OutputWriteError as exc:  # fatal: the scheduler stops the job
+                    events.append(exc)
+                    break
+            events.append(result)
+            if time.monotonic() >= deadline:
+                break
+        return events
+
     def recheck(self, golden: str) -> None:
         golden_gate(self._fn, golden, "after producing this run's outputs")
 
     def close(self) -> None:
         """Drop the items not started (they resume next run), finish those started."""
+        self._inline.clear()
         try:
             while True:
                 self._todo.get_nowait()

@@ -23,6 +23,12 @@ from torchverity.errors import InputError, UsageError
 DIGEST_ALGO = "sha256"
 # Defined here (not in _journal, which imports this module) so listing can skip job folders.
 JOURNAL_NAME = "batch-journal.sqlite"
+# Files up to this size are read in one call: cheaper than a streaming pass with its
+# fixed 8 MiB buffer, which dominates for the many small files of a batch.
+WHOLE_READ_MAX = 8 * 1024 * 1024
+# The listing hashes on all cores only when a sample of the inputs has this median size.
+THREADED_LISTING_MIN_BYTES = 64 * 1024
+_SAMPLE = 16
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ def list_inputs(spec: Path, *, exclude: Path | None = None) -> list[InputRecord]
         )
     if not keyed:
         raise InputError(f"{spec}: no input files found", path=spec)
+    if not _hashing_dominates(keyed):
+        return sorted(_records(keyed), key=lambda r: r.key)
     # One task per thread, not per file: a future per small file costs more than its hash.
     threads = min(_cpu_count(), len(keyed))
     chunks = [keyed[i::threads] for i in range(threads)]
@@ -62,18 +70,48 @@ def list_inputs(spec: Path, *, exclude: Path | None = None) -> list[InputRecord]
     return sorted((r for chunk in done for r in chunk), key=lambda r: r.key)
 
 
+def _hashing_dominates(keyed: list[tuple[str, str]]) -> bool:
+    """Whether the inputs (judged by a sample) are large enough for threads to pay.
+
+    Hashing releases the GIL, so large inputs hash on every core at once; for
+    small ones Python's per-file work dominates, which threads only fight over
+    (4,000 x 10 KiB: 18 us per file on one thread, 21-27 us on two).
+    """
+    sizes = []
+    for _, path in keyed[:: max(1, len(keyed) // _SAMPLE)]:
+        try:
+            sizes.append(os.stat(path).st_size)
+        except OSError:
+            continue  # _record names the error
+    return bool(sizes) and sorted(sizes)[len(sizes) // 2] >= THREADED_LISTING_MIN_BYTES
+
+
 def _records(keyed: list[tuple[str, str]]) -> list[InputRecord]:
     return [_record(key, path) for key, path in keyed]
 
 
 def _record(key: str, path: str) -> InputRecord:
-    from torchverity.batch._item import file_sha256
+    """One open per input: size and mtime from that file descriptor, then its bytes.
 
-    st = _stat(path)
-    found = file_sha256(path)
-    if found is None:
-        raise InputError(f"{path}: vanished while the inputs were listed", path=path)
-    return InputRecord(key, path, found[1], st.st_mtime_ns, found[0])
+    Listing thousands of small inputs is bound by Python's per-file work, not by
+    hashing: a second stat by name and per-call imports cost more than the hash.
+    """
+    try:
+        with io.FileIO(path, "r") as fh:
+            st = os.fstat(fh.fileno())
+            if st.st_size <= WHOLE_READ_MAX:
+                data = fh.readall()
+                return InputRecord(key, path, len(data), st.st_mtime_ns,
+                                   hashlib.sha256(data).hexdigest())
+            from torchverity.digest import hash_stream, new_hasher
+
+            hasher = new_hasher(DIGEST_ALGO)
+            size = hash_stream(fh, hasher)
+    except FileNotFoundError:
+        raise InputError(f"{path}: vanished while the inputs were listed", path=path) from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror or exc}", path=path) from None
+    return InputRecord(key, path, size, st.st_mtime_ns, hasher.hexdigest())
 
 
 def _cpu_count() -> int:
@@ -136,13 +174,6 @@ def _list_key(path: Path, base: Path) -> str:
         return path.relative_to(base).as_posix()
     except ValueError:
         return path.as_posix().lstrip("/")
-
-
-def _stat(path: str) -> os.stat_result:
-    try:
-        return os.stat(path)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot stat: {exc.strerror or exc}", path=path) from None
 
 
 def manifest_root(records: Sequence[InputRecord]) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchverity.batch._inputs import InputChanged, read_verified
+from torchverity.batch._inputs import WHOLE_READ_MAX, InputChanged, read_verified
 from torchverity.batch._journal import CHANGED, COMMITTED, FAILED, WorkItem
 
 TMP_SUFFIX = ".tvtmp"
@@ -225,11 +225,6 @@ def _ctypes_errno() -> int:
     return ctypes.get_errno()
 
 
-# Files up to this size are read in one call: cheaper than a streaming pass with its
-# fixed 8 MiB buffer, which dominates for the many small files of a batch.
-_WHOLE_READ_MAX = 8 * 1024 * 1024
-
-
 def file_sha256(path: str | os.PathLike[str]) -> tuple[str, int] | None:
     """SHA-256 and size of a file (an input or a stored output), or None when it is missing."""
     from torchverity.digest import digest_file
@@ -237,7 +232,7 @@ def file_sha256(path: str | os.PathLike[str]) -> tuple[str, int] | None:
 
     try:
         with io.FileIO(path, "r") as fh:
-            if os.fstat(fh.fileno()).st_size <= _WHOLE_READ_MAX:
+            if os.fstat(fh.fileno()).st_size <= WHOLE_READ_MAX:
                 data = fh.readall()
                 return hashlib.sha256(data).hexdigest(), len(data)
         d = digest_file(path, "sha256", threads=False)

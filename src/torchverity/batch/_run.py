@@ -8,6 +8,11 @@ Ordering that makes outputs exactly-once, whatever moment the process dies:
    folders, or one ``syncfs`` of the filesystem (``group``, the default on Linux);
 3. then records the group as committed in one durable journal transaction.
 
+Steps 2 and 3 (a commit point) run on a committer thread, one commit point at
+a time, while the items go on: the group is handed over only once all its
+outputs are renamed, so its flush starts after their renames, and the journal
+is used by no other thread until that commit point has ended.
+
 A crash before 3 leaves files the journal does not call committed; the next
 run deletes them (orphans) and processes those items again. Committed
 outputs are re-hashed on every resume and redone if damaged or missing.
@@ -22,6 +27,7 @@ import heapq
 import json
 import os
 import shutil
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -71,7 +77,9 @@ MAX_BACKOFF_S = 10.0
 
 class Engine(Protocol):
     name: str
-    backlog: int  # how many items the driver keeps submitted
+
+    @property
+    def backlog(self) -> int: ...  # how many items the driver keeps submitted
 
     @property
     def in_flight(self) -> int: ...
@@ -395,13 +403,60 @@ def _ray_engine(factory: ModelFactory, identity: dict[str, str], config: JobConf
     return RayEngine(factory, identity, out, config.workers, config.ray_address, fsync=fsync)
 
 
+class _Committer:
+    """Runs commit points (flush the outputs, then the journal transaction) on a thread.
+
+    Both flushes (``syncfs`` or fsyncs, SQLite's fsync) release the GIL, so the
+    items go on meanwhile; with one worker the model runs on the driver's own
+    thread and would otherwise wait for the disk at every commit point.
+    """
+
+    def __init__(self, journal: Journal, durability: Durability) -> None:
+        self._journal = journal
+        self._durability = durability
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, folders: set[Path], outcomes: list[Outcome], running: list[int]) -> None:
+        """Start a commit point once the previous one has ended (raising its error)."""
+        self.wait()
+        self._thread = threading.Thread(target=self._commit, args=(folders, outcomes, running),
+                                        name="tv-journal-commit", daemon=True)
+        self._thread.start()
+
+    def _commit(self, folders: set[Path], outcomes: list[Outcome], running: list[int]) -> None:
+        try:
+            # The outputs and their renames are on disk before the journal says so.
+            self._durability.commit_point(folders)
+            self._journal.record(outcomes, running)
+        except BaseException as exc:  # the driver re-raises it at its next step
+            self._error = exc
+
+    def settle(self) -> None:
+        """Wait for the commit point in flight; keep its error for ``wait``."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def wait(self) -> None:
+        """Wait for the commit point in flight and raise its error, if it had one."""
+        self.settle()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
 class _Scheduler:
     """Feeds the engine, applies retries with backoff, and groups outcomes into commit points."""
 
     def __init__(self, journal: Journal, engine: Engine, out: Path, config: JobConfig,
                  durability: Durability, progress: Callable[[int, int], None] | None) -> None:
         self.journal = journal
-        self.durability = durability
+        self.committer = _Committer(journal, durability)
         self.engine = engine
         self.out = out
         self.config = config
@@ -428,16 +483,24 @@ class _Scheduler:
                                       row.output, row.attempts + 1))
         fatal: OutputWriteError | None = None
         try:
-            while fatal is None and (self.todo or self.delayed or self.engine.in_flight):
-                self._release_delayed()
-                self._submit()
-                fatal = self._collect()
-                self._maybe_commit(force=fatal is not None or not self.engine.in_flight)
+            try:
+                while fatal is None and (self.todo or self.delayed or self.engine.in_flight):
+                    self._release_delayed()
+                    self._submit()
+                    fatal = self._collect()
+                    idle = not (self.todo or self.engine.in_flight)  # the end, or a backoff
+                    self._maybe_commit(force=fatal is not None or idle)
+                self.committer.wait()
+            finally:
+                self.committer.settle()  # whatever happened: the journal is free again
         except BatchError as exc:  # the journal itself could not be written
             raise self._stopped(exc.message, None) from None
+        except OutputWriteError as exc:  # a commit point could not flush the outputs
+            fatal = exc
         except KeyboardInterrupt:
             if self.buffer:
                 self._commit()  # finished outputs stay done; the rest resumes next run
+                self.committer.wait()
             raise
         if fatal is not None:
             what = f"cannot write output {fatal.path}: {fatal.error.strerror or fatal.error}"
@@ -496,17 +559,19 @@ class _Scheduler:
         self.progress(self.done, self.total)
 
     def _maybe_commit(self, force: bool) -> None:
+        if self.committer.busy and not force:
+            return  # outcomes keep gathering until the commit point in flight ends
         due = time.monotonic() - self.last_commit >= COMMIT_INTERVAL_S
         unmarked = due and not self.marked.issuperset(self.running)
         if (self.buffer and (force or due or len(self.buffer) >= COMMIT_EVERY)) or unmarked:
             self._commit()
 
     def _commit(self) -> None:
-        # The outputs and their renames are on disk before the journal says so.
-        self.durability.commit_point({self.out / f for f in self.folders})
+        # Every buffered outcome's output is renamed already: the commit point's flush
+        # starts after that, on the committer thread.
         started = sorted(i for i in self.running if i not in self.marked)
         self.marked = set(self.running)
-        self.journal.record(self.buffer, started)
+        self.committer.start({self.out / f for f in self.folders}, self.buffer, started)
         self.buffer, self.folders = [], set()
         self.last_commit = time.monotonic()
 
