@@ -1046,3 +1046,65 @@ def test_at_rest_verifies_the_window_ending_at_each_read_by_default(
     # Reported at the first read of the step's row (steps 4, 9, 14, ... with interval 5):
     # with the default cadence that is the read of the step that verified it.
     assert [run.detected_at[s] for s in caught] == [s + (-s - 1) % check_every for s in caught]
+
+
+# ------------------------------------------------------------ deferred at-rest record (opt-in)
+
+
+@pytest.mark.parametrize("check_every", [1, 3])
+def test_deferred_record_catches_and_names_a_flip_made_once_the_record_is_taken(
+        check_every: int) -> None:
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, check_every=check_every, rest_every=1, defer_record=True,
+                          policies={"weights_changed": "record"})
+    assert guard._helper is not None and not guard._split
+    lsb = faults.mantissa_lsb(torch.float32)
+    flips = {4: ("2.weight", lambda: model[2].weight, lsb),
+             7: ("optimizer.0.weight.exp_avg_sq", lambda: opt.state[model[0].weight]["exp_avg_sq"],
+                 0)}
+    for step in range(10):
+        _step(guard, model, step)
+        guard.wait()  # the helper has taken the record
+        if step in flips:
+            _, tensor, bit = flips[step]
+            faults.flip_bit(tensor(), 3, bit)
+    guard.close()
+    assert [(e.step, e.kind, e.suspects) for e in guard.events] == [
+        (step + 1, "weights_changed", (name,)) for step, (name, _, _) in flips.items()]
+
+
+def test_deferred_record_leaves_the_stretch_before_the_helper_reads_uncovered() -> None:
+    """The documented limit: a flip after step() returns but before the helper has summed
+    the tensor is part of the record (the helper is held here); the default catches it."""
+    for defer, expected in ((True, []), (False, [(3, "weights_changed", ("0.bias",))])):
+        model, opt = make_model()
+        guard = TrainingGuard(model, opt, check_every=1, defer_record=defer,
+                              policies={"weights_changed": "record"})
+        gate, calls = threading.Event(), []
+        take = guard._deferred_record
+
+        def held(sums: PairedSums, take: Callable[[PairedSums], None] = take,
+                 gate: threading.Event = gate, calls: list[int] = calls) -> None:
+            calls.append(len(calls))
+            if len(calls) == 3:  # the record after step 2's update
+                gate.wait(10)
+            take(sums)
+
+        guard._deferred_record = held  # type: ignore[method-assign]
+        for step in range(5):
+            _step(guard, model, step)
+            if step == 2:
+                faults.flip_bit(model[0].bias, 1, 0)  # after step() returned
+                gate.set()
+        guard.close()
+        assert len(calls) == (5 if defer else 0)
+        assert [(e.step, e.kind, e.suspects) for e in guard.events] == expected, defer
+
+
+def test_deferred_record_clean_run_raises_nothing() -> None:
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, check_every=1, defer_record=True, min_samples=20,
+                          window=64)
+    for step in range(120):
+        _step(guard, model, step)
+    assert guard.close().clean and guard.events == []

@@ -108,6 +108,7 @@ class GuardConfig:
     fused_skip: bool = True
     host_skip: bool | None = None
     overlap: bool = False
+    defer_record: bool = False  # CPU: the at-rest record on a helper, beside the next forward
     stats: str = "auto"  # "host": rules on floats (CPU default), "device": on tensors
     replay_every: int | None = None
     replay_tolerance: float | None = None
@@ -347,7 +348,9 @@ class TrainingGuard:
         host = on_cpu if cfg.host_skip is None else cfg.host_skip
         self._host_skip = host and any(skipping) and not cfg.update_ratio
         # A second thread on the CPU; an accelerator already runs the work asynchronously.
-        self._helper = _Helper() if cfg.overlap and on_cpu else None
+        self._helper = _Helper() if (cfg.overlap or cfg.defer_record) and on_cpu else None
+        self._split = cfg.overlap and on_cpu  # halves of each pass on the helper
+        self._defer = cfg.defer_record and on_cpu
         # On the CPU the rules run on floats: no sync to avoid, and a hundred tiny torch
         # ops per step cost more than the Python arithmetic they stand for.
         use_host = on_cpu if cfg.stats == "auto" else cfg.stats == "host"
@@ -532,7 +535,7 @@ class TrainingGuard:
         if host_row is not None:
             self._rows.append(_Row(step, host_row, pending.rest_names))
         elif book is not None:
-            if self._helper is None or due:  # a flush reads the row now
+            if self._helper is None or not self._split or due:  # a flush reads the row now
                 book(step)
             else:  # touches no guarded tensor: runs beside the next forward pass
                 self._helper.submit(functools.partial(book, step))
@@ -655,7 +658,7 @@ class TrainingGuard:
         present = [g for g in grads if g is not None]
         if len(present) == len(grads):
             cut = self._norm_cut
-            if self._helper is None or cut == len(grads):
+            if self._helper is None or not self._split or cut == len(grads):
                 return list(torch._foreach_norm(present, 2, dtype=torch.float32))
             # Per tensor the same norms whichever list computes them; half on the helper.
             first, second = run_beside(
@@ -679,7 +682,7 @@ class TrainingGuard:
 
     def _pool(self) -> ThreadPoolExecutor | None:
         """The helper's pool for the half of a verification that runs beside this thread."""
-        return self._helper.pool if self._helper is not None else None
+        return self._helper.pool if self._helper is not None and self._split else None
 
     def _verify_at_rest(self, use_copy: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(checksums now, record)`` of the tensors named by ``_rest_names``; None when
@@ -694,7 +697,7 @@ class TrainingGuard:
         if copied is not None:
             if self._copy_sums is None or not self._copy_sums.matches(copied):
                 self._copy_sums = PairedSums(copied, weighted=sums.weighted,
-                                             split=self._helper is not None)
+                                             split=self._split)
             now = self._copy_sums(self._pool())
         else:
             now = sums(self._pool())
@@ -714,17 +717,31 @@ class TrainingGuard:
                 return
         elif step % cfg.rest_every:
             return
-        self._rest_record = self._rest_checksums()
+        if self._defer and self._helper is not None:
+            # Opt-in: the whole pass on the helper, beside the next forward and backward
+            # (waited for by the next check()). A bit that changes before the helper has
+            # summed its word is part of the record: that stretch is not covered.
+            self._rest_record = None
+            self._helper.submit(functools.partial(self._deferred_record, self._current_sums()))
+        else:
+            self._rest_record = self._rest_checksums()
 
-    def _rest_checksums(self) -> torch.Tensor:
-        """Checksums of the covered tensors as they are now; re-lists them when they changed."""
+    def _deferred_record(self, sums: PairedSums) -> None:
+        self._rest_record = sums()
+
+    def _current_sums(self) -> PairedSums:
+        """The checksum plan of the covered tensors; re-listed when they changed."""
         with_state = self.config.optimizer_state
         sums = self._rest_sums
         if sums is None or not sums.matches(self._covered_tensors(with_state)):
             self._rest_names, tensors = self._covered(with_state)
             sums = self._rest_sums = PairedSums(tensors, weighted=self.config.rest_weighted,
-                                                split=self._helper is not None)
-        return sums(self._pool())
+                                                split=self._split)
+        return sums
+
+    def _rest_checksums(self) -> torch.Tensor:
+        """Checksums of the covered tensors as they are now."""
+        return self._current_sums()(self._pool())
 
     def refresh(self) -> None:
         """Re-record the at-rest checksums after changing parameters outside ``step()``."""
