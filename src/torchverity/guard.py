@@ -11,7 +11,10 @@ Three lines in a plain loop::
         guard.step()               # replaces optimizer.step(); skips the update when told to
     guard.close()                  # reads the last flags, writes the summary
 
-What it detects, every step, with statistics and flags kept on the device:
+What it detects, every step, with statistics and flags kept on the device (when the
+parameters are on the CPU, ``stats="auto"`` runs the same rules on Python floats
+instead: one read of the gradient norms and the loss per step, see
+:mod:`torchverity._guard_host`):
 
 * ``nonfinite_loss`` / ``nonfinite_grad``: NaN or Inf, the gradient named by parameter;
 * ``loss_spike`` / ``grad_norm_spike``: value above ``mean + sigma * std`` of a rolling
@@ -21,8 +24,10 @@ What it detects, every step, with statistics and flags kept on the device:
 * ``layer_grad_spike`` / ``update_ratio_spike`` (opt-in): the same rolling rule per
   parameter, on gradient norms and on ``|Δp| / |p|``;
 * ``weights_changed``: a device checksum of every parameter and optimizer-state tensor
-  is taken right after each update and compared before the next one: any bit that
-  changed in between is caught and the tensor named, however small the change;
+  is taken right after an update and compared before the next one: any bit that
+  changed in between is caught and the tensor named, however small the change. By
+  default (``rest_every=None``) the window verified is the one ending at each flag
+  read (one in ``check_every``); ``rest_every=1`` verifies every window;
 * ``replay_mismatch``: with ``replay_every=K`` (and a ``step_fn``) every K-th step is
   run twice from the same RNG state and must give the same loss and gradients.
 
@@ -36,6 +41,9 @@ On an accelerator (or with ``host_skip=False``) a step is skipped on the device
 restored from a copy taken before the update) so ``step()`` is always called.
 With ``overlap=True`` (CPU parameters, a core to spare) a helper thread sums half of
 the bytes of each memory-bound pass and keeps the books beside the next forward pass.
+With ``defer_record=True`` (CPU parameters) the at-rest record is summed by the helper
+beside the next forward pass: a bit that changes before the helper read it is not
+covered.
 Policies per kind:
 ``record``, ``warn``, ``skip``, ``stop`` (raise :class:`TrainingAnomalyError`),
 ``rollback`` (reload the last checkpoint verified by torchverity and go on) and
@@ -211,9 +219,11 @@ class _Helper:
     memory-bound pass (gradient norms, at-rest verification and record) beside the
     training thread, each pass complete before the guard goes on (the verification
     before the update starts, the record before ``step()`` returns), and takes the
-    step's bookkeeping (statistics, flag row), which touches no guarded tensor, beside
-    the next forward pass. Jobs run in submission order; :meth:`join` waits for all
-    of them and re-raises the first failure.
+    step's bookkeeping (device rules: statistics, flag row), which touches no guarded
+    tensor, beside the next forward pass. With ``defer_record=True`` (alone or with
+    ``overlap``) it also takes the whole at-rest record beside the next forward pass.
+    Jobs run in submission order; :meth:`join` waits for all of them and re-raises the
+    first failure.
     """
 
     def __init__(self) -> None:
