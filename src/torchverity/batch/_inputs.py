@@ -29,6 +29,8 @@ WHOLE_READ_MAX = 8 * 1024 * 1024
 # The listing hashes on all cores only when a sample of the inputs has this median size.
 THREADED_LISTING_MIN_BYTES = 64 * 1024
 _SAMPLE = 16
+# Read size once an input turns out larger than expected (it grew: the digest check fails).
+_READ_MORE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -97,15 +99,19 @@ def _record(key: str, path: str) -> InputRecord:
     hashing: a second stat by name and per-call imports cost more than the hash.
     """
     try:
-        with io.FileIO(path, "r") as fh:
-            st = os.fstat(fh.fileno())
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            st = os.fstat(fd)
             if st.st_size <= WHOLE_READ_MAX:
-                data = fh.readall()
+                data = read_all(fd, st.st_size)
                 return InputRecord(key, path, len(data), st.st_mtime_ns,
                                    hashlib.sha256(data).hexdigest())
-            from torchverity.digest import hash_stream, new_hasher
+        finally:
+            os.close(fd)
+        from torchverity.digest import hash_stream, new_hasher
 
-            hasher = new_hasher(DIGEST_ALGO)
+        hasher = new_hasher(DIGEST_ALGO)
+        with io.FileIO(path, "r") as fh:
             size = hash_stream(fh, hasher)
     except FileNotFoundError:
         raise InputError(f"{path}: vanished while the inputs were listed", path=path) from None
@@ -197,14 +203,26 @@ def read_verified(path: str, size: int, digest: str) -> bytes:
     item as ``input-changed`` and never runs the model on these bytes.
     """
     try:
-        with io.FileIO(path, "r") as fh:
-            now = os.fstat(fh.fileno()).st_size
-            if now != size:
-                raise InputChanged(f"size is {now} bytes, was {size} when listed")
-            data = fh.readall()
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise InputChanged("the input file is gone") from None
+    try:
+        now = os.fstat(fd).st_size
+        if now != size:
+            raise InputChanged(f"size is {now} bytes, was {size} when listed")
+        data = read_all(fd, size)
+    finally:
+        os.close(fd)
     actual = hashlib.sha256(data).hexdigest()
     if actual != digest:
         raise InputChanged(f"sha256 is {actual[:16]}…, was {digest[:16]}… when listed")
     return data
+
+
+def read_all(fd: int, size: int) -> bytes:
+    """Every byte left in ``fd``, expected to be ``size``: one read, then the one that sees
+    the end. Plain ``os.read`` calls: a file object per small input cost more than its hash."""
+    parts = [os.read(fd, size + 1)]
+    while parts[-1]:
+        parts.append(os.read(fd, max(size, _READ_MORE)))
+    return parts[0] if len(parts) == 2 else b"".join(parts)
