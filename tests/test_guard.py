@@ -277,9 +277,10 @@ class PeerReducer:
         return torch.maximum(flags, other)
 
 
-def test_reducer_makes_every_rank_skip_together() -> None:
+@pytest.mark.parametrize("stats", ["host", "device"])
+def test_reducer_makes_every_rank_skip_together(stats: str) -> None:
     reducer = PeerReducer({15: 1})  # the peer saw non-finite gradients at step 15
-    run = train(30, check_every=10, reducer=reducer)
+    run = train(30, check_every=10, reducer=reducer, stats=stats)
     assert reducer.calls == 30
     assert [(e.step, e.kind, e.suspects) for e in run.guard.events] == [(15, "nonfinite_grad", ())]
     assert run.guard.summary().skipped == 1
@@ -573,11 +574,12 @@ def test_bfloat16_model_is_guarded_and_a_flip_in_it_is_named() -> None:
     ]
 
 
-def test_fused_optimizer_skips_exactly_without_copies() -> None:
+@pytest.mark.parametrize("stats", ["host", "device"])
+def test_fused_optimizer_skips_exactly_without_copies(stats: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    guard = TrainingGuard(model, opt, check_every=5, host_skip=False)
+    guard = TrainingGuard(model, opt, check_every=5, host_skip=False, stats=stats)
     assert guard._fused_skip and not guard._needs_backup and not guard._host_skip
     injector = faults.FaultInjector(model)
     injector.gradient("0.weight", step=0, value=math.nan)  # even the step creating the state
@@ -626,15 +628,18 @@ def test_undo_copy_restores_every_dtype_and_layout_bit_for_bit() -> None:
     ]
     before = [byte_view(t).clone() for t in tensors]
     snap = Snapshot()
-    for keep in (False, True):
+    # The flag as a device tensor (device rules) or a host bool (rules on floats).
+    for keep, flag in ((False, torch.tensor(False)), (True, torch.tensor(True)), (False, False),
+                       (True, True)):
         snap.take(tensors)
         for t in tensors:
             t.zero_()
-        snap.keep_if(torch.tensor(keep))
+        snap.keep_if(flag)
         for t, b in zip(tensors, before, strict=True):
             assert torch.equal(byte_view(t), torch.zeros_like(b) if keep else b)
         for t, b in zip(tensors, before, strict=True):
-            byte_view(t).copy_(b) if t.is_contiguous() else t.copy_(b.view(t.dtype).view(3, 3).t())
+            # byte_view holds a non-contiguous tensor's bytes in logical order.
+            byte_view(t).copy_(b) if t.is_contiguous() else t.copy_(b.view(t.dtype).view(t.shape))
 
 
 def test_at_rest_follows_a_parameter_whose_storage_moved() -> None:
