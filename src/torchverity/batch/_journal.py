@@ -118,15 +118,20 @@ class Journal:
         Built under a temporary name and renamed into place once complete, so a
         journal that exists is always a whole one, whenever a crash happens.
         Nothing reads the file before its rename, so it is built without
-        SQLite's own flushes and made durable by one fsync before the rename.
+        SQLite's own flushes and without a rollback journal (the rows go
+        straight into the file, not through the WAL and a checkpoint copy), and
+        made durable by one fsync before the rename; it is switched to WAL last.
         """
         path = out / JOURNAL_NAME
         building = out / f".{JOURNAL_NAME}.building"
         discard_building(out)
-        journal = cls(building, _connect(building, out))
+        journal = cls(building, _connect(building, out, mode="OFF"))
         journal._conn.execute("PRAGMA synchronous = OFF")
         journal._fill(job, records, outputs)
-        journal._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        try:
+            journal._conn.execute("PRAGMA journal_mode = WAL")
+        except sqlite3.DatabaseError as exc:
+            raise _write_failed(building, exc) from None
         journal.close()
         try:
             fsync_path(building)
@@ -211,6 +216,12 @@ class Journal:
             sql += f" WHERE state IN ({', '.join('?' * len(states))})"
             params = states
         return [ItemRow(*row) for row in self._query(sql + " ORDER BY id", params)]
+
+    def pending_work(self) -> list[WorkItem]:
+        """Every pending item as the engines take it (its next attempt's number)."""
+        sql = ("SELECT id, key, path, size, digest, output, attempts + 1 FROM items"
+               " WHERE state = 'pending' ORDER BY id")
+        return [WorkItem(*row) for row in self._query(sql)]
 
     def committed_outputs(self) -> list[tuple[str, int, str]]:
         """(output, size, digest) of every committed item: only the columns the bag needs."""
@@ -311,10 +322,10 @@ def discard_building(out: Path) -> None:
         (out / f".{JOURNAL_NAME}.building{suffix}").unlink(missing_ok=True)
 
 
-def _connect(path: Path, out: Path) -> sqlite3.Connection:
+def _connect(path: Path, out: Path, mode: str = "WAL") -> sqlite3.Connection:
     try:
         conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute(f"PRAGMA journal_mode = {mode}")
         conn.execute("PRAGMA synchronous = FULL")
     except sqlite3.DatabaseError as exc:
         if "not a database" in str(exc) or "malformed" in str(exc):

@@ -478,9 +478,7 @@ class _Scheduler:
         self.total = sum(counts.values())
         self.done = self.total - counts[PENDING]
         self.progress(self.done, self.total)
-        for row in self.journal.items(PENDING):
-            self.todo.append(WorkItem(row.id, row.key, row.path, row.size, row.digest,
-                                      row.output, row.attempts + 1))
+        self.todo.extend(self.journal.pending_work())
         fatal: OutputWriteError | None = None
         try:
             try:
