@@ -227,6 +227,39 @@ def test_commit_points_flush_after_the_renames_they_record(
     assert_exactly_once(out, files)
 
 
+def test_outputs_finished_before_a_hung_item_are_committed_while_it_hangs(
+    tmp_path: Path,
+) -> None:
+    """One worker runs items on the caller's thread; a watchdog records the finished ones
+    (and marks the hung one running) so a kill during the hang loses none of them."""
+    files = make_inputs(tmp_path / "in", 40, nested=False)
+    out = tmp_path / "out"
+    release = threading.Event()
+
+    def hangs_at_25(item: BatchItem) -> bytes:
+        if item.key == "item00025.bin":
+            release.wait(30)
+        return _transform(item)
+
+    reports: list[Any] = []
+    job = threading.Thread(target=lambda: reports.append(run_batch(tmp_path / "in",
+                                                                   hangs_at_25, out)))
+    job.start()
+    try:
+        wait_for(lambda: committed_now(out) == 25, timeout=20)
+        with sqlite3.connect(f"file:{out / JOURNAL_NAME}?mode=ro", uri=True) as conn:
+            states = dict(conn.execute("SELECT key, state FROM items"))
+        assert states["item00025.bin"] == "running"
+        assert {states[f"item{i:05d}.bin"] for i in range(25)} == {"committed"}
+        assert {states[f"item{i:05d}.bin"] for i in range(26, 40)} <= {"pending", "running"}
+    finally:
+        release.set()
+        job.join(30)
+    [report] = reports
+    assert report.ok and report.processed == 40
+    assert_exactly_once(out, files)
+
+
 @pytest.mark.parametrize(("size", "durability", "threads"), [
     (HELPER_MIN_BYTES - 1, "group", 0),  # small items: all on the caller's thread
     (HELPER_MIN_BYTES, "group", 2),  # large items: one helper thread beside the model

@@ -96,6 +96,11 @@ class LocalEngine:
         self._threads: list[threading.Thread] = []
         # Items the driver's thread runs itself, while there is no pool.
         self._inline: deque[WorkItem] = deque()
+        self._finished: list[ItemResult] = []
+        self._running_since: float | None = None
+        # Held by the driver's thread except while an item runs (see share_lock).
+        self._lock = threading.Lock()
+        self._lock.acquire()
         # An fsync's latency is worth hiding whatever the item size.
         self._helping = fsync
         if fsync or workers > 1:
@@ -181,20 +186,40 @@ class LocalEngine:
 
     def _run_inline(self, deadline: float) -> list[EngineEvent]:
         """Run submitted items on this thread until none is left or ``deadline`` passes."""
-        events: list[EngineEvent] = []
         while self._inline:
             work = self._inline.popleft()
-            result, view = compute(work, self._fn)
+            self._running_since = time.monotonic()
+            # While the item runs, the driver's lock is free: if it runs long (or hangs),
+            # the scheduler's watchdog records the items finished before it.
+            self._lock.release()
+            try:
+                result, view = compute(work, self._fn)
+            finally:
+                self._lock.acquire()
+                self._running_since = None
             if view is not None:
                 try:
                     write_output(self._out, work, view, fsync=self._fsync)
                 except OutputWriteError as exc:  # fatal: the scheduler stops the job
-                    events.append(exc)
-                    break
-            events.append(result)
+                    return [*self.take_finished(), exc]
+            self._finished.append(result)
             if time.monotonic() >= deadline:
                 break
-        return events
+        return list(self.take_finished())
+
+    def share_lock(self, lock: threading.Lock) -> None:
+        """The driver's lock (held by this thread): released only while an item runs."""
+        self._lock = lock
+
+    def stalled_since(self) -> float | None:
+        """When the item now running on the driver's thread started (None: none is)."""
+        return self._running_since
+
+    def take_finished(self) -> list[ItemResult]:
+        """The items the driver's thread finished and has not reported yet (call with the
+        driver's lock held)."""
+        finished, self._finished = self._finished, []
+        return finished
 
     def recheck(self, golden: str) -> None:
         golden_gate(self._fn, golden, "after producing this run's outputs")

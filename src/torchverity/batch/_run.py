@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from torchverity.batch._bag import BAG_INFO_TXT, BAGIT_TXT, write_bag
 from torchverity.batch._inputs import list_inputs, manifest_lines, manifest_root
@@ -403,6 +403,17 @@ def _ray_engine(factory: ModelFactory, identity: dict[str, str], config: JobConf
     return RayEngine(factory, identity, out, config.workers, config.ray_address, fsync=fsync)
 
 
+@runtime_checkable
+class _RunsOnDriver(Protocol):
+    """An engine that may run items on the driver's own thread (the local engine)."""
+
+    def share_lock(self, lock: threading.Lock) -> None: ...
+
+    def stalled_since(self) -> float | None: ...
+
+    def take_finished(self) -> list[ItemResult]: ...
+
+
 class _Committer:
     """Runs commit points (flush the outputs, then the journal transaction) on a thread.
 
@@ -472,6 +483,11 @@ class _Scheduler:
         self.processed = 0
         self.retries = 0
         self.committed_ids: list[int] = []
+        # The scheduler's state belongs to whoever holds this lock: the driver's thread,
+        # or the watchdog while an item runs long on the driver's thread.
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.watch_error: BaseException | None = None
 
     def run(self) -> tuple[int, int]:
         counts = self.journal.counts()
@@ -482,12 +498,7 @@ class _Scheduler:
         fatal: OutputWriteError | None = None
         try:
             try:
-                while fatal is None and (self.todo or self.delayed or self.engine.in_flight):
-                    self._release_delayed()
-                    self._submit()
-                    fatal = self._collect()
-                    idle = not (self.todo or self.engine.in_flight)  # the end, or a backoff
-                    self._maybe_commit(force=fatal is not None or idle)
+                fatal = self._loop()
                 self.committer.wait()
             finally:
                 self.committer.settle()  # whatever happened: the journal is free again
@@ -504,6 +515,52 @@ class _Scheduler:
             what = f"cannot write output {fatal.path}: {fatal.error.strerror or fatal.error}"
             raise self._stopped(what, os.fspath(fatal.path))
         return self.processed, self.retries
+
+    def _loop(self) -> OutputWriteError | None:
+        fatal = None
+        self.lock.acquire()
+        watchdog = None
+        if isinstance(self.engine, _RunsOnDriver):
+            self.engine.share_lock(self.lock)
+            watchdog = threading.Thread(target=self._watch, args=(self.engine,),
+                                        name="tv-journal-watch", daemon=True)
+            watchdog.start()
+        try:
+            while fatal is None and (self.todo or self.delayed or self.engine.in_flight):
+                self._release_delayed()
+                self._submit()
+                fatal = self._collect()
+                idle = not (self.todo or self.engine.in_flight)  # the end, or a backoff
+                self._maybe_commit(force=fatal is not None or idle)
+                if self.watch_error is not None:
+                    raise self.watch_error
+        finally:
+            self.stop.set()
+            self.lock.release()
+            if watchdog is not None:
+                watchdog.join()
+        return fatal
+
+    def _watch(self, engine: _RunsOnDriver) -> None:
+        """Record what finished while one item runs long on the driver's thread.
+
+        Otherwise outputs written before a slow or hung item would wait for it to
+        end before they are committed (and be redone if the job is then killed).
+        """
+        while not self.stop.wait(COMMIT_INTERVAL_S):
+            since = engine.stalled_since()
+            if since is None or time.monotonic() - since < COMMIT_INTERVAL_S:
+                continue
+            with self.lock:
+                if self.stop.is_set() or engine.stalled_since() != since:
+                    continue  # the item ended meanwhile: the driver records it
+                try:
+                    for result in engine.take_finished():
+                        self._outcome(result)
+                    self._maybe_commit(force=False)
+                except BaseException as exc:  # the driver raises it when the item ends
+                    self.watch_error = exc
+                    return
 
     def _release_delayed(self) -> None:
         now = time.monotonic()
