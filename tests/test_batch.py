@@ -752,15 +752,19 @@ def _quote(arg: str) -> str:
 
 
 @needs_namespace
+@pytest.mark.parametrize(("workers", "count", "size"), [
+    ("1", 300, 10_000),  # small items: written on the driver's own thread
+    ("2", 30, 100_000),  # by the pool threads
+])
 def test_full_disk_stops_the_job_with_a_clear_error_and_resumes_after(
-    tmp_path: Path, model_dir: Path
+    tmp_path: Path, model_dir: Path, workers: str, count: int, size: int
 ) -> None:
-    files = make_inputs(tmp_path / "in", 30, size=100_000, nested=False)  # 3 MB of outputs
+    files = make_inputs(tmp_path / "in", count, size=size, nested=False)  # 3 MB of outputs
     disk = tmp_path / "disk"
     disk.mkdir()
     run = " ".join(map(_quote, cli("batch", "run", "--inputs", tmp_path / "in", "--model",
                                    "tvbatch_model:build", "--out", disk / "out", "--workers",
-                                   "2")))
+                                   workers)))
     log = tmp_path / "first.err"
     script = (
         f"mount -t tmpfs -o size=1m tmpfs {disk}; "
@@ -777,7 +781,7 @@ def test_full_disk_stops_the_job_with_a_clear_error_and_resumes_after(
     # Whichever write meets the full disk first, an output or the journal, says so.
     assert re.search(r"(cannot write output .*/data/item\d+\.bin\.out: No space left on device"
                      r"|cannot write the batch journal: database or disk is full)"
-                     r"; the job stopped with \d+ of 30 items committed", first), first
+                     rf"; the job stopped with \d+ of {count} items committed", first), first
     assert "next: free space or fix permissions of the --out folder, then rerun the same " \
         "command" in first
     assert "Traceback" not in first
