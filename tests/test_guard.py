@@ -772,6 +772,25 @@ def _step(guard: TrainingGuard, model: torch.nn.Module, step: int) -> None:
     guard.step()
 
 
+def _flip_drill(guard: TrainingGuard, model: torch.nn.Module,
+                flips: dict[int, tuple[str, Callable[[], torch.Tensor], int]], *,
+                wait: bool = False) -> None:
+    """Ten steps, flipping a bit after the steps in ``flips``; each flip is reported at the
+    next step as ``weights_changed`` naming its tensor. ``wait``: let the helper take each
+    record before the flip."""
+    for step in range(10):
+        _step(guard, model, step)
+        if wait:
+            guard.wait()
+        if step in flips:
+            _, tensor, bit = flips[step]
+            faults.flip_bit(tensor(), 3, bit)
+    guard.close()
+    assert [(e.step, e.kind, e.suspects) for e in guard.events] == [
+        (step + 1, "weights_changed", (name,)) for step, (name, _, _) in flips.items()]
+
+
+
 @pytest.mark.parametrize("opt_name", sorted(_OPTIMIZERS))
 def test_helper_thread_gives_the_same_events_log_and_bits(opt_name: str, tmp_path: Path) -> None:
     # _faulty_run: a NaN and an Inf gradient, a lowest-mantissa flip in 0.bias, a spike replayed.
@@ -806,14 +825,7 @@ def test_a_flip_right_after_step_returns_is_caught_and_named(check_every: int) -
              5: ("0.bias", lambda: model[0].bias, lsb),  # with interval 3: right after a read
              7: ("optimizer.0.weight.exp_avg_sq", lambda: opt.state[model[0].weight]["exp_avg_sq"],
                  0)}
-    for step in range(10):
-        _step(guard, model, step)
-        if step in flips:
-            _, tensor, bit = flips[step]
-            faults.flip_bit(tensor(), 3, bit)
-    guard.close()
-    assert [(e.step, e.kind, e.suspects) for e in guard.events] == [
-        (step + 1, "weights_changed", (name,)) for step, (name, _, _) in flips.items()]
+    _flip_drill(guard, model, flips)
     assert guard._helper is None  # shut down with the guard
 
 
@@ -1067,15 +1079,7 @@ def test_deferred_record_catches_and_names_a_flip_made_once_the_record_is_taken(
     flips = {4: ("2.weight", lambda: model[2].weight, lsb),
              7: ("optimizer.0.weight.exp_avg_sq", lambda: opt.state[model[0].weight]["exp_avg_sq"],
                  0)}
-    for step in range(10):
-        _step(guard, model, step)
-        guard.wait()  # the helper has taken the record
-        if step in flips:
-            _, tensor, bit = flips[step]
-            faults.flip_bit(tensor(), 3, bit)
-    guard.close()
-    assert [(e.step, e.kind, e.suspects) for e in guard.events] == [
-        (step + 1, "weights_changed", (name,)) for step, (name, _, _) in flips.items()]
+    _flip_drill(guard, model, flips, wait=True)
 
 
 def test_deferred_record_leaves_the_stretch_before_the_helper_reads_uncovered() -> None:
