@@ -289,15 +289,21 @@ def test_file_digest_vouches_for_the_fingerprint_only_when_meta_recorded_it(
     # is the one meta.json recorded, so the tensors are hashed and the change named.
     state["emb"][1, 2] += 1
     torch.save(state, path)
-    (tmp_path / "m.pt.xxh128").write_text(
-        f"{torchverity.digest.digest_file(path, 'xxh128').hexdigest}  m.pt\n")
-    mp = tmp_path / "m.pt.meta.json"
-    meta = json.loads(mp.read_text())
-    meta.pop("digest")
-    mp.write_text(json.dumps(meta))
+    _resign_unbound(path)
     with pytest.raises(IntegrityError) as info:
         torchverity.load(path)
     assert info.value.tensors == ["emb"]
+
+
+def _resign_unbound(path: Path) -> None:
+    """Re-sign ``path``'s xxh128 sidecar to its current bytes and drop the file digest from
+    its meta.json: the sidecar passes, so only the rehashed fingerprint can find the change."""
+    path.with_name(f"{path.name}.xxh128").write_text(
+        f"{digest_file(path, 'xxh128').hexdigest}  {path.name}\n")
+    meta_path = path.with_name(f"{path.name}.meta.json")
+    meta = json.loads(meta_path.read_text())
+    meta.pop("digest")
+    meta_path.write_text(json.dumps(meta))
 
 
 def test_bound_load_still_checks_names_shapes_and_values(tmp_path: Path) -> None:
@@ -704,12 +710,7 @@ def test_sharded_recheck_rehashes_every_shard(tmp_path: Path) -> None:
     changed["steps"][0] = 7
     with open(shard, "wb") as fh:
         write_tensors(changed, fh)
-    side = shard.parent / f"{shard.name}.xxh128"
-    side.write_text(f"{digest_file(shard, 'xxh128').hexdigest}  {shard.name}\n")
-    mp = shard.parent / f"{shard.name}.meta.json"
-    meta = json.loads(mp.read_text())
-    meta.pop("digest")
-    mp.write_text(json.dumps(meta))
+    _resign_unbound(shard)
     with pytest.raises(IntegrityError) as info:
         torchverity.load(folder)
     assert info.value.tensors == ["steps"]
