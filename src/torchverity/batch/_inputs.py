@@ -93,31 +93,37 @@ def _records(keyed: list[tuple[str, str]]) -> list[InputRecord]:
 
 
 def _record(key: str, path: str) -> InputRecord:
-    """One open per input: size and mtime from that file descriptor, then its bytes.
-
-    Listing thousands of small inputs is bound by Python's per-file work, not by
-    hashing: a second stat by name and per-call imports cost more than the hash.
-    """
     try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            st = os.fstat(fd)
-            if st.st_size <= WHOLE_READ_MAX:
-                data = read_all(fd, st.st_size)
-                return InputRecord(key, path, len(data), st.st_mtime_ns,
-                                   hashlib.sha256(data).hexdigest())
-        finally:
-            os.close(fd)
-        from torchverity.digest import hash_stream, new_hasher
-
-        hasher = new_hasher(DIGEST_ALGO)
-        with io.FileIO(path, "r") as fh:
-            size = hash_stream(fh, hasher)
+        digest, size, mtime_ns = file_digest(path)
     except FileNotFoundError:
         raise InputError(f"{path}: vanished while the inputs were listed", path=path) from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror or exc}", path=path) from None
-    return InputRecord(key, path, size, st.st_mtime_ns, hasher.hexdigest())
+    return InputRecord(key, path, size, mtime_ns, digest)
+
+
+def file_digest(path: str | os.PathLike[str]) -> tuple[str, int, int]:
+    """SHA-256, size and mtime (ns) of a file (an input or a stored output), from one open.
+
+    Listing thousands of small inputs is bound by Python's per-file work, not by
+    hashing: a second stat by name, a file object or a streaming pass with its
+    fixed buffers cost more than the hash, so files up to ``WHOLE_READ_MAX`` are
+    read in one call on the bare descriptor.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        if st.st_size <= WHOLE_READ_MAX:
+            data = read_all(fd, st.st_size)
+            return hashlib.sha256(data).hexdigest(), len(data), st.st_mtime_ns
+        from torchverity.digest import hash_stream, new_hasher
+
+        hasher = new_hasher(DIGEST_ALGO)
+        with io.FileIO(fd, "r", closefd=False) as fh:
+            size = hash_stream(fh, hasher)
+        return hasher.hexdigest(), size, st.st_mtime_ns
+    finally:
+        os.close(fd)
 
 
 def _cpu_count() -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchverity.batch._inputs import WHOLE_READ_MAX, InputChanged, read_verified
+from torchverity.batch._inputs import InputChanged, file_digest, read_verified
 from torchverity.batch._journal import CHANGED, COMMITTED, FAILED, WorkItem
 
 TMP_SUFFIX = ".tvtmp"
@@ -226,16 +226,9 @@ def _ctypes_errno() -> int:
 
 
 def file_sha256(path: str | os.PathLike[str]) -> tuple[str, int] | None:
-    """SHA-256 and size of a file (an input or a stored output), or None when it is missing."""
-    from torchverity.digest import digest_file
-    from torchverity.errors import InputError
-
+    """SHA-256 and size of a stored output, or None when it is missing."""
     try:
-        with io.FileIO(path, "r") as fh:
-            if os.fstat(fh.fileno()).st_size <= WHOLE_READ_MAX:
-                data = fh.readall()
-                return hashlib.sha256(data).hexdigest(), len(data)
-        d = digest_file(path, "sha256", threads=False)
-    except (FileNotFoundError, InputError):
+        digest, size, _ = file_digest(path)
+    except FileNotFoundError:
         return None
-    return d.hexdigest, d.size
+    return digest, size
