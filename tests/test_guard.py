@@ -581,32 +581,13 @@ def test_fused_optimizer_skips_exactly_without_copies(stats: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     guard = TrainingGuard(model, opt, check_every=5, host_skip=False, stats=stats)
     assert guard._fused_skip and not guard._needs_backup and not guard._host_skip
-    injector = faults.FaultInjector(model)
-    injector.gradient("0.weight", step=0, value=math.nan)  # even the step creating the state
-    injector.gradient("2.bias", step=7, value=math.inf)
-    for step in range(12):
-        injector.begin_step(step)
-        if step == 7:
-            params = [p.detach().clone() for p in model.parameters()]
-            state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
-        opt.zero_grad()
-        x, y = batch_at(step)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        guard.check(loss)
-        guard.step()
+
+    def after(step: int) -> None:
         assert not hasattr(opt, "found_inf")
-        if step == 0:
+        if step == 0:  # even the step creating the state is skipped
             assert all(float(s["step"]) == 0 for s in opt.state.values())
-        if step == 7:
-            assert all(torch.equal(a, p) for a, p in zip(params, model.parameters(), strict=True))
-            for before, p in zip(state, model.parameters(), strict=True):
-                assert all(torch.equal(before[k], opt.state[p][k]) for k in before)
-    guard.close()
-    assert [(e.step, e.kind, e.action) for e in guard.events] == [
-        (0, "nonfinite_grad", "skipped"), (7, "nonfinite_grad", "skipped")
-    ]
-    assert all(float(s["step"]) == 10 for s in opt.state.values())
+
+    _skip_drill(model, opt, guard, after)
 
 
 def test_undo_copy_restores_every_dtype_and_layout_bit_for_bit() -> None:
@@ -722,6 +703,20 @@ def test_cpu_parameters_skip_on_the_host_exactly_and_never_copy() -> None:
     model, opt = make_model()
     guard = TrainingGuard(model, opt, check_every=5)
     assert guard._host_skip
+
+    def after(step: int) -> None:
+        if step == 0:  # skipped before the optimizer ever ran: it created no state
+            assert not opt.state
+
+    _skip_drill(model, opt, guard, after)
+    assert guard._snapshot.copies == [] and guard._snapshot.live == []
+    assert all(math.isfinite(float(p.detach().abs().sum())) for p in model.parameters())
+
+
+def _skip_drill(model: torch.nn.Module, opt: torch.optim.Optimizer, guard: TrainingGuard,
+                after: Callable[[int], None]) -> None:
+    """A NaN gradient at step 0 and an Inf one at step 7: both updates are skipped, step 7's
+    bit for bit (parameters and optimizer state), and the other ten applied."""
     injector = faults.FaultInjector(model)
     injector.gradient("0.weight", step=0, value=math.nan)
     injector.gradient("2.bias", step=7, value=math.inf)
@@ -736,19 +731,16 @@ def test_cpu_parameters_skip_on_the_host_exactly_and_never_copy() -> None:
         loss.backward()
         guard.check(loss)
         guard.step()
-        if step == 0:  # skipped before the optimizer ever ran: it created no state
-            assert not opt.state
+        after(step)
         if step == 7:
             assert all(_bits(a) == _bits(p) for a, p in zip(params, model.parameters(),
                                                             strict=True))
             for before, p in zip(state, model.parameters(), strict=True):
                 assert all(_bits(before[k]) == _bits(opt.state[p][k]) for k in before)
     guard.close()
-    assert guard._snapshot.copies == [] and guard._snapshot.live == []
     assert [(e.step, e.kind, e.action) for e in guard.events] == [
         (0, "nonfinite_grad", "skipped"), (7, "nonfinite_grad", "skipped")]
     assert all(float(s["step"]) == 10 for s in opt.state.values())
-    assert all(math.isfinite(float(p.detach().abs().sum())) for p in model.parameters())
 
 
 def test_host_skip_falls_back_to_the_device_copy_where_it_cannot_apply() -> None:
