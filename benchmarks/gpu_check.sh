@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU checks, as one short run on a lent accelerator machine (no network there):
+# the tests that need CUDA, and the guard's overhead table on the GPU.
+#
+# Prepare here (the device image has torch, pytest and xxhash, not blake3):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux_2_17_x86_64 -d .whl blake3
+# then run `bash benchmarks/gpu_check.sh` there with `.whl` carried. Logs and
+# docs/benchmarks/guard-cuda.md land in $OUT (default /tmp/torchverity-gpu).
+set -uo pipefail
+out=${OUT:-/tmp/torchverity-gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/tv-site .whl/*.whl || exit 2
+    export PYTHONPATH=$PYTHONPATH:/tmp/tv-site
+fi
+python3 - <<'EOF' || exit 2
+import sys
+import torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, devices {torch.cuda.device_count()}")
+if not torch.cuda.is_available():
+    sys.exit("gpu_check: no CUDA device here; run it on the lent GPU machine")
+print(torch.cuda.get_device_name(0))
+EOF
+status=0
+python3 -m pytest -q -p no:cacheprovider -x tests/test_guard.py tests/test_fingerprint.py \
+    2>&1 | tee "$out/tests-cuda.log" || status=1
+timeout 420 python3 benchmarks/bench_guard.py --device cuda 2>&1 | tee "$out/bench-guard-cuda.log" \
+    || status=1
+cp docs/benchmarks/guard-cuda.md "$out/" 2>/dev/null || status=1
+exit $status
