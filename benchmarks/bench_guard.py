@@ -178,14 +178,15 @@ def measure(make: Callable[[], tuple[torch.nn.Module, Batch, str]], rounds: int,
             steps: int, device: torch.device) -> list[Row]:
     """Each round runs baseline, config, baseline, config, ... baseline (per baseline), in
     a rotated order; a config's ratio is to the mean of the two baseline blocks around it,
-    each as long as the config's block (:func:`block_steps`)."""
-    runners = {c.name: Runner(make, c, device) for c in CONFIGS}
+    each as long as the config's block (:func:`block_steps`). Every round builds fresh
+    models, optimizers and guards (:func:`fresh_runners`)."""
     wall: dict[str, list[float]] = {c.name: [] for c in CONFIGS if c.name != c.baseline}
     cpu: dict[str, list[float]] = {name: [] for name in wall}
     ms: dict[str, list[float]] = {name: [] for name in wall}
     groups = [[c for c in CONFIGS if c.baseline == b and c.name != b]
               for b in dict.fromkeys(c.baseline for c in CONFIGS)]
     for r in range(rounds):
+        runners = fresh_runners(make, device, r)
         for group in groups:
             order = group[r % len(group):] + group[: r % len(group)]
             base = runners[group[0].baseline]
@@ -200,10 +201,26 @@ def measure(make: Callable[[], tuple[torch.nn.Module, Batch, str]], rounds: int,
                 cpu[c.name].append(p / ((before[1] + after[1]) / 2))
                 ms[c.name].append(w)
                 before = after
-    for runner in runners.values():
-        runner.close()
+        for runner in runners.values():
+            runner.close()
     return [Row(c, statistics.median(ms[c.name]) * 1e3, _summary(wall[c.name]),
                 _summary(cpu[c.name])[0]) for c in CONFIGS if c.name in wall]
+
+
+def fresh_runners(make: Callable[[], tuple[torch.nn.Module, Batch, str]],
+                  device: torch.device, r: int) -> dict[str, Runner]:
+    """One runner per configuration, built in an order rotated by round ``r``.
+
+    Identical unguarded MLP instances, interleaved, drift apart by up to 3% in step
+    time for stretches of many rounds (six of them, each one's median deviation from
+    their mean over thirds of a run: -2.6% to +3.3%, changing sign between thirds).
+    With one instance per configuration for the whole run that drift lands in the
+    ratios as a bias of the size of the 1% target; fresh instances each round, built
+    in a different order, turn it into round-to-round noise that the median absorbs.
+    """
+    order = CONFIGS[r % len(CONFIGS):] + CONFIGS[: r % len(CONFIGS)]
+    built = {c.name: Runner(make, c, device) for c in order}
+    return {c.name: built[c.name] for c in CONFIGS}
 
 
 def block_steps(config: Config, steps: int) -> int:
