@@ -312,7 +312,7 @@ def main() -> None:
                         help="also run torchverity.batch as of this git revision, interleaved")
     parser.add_argument("--small", type=int, help="number of 10 KiB items (default 4000)")
     parser.add_argument("--large", type=int, help="number of 1 MiB items (default 80)")
-    parser.add_argument("--rounds", type=int, help="rounds per item size (default 8)")
+    parser.add_argument("--rounds", type=int, help="rounds per item size (default 16)")
     parser.add_argument("--modes", default="group",
                         help="durabilities to run, comma-separated (default: group)")
     args = parser.parse_args()
@@ -320,7 +320,7 @@ def main() -> None:
 
     WORK.mkdir(parents=True, exist_ok=True)
     work = make_work()
-    small, large, small_rounds, large_rounds = (300, 32, 4, 4) if args.quick else (4000, 80, 8, 8)
+    small, large, small_rounds, large_rounds = (300, 32, 4, 4) if args.quick else (4000, 80, 16, 16)
     configs = (Config("10KiB", args.small or small, 10 * KiB, args.rounds or small_rounds),
                Config("1MiB", args.large or large, MiB, args.rounds or large_rounds))
     modes = args.modes.split(",")
