@@ -227,9 +227,9 @@ def fresh_runners(make: Callable[[], tuple[torch.nn.Module, Batch, str]],
 
 def block_steps(config: Config, steps: int) -> int:
     """A block covers whole check intervals and at-rest cadences: every block of an
-    interval-10 (or ``rest_every=10``) row holds one flag read (or one) and one at-rest
-    record and verification, so no block is spared them (with shorter blocks the median
-    would fall on the blocks without them)."""
+    interval-10 row holds one flag read, and every block of an interval-10 or
+    ``rest_every=10`` row one at-rest record and verification, so no block is spared
+    them (with shorter blocks the median would fall on the blocks without them)."""
     options = config.options or {}
     return max(steps, options.get("check_every", 1), options.get("rest_every") or 1)
 
@@ -279,8 +279,7 @@ def _target_line(label: str, rows: list[Row], noise: dict[bool, float]) -> str:
     return (f"* {label}: default {judged}; every window verified (interval 10, "
             f"`rest_every=1`) {by[FULL].wall[0]:+.1f}%; interval 1 with one window in 10 "
             f"verified (`rest_every=10`) {by[SPARSE].wall[0]:+.1f}%; at-rest floor (two bare "
-            f"reads per "
-            f"step, no guard) {by[FLOOR].wall[0]:+.1f}%; detectors alone (no at-rest) "
+            f"reads per step, no guard) {by[FLOOR].wall[0]:+.1f}%; detectors alone (no at-rest) "
             f"{by['interval 10, no at-rest'].wall[0]:+.1f}%; rules on the device "
             f"{by['interval 10, rules on the device'].wall[0]:+.1f}%; interval 1 with the "
             f"record deferred {by[DEFERRED].wall[0]:+.1f}%; A/A {noise[False]:+.1f}%.")
