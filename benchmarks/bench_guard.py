@@ -221,8 +221,7 @@ def fresh_runners(make: Callable[[], tuple[torch.nn.Module, Batch, str]],
     in a different order, turn it into round-to-round noise that the median absorbs.
     """
     order = CONFIGS[r % len(CONFIGS):] + CONFIGS[: r % len(CONFIGS)]
-    built = {c.name: Runner(make, c, device) for c in order}
-    return {c.name: built[c.name] for c in CONFIGS}
+    return {c.name: Runner(make, c, device) for c in order}
 
 
 def block_steps(config: Config, steps: int) -> int:
