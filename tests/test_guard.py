@@ -97,7 +97,7 @@ def train(
 
 @pytest.fixture(scope="module")
 def clean() -> Run:
-    return train(300, check_every=10, per_layer=True, update_ratio=True)
+    return train(300, check_every=10, rest_every=1, per_layer=True, update_ratio=True)
 
 
 def test_clean_run_of_300_steps_raises_nothing(clean: Run) -> None:
@@ -156,7 +156,8 @@ def test_lowest_mantissa_bit_flip_between_steps_is_caught_and_named() -> None:
 
 def test_flip_in_optimizer_state_is_named() -> None:
     model, opt = make_model()
-    guard = TrainingGuard(model, opt, check_every=1, policies={"weights_changed": "record"})
+    guard = TrainingGuard(model, opt, check_every=1, rest_every=1,
+                          policies={"weights_changed": "record"})
     for step in range(6):
         if step == 4:
             faults.flip_bit(opt.state[model[0].bias]["exp_avg_sq"], index=2, bit=0)
@@ -376,6 +377,9 @@ def test_misuse_is_reported() -> None:
         TrainingGuard(model, opt, replay_every=5)
     with pytest.raises(UsageError, match="unknown options: chek_every"):
         TrainingGuard(model, opt, chek_every=5)
+    with pytest.raises(UsageError, match=r"rest_every must be an integer >= 1, not None") as err:
+        TrainingGuard(model, opt, rest_every=None)
+    assert "rest_every=1 verifies every update window" in str(err.value)
 
 
 # ------------------------------------------------------------ rollback
@@ -625,7 +629,8 @@ def test_undo_copy_restores_every_dtype_and_layout_bit_for_bit() -> None:
 
 def test_at_rest_follows_a_parameter_whose_storage_moved() -> None:
     model, opt = make_model()
-    guard = TrainingGuard(model, opt, check_every=1, policies={"weights_changed": "record"})
+    guard = TrainingGuard(model, opt, check_every=1, rest_every=1,
+                          policies={"weights_changed": "record"})
     for step in range(6):
         if step == 2:  # a new storage with the same bits: nothing to report
             model[0].weight.data = model[0].weight.data.clone()
@@ -823,7 +828,7 @@ def test_a_flip_right_after_step_returns_is_caught_and_named(check_every: int) -
 
 def test_clean_run_with_the_helper_raises_nothing() -> None:
     model, opt = make_model()
-    guard = TrainingGuard(model, opt, check_every=7, overlap=True, per_layer=True,
+    guard = TrainingGuard(model, opt, check_every=7, rest_every=1, overlap=True, per_layer=True,
                           min_samples=20, window=64)
     for step in range(200):
         _step(guard, model, step)
@@ -1037,23 +1042,26 @@ def test_host_rolling_stats_follow_the_device_rule_and_share_its_checkpoint_layo
 
 
 @pytest.mark.parametrize(("check_every", "rest_every", "caught"), [
-    (5, None, [9]),  # the default: the window ending at each read (after step 9's row)
-    (5, 1, [9, 12]),  # every window
-    (1, None, [9, 12]),  # interval 1: every window is one ending at a read
+    (5, None, [9]),  # the default, one window in 10: the one ending at update 10 (step 9)
+    (1, None, [9]),  # the same windows at interval 1: the interval changes only the read
+    (5, 1, [9, 11, 12]),  # every window
+    (1, 1, [9, 11, 12]),
+    (5, 4, [11]),  # windows ending at updates 4, 8, 12, ...: step 11, read at step 14
 ])
-def test_at_rest_verifies_the_window_ending_at_each_read_by_default(
+def test_at_rest_cadence_is_rest_every_whatever_the_check_interval(
         check_every: int, rest_every: int | None, caught: list[int]) -> None:
     def plan(inj: faults.FaultInjector) -> None:
-        for step in (9, 12):  # flipped before the step's forward: between two updates
+        for step in (9, 11, 12):  # flipped before the step's forward: between two updates
             inj.parameter("2.weight", step=step, index=step, bit=faults.mantissa_lsb(
                 torch.float32))
 
-    run = train(20, plan, check_every=check_every, rest_every=rest_every,
-                policies={"weights_changed": "record"})
+    cadence = {} if rest_every is None else {"rest_every": rest_every}
+    run = train(20, plan, check_every=check_every, policies={"weights_changed": "record"},
+                **cadence)
     assert [(e.step, e.kind, e.suspects) for e in run.guard.events] == [
         (s, "weights_changed", ("2.weight",)) for s in caught]
     # Reported at the first read of the step's row (steps 4, 9, 14, ... with interval 5):
-    # with the default cadence that is the read of the step that verified it.
+    # when the interval divides rest_every, the read right after the verification.
     assert [run.detected_at[s] for s in caught] == [s + (-s - 1) % check_every for s in caught]
 
 
@@ -1079,7 +1087,7 @@ def test_deferred_record_leaves_the_stretch_before_the_helper_reads_uncovered() 
     the tensor is part of the record (the helper is held here); the default catches it."""
     for defer, expected in ((True, []), (False, [(3, "weights_changed", ("0.bias",))])):
         model, opt = make_model()
-        guard = TrainingGuard(model, opt, check_every=1, defer_record=defer,
+        guard = TrainingGuard(model, opt, check_every=1, rest_every=1, defer_record=defer,
                               policies={"weights_changed": "record"})
         gate, calls = threading.Event(), []
         take = guard._deferred_record
@@ -1104,8 +1112,8 @@ def test_deferred_record_leaves_the_stretch_before_the_helper_reads_uncovered() 
 
 def test_deferred_record_clean_run_raises_nothing() -> None:
     model, opt = make_model()
-    guard = TrainingGuard(model, opt, check_every=1, defer_record=True, min_samples=20,
-                          window=64)
+    guard = TrainingGuard(model, opt, check_every=1, rest_every=1, defer_record=True,
+                          min_samples=20, window=64)
     for step in range(120):
         _step(guard, model, step)
     assert guard.close().clean and guard.events == []

@@ -25,13 +25,14 @@ instead: one read of the gradient norms and the loss per step, see
   parameter, on gradient norms and on ``|Δp| / |p|``;
 * ``weights_changed``: a device checksum of every parameter and optimizer-state tensor
   is taken right after an update and compared before the next one: any bit that
-  changed in between is caught and the tensor named, however small the change. By
-  default (``rest_every=None``) the window verified is the one ending at each flag
-  read (one in ``check_every``); ``rest_every=1`` verifies every window;
+  changed in between is caught and the tensor named, however small the change. One
+  update window in ``rest_every`` (default 10) is verified, whatever ``check_every``;
+  ``rest_every=1`` verifies every window;
 * ``replay_mismatch``: with ``replay_every=K`` (and a ``step_fn``) every K-th step is
   run twice from the same RNG state and must give the same loss and gradients.
 
-The host reads the flags every ``check_every`` steps (one transfer). When every
+The host reads the flags every ``check_every`` steps (one transfer); the interval changes
+when an anomaly is reported, never what is detected. When every
 guarded parameter lives on the CPU (``host_skip=None``, the default, decides at
 construction), ``step()`` reads the step's skip decision on the host, which on a
 CPU tensor is a memory read and not a device sync, and does not call
@@ -110,7 +111,7 @@ class GuardConfig:
     per_layer: bool = False
     update_ratio: bool = False
     at_rest: bool = True
-    rest_every: int | None = None  # None: the check interval, ending at each flag read
+    rest_every: int = 10  # one update window in rest_every verified at rest; 1: every window
     rest_weighted: bool = False
     optimizer_state: bool = True
     fused_skip: bool = True
@@ -124,15 +125,19 @@ class GuardConfig:
     keep_checkpoints: int = 2
 
     def validate(self) -> None:
-        for name in ("check_every", "window", "rel_patience", "keep_checkpoints"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"TrainingGuard: {name} must be >= 1")
+        for name in ("check_every", "window", "rel_patience", "keep_checkpoints", "rest_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                hint = ("rest_every=1 verifies every update window, at_rest=False none"
+                        if name == "rest_every" else None)
+                raise UsageError(f"TrainingGuard: {name} must be an integer >= 1, not {value!r}",
+                                 hint=hint)
         if not 1 <= self.min_samples <= self.window:
             raise UsageError("TrainingGuard: min_samples must be between 1 and window")
         if self.stats not in ("auto", "host", "device"):
             raise UsageError(f"TrainingGuard: unknown stats='{self.stats}'",
                              hint="stats='auto' (host on the CPU), 'host' or 'device'")
-        for name in ("rest_every", "replay_every", "checkpoint_every"):
+        for name in ("replay_every", "checkpoint_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"TrainingGuard: {name} must be >= 1 or None")
@@ -377,6 +382,7 @@ class TrainingGuard:
         self._has_prev = torch.zeros((), dtype=torch.bool, device=dev)
         self._consec = torch.zeros((), dtype=torch.int64, device=dev)
         self._rest_record: torch.Tensor | None = None
+        self._updates = 0  # updates concluded under this guard: the at-rest cadence
         self._rest_sums: PairedSums | None = None
         self._copy_sums: PairedSums | None = None
         self._rest_names: tuple[str, ...] = ()
@@ -541,7 +547,7 @@ class TrainingGuard:
         due = len(self._rows) + 1 >= self.config.check_every
         # The record is complete before step() returns: a bit that changes afterwards,
         # however soon, is a change against it (with a helper, half of it ran there).
-        self._record_at_rest(step, due)
+        self._record_at_rest()
         if host_row is not None:
             self._rows.append(_Row(step, host_row, pending.rest_names))
         elif book is not None:
@@ -713,19 +719,15 @@ class TrainingGuard:
             now = sums(self._pool())
         return now, record
 
-    def _record_at_rest(self, step: int, due: bool) -> None:
-        """After the update of ``step`` (``due``: its row is read now): record the checksums
-        if the window up to the next update is one the cadence verifies."""
+    def _record_at_rest(self) -> None:
+        """After an update: record the checksums if the window up to the next update is one
+        the cadence verifies. One window in ``rest_every``, counted from the guard's first
+        update: those ending at updates ``rest_every``, ``2 * rest_every``, ... So with a
+        check interval that divides ``rest_every`` each verified window ends at a flag read,
+        and a change in it is reported at that very read."""
         cfg = self.config
-        if not cfg.at_rest:
-            return
-        if cfg.rest_every is None:
-            # The window that ends at the next update whose row comes due for a read, so
-            # a change in it is reported at that very read.
-            rows_after = 0 if due else len(self._rows) + 1
-            if rows_after + 1 < cfg.check_every:
-                return
-        elif step % cfg.rest_every:
+        self._updates += 1
+        if not cfg.at_rest or (self._updates + 1) % cfg.rest_every:
             return
         if self._defer and self._helper is not None:
             # Opt-in: the whole pass on the helper, beside the next forward and backward
