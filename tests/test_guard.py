@@ -1117,3 +1117,70 @@ def test_deferred_record_clean_run_raises_nothing() -> None:
     for step in range(120):
         _step(guard, model, step)
     assert guard.close().clean and guard.events == []
+
+
+# ------------------------------------------------------------ clipping with check()'s norms
+
+
+@pytest.mark.parametrize("stats", ["host", "device"])
+@pytest.mark.parametrize("max_norm", [0.05, 1e6])  # clipped every step / never
+def test_clip_grad_norm_gives_torchs_total_and_gradients_bit_for_bit(
+        stats: str, max_norm: float) -> None:
+    ref, ref_opt = make_model()
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, stats=stats, check_every=3)
+    clipped = []
+    for step in range(8):
+        x, y = batch_at(step)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+        guard.check(torch.nn.functional.mse_loss(model(x), y).detach())
+        got = guard.clip_grad_norm_(max_norm)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(
+            model.parameters(), ref.parameters(), strict=True))
+        clipped.append(bool(want > max_norm))
+        ref_opt.step()
+        guard.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(),
+                                                   strict=True))
+    assert clipped == [max_norm < 1] * 8  # both branches were taken where meant
+    assert guard.close().clean
+
+
+def test_clip_grad_norm_leaves_the_rules_the_norm_before_clipping() -> None:
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, min_samples=20, window=64,
+                          policies={"grad_norm_spike": "skip"})
+    injector = faults.FaultInjector(model)
+    injector.gradient("0.weight", step=30, index=3, value=1e4)  # a huge, finite gradient
+    for step in range(40):
+        injector.begin_step(step)
+        opt.zero_grad()
+        x, y = batch_at(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.check(loss)
+        total = guard.clip_grad_norm_(1.0)
+        guard.step()
+        if step == 30:
+            spike_total = float(total)
+    guard.close()
+    [event] = guard.events
+    assert (event.step, event.kind, event.action) == (30, "grad_norm_spike", "skipped")
+    assert event.values["grad_norm"] == pytest.approx(spike_total) and spike_total > 1e3
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_clip_grad_norm_outside_check_and_step_is_refused() -> None:
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt)
+    with pytest.raises(UsageError, match=r"clip_grad_norm_\(\) called before this step's "
+                                         r"check\(\)") as err:
+        guard.clip_grad_norm_(1.0)
+    assert "then guard.clip_grad_norm_(max_norm), then guard.step()" in str(err.value)
+    _step(guard, model, 0)
+    with pytest.raises(UsageError, match="before this step's check"):
+        guard.clip_grad_norm_(1.0)

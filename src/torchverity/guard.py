@@ -11,6 +11,9 @@ Three lines in a plain loop::
         guard.step()               # replaces optimizer.step(); skips the update when told to
     guard.close()                  # reads the last flags, writes the summary
 
+With clipping, ``guard.clip_grad_norm_(max_norm)`` between ``check`` and ``step`` clips
+with the norms ``check`` took (torch's result, bit for bit; one read of the gradients).
+
 What it detects, every step, with statistics and flags kept on the device (when the
 parameters are on the CPU, ``stats="auto"`` runs the same rules on Python floats
 instead: one read of the gradient norms and the loss per step, see
@@ -382,6 +385,7 @@ class TrainingGuard:
         self._has_prev = torch.zeros((), dtype=torch.bool, device=dev)
         self._consec = torch.zeros((), dtype=torch.int64, device=dev)
         self._rest_record: torch.Tensor | None = None
+        self._step_norms: torch.Tensor | None = None  # check()'s per-parameter norms
         self._updates = 0  # updates concluded under this guard: the at-rest cadence
         self._rest_sums: PairedSums | None = None
         self._copy_sums: PairedSums | None = None
@@ -431,6 +435,26 @@ class TrainingGuard:
         self._pending = self._detect_step(_scalar(loss), None)
         if self._replaying and batch is not None:
             self._remember(batch, self._pending)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` with the per-parameter norms
+        ``check()`` has just taken: one read of the gradients serves the detectors and the
+        clipping. Call it between ``check()`` and ``step()`` (the rules see the norms before
+        clipping); it returns the total norm, as torch's does. Float32 gradients come out
+        bit-identical to torch's (lower-precision norms are accumulated in float32). With
+        the rules on floats (CPU parameters) an update that needs no clipping skips the
+        multiply by 1.0 that torch does, saving a read and a write of every gradient."""
+        norms = self._step_norms
+        if self._pending is None or norms is None:
+            raise UsageError("TrainingGuard.clip_grad_norm_() called before this step's check()",
+                             hint="call guard.check(loss), then guard.clip_grad_norm_(max_norm), "
+                                  "then guard.step()")
+        total = torch.linalg.vector_norm(norms)
+        # torch's coefficient, clamped to 1; read only where reading is a memory load.
+        if self._host is not None and float(torch.clamp(max_norm / (total + 1e-6), max=1.0)) == 1:
+            return total
+        torch.nn.utils.clip_grads_with_norm_(self._params, max_norm, total)
+        return total
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``optimizer.step()`` under the guard; a flagged update is skipped, on the host
@@ -535,6 +559,7 @@ class TrainingGuard:
     def after_update(self) -> None:
         """Decide on the device whether the update stands, record checksums, maybe read flags."""
         pending, self._pending = self._pending, None
+        self._step_norms = None
         assert pending is not None
         if isinstance(pending, HostPending):
             host_row, book = self._conclude_host(pending), None
@@ -634,14 +659,16 @@ class TrainingGuard:
         if self._host is None:
             return self._detect(loss, self._zeros_n if replay_vec is None else replay_vec)
         self._join()
-        values = torch.stack([*self._norm_list(), loss]).tolist()
+        stacked = torch.stack([*self._norm_list(), loss])
+        self._step_norms = stacked[:-1]
+        values = stacked.tolist()
         replay = replay_vec.tolist() if replay_vec is not None else None
         return self._host.detect(values[-1], values[:-1], replay)
 
     def _detect(self, loss: torch.Tensor, replay_vec: torch.Tensor) -> _Pending:
         self._join()  # the previous step's statistics and flag row
         cfg = self.config
-        gvec = self._grad_norms()
+        gvec = self._step_norms = self._grad_norms()
         gnorm = torch.linalg.vector_norm(gvec)
         metrics = torch.stack([loss, gnorm])
         if cfg.per_layer:
