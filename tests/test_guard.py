@@ -385,8 +385,9 @@ def test_misuse_is_reported() -> None:
 # ------------------------------------------------------------ rollback
 
 
+@pytest.mark.parametrize("stats", ["host", "device"])
 def test_rollback_reloads_the_verified_checkpoint_and_the_run_finishes(
-    tmp_path: Path, clean: Run
+    tmp_path: Path, clean: Run, stats: str
 ) -> None:
     def plan(inj: faults.FaultInjector) -> None:
         inj.parameter("0.weight", step=130, index=11, bit=30)  # corrupted at rest
@@ -394,7 +395,7 @@ def test_rollback_reloads_the_verified_checkpoint_and_the_run_finishes(
 
     log = tmp_path / "events.jsonl"
     run = train(300, plan, check_every=10, rest_every=1, checkpoint_dir=tmp_path / "ckpt",
-                checkpoint_every=50, log=log)
+                checkpoint_every=50, log=log, stats=stats)
     assert [(e.step, e.kind, e.action, e.suspects) for e in run.guard.events
             if e.kind == "weights_changed"] == [
         (130, "weights_changed", "rolled_back", ("0.weight",)),
@@ -1009,8 +1010,9 @@ def test_clean_runs_raise_nothing_on_either_path(stats: str) -> None:
 
 def test_rules_run_on_floats_by_default_on_the_cpu() -> None:
     model, opt = make_model()
-    assert TrainingGuard(model, opt)._host is not None
-    assert TrainingGuard(model, opt, stats="device")._host is None
+    on_floats, on_device = TrainingGuard(model, opt), TrainingGuard(model, opt, stats="device")
+    assert on_floats._host is not None and on_floats._rules is None  # no device buffers
+    assert on_device._host is None and on_device._rules is not None
     with pytest.raises(UsageError, match="unknown stats='gpu'"):
         TrainingGuard(model, opt, stats="gpu")
 

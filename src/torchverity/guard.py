@@ -17,7 +17,7 @@ with the norms ``check`` took (torch's result, bit for bit; one read of the grad
 What it detects, every step, with statistics and flags kept on the device (when the
 parameters are on the CPU, ``stats="auto"`` runs the same rules on Python floats
 instead: one read of the gradient norms and the loss per step, see
-:mod:`torchverity._guard_host`):
+:mod:`torchverity._guard_host`; the device rules are :mod:`torchverity._guard_device`):
 
 * ``nonfinite_loss`` / ``nonfinite_grad``: NaN or Inf, the gradient named by parameter;
 * ``loss_spike`` / ``grad_norm_spike``: value above ``mean + sigma * std`` of a rolling
@@ -70,12 +70,12 @@ from typing import Any, Protocol
 import torch
 
 from torchverity._guard_checksum import PairedSums, balanced_cut, checksums, run_beside
+from torchverity._guard_device import DeviceDetectors, DevicePending
 from torchverity._guard_events import (
     ACTIONS,
     DEFAULT_POLICIES,
     KIND_INDEX,
     KINDS,
-    LATCHING,
     POLICIES,
     SKIPPING,
     AnomalyEvent,
@@ -86,7 +86,6 @@ from torchverity._guard_events import (
 )
 from torchverity._guard_host import HostDetectors, HostPending
 from torchverity._guard_snapshot import Snapshot
-from torchverity._guard_stats import RollingStats
 from torchverity.errors import TrainingAnomalyError, UsageError
 
 __all__ = ["AnomalyEvent", "AnomalyWarning", "GuardConfig", "GuardSummary", "Reducer",
@@ -144,24 +143,6 @@ class GuardConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"TrainingGuard: {name} must be >= 1 or None")
-
-
-@dataclass
-class _Pending:
-    """What ``check`` leaves on the device for ``step``."""
-
-    parts: list[torch.Tensor]
-    metrics: torch.Tensor
-    thresholds: torch.Tensor
-    loss: torch.Tensor
-    gnorm: torch.Tensor
-    gvec: torch.Tensor
-    layer_vec: torch.Tensor
-    replay_vec: torch.Tensor
-    rest_vec: torch.Tensor
-    rest_names: tuple[str, ...]
-    decision: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # flags, hit, applied
-    undo: bool = False  # a copy was taken before the update: select after it
 
 
 @dataclass(frozen=True)
@@ -297,7 +278,7 @@ class TrainingGuard:
         self._setup_params()
         self._setup_device_state()
         self._rows: list[_Row] = []
-        self._pending: _Pending | HostPending | None = None
+        self._pending: DevicePending | HostPending | None = None
         self._history: dict[int, _History] = {}
         self._rng_next = _torch_rng() if self._replaying else None
         self._steps_since_checkpoint = 0
@@ -351,8 +332,6 @@ class TrainingGuard:
         cfg, dev, n = self.config, self._device, len(self._params)
         self._replaying = "replay" in self.policies.values() or cfg.replay_every is not None
         skipping = [self.policies[k] in SKIPPING for k in KINDS]
-        self._skip_mask = torch.tensor(skipping, device=dev)
-        self._latch_mask = torch.tensor([self.policies[k] in LATCHING for k in KINDS], device=dev)
         # Fused optimizers skip an update themselves when handed a device-side
         # ``found_inf`` (AMP's mechanism): exact, and no copy of anything. The
         # decision must then be known before the step, so not with update ratios.
@@ -373,17 +352,8 @@ class TrainingGuard:
         # ops per step cost more than the Python arithmetic they stand for.
         use_host = on_cpu if cfg.stats == "auto" else cfg.stats == "host"
         self._host = HostDetectors(cfg, n, self.policies) if use_host else None
-        self._latched = torch.zeros((), dtype=torch.bool, device=dev)
-        self._false = torch.zeros((), dtype=torch.bool, device=dev)
-        self._zeros_n = torch.zeros(n, dtype=torch.float32, device=dev)
-        self._false_n = torch.zeros(n, dtype=torch.bool, device=dev)
-        self._zero = torch.zeros((), dtype=torch.float32, device=dev)
-        self._empty = torch.zeros(0, dtype=torch.float32, device=dev)
-        self.stats = RollingStats(2 + (n if cfg.per_layer else 0), cfg.window, dev)
-        self.ratio_stats = RollingStats(n, cfg.window, dev) if cfg.update_ratio else None
-        self._prev_loss = torch.zeros((), dtype=torch.float32, device=dev)
-        self._has_prev = torch.zeros((), dtype=torch.bool, device=dev)
-        self._consec = torch.zeros((), dtype=torch.int64, device=dev)
+        self._rules = None if use_host else DeviceDetectors(cfg, n, self.policies, dev)
+        self._zero = torch.zeros((), dtype=torch.float32, device=dev)  # a missing gradient
         self._rest_record: torch.Tensor | None = None
         self._step_norms: torch.Tensor | None = None  # check()'s per-parameter norms
         self._updates = 0  # updates concluded under this guard: the at-rest cadence
@@ -583,10 +553,15 @@ class TrainingGuard:
         if due:
             self._read_flags()
 
-    def _conclude_device(self, pending: _Pending) -> Callable[[int], None]:
+    def _conclude_device(self, pending: DevicePending) -> Callable[[int], None]:
         """After the update, on the device: decide if not yet decided, undo; the bookkeeping
         (statistics and the step's row) is returned, to run now or beside the next step."""
-        ratio, ratio_vec = self._update_ratios()
+        rules = self._device_rules()
+        if rules.ratio_stats is None:
+            ratio, ratio_vec = rules.zeros_n, rules.false_n
+        else:
+            ratio = self._ratios()
+            ratio_vec = rules.ratio_flags(ratio)
         if pending.decision is None:
             pending.parts[KIND_INDEX["update_ratio_spike"]] = ratio_vec.any()
             flags, hit, applied = self._decide(pending)
@@ -617,19 +592,11 @@ class TrainingGuard:
             self._select(applied)
         return host.conclude(pending, applied, hit, flags, ratio, ratio_hit)
 
-    def _bookkeep(self, step: int, pending: _Pending, flags: torch.Tensor,
+    def _bookkeep(self, step: int, pending: DevicePending, flags: torch.Tensor,
                   applied: torch.Tensor, accept: torch.Tensor, ratio: torch.Tensor,
                   ratio_vec: torch.Tensor) -> None:
         """After the update: rolling statistics, and the step's row for the next flush."""
-        cfg = self.config
-        for stats, values in ((self.stats, pending.metrics), (self.ratio_stats, ratio)):
-            if stats is not None:
-                stats.push(values, accept)
-                stats.threshold(cfg.sigma, cfg.min_samples, cfg.rel_floor, cfg.abs_floor)
-        # One cat (it promotes bool to float): loss, grad norm, their two thresholds, applied.
-        row = torch.cat([flags, pending.metrics[:2], pending.thresholds, applied.view(1),
-                         pending.gvec, pending.layer_vec, ratio, ratio_vec, pending.replay_vec,
-                         pending.rest_vec])
+        row = self._device_rules().conclude(pending, flags, applied, accept, ratio, ratio_vec)
         self._rows.append(_Row(step, row, pending.rest_names))
 
     def _join(self) -> None:
@@ -641,56 +608,28 @@ class TrainingGuard:
         """Wait until the work the guard runs beside training (CPU parameters) is done."""
         self._join()
 
-    def _decide(self, pending: _Pending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Combine the flags (across ranks with the reducer) and decide: ``applied`` or not."""
-        flags = torch.stack(pending.parts).float()
-        if self.reducer is not None:
-            flags = self.reducer.reduce(flags)
-        hit = flags > 0
-        skip = (hit & self._skip_mask).any() | self._latched
-        self._latched.logical_or_((hit & self._latch_mask).any())
-        return flags, hit, ~skip
+    def _device_rules(self) -> DeviceDetectors:
+        assert self._rules is not None, "the rules run on floats on this guard"
+        return self._rules
 
-    # ------------------------------------------------------------ detectors (device only)
+    def _decide(self, pending: DevicePending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Combine the flags (across ranks with the reducer) and decide: ``applied`` or not."""
+        return self._device_rules().decide(pending, self.reducer)
+
+    # ------------------------------------------------------------ detectors
 
     def _detect_step(self, loss: torch.Tensor, replay_vec: torch.Tensor | None
-                     ) -> _Pending | HostPending:
+                     ) -> DevicePending | HostPending:
         """This step's flags: on floats (one read of the norms and the loss) or the device."""
+        self._join()  # the previous step's statistics and flag row
         if self._host is None:
-            return self._detect(loss, self._zeros_n if replay_vec is None else replay_vec)
-        self._join()
+            gvec = self._step_norms = self._grad_norms()
+            return self._device_rules().detect(loss, gvec, replay_vec)
         stacked = torch.stack([*self._norm_list(), loss])
         self._step_norms = stacked[:-1]
         values = stacked.tolist()
         replay = replay_vec.tolist() if replay_vec is not None else None
         return self._host.detect(values[-1], values[:-1], replay)
-
-    def _detect(self, loss: torch.Tensor, replay_vec: torch.Tensor) -> _Pending:
-        self._join()  # the previous step's statistics and flag row
-        cfg = self.config
-        gvec = self._step_norms = self._grad_norms()
-        gnorm = torch.linalg.vector_norm(gvec)
-        metrics = torch.stack([loss, gnorm])
-        if cfg.per_layer:
-            metrics = torch.cat([metrics, gvec])
-        thr, ready = self.stats.threshold(cfg.sigma, cfg.min_samples, cfg.rel_floor, cfg.abs_floor)
-        over = metrics > thr
-        finite_loss, finite_g = torch.isfinite(loss), torch.isfinite(gvec)
-        nf_grad = ~finite_g.all()
-        layer_vec = (ready & over[2:] & finite_g) if cfg.per_layer else self._false_n
-        parts = [
-            ~finite_loss,
-            nf_grad,
-            ready & over[0] & finite_loss,
-            ready & over[1] & ~nf_grad,
-            self._loss_jump(loss, finite_loss),
-            layer_vec.any() if cfg.per_layer else self._false,
-            self._false,
-            self._false,  # weights_changed: set by before_update, next to the copy
-            self._false if replay_vec is self._zeros_n else replay_vec.bool().any(),
-        ]
-        return _Pending(parts, metrics, thr[:2], loss, gnorm, gvec, layer_vec, replay_vec,
-                        self._empty, ())
 
     def _grad_norms(self) -> torch.Tensor:
         return torch.stack(self._norm_list())
@@ -711,17 +650,6 @@ class TrainingGuard:
             return [*first, *second]
         norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else [])
         return [next(norms) if g is not None else self._zero for g in grads]
-
-    def _loss_jump(self, loss: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-        if self.config.rel_change is None:
-            return self._false
-        # The floor keeps a loss that has converged to ~0 from turning noise into "jumps".
-        change = (loss - self._prev_loss).abs() / (self._prev_loss.abs() + self.config.abs_floor)
-        jump = self._has_prev & finite & (change > self.config.rel_change)
-        self._consec.copy_(torch.where(jump, self._consec + 1, 0))
-        self._prev_loss.copy_(torch.where(finite, loss, self._prev_loss))
-        self._has_prev.logical_or_(finite)
-        return self._consec >= self.config.rel_patience
 
     def _pool(self) -> ThreadPoolExecutor | None:
         """The helper's pool for the half of a verification that runs beside this thread."""
@@ -789,16 +717,6 @@ class TrainingGuard:
             self._rest_record = self._rest_checksums()
 
     @torch.no_grad()
-    def _update_ratios(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ratio_stats is None:
-            return self._zeros_n, self._false_n
-        ratio = self._ratios()
-        cfg = self.config
-        thr, ready = self.ratio_stats.threshold(cfg.sigma, cfg.min_samples, cfg.rel_floor,
-                                                cfg.abs_floor)
-        return ratio, ready & (ratio > thr) & torch.isfinite(ratio)
-
-    @torch.no_grad()
     def _ratios(self) -> torch.Tensor:
         """``|Δp| / |p|`` per parameter, against the copy taken before the update."""
         before = self._snapshot.copies[: len(self._params)]
@@ -828,7 +746,7 @@ class TrainingGuard:
 
     # ------------------------------------------------------------ replay
 
-    def _remember(self, batch: Any, pending: _Pending | HostPending) -> None:
+    def _remember(self, batch: Any, pending: DevicePending | HostPending) -> None:
         assert self._rng_next is not None
         grads = [p.grad if p.grad is not None else self._zero for p in self._params]
         if isinstance(pending, HostPending):  # the float32 values, exactly
@@ -950,9 +868,10 @@ class TrainingGuard:
         rollbacks = [e for e in events if e.action == ACTIONS["rollback"]]
         if rollbacks and not stops:
             self.rollback(rollbacks[0].step)
-        self._latched.zero_()
         if self._host is not None:
             self._host.latched = False
+        else:
+            self._device_rules().latched.zero_()
         if stops:
             self._stop(stops[0])
         elif not events:
@@ -998,9 +917,9 @@ class TrainingGuard:
 
     def _guard_state(self) -> dict[str, Any]:
         # One layout for both paths: a checkpoint loads into either.
-        rules = self._host if self._host is not None else self
+        rules = self._host if self._host is not None else self._device_rules()
         prev_loss = (torch.tensor(self._host.prev_loss, dtype=torch.float32)
-                     if self._host is not None else self._prev_loss.clone())
+                     if self._host is not None else self._device_rules().prev_loss.clone())
         state: dict[str, Any] = {"step": self.global_step, "stats": rules.stats.state_dict(),
                                  "prev_loss": prev_loss}
         if rules.ratio_stats is not None:
@@ -1057,16 +976,16 @@ class TrainingGuard:
         state = load(path, sidecar="require")
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        rules = self._host if self._host is not None else self
+        rules = self._host if self._host is not None else self._device_rules()
         rules.stats.load_state_dict(state["guard"]["stats"])
         if rules.ratio_stats is not None:
             rules.ratio_stats.load_state_dict(state["guard"]["ratio_stats"])
-        self._prev_loss.copy_(state["guard"]["prev_loss"])
         if self._host is not None:
             self._host.reset_rules(float(state["guard"]["prev_loss"]))
+        else:
+            self._device_rules().reset_rules(state["guard"]["prev_loss"])
         restore_rng(RngState.from_state(state["rng"]))
         self._snapshot = Snapshot()
-        self._consec.zero_()
         self.refresh()
         self._tally.rollbacks += 1
         self._log.write({"event": "rollback", "step": self.global_step, "anomaly_step": step,
