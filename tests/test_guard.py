@@ -482,6 +482,7 @@ def test_hot_path_never_synchronises_on_cuda() -> None:
         loss = torch.nn.functional.mse_loss(model(x[step: step + 32]), y[step: step + 32])
         loss.backward()
         guard.check(loss)
+        guard.clip_grad_norm_(0.5)  # clipping with check()'s norms: on the device too
         guard.step()
 
     for step in range(3):  # first steps allocate optimizer state and checksum tables
