@@ -1187,3 +1187,9 @@ def test_clip_grad_norm_outside_check_and_step_is_refused() -> None:
     _step(guard, model, 0)
     with pytest.raises(UsageError, match="before this step's check"):
         guard.clip_grad_norm_(1.0)
+    loss = torch.nn.functional.mse_loss(model(X[:8]), Y[:8])
+    loss.backward()
+    guard.check(loss)
+    guard.clip_grad_norm_(1e-3)
+    with pytest.raises(UsageError, match="or twice in one step"):  # the norms are stale now
+        guard.clip_grad_norm_(1e-3)

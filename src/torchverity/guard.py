@@ -414,9 +414,10 @@ class TrainingGuard:
         bit-identical to torch's (lower-precision norms are accumulated in float32). With
         the rules on floats (CPU parameters) an update that needs no clipping skips the
         multiply by 1.0 that torch does, saving a read and a write of every gradient."""
-        norms = self._step_norms
+        norms, self._step_norms = self._step_norms, None  # the norms of unclipped gradients
         if self._pending is None or norms is None:
-            raise UsageError("TrainingGuard.clip_grad_norm_() called before this step's check()",
+            raise UsageError("TrainingGuard.clip_grad_norm_() called before this step's check(), "
+                             "or twice in one step",
                              hint="call guard.check(loss), then guard.clip_grad_norm_(max_norm), "
                                   "then guard.step()")
         total = torch.linalg.vector_norm(norms)
