@@ -293,15 +293,15 @@ def _target_line(label: str, rows: list[Row], noise: dict[str, float]) -> str:
     """The default's verdicts next to the floor every full at-rest check pays."""
     by = {r.config.name: r for r in rows}
 
-    def judged(prefix: str, suffix: str, baseline: str) -> str:
-        return ", ".join(f"interval {n}: {by[prefix.format(n) + suffix].wall[0]:+.1f}% "
-                         f"({verdict(by[prefix.format(n) + suffix], noise[baseline])})"
+    def judged(suffix: str, baseline: str) -> str:
+        return ", ".join(f"interval {n}: {by[f'interval {n}{suffix}'].wall[0]:+.1f}% "
+                         f"({verdict(by[f'interval {n}{suffix}'], noise[baseline])})"
                          for n in (10, 1))
 
     clip = ", guard.clip_grad_norm_(1.0)"
     return (f"* {label}: default (one window in 10 verified at rest) "
-            f"{judged('interval {}', '', 'unguarded')}; in a loop that clips, against "
-            f"`torch.nn.utils.clip_grad_norm_(1.0)`, {judged('interval {}', clip, CLIP)}, "
+            f"{judged('', 'unguarded')}; in a loop that clips, against "
+            f"`torch.nn.utils.clip_grad_norm_(1.0)`, {judged(clip, CLIP)}, "
             f"and at `max_norm=0.1` (clipping every step) interval 10: "
             f"{by['interval 10, guard.clip_grad_norm_(0.1)'].wall[0]:+.1f}%; "
             f"every window verified (interval 1, `rest_every=1`) {by[FULL].wall[0]:+.1f}%, "
