@@ -25,14 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchverity._dist_comm import (
+from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_files
+from torchverity.distributed._comm import (
     DEFAULT_TIMEOUT_S,
     Comm,
     all_gather_json,
     broadcast_status,
     open_comm,
 )
-from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_files
 from torchverity.errors import FormatError, InputError, IntegrityError, TorchVerityError
 from torchverity.manifest import (
     MANIFEST_NAME,
@@ -81,7 +81,7 @@ def save_rank0(
     ``written=False`` on the others) or raises the same failure.
     """
     from torchverity.checkpoint import SaveReport, save
-    from torchverity.distributed import check_replicas
+    from torchverity.distributed._checks import check_replicas
     from torchverity.verify import verify_file
 
     c = open_comm(group, timeout, "save_rank0")

@@ -1,35 +1,4 @@
-"""Integrity checks across the ranks of a ``torch.distributed`` job.
-
-In data-parallel training every replica must hold bit-identical parameters
-after each step, and every rank must receive the same reduced gradients. A
-GPU that computes a wrong result or a link that corrupts a gradient breaks
-that silently. These checks make it loud and name the rank:
-
-``check_replicas(model, optimizer)``
-    Each rank digests its parameters, buffers and optimizer state where they
-    live (no tensor leaves the device); the ranks exchange 16 bytes per tensor
-    and a majority vote names the odd rank(s) and the tensors that differ.
-``GradientCheck(model)``
-    After backward (and, with :meth:`GradientCheck.comm_hook`, right after
-    each DDP bucket's all-reduce) the reduced gradients are compared the same way.
-``replay_audit(model, loss_fn, batch)``
-    Each rank recomputes its neighbour's micro-batch; a rank whose loss and
-    gradients are not reproduced by the others is named.
-``FlagReducer(group)``
-    One ``all_reduce(MAX)`` of a guard's anomaly flags, so all ranks skip,
-    stop or roll back together (``TrainingGuard(reducer=FlagReducer())``).
-``save_rank0`` / ``save_dcp`` / ``load_dcp``
-    Verified checkpoints: rank 0 writes and re-checks while the others wait;
-    ``torch.distributed.checkpoint`` folders get a manifest (each rank hashes
-    the files it wrote) and are verified before anything is unpickled.
-
-Every collective waits at most ``timeout`` seconds, so a dead or stuck rank
-raises :class:`~torchverity.errors.DistributedTimeoutError` instead of hanging.
-
->>> import torchverity.distributed as tvd               # doctest: +SKIP
->>> result = tvd.check_replicas(ddp_model, optimizer)   # doctest: +SKIP
->>> result.raise_if_failed()                            # doctest: +SKIP
-"""
+"""Cross-replica checks: parameters, gradients, replays, flag reduction."""
 
 from __future__ import annotations
 
@@ -40,36 +9,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchverity._dist_checkpoint import load_dcp, save_dcp, save_rank0
-from torchverity._dist_comm import (
+from torchverity.distributed._comm import (
     DEFAULT_TIMEOUT_S,
     Comm,
     HashMode,
     all_gather,
     all_reduce_max,
-    current_rank,
     digest_rows,
     layout_row,
     open_comm,
     row_bytes,
 )
+from torchverity.distributed._replay import exchange_batch, replay_rows
 from torchverity.errors import ReplicaMismatchError
-
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "FlagReducer",
-    "GradientCheck",
-    "ReplayAuditResult",
-    "ReplayComparison",
-    "ReplicaCheckResult",
-    "TensorDisagreement",
-    "check_replicas",
-    "current_rank",
-    "load_dcp",
-    "replay_audit",
-    "save_dcp",
-    "save_rank0",
-]
 
 _NO_THIRD_OPINION = (
     "with two replicas the faulty one cannot be named without a third opinion: run "
@@ -483,7 +435,6 @@ def replay_audit(
     c = open_comm(group, timeout, "replay_audit")
     module = _unwrap(model)
     params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    from torchverity._dist_replay import exchange_batch, replay_rows
 
     neighbour, batch_bytes = exchange_batch(c, batch)
     own = replay_rows(module, loss_fn, batch, params, seed, mode, c.device)

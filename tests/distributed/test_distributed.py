@@ -252,7 +252,7 @@ def test_needs_an_initialised_process_group() -> None:
 def test_vote_without_a_strict_majority_names_tensors_but_no_rank() -> None:
     import torch
 
-    from torchverity.distributed import ReplicaCheckResult, _vote
+    from torchverity.distributed._checks import ReplicaCheckResult, _vote
 
     same, other = [1, 2], [1, 3]
     gathered = torch.tensor([[[5, 5], same], [[5, 5], same], [[5, 5], other], [[5, 5], other]])
@@ -265,7 +265,11 @@ def test_vote_without_a_strict_majority_names_tensors_but_no_rank() -> None:
 
 
 def test_one_failed_replay_comparison_is_reported_as_transient() -> None:
-    from torchverity.distributed import ReplayAuditResult, ReplayComparison, _replay_suspects
+    from torchverity.distributed._checks import (
+        ReplayAuditResult,
+        ReplayComparison,
+        _replay_suspects,
+    )
 
     comparisons = (ReplayComparison(0, 2, ()), ReplayComparison(1, 0, ("loss",)),
                    ReplayComparison(2, 1, ()))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchverity._dist_comm import Comm, HashMode, all_gather, digest_rows, run_collective
+from torchverity.distributed._comm import Comm, HashMode, all_gather, digest_rows, run_collective
 from torchverity.errors import UsageError
 
 _MAX_DIMS = 8

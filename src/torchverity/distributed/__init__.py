@@ -1,0 +1,64 @@
+"""Integrity checks across the ranks of a ``torch.distributed`` job.
+
+In data-parallel training every replica must hold bit-identical parameters
+after each step, and every rank must receive the same reduced gradients. A
+GPU that computes a wrong result or a link that corrupts a gradient breaks
+that silently. These checks make it loud and name the rank:
+
+``check_replicas(model, optimizer)``
+    Each rank digests its parameters, buffers and optimizer state where they
+    live (no tensor leaves the device); the ranks exchange 16 bytes per tensor
+    and a majority vote names the odd rank(s) and the tensors that differ.
+``GradientCheck(model)``
+    After backward (and, with :meth:`GradientCheck.comm_hook`, right after
+    each DDP bucket's all-reduce) the reduced gradients are compared the same way.
+``replay_audit(model, loss_fn, batch)``
+    Each rank recomputes its neighbour's micro-batch; a rank whose loss and
+    gradients are not reproduced by the others is named.
+``FlagReducer(group)``
+    One ``all_reduce(MAX)`` of a guard's anomaly flags, so all ranks skip,
+    stop or roll back together (``TrainingGuard(reducer=FlagReducer())``).
+``save_rank0`` / ``save_dcp`` / ``load_dcp``
+    Verified checkpoints: rank 0 writes and re-checks while the others wait;
+    ``torch.distributed.checkpoint`` folders get a manifest (each rank hashes
+    the files it wrote) and are verified before anything is unpickled.
+
+Every collective waits at most ``timeout`` seconds, so a dead or stuck rank
+raises :class:`~torchverity.errors.DistributedTimeoutError` instead of hanging.
+
+>>> import torchverity.distributed as tvd               # doctest: +SKIP
+>>> result = tvd.check_replicas(ddp_model, optimizer)   # doctest: +SKIP
+>>> result.raise_if_failed()                            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from torchverity.distributed._checkpoint import DcpLoadReport, load_dcp, save_dcp, save_rank0
+from torchverity.distributed._checks import (
+    FlagReducer,
+    GradientCheck,
+    ReplayAuditResult,
+    ReplayComparison,
+    ReplicaCheckResult,
+    TensorDisagreement,
+    check_replicas,
+    replay_audit,
+)
+from torchverity.distributed._comm import DEFAULT_TIMEOUT_S, current_rank
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "DcpLoadReport",
+    "FlagReducer",
+    "GradientCheck",
+    "ReplayAuditResult",
+    "ReplayComparison",
+    "ReplicaCheckResult",
+    "TensorDisagreement",
+    "check_replicas",
+    "current_rank",
+    "load_dcp",
+    "replay_audit",
+    "save_dcp",
+    "save_rank0",
+]
