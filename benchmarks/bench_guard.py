@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from torchverity.guard import GuardConfig, TrainingGuard
+from torchverity.training import GuardConfig, TrainingGuard
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "guard.md"
 TARGETS = {1: 5.0, 10: 1.0}  # issue 5: check interval -> max overhead in percent

@@ -104,7 +104,7 @@ _LAZY: dict[str, str] = {
     "scan": "scan",
     "migrate": "migrate",
     "explain": "explain",
-    "TrainingGuard": "guard",
+    "TrainingGuard": "training",
     "TrainingAnomalyError": "errors",
     "seed_everything": "determinism",
     "reproducibility_check": "determinism",

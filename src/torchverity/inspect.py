@@ -79,7 +79,7 @@ class InspectResult:
         return bool(self.meta.get("fingerprint_root") == self.fingerprint)
 
     def to_dict(self) -> dict[str, Any]:
-        from torchverity._console import to_jsonable
+        from torchverity._jsonable import to_jsonable
 
         data = {k: to_jsonable(v) for k, v in vars(self).items()}
         data.update(parameters=self.parameters, bytes_by_dtype=self.bytes_by_dtype,

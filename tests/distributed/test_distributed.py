@@ -493,7 +493,7 @@ def _guard_run(rank: int, model: Any, ddp: Any, opt: Any, reducer: Any) -> dict[
     import torch
 
     import torchverity.distributed as tvd
-    from torchverity.guard import TrainingGuard
+    from torchverity.training import TrainingGuard
 
     guard = TrainingGuard(model, opt, reducer=reducer, check_every=1)
     for i in range(6):

@@ -92,7 +92,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:
-    from torchverity._console import to_jsonable
+    from torchverity._jsonable import to_jsonable
 
     data: dict[str, Any] = to_jsonable(obj)
     return data

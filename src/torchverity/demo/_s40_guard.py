@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from torchverity._guard_events import GuardSummary
 from torchverity.demo import DemoContext
+from torchverity.training._events import GuardSummary
 
 TITLE = "Training: bit flips caught at their step, named, replayed, rolled back"
 
@@ -29,7 +29,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(ctx: DemoContext, name: str, drill: bool) -> tuple[float, GuardSummary]:
     from torchverity import faults
-    from torchverity.guard import TrainingGuard
+    from torchverity.training import TrainingGuard
 
     x, y = _data()
     torch.manual_seed(0)

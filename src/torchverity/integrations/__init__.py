@@ -25,7 +25,7 @@ from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_file, wri
 from torchverity.errors import FormatError, UsageError
 
 if TYPE_CHECKING:
-    from torchverity.guard import GuardSummary, TrainingGuard
+    from torchverity.training import GuardSummary, TrainingGuard
 
 log = logging.getLogger("torchverity.integrations")
 

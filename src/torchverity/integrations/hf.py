@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from torchverity.errors import UsageError, require_extra
-from torchverity.guard import TrainingGuard
 from torchverity.integrations import (
     CheckpointRecord,
     GuardCallbackBase,
     record_checkpoint_file,
 )
+from torchverity.training import TrainingGuard
 
 _TrainerCallback: Any = require_extra(
     "transformers", extra="hf", feature="the Hugging Face callback"

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from torchverity.errors import UsageError, require_extra
-from torchverity.guard import TrainingGuard
 from torchverity.integrations import (
     CheckpointRecord,
     GuardCallbackBase,
     record_checkpoint_file,
 )
+from torchverity.training import TrainingGuard
 
 _pl = require_extra("lightning.pytorch", extra="lightning", feature="the Lightning callback")
 _plugins = require_extra("lightning.fabric.plugins", extra="lightning",

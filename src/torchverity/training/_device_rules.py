@@ -1,10 +1,10 @@
 """The guard's detectors on device tensors, for parameters on an accelerator.
 
 Nothing here reads a value back to the host: the rolling statistics and their
-thresholds (:class:`~torchverity._guard_stats.RollingStats`), the relative-change
+thresholds (:class:`~torchverity.training._stats.RollingStats`), the relative-change
 rule, the flags, the latch and the skip decision are tensors on the parameters'
 device, and each step's flag row is concatenated there for the guard to read in
-one transfer every ``check_every`` steps. :mod:`torchverity._guard_host` runs the
+one transfer every ``check_every`` steps. :mod:`torchverity.training._host_rules` runs the
 same rules on floats when the parameters are on the CPU (``stats="auto"``);
 ``stats="device"`` picks this path anywhere.
 """
@@ -12,15 +12,12 @@ same rules on floats when the parameters are on the CPU (``stats="auto"``);
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from torchverity._guard_events import KINDS, LATCHING, SKIPPING
-from torchverity._guard_stats import RollingStats
-
-if TYPE_CHECKING:
-    from torchverity.guard import GuardConfig, Reducer
+from torchverity.training._config import GuardConfig, Reducer
+from torchverity.training._events import KINDS, LATCHING, SKIPPING
+from torchverity.training._stats import RollingStats
 
 
 @dataclass

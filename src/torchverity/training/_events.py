@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from torchverity._console import to_jsonable
+from torchverity._jsonable import to_jsonable
 
 EVENTS_VERSION = 1
 

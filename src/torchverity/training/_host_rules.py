@@ -1,13 +1,13 @@
 """The guard's detectors on Python floats, for parameters on the CPU.
 
 On the CPU there is no host-device synchronisation to avoid: reading a CPU
-tensor is a load from memory. The device path (:mod:`torchverity._guard_stats`
-and the flag tensors in :mod:`torchverity.guard`) spends about a hundred tiny
+tensor is a load from memory. The device path (:mod:`torchverity.training._stats`
+and the flag tensors in :mod:`torchverity.training._guard`) spends about a hundred tiny
 torch operator calls per step on the rolling statistics, thresholds and flags,
 each several microseconds of dispatch on the CPU. Here the guard reads the
 per-parameter gradient norms and the loss once per step (one ``tolist``) and runs
 the same rules on floats: the same rolling window, warm-up, sigma rule and floors
-(:class:`HostRollingStats` has :class:`~torchverity._guard_stats.RollingStats`'s
+(:class:`HostRollingStats` has :class:`~torchverity.training._stats.RollingStats`'s
 semantics and checkpoint layout), the same relative-change rule, the same skip and
 latch decisions, and the same flat row per step, which the guard turns into events
 with the code it uses for the device rows.
@@ -18,20 +18,17 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from torchverity._guard_events import KIND_INDEX, KINDS, LATCHING, SKIPPING
-
-if TYPE_CHECKING:
-    from torchverity.guard import GuardConfig, Reducer
+from torchverity.training._config import GuardConfig, Reducer
+from torchverity.training._events import KIND_INDEX, KINDS, LATCHING, SKIPPING
 
 
 class HostRollingStats:
     """Per-column rolling mean/std over the last ``window`` accepted rows, on floats.
 
-    Same rule as :class:`~torchverity._guard_stats.RollingStats`: threshold
+    Same rule as :class:`~torchverity.training._stats.RollingStats`: threshold
     ``mean + sigma * max(std, rel_floor * |mean| + abs_floor)`` over the filled
     slots, unbiased variance, ready once ``min_samples`` rows were accepted. The
     variance is taken as ``(sum(x*x) - sum(x) * mean) / (n - 1)`` (two C-level sums

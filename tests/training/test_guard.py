@@ -18,15 +18,15 @@ import torch
 
 from torchverity import faults
 from torchverity._console import dumps
-from torchverity._guard_checksum import (
+from torchverity.errors import TrainingAnomalyError, UsageError
+from torchverity.training import AnomalyWarning, TrainingGuard
+from torchverity.training._checksum import (
     PairedSums,
     WordSums,
     balanced_cut,
     checksums,
     run_beside,
 )
-from torchverity.errors import TrainingAnomalyError, UsageError
-from torchverity.guard import AnomalyWarning, TrainingGuard
 
 X = torch.randn(512, 16, generator=torch.Generator().manual_seed(1))
 Y = X @ torch.randn(16, 1, generator=torch.Generator().manual_seed(2)) + 0.1
@@ -429,8 +429,8 @@ def test_rollback_refuses_a_checkpoint_corrupted_on_disk(tmp_path: Path) -> None
 
 
 def test_at_rest_checksum_catches_every_single_bit_flip_and_names_only_that_tensor() -> None:
-    from torchverity._guard_checksum import WordSums
-    from torchverity._guard_checksum import checksums as checksum
+    from torchverity.training._checksum import WordSums
+    from torchverity.training._checksum import checksums as checksum
 
     gen = torch.Generator().manual_seed(3)
     tensors = [
@@ -597,8 +597,8 @@ def test_fused_optimizer_skips_exactly_without_copies(stats: str) -> None:
 
 
 def test_undo_copy_restores_every_dtype_and_layout_bit_for_bit() -> None:
-    from torchverity._guard_snapshot import Snapshot
     from torchverity.fingerprint import byte_view
+    from torchverity.training._snapshot import Snapshot
 
     gen = torch.Generator().manual_seed(5)
     nan_payload = torch.randn(1000, 3, generator=gen)
@@ -913,7 +913,7 @@ def test_run_beside_uses_the_helper_when_free_and_never_waits_for_a_busy_one() -
 
 
 def test_rolling_threshold_is_recomputed_after_every_push_and_load() -> None:
-    from torchverity._guard_stats import RollingStats
+    from torchverity.training._stats import RollingStats
 
     def fresh(stats: RollingStats) -> tuple[torch.Tensor, torch.Tensor]:
         copy = RollingStats(2, 8, torch.device("cpu"))
@@ -1019,8 +1019,8 @@ def test_rules_run_on_floats_by_default_on_the_cpu() -> None:
 
 
 def test_host_rolling_stats_follow_the_device_rule_and_share_its_checkpoint_layout() -> None:
-    from torchverity._guard_host import HostRollingStats
-    from torchverity._guard_stats import RollingStats
+    from torchverity.training._host_rules import HostRollingStats
+    from torchverity.training._stats import RollingStats
 
     gen = torch.Generator().manual_seed(9)
     rows = (torch.randn(40, 3, generator=gen) * torch.tensor([1.0, 50.0, 1e-3]) + 7).tolist()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from torchverity import faults
-from torchverity.guard import TrainingGuard
 from torchverity.report import summarize
+from torchverity.training import TrainingGuard
 
 
 def _guarded_run(log: Path, steps: int = 40, *, close: bool = True) -> None:
