@@ -40,7 +40,7 @@ def hwm_mib():
             return int(line.split()[1]) / 1024
 tool, files = sys.argv[1], json.loads(sys.argv[2])
 if tool == "torchverity":
-    from torchverity.scan import scan_file, torch_allowlist
+    from torchverity.pickles._scan import scan_file, torch_allowlist
     torch_allowlist()  # imports torch once, like the other tools' imports: not timed
     def flagged(p):
         r = scan_file(p)

@@ -928,7 +928,7 @@ def _load_failure(p: Path, fmt: FileFormat, exc: Exception) -> Exception:
 
 
 def _explained_load_error(p: Path, exc: Exception) -> Exception:
-    from torchverity.explain import explain_exception, with_file
+    from torchverity.pickles._explain import explain_exception, with_file
 
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     text = f"{type(exc).__name__}: {first}"

@@ -3,7 +3,7 @@
 ``inspect(path)`` lists tensors (names, shapes, dtypes, bytes), counts
 elements, sums bytes per dtype, computes the content fingerprint, summarises
 meta.json and checks the file against its sidecar. For pickle-based files it
-first asks the scanner (:func:`torchverity.scan.scan_file`) for a verdict and
+first asks the scanner (:func:`torchverity.pickles.scan_file`) for a verdict and
 the ``weights_only`` load plan; a file judged unsafe or malformed is never
 opened by an unpickler at all. Others are read through PyTorch's restricted
 ``weights_only`` unpickler with memory-mapped storages, so nothing from the
@@ -56,7 +56,7 @@ class InspectResult:
     values: dict[str, str] = field(default_factory=dict)
     fingerprint: str | None = None
     meta: dict[str, Any] | None = None
-    scan: Any = None  # torchverity.scan.ScanResult for pickle-based files
+    scan: Any = None  # torchverity.pickles.ScanResult for pickle-based files
     not_loaded: str | None = None  # why tensors are not listed
     shards: tuple[str, ...] = ()
 
@@ -131,7 +131,7 @@ def _check_sidecar(path: Path) -> SidecarCheck:
 
 
 def _scan(path: Path) -> Any:
-    from torchverity.scan import scan_file
+    from torchverity.pickles._scan import scan_file
 
     return scan_file(path)
 

@@ -51,7 +51,7 @@ def _source_text(args: argparse.Namespace) -> str:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from torchverity.explain import explain_text
+    from torchverity.pickles._explain import explain_text
 
     found = explain_text(_source_text(args))
     if out.json_mode:

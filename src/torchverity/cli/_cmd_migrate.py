@@ -27,7 +27,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from torchverity.migrate import migrate
+    from torchverity.pickles._migrate import migrate
 
     result = migrate(args.source, args.target, trust_sha256=args.trust_sha256)
     if out.json_mode:

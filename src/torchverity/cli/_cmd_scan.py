@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from torchverity._console import Output
 
 if TYPE_CHECKING:
-    from torchverity.scan import ScanResult
+    from torchverity.pickles._scan import ScanResult
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def _print_result(result: ScanResult, out: Output, show_all: bool) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from torchverity.scan import scan
+    from torchverity.pickles._scan import scan
 
     report = scan(*args.paths)
     if out.json_mode:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchverity.explain import explain, explain_exception, explain_text, with_file
+from torchverity.pickles._explain import explain, explain_exception, explain_text, with_file
 
 
 class _Custom:

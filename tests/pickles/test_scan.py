@@ -22,8 +22,8 @@ import torch
 
 import pickle_corpus
 from pickle_corpus import Case
-from torchverity._pickle_ops import Limits
-from torchverity.scan import BENIGN, DANGEROUS, UNKNOWN, scan, scan_file
+from torchverity.pickles._ops import Limits
+from torchverity.pickles._scan import BENIGN, DANGEROUS, UNKNOWN, scan, scan_file
 
 # The default bounds: exhaustion cases must trip them, ordinary files stay far below.
 LIMITS = Limits()

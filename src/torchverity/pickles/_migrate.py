@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from torchverity.errors import FormatError, IntegrityError, UnsafeFileError, UsageError
-from torchverity.scan import DANGEROUS, MALFORMED, ScanResult, scan_file
+from torchverity.pickles._scan import DANGEROUS, MALFORMED, ScanResult, scan_file
 
 _MIGRATABLE = ("torch-zip", "torch-legacy", "pickle")
 _NP_CORE = ("numpy.core", "numpy._core")

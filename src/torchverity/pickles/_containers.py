@@ -9,7 +9,7 @@ joblib files (array bytes inline in the pickle; compressed variants), and
 safetensors (no pickle at all). Tensor data is never read: storages are
 skipped by offset.
 
-Each stream is walked by :mod:`torchverity._pickle_ops`; container anomalies
+Each stream is walked by :mod:`torchverity.pickles._ops`; container anomalies
 (odd zip flags, local/central name mismatch, bad CRC, trailing bytes,
 decompression beyond the bound) are reported as ``problems``.
 """
@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import BinaryIO, cast
 
-from torchverity._pickle_ops import (
+from torchverity.pickles._ops import (
     MISSING,
     Build,
     ByteSource,

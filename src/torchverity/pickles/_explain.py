@@ -5,7 +5,7 @@ the cause, the fix and the ``torchverity`` command that checks it. The same
 table serves ``torchverity explain`` (a message or a whole log) and
 ``torchverity.load``, which appends the explanation to its own error.
 
->>> from torchverity.explain import explain_text
+>>> from torchverity.pickles import explain_text
 >>> [e.key for e in explain_text("_pickle.UnpicklingError: Unsupported operand 149")]
 ['unsupported-opcode']
 """

@@ -15,7 +15,7 @@ import torch
 
 import pickle_corpus
 from torchverity.errors import FormatError, IntegrityError, UnsafeFileError, UsageError
-from torchverity.migrate import Inert, inert_load, migrate
+from torchverity.pickles._migrate import Inert, inert_load, migrate
 
 
 def _training_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:

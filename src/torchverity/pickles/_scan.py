@@ -1,8 +1,8 @@
 """Static safety scan of pickle-bearing files, and the weights_only load plan.
 
 Nothing from the scanned file is imported or run: every pickle stream is
-walked symbolically (:mod:`torchverity._pickle_ops`) inside every container
-(:mod:`torchverity._containers`). Each global gets a class, decided by
+walked symbolically (:mod:`torchverity.pickles._ops`) inside every container
+(:mod:`torchverity.pickles._containers`). Each global gets a class, decided by
 allowlist, never by denylist:
 
 ``torch``      in torch's own ``weights_only`` allowlist (this torch's list);
@@ -16,7 +16,7 @@ The file's verdict is ``unsafe`` if any global is dangerous or unknown,
 ``malformed`` if a pickle or its container cannot be read, else
 ``needs-allowlist`` if any global is benign, else ``safe``.
 
->>> from torchverity.scan import scan_file
+>>> from torchverity.pickles import scan_file
 >>> scan_file("model.pt").verdict                    # doctest: +SKIP
 'safe'
 """
@@ -32,8 +32,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from torchverity._containers import Container, scan_container
-from torchverity._pickle_ops import (
+from torchverity.pickles._containers import Container, scan_container
+from torchverity.pickles._ops import (
     Build,
     GlobalRef,
     Limits,

@@ -1,0 +1,52 @@
+"""Lazy package attributes, so ``import torchverity`` and the torch-free commands (``hash``,
+``verify``, ``scan``) never pay for torch.
+
+A package lists its public names once, as imports under ``if TYPE_CHECKING:`` (what type
+checkers and readers see), plus ``__all__``. :func:`attach` reads that block from the
+package's own source and imports each module on first access to one of its names, the
+way scientific Python's ``lazy_loader`` reads a stub file.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _type_checking_imports(source: str) -> dict[str, tuple[str, str | None]]:
+    """Public name -> (module, attribute in it, or None when the name is the module)."""
+    exports: dict[str, tuple[str, str | None]] = {}
+    for node in ast.parse(source).body:
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+                and node.test.id == "TYPE_CHECKING"):
+            continue
+        for stmt in node.body:
+            if isinstance(stmt, ast.ImportFrom) and stmt.module:
+                for alias in stmt.names:
+                    exports[alias.asname or alias.name] = (stmt.module, alias.name)
+            elif isinstance(stmt, ast.Import):
+                for alias in stmt.names:  # ``import pkg.sub``: a submodule as an attribute
+                    exports[alias.name.rpartition(".")[2]] = (alias.name, None)
+    return exports
+
+
+def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``__getattr__`` and ``__dir__`` for the package whose ``__init__`` is ``init_file``."""
+    exports = _type_checking_imports(Path(init_file).read_text(encoding="utf-8"))
+
+    def __getattr__(name: str) -> Any:
+        if name not in exports:
+            raise AttributeError(f"module '{package}' has no attribute '{name}'")
+        module, attribute = exports[name]
+        imported = importlib.import_module(module)
+        value = imported if attribute is None else getattr(imported, attribute)
+        importlib.import_module(package).__dict__[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(exports)
+
+    return __getattr__, __dir__

@@ -1,0 +1,70 @@
+"""Pickle safety: static scans, the weights_only load plan, inert migration, load-error help.
+
+Nothing from a scanned file is imported or run: every pickle stream is walked
+symbolically inside every container a loader would open.
+
+``scan(*paths)`` / ``scan_file(path)``
+    A verdict per file (``safe``, ``needs-allowlist``, ``unsafe``, ``malformed``), each
+    global classified by allowlist, and the minimal ``safe_globals`` plan.
+``migrate(src, dst)``
+    A legacy or full-object pickle rewritten as a ``weights_only`` state dict plus JSON
+    meta, read inertly (no class from the file is instantiated).
+``explain(text_or_exception)``
+    Known save/load errors turned into cause, fix and the command that checks it.
+
+Scanning never imports torch; ``migrate`` does, on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchverity._lazy import attach
+
+if TYPE_CHECKING:
+    from torchverity.pickles._explain import (
+        Explanation,
+        explain,
+        explain_exception,
+        explain_text,
+        with_file,
+    )
+    from torchverity.pickles._migrate import MigrateResult, inert_load, migrate
+    from torchverity.pickles._ops import Limits
+    from torchverity.pickles._scan import (
+        BENIGN,
+        DANGEROUS,
+        TORCH,
+        UNKNOWN,
+        GlobalFinding,
+        LoadPlan,
+        ScanReport,
+        ScanResult,
+        scan,
+        scan_file,
+        torch_allowlist,
+    )
+
+__all__ = [
+    "BENIGN",
+    "DANGEROUS",
+    "TORCH",
+    "UNKNOWN",
+    "Explanation",
+    "GlobalFinding",
+    "Limits",
+    "LoadPlan",
+    "MigrateResult",
+    "ScanReport",
+    "ScanResult",
+    "explain",
+    "explain_exception",
+    "explain_text",
+    "inert_load",
+    "migrate",
+    "scan",
+    "scan_file",
+    "torch_allowlist",
+    "with_file",
+]
+__getattr__, __dir__ = attach(__name__, __file__)
