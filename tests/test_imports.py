@@ -93,7 +93,7 @@ def test_function_names_survive_submodule_imports() -> None:
             sys.executable,
             "-c",
             (
-                "import torchverity.fingerprint, torchverity.verify, torchverity\n"
+                "import torchverity.checkpoint._fingerprint, torchverity.verify, torchverity\n"
                 "from torchverity import fingerprint\n"
                 "assert callable(torchverity.fingerprint)\n"
                 "assert fingerprint is torchverity.fingerprint\n"

@@ -220,7 +220,7 @@ def test_verify_names_the_damaged_tensor_of_a_saved_checkpoint(
     import torch
 
     import torchverity
-    from torchverity.fingerprint import byte_view
+    from torchverity._tensors import byte_view
 
     state = {"a.weight": torch.randn(64, 64), "b.bias": torch.randn(64)}
     path = tmp_path / f"model{suffix}"

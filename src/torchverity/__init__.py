@@ -60,90 +60,109 @@ Public names load lazily, so ``import torchverity`` and the CLI start fast.
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from typing import Any
+from typing import TYPE_CHECKING
+
+from torchverity._lazy import attach
 
 __version__ = "0.1.0"
 
-# Public name -> module that defines it. Several names equal their module's
-# name (``torchverity.fingerprint`` is a function defined in the module
-# ``torchverity.fingerprint``); _Package keeps the function bound when the
-# submodule is imported. So inside the package write
-# ``from torchverity.fingerprint import fingerprint``, never
-# ``import torchverity.fingerprint as m``.
-_LAZY: dict[str, str] = {
-    "TorchVerityError": "errors",
-    "UsageError": "errors",
-    "InputError": "errors",
-    "FormatError": "errors",
-    "MissingExtraError": "errors",
-    "CheckFailedError": "errors",
-    "IntegrityError": "errors",
-    "UnsafeFileError": "errors",
-    "StateDictMismatchError": "errors",
-    "CheckpointWriteError": "errors",
-    "BatchError": "errors",
-    "ReplicaMismatchError": "errors",
-    "DistributedTimeoutError": "errors",
-    "ServiceError": "errors",
-    "digest_file": "digest",
-    "write_sidecar": "digest",
-    "verify_file": "verify",
-    "verify_path": "verify",
-    "build_manifest": "manifest",
-    "write_manifest": "manifest",
-    "verify_directory": "verify",
-    "fingerprint": "fingerprint",
-    "Fingerprint": "fingerprint",
-    "save": "checkpoint",
-    "load": "checkpoint",
-    "diff": "diff",
-    "inspect": "inspect",
-    "scan": "pickles",
-    "migrate": "pickles",
-    "explain": "pickles",
-    "TrainingGuard": "training",
-    "TrainingAnomalyError": "errors",
-    "seed_everything": "determinism",
-    "reproducibility_check": "determinism",
-    "consistency_check": "golden",
-    "verify_export": "export",
-}
-# Modules reached as attributes: ``torchverity.golden.record(...)``.
-_SUBMODULES = frozenset(
-    {
-        "golden", "selftest", "doctor", "distributed", "serve", "batch", "faults", "manifest",
-        "digest", "report", "integrations", "determinism",
-    }
-)
+if TYPE_CHECKING:
+    from torchverity import (
+        batch,
+        checkpoint,
+        determinism,
+        digest,
+        distributed,
+        doctor,
+        faults,
+        golden,
+        integrations,
+        manifest,
+        pickles,
+        report,
+        selftest,
+        serve,
+        training,
+    )
+    from torchverity.checkpoint import Fingerprint, diff, fingerprint, inspect, load, save
+    from torchverity.determinism import reproducibility_check, seed_everything
+    from torchverity.digest import digest_file, write_sidecar
+    from torchverity.errors import (
+        BatchError,
+        CheckFailedError,
+        CheckpointWriteError,
+        DistributedTimeoutError,
+        FormatError,
+        InputError,
+        IntegrityError,
+        MissingExtraError,
+        ReplicaMismatchError,
+        ServiceError,
+        StateDictMismatchError,
+        TorchVerityError,
+        TrainingAnomalyError,
+        UnsafeFileError,
+        UsageError,
+    )
+    from torchverity.export import verify_export
+    from torchverity.golden import consistency_check
+    from torchverity.manifest import build_manifest, write_manifest
+    from torchverity.pickles import explain, migrate, scan
+    from torchverity.training import TrainingGuard
+    from torchverity.verify import verify_directory, verify_file, verify_path
 
-__all__ = ["__version__", *_LAZY, *sorted(_SUBMODULES)]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f"torchverity.{name}")
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchverity' has no attribute '{name}'")
-    value = getattr(importlib.import_module(f"torchverity.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
-
-
-class _Package(types.ModuleType):
-    """Keeps public functions bound when a same-named submodule is imported."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == name:
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+__all__ = [
+    "BatchError",
+    "CheckFailedError",
+    "CheckpointWriteError",
+    "DistributedTimeoutError",
+    "Fingerprint",
+    "FormatError",
+    "InputError",
+    "IntegrityError",
+    "MissingExtraError",
+    "ReplicaMismatchError",
+    "ServiceError",
+    "StateDictMismatchError",
+    "TorchVerityError",
+    "TrainingAnomalyError",
+    "TrainingGuard",
+    "UnsafeFileError",
+    "UsageError",
+    "__version__",
+    "batch",
+    "build_manifest",
+    "checkpoint",
+    "consistency_check",
+    "determinism",
+    "diff",
+    "digest",
+    "digest_file",
+    "distributed",
+    "doctor",
+    "explain",
+    "faults",
+    "fingerprint",
+    "golden",
+    "inspect",
+    "integrations",
+    "load",
+    "manifest",
+    "migrate",
+    "pickles",
+    "report",
+    "reproducibility_check",
+    "save",
+    "scan",
+    "seed_everything",
+    "selftest",
+    "serve",
+    "training",
+    "verify_directory",
+    "verify_export",
+    "verify_file",
+    "verify_path",
+    "write_manifest",
+    "write_sidecar",
+]
+__getattr__, __dir__ = attach(__name__, __file__)

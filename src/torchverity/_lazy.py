@@ -2,9 +2,9 @@
 ``verify``, ``scan``) never pay for torch.
 
 A package lists its public names once, as imports under ``if TYPE_CHECKING:`` (what type
-checkers and readers see), plus ``__all__``. :func:`attach` reads that block from the
-package's own source and imports each module on first access to one of its names, the
-way scientific Python's ``lazy_loader`` reads a stub file.
+checkers and readers see; ``from <package> import sub`` for a submodule), plus ``__all__``.
+:func:`attach` reads that block from the package's own source and imports each module on
+first access to one of its names, the way scientific Python's ``lazy_loader`` reads a stub.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 
-def _type_checking_imports(source: str) -> dict[str, tuple[str, str | None]]:
-    """Public name -> (module, attribute in it, or None when the name is the module)."""
+def _type_checking_imports(source: str, package: str) -> dict[str, tuple[str, str | None]]:
+    """Public name -> (module, attribute in it, or None when the name is the module).
+
+    ``from <package> import sub`` in a package's own ``__init__`` names a submodule.
+    """
     exports: dict[str, tuple[str, str | None]] = {}
     for node in ast.parse(source).body:
         if not (isinstance(node, ast.If) and isinstance(node.test, ast.Name)
@@ -26,16 +29,15 @@ def _type_checking_imports(source: str) -> dict[str, tuple[str, str | None]]:
         for stmt in node.body:
             if isinstance(stmt, ast.ImportFrom) and stmt.module:
                 for alias in stmt.names:
-                    exports[alias.asname or alias.name] = (stmt.module, alias.name)
-            elif isinstance(stmt, ast.Import):
-                for alias in stmt.names:  # ``import pkg.sub``: a submodule as an attribute
-                    exports[alias.name.rpartition(".")[2]] = (alias.name, None)
+                    exports[alias.asname or alias.name] = (
+                        (f"{package}.{alias.name}", None) if stmt.module == package
+                        else (stmt.module, alias.name))
     return exports
 
 
 def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for the package whose ``__init__`` is ``init_file``."""
-    exports = _type_checking_imports(Path(init_file).read_text(encoding="utf-8"))
+    exports = _type_checking_imports(Path(init_file).read_text(encoding="utf-8"), package)
 
     def __getattr__(name: str) -> Any:
         if name not in exports:

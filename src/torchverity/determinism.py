@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchverity.checkpoint._fingerprint import checksum_tensors
 from torchverity.errors import FormatError, IntegrityError, UsageError
-from torchverity.fingerprint import checksum_tensors
 
 # cuBLAS needs a fixed workspace to be deterministic (NVIDIA's documented values).
 CUBLAS_WORKSPACE = ":4096:8"
@@ -263,7 +263,7 @@ class _Snapshot:
 
 
 def _named_state(objects: Sequence[Any]) -> tuple[list[str], list[torch.Tensor]]:
-    from torchverity.fingerprint import iter_leaves
+    from torchverity._tensors import iter_leaves
 
     names: list[str] = []
     tensors: list[torch.Tensor] = []

@@ -45,8 +45,9 @@ from typing import Any, Literal
 
 import torch
 
+from torchverity._tensors import dtype_name, host_bytes, iter_leaves
+from torchverity.checkpoint._fingerprint import Fingerprint, fingerprint
 from torchverity.errors import FormatError, InputError, UsageError
-from torchverity.fingerprint import Fingerprint, dtype_name, fingerprint, host_bytes, iter_leaves
 
 GOLDEN_FORMAT = "torchverity-golden"
 GOLDEN_VERSION = 1
@@ -163,7 +164,7 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, dtype and bytes (-0.0 differs from 0.0; NaN payloads count)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    from torchverity.fingerprint import byte_view
+    from torchverity._tensors import byte_view
 
     return bool(torch.equal(byte_view(a), byte_view(b)))
 

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchverity._tensors import dtype_name
 from torchverity.errors import UsageError
-from torchverity.fingerprint import dtype_name
 from torchverity.golden import bitwise_equal, compare_tensors, device_name, tolerance, unravel
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

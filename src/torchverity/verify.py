@@ -143,7 +143,8 @@ def verify_directory(
 
 def _damaged_tensors(path: Path) -> tuple[str, ...]:
     """For a checkpoint saved with its meta.json, the tensors the damage hit."""
-    from torchverity.checkpoint import locate_damage, meta_path_for
+    from torchverity.checkpoint._damage import locate_damage
+    from torchverity.checkpoint._meta import meta_path_for
 
     if not meta_path_for(path).is_file():
         return ()

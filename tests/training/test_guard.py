@@ -597,7 +597,7 @@ def test_fused_optimizer_skips_exactly_without_copies(stats: str) -> None:
 
 
 def test_undo_copy_restores_every_dtype_and_layout_bit_for_bit() -> None:
-    from torchverity.fingerprint import byte_view
+    from torchverity._tensors import byte_view
     from torchverity.training._snapshot import Snapshot
 
     gen = torch.Generator().manual_seed(5)

@@ -107,8 +107,8 @@ class ModelSpec:
         ident = {"model": self.spec}
         if self.weights is None:
             return None, ident
-        from torchverity.checkpoint import load
-        from torchverity.fingerprint import fingerprint
+        from torchverity.checkpoint._fingerprint import fingerprint
+        from torchverity.checkpoint._load import load
 
         state, report = load(self.weights, sidecar="require", with_report=True)
         ident["weights_sha256"] = str(report.digest)

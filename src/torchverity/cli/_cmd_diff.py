@@ -28,7 +28,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from torchverity.diff import diff
+    from torchverity.checkpoint._diff import diff
 
     result = diff(args.a, args.b, rtol=args.rtol, atol=args.atol)
     code = 0 if result.equal else EXIT_CHECK_FAILED

@@ -26,7 +26,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from torchverity.fingerprint import fingerprint_file
+    from torchverity.checkpoint._file_fingerprint import fingerprint_file
 
     fp = fingerprint_file(args.path, mode=args.mode)
     if out.json_mode:

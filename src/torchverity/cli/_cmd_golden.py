@@ -57,7 +57,7 @@ def build_model(spec: str, weights: Path | None, device: str) -> Any:
     import torch
 
     from torchverity._loader import import_callable
-    from torchverity.checkpoint import load
+    from torchverity.checkpoint._load import load
     from torchverity.selftest import resolve_device
 
     dev = resolve_device(device)
@@ -76,7 +76,7 @@ def _inputs(args: argparse.Namespace) -> Any:
         raise UsageError("give exactly one of --inputs FILE or --shape DIMS",
                          hint="for example --shape 4,3,32,32")
     if args.inputs is not None:
-        from torchverity.checkpoint import load
+        from torchverity.checkpoint._load import load
 
         return load(args.inputs)
     dtype = getattr(torch, args.dtype, None)

@@ -28,7 +28,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from torchverity.inspect import inspect
+    from torchverity.checkpoint._inspect import inspect
 
     result = inspect(args.path)
     bad = (result.sidecar.status == "mismatched" or result.fingerprint_matches_meta is False

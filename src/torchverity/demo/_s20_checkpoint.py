@@ -54,7 +54,7 @@ def run(ctx: DemoContext) -> None:
 
 def _tensor_offset(path: Path, name: str) -> int:
     """Absolute file offset of a tensor's first byte in a .safetensors file."""
-    from torchverity._safetensors import read_header
+    from torchverity.checkpoint._safetensors import read_header
 
     header = read_header(path)
     return next(e.begin for e in header.entries if e.name == name)

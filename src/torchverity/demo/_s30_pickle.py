@@ -65,6 +65,6 @@ def run(ctx: DemoContext) -> None:
 
 
 def _st_load(path: Path) -> dict[str, Any]:
-    from torchverity._safetensors import read_header, read_tensors
+    from torchverity.checkpoint._safetensors import read_header, read_tensors
 
     return read_tensors(path, read_header(path))

@@ -80,7 +80,8 @@ def save_rank0(
     Every rank returns the :class:`~torchverity.checkpoint.SaveReport` (with
     ``written=False`` on the others) or raises the same failure.
     """
-    from torchverity.checkpoint import SaveReport, save
+    from torchverity.checkpoint._results import SaveReport
+    from torchverity.checkpoint._save import save
     from torchverity.distributed._checks import check_replicas
     from torchverity.verify import verify_file
 
@@ -161,7 +162,7 @@ def _local_tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Te
 
 
 def _shard_fingerprint(state: Any, algo: str | None = None) -> dict[str, Any]:
-    from torchverity.fingerprint import fingerprint
+    from torchverity.checkpoint._fingerprint import fingerprint
 
     # A recorded algorithm (blake3, sha256 or tvsum64x2) rebuilds the record as it was made.
     return fingerprint(dict(_local_tensors(state)), mode=algo or "auto").to_dict()
@@ -314,7 +315,7 @@ def load_dcp(
 
 
 def _check_fingerprints(c: Comm, root: Path, state_dict: dict[str, Any]) -> bool:
-    from torchverity.fingerprint import Fingerprint
+    from torchverity.checkpoint._fingerprint import Fingerprint
 
     recorded = _read_shards(root / SHARDS_NAME)
     mine = recorded.get("ranks", {}).get(str(c.index)) if recorded else None

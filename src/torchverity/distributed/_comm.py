@@ -19,8 +19,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from torchverity._tensors import dtype_name, host_bytes
+from torchverity.checkpoint._fingerprint import checksum_tensors
 from torchverity.errors import DistributedTimeoutError, UsageError
-from torchverity.fingerprint import checksum_tensors, dtype_name, host_bytes
 
 HashMode = Literal["auto", "device"]
 # A check waits this long for the other ranks before giving up: long enough for

@@ -71,8 +71,8 @@ def record_checkpoint_file(
     ``torchverity.load`` can compare fingerprints; objects that cannot be
     fingerprinted (custom classes in hyperparameters) get the sidecar only.
     """
-    from torchverity.checkpoint import meta_path_for, meta_record
-    from torchverity.fingerprint import fingerprint
+    from torchverity.checkpoint._fingerprint import fingerprint
+    from torchverity.checkpoint._meta import meta_path_for, meta_record
 
     p = Path(path)
     digest = digest_file(p, algo)

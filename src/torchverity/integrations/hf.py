@@ -97,7 +97,7 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
 
 def record_checkpoint_folder(folder: Path, step: int | None = None) -> list[CheckpointRecord]:
     """Sidecars for the weight files, meta.json for safetensors, a manifest for the folder."""
-    from torchverity._safetensors import read_header, read_tensors
+    from torchverity.checkpoint._safetensors import read_header, read_tensors
     from torchverity.manifest import write_manifest
 
     records = []

@@ -360,8 +360,8 @@ def _writable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _verify_output(target: Path, tensors: Mapping[str, torch.Tensor]) -> None:
-    from torchverity.checkpoint import load
-    from torchverity.fingerprint import byte_view
+    from torchverity._tensors import byte_view
+    from torchverity.checkpoint._load import load
 
     loaded = load(target, sidecar="require")
     missing = sorted(set(tensors) - set(loaded))
@@ -445,7 +445,7 @@ def migrate(
     algo: str = "sha256",
 ) -> MigrateResult:
     """Write ``target`` (.safetensors or .pt) with the tensors of ``source`` and a meta.json."""
-    from torchverity.checkpoint import save
+    from torchverity.checkpoint._save import save
 
     src, dst = Path(source), Path(target)
     if src.resolve() == dst.resolve():

@@ -21,8 +21,8 @@ from typing import Literal
 
 import torch
 
+from torchverity.checkpoint._fingerprint import DEVICE, Fingerprint, fingerprint
 from torchverity.errors import IntegrityError
-from torchverity.fingerprint import DEVICE, Fingerprint, fingerprint
 from torchverity.serve._spec import TensorSpec
 from torchverity.serve._weights import WeightsInfo
 

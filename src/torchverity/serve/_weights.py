@@ -38,7 +38,7 @@ class WeightsInfo:
 
 def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str]) -> WeightsInfo:
     """Verify ``weights`` and load them into ``model``; raise a typed error otherwise."""
-    from torchverity.checkpoint import load
+    from torchverity.checkpoint._load import load
 
     path = Path(weights)
     if not path.exists():

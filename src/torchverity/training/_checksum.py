@@ -33,7 +33,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from torchverity.fingerprint import byte_view
+from torchverity._tensors import byte_view
 
 _SPAN = 1 << 20  # words with distinct multipliers
 _MAX_CHUNKS = 1 << 16  # chunk multipliers: tensors up to 2**36 words (256 GiB)

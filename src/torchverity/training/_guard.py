@@ -875,7 +875,7 @@ class TrainingGuard:
 
     def save_checkpoint(self) -> Path:
         """Save model, optimizer, guard statistics and RNG states with ``torchverity.save``."""
-        from torchverity.checkpoint import save
+        from torchverity.checkpoint._save import save
         from torchverity.determinism import capture_rng
 
         self._join()
@@ -913,7 +913,7 @@ class TrainingGuard:
 
     def rollback(self, step: int | None = None) -> Path:
         """Reload the newest checkpoint (verified by ``torchverity.load``) and continue."""
-        from torchverity.checkpoint import load
+        from torchverity.checkpoint._load import load
         from torchverity.determinism import RngState, restore_rng
 
         self._join()

@@ -44,29 +44,46 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from torchverity._tensors import byte_view, dtype_name, host_bytes, iter_leaves, numel_bytes
 from torchverity.errors import FormatError, UsageError
 
 FINGERPRINT_VERSION = 1
+
+
 EXACT = "blake3"
+
+
 LEGACY_EXACT = "sha256"  # the exact mode of earlier records, still verified
+
+
 DEVICE = "tvsum64x2"
+
+
 # "auto"/"exact"/"device", or a recorded algorithm name to rebuild that record.
 Mode = Literal["auto", "exact", "device", "blake3", "sha256", "tvsum64x2"]
 
+
 _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 # Bounds the device temporaries (a few int64 vectors of this length).
 _DEVICE_CHUNK = 1 << 22
+
+
 _K1, _K2, _K3, _K4 = 0x9E3779B97F4A7C15, 0x632BE59BD9B4E019, 0x5851F42D4C957F2D, 0x14057B7EF767814F
+
+
 _THREAD_MIN_BYTES = 1 << 20
+
+
 # Below this a tensor is hashed on one core: spreading it costs more than it saves.
 _SPREAD_MIN_BYTES = 4 << 20
 
@@ -140,63 +157,8 @@ class Fingerprint:
         return fp
 
 
-# ------------------------------------------------------------ flattening
-
-
-def iter_leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Flatten a checkpoint into ``(dotted name, tensor or plain value)`` pairs."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-        yield from iter_leaves(obj.state_dict(), prefix)
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from iter_leaves(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from iter_leaves(value, f"{prefix}.{i}" if prefix else str(i))
-    elif obj is None or isinstance(obj, (bool, int, float, str)):
-        yield prefix, obj
-    elif isinstance(obj, (torch.dtype, torch.device)):
-        yield prefix, str(obj)
-    else:
-        raise FormatError(
-            f"cannot fingerprint '{prefix or '<root>'}': unsupported type {type(obj).__name__}",
-            hint="fingerprint a state_dict (tensors, dicts, lists and plain values)",
-        )
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _header(kind: str, name: str, dtype: str, shape: Sequence[int], nbytes: int) -> bytes:
     return f"torchverity-{kind}-v1\0{name}\0{dtype}\0{list(shape)}\0{nbytes}\0".encode()
-
-
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's canonical bytes as a flat uint8 tensor on its own device.
-
-    A view (no copy) when the tensor is already contiguous.
-    """
-    t = tensor.detach()
-    if t.layout != torch.strided:
-        raise FormatError(f"cannot fingerprint a {t.layout} tensor",
-                          hint="convert it with .to_dense()")
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def host_bytes(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy memoryview of a CPU tensor's canonical bytes."""
-    flat = byte_view(tensor if tensor.device.type == "cpu" else tensor.cpu())
-    return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
-
-
-# ------------------------------------------------------------ digests
 
 
 def tensor_hasher(name: str, dtype: torch.dtype, shape: Sequence[int], algo: str = EXACT,
@@ -374,33 +336,6 @@ def fingerprint_tensor(tensor: torch.Tensor, name: str = "", *,
     return fingerprint({name: tensor} if name else tensor, mode=mode).entries[0].digest
 
 
-def numel_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    """Bytes a tensor of ``shape`` and ``dtype`` occupies (used to validate headers)."""
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-
-
-def fingerprint_file(path: str | os.PathLike[str], *,
-                     mode: Mode | str = "exact") -> Fingerprint:
-    """Fingerprint a checkpoint file or sharded folder without executing code from it.
-
-    A .safetensors file streams each tensor's bytes through its hash with one
-    small buffer (memory stays flat whatever the size); .pt files go through
-    PyTorch's restricted ``weights_only`` unpickler with memory-mapped storages.
-    """
-    from pathlib import Path
-
-    from torchverity import _safetensors as st
-    from torchverity.checkpoint import file_format, read_unverified
-
-    p = Path(path)
-    algo = _resolve_mode(mode, [])
-    if algo != DEVICE and p.is_file() and file_format(p) == "safetensors":
-        header = st.read_header(p)
-        hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape, algo, threads=True)
-                   for e in header.entries}
-        st.iter_tensor_bytes(p, header, lambda name, chunk: hashers[name].update(chunk))
-        return from_entries(algo, [
-            TensorDigest(e.name, dtype_name(e.dtype), e.shape, hashers[e.name].hexdigest())
-            for e in header.entries
-        ])
-    return fingerprint(read_unverified(p), mode=mode)
+def exact_algo(recorded: Fingerprint) -> str:
+    """The algorithm to rebuild ``recorded`` with on the host (older records say sha256)."""
+    return recorded.algo if recorded.algo in (EXACT, LEGACY_EXACT) else EXACT

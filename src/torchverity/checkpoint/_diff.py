@@ -18,7 +18,7 @@ Elements are compared by their bytes, so NaNs with equal bits are equal and
 files larger than memory is fine (storages are memory-mapped).
 
 >>> import torch
->>> from torchverity.diff import diff
+>>> from torchverity.checkpoint._diff import diff
 >>> a = {"w": torch.ones(4)}
 >>> b = {"w": torch.tensor([1.0, 1.0, -1.0, 1.0])}
 >>> diff(a, b).entries[0].describe()
@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from torchverity.fingerprint import byte_view, dtype_name, iter_leaves
+from torchverity._tensors import byte_view, dtype_name, iter_leaves
 
 Status = Literal[
     "identical", "only_in_a", "only_in_b", "shape_changed", "dtype_changed", "values_changed"
@@ -164,7 +164,7 @@ _ABSENT = object()
 
 def _leaves(obj: Any) -> tuple[dict[str, Any], str]:
     if isinstance(obj, (str, os.PathLike)):
-        from torchverity.checkpoint import read_unverified
+        from torchverity.checkpoint._read import read_unverified
 
         return dict(iter_leaves(read_unverified(obj))), os.fspath(obj)
     return dict(iter_leaves(obj)), f"<{type(obj).__name__}>"

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 import torchverity
-from torchverity.inspect import inspect
+from torchverity.checkpoint._inspect import inspect
 
 
 def _ckpt() -> dict[str, Any]:

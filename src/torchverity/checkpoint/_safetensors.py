@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 import torch
 
+from torchverity._formats import MAX_HEADER_BYTES
+from torchverity._tensors import host_bytes, numel_bytes
 from torchverity.errors import FormatError
-from torchverity.fingerprint import host_bytes, numel_bytes
 
-MAX_HEADER_BYTES = 100_000_000
 _ALIGN = 8
 DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
@@ -72,14 +72,6 @@ class Header:
     file_size: int
 
 
-def is_safetensors(path: Path) -> bool:
-    """Cheap sniff: a plausible header length followed by ``{``."""
-    with open(path, "rb") as fh:
-        head = fh.read(9)
-    if len(head) < 9 or head[8:9] != b"{":
-        return False
-    (n,) = struct.unpack("<Q", head[:8])
-    return n <= MAX_HEADER_BYTES
 
 
 # ------------------------------------------------------------------ reading

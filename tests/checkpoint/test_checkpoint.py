@@ -21,8 +21,10 @@ import pytest
 import torch
 
 import torchverity
-from torchverity._safetensors import write_tensors
-from torchverity.checkpoint import CheckpointWarning, file_format, read_meta
+from torchverity._formats import file_format
+from torchverity.checkpoint._meta import read_meta
+from torchverity.checkpoint._results import CheckpointWarning
+from torchverity.checkpoint._safetensors import write_tensors
 from torchverity.digest import digest_file
 from torchverity.errors import (
     FormatError,
@@ -33,7 +35,7 @@ from torchverity.errors import (
     UsageError,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -585,7 +587,7 @@ def test_read_only_folder_gives_typed_error() -> None:
         torchverity.save(_state(), folder / "m.pt")
         folder.chmod(0o555)
         # Drop to "nobody" after start-up: the interpreter lives in root's home.
-        setup = "import os, torchverity.checkpoint; os.seteuid(65534)"
+        setup = "import os, torchverity.checkpoint._save; os.seteuid(65534)"
         done = _child(_SAVE_BIG.format(setup=setup, path=str(folder / "m.pt")))
         folder.chmod(0o755)
         assert "ERR True cannot save" in done.stdout, done.stdout + done.stderr
@@ -658,7 +660,7 @@ def test_kill_9_during_save_never_tears_the_checkpoint(tmp_path: Path) -> None:
 
 
 def test_crash_between_renames_is_recovered_from_pending_records(tmp_path: Path) -> None:
-    from torchverity.checkpoint import pending_name
+    from torchverity.checkpoint._atomic import pending_name
 
     path, newer = tmp_path / "m.pt", tmp_path / "newer.pt"
     torchverity.save(_state(0), path)

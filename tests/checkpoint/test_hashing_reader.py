@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchverity._hashing_reader import HashingReader
+from torchverity.checkpoint._hashing_reader import HashingReader
 from torchverity.digest import digest_file, new_hasher
 
 

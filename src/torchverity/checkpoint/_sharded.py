@@ -13,76 +13,34 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchverity import _safetensors as st
-from torchverity.checkpoint import (
-    LoadReport,
-    SaveReport,
-    SidecarPolicy,
-    _atomic_target,
+import torchverity.checkpoint._safetensors as st
+from torchverity.checkpoint._atomic import _atomic_target
+from torchverity.checkpoint._fingerprint import EXACT, Fingerprint, TensorDigest, from_entries
+from torchverity.checkpoint._index import INDEX_NAMES, SHARD_STEMS, find_index, read_index
+from torchverity.checkpoint._load_file import (
     _check_digest,
     _check_fingerprint,
     _content_mismatch,
-    _data_record,
     _expected_digest,
-    _json_ready,
     _load_file,
+)
+from torchverity.checkpoint._meta import (
+    _data_record,
+    _json_ready,
     _meta_fingerprint,
     meta_path_for,
     meta_record,
     read_meta,
-    save,
 )
+from torchverity.checkpoint._results import LoadReport, SaveReport, SidecarPolicy
+from torchverity.checkpoint._save_file import save_file
 from torchverity.digest import check_algo, format_sidecar_line, new_hasher, sidecar_path
-from torchverity.errors import FormatError, InputError, IntegrityError, UsageError
-from torchverity.fingerprint import EXACT, Fingerprint, TensorDigest, from_entries
-
-INDEX_NAMES = {"safetensors": "model.safetensors.index.json", "pt": "pytorch_model.bin.index.json"}
-SHARD_STEMS = {"safetensors": ("model", ".safetensors"), "pt": ("pytorch_model", ".bin")}
-
-
-def find_index(folder: Path) -> Path:
-    """The folder's index file; ``*.safetensors.index.json`` wins over ``.bin`` ones."""
-    found = sorted(folder.glob("*.index.json"), key=lambda p: (".safetensors." not in p.name,
-                                                                p.name))
-    if not found:
-        raise InputError(
-            f"{folder}: folder has no *.index.json, so it is not a sharded checkpoint",
-            path=folder, hint="load one of its files directly, or save with shard_bytes=",
-        )
-    return found[0]
-
-
-def read_index(index: Path) -> dict[str, str]:
-    """The ``weight_map`` (tensor -> shard file), with every shard path kept inside the folder."""
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{index}: not a valid index: {exc}", path=index,
-                          hint="restore the index from the source of the shards") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise FormatError(f"{index}: no 'weight_map' of tensor names to shard files",
-                          path=index, hint="restore the index from the source of the shards")
-    for name, shard in weight_map.items():
-        if not isinstance(shard, str) or not _plain_name(shard):
-            raise FormatError(
-                f"{index}: tensor '{name}' points to {shard!r}, which is not a file in this folder",
-                path=index, hint="shard entries must be plain file names",
-            )
-    return dict(weight_map)
-
-
-def _plain_name(name: str) -> bool:
-    parts = PurePosixPath(name).parts
-    return len(parts) == 1 and parts[0] not in (".", "..") and "\\" not in name
-
-
-# ------------------------------------------------------------------ save
+from torchverity.errors import FormatError, IntegrityError, UsageError
 
 
 def save_sharded(
@@ -112,7 +70,8 @@ def save_sharded(
     entries: list[TensorDigest] = []
     for i, names in enumerate(groups, 1):
         shard = f"{stem}-{i:05d}-of-{len(groups):05d}{suffix}"
-        save({n: tensors[n] for n in names}, folder / shard, algo=algo)
+        save_file({n: tensors[n] for n in names}, folder / shard, user_meta=None, seed=None,
+                  data=None, algo=algo)
         entries.extend(_meta_fingerprint(read_meta(folder / shard), folder / shard).entries)
         weight_map.update(dict.fromkeys(names, shard))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -152,9 +111,6 @@ def _publish_index(index: Path, body: bytes, algo: str, fp: Fingerprint, seed: i
         staged.companions[meta_file] = json.dumps(record, indent=2) + "\n"
     return SaveReport(os.fspath(index.parent), algo, digest, fp.root, os.fspath(sidecar),
                       os.fspath(meta_file), len(body))
-
-
-# ------------------------------------------------------------------ load
 
 
 def load_sharded(folder: Path, *, map_location: Any, sidecar: SidecarPolicy,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torchverity
-from torchverity.diff import diff
+from torchverity.checkpoint._diff import diff
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -20,9 +20,10 @@ from typing import Any, Literal
 
 import torch
 
+from torchverity._tensors import dtype_name, iter_leaves
+from torchverity.checkpoint._fingerprint import EXACT, LEGACY_EXACT, fingerprint
 from torchverity.digest import digest_file, find_sidecar, read_sidecar
 from torchverity.errors import TorchVerityError
-from torchverity.fingerprint import EXACT, LEGACY_EXACT, dtype_name, fingerprint, iter_leaves
 
 SidecarStatus = Literal["ok", "mismatched", "missing"]
 
@@ -96,12 +97,13 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def inspect(path: str | os.PathLike[str]) -> InspectResult:
     """Inspect a checkpoint file or sharded folder without executing code from it."""
-    from torchverity.checkpoint import file_format, meta_path_for
+    from torchverity._formats import file_format
+    from torchverity.checkpoint._meta import meta_path_for
 
     p = Path(path)
     shards: tuple[str, ...] = ()
     if p.is_dir():
-        from torchverity._sharded import find_index, read_index
+        from torchverity.checkpoint._index import find_index, read_index
 
         record = find_index(p)
         fmt = "sharded"
@@ -137,7 +139,7 @@ def _scan(path: Path) -> Any:
 
 
 def _open(path: Path, scan: Any) -> tuple[Any, str | None]:
-    from torchverity.checkpoint import read_unverified
+    from torchverity.checkpoint._read import read_unverified
 
     if scan is not None and scan.verdict in ("unsafe", "malformed"):
         return None, f"not opened: the scan found it {scan.verdict} ({scan.reason})"
@@ -162,7 +164,7 @@ def _contents(obj: Any, algo: str) -> tuple[tuple[TensorRow, ...], dict[str, str
 
 
 def _meta_summary(meta_file: Path) -> dict[str, Any]:
-    from torchverity.checkpoint import read_meta
+    from torchverity.checkpoint._meta import read_meta
 
     try:
         meta = read_meta(meta_file)

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 import torchverity
-from torchverity.errors import FormatError, UnsafeFileError, UsageError
-from torchverity.fingerprint import (
+from torchverity.checkpoint._file_fingerprint import fingerprint_file
+from torchverity.checkpoint._fingerprint import (
     DEVICE,
     EXACT,
     Fingerprint,
     checksum_tensors,
     device_checksum,
-    fingerprint_file,
 )
+from torchverity.errors import FormatError, UnsafeFileError, UsageError
 
 ALL_DTYPES = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,

@@ -1,0 +1,358 @@
+"""One checkpoint file loaded and verified: its digest checked as it is read (sidecar,
+meta.json, or a pending record of an interrupted save), weights_only, the fingerprint
+compared with meta.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import torchverity.checkpoint._safetensors as st
+from torchverity._formats import FileFormat, file_format
+from torchverity._tensors import dtype_name
+from torchverity.checkpoint._atomic import pending_name
+from torchverity.checkpoint._damage import _locate_pt_damage
+from torchverity.checkpoint._fingerprint import (
+    EXACT,
+    Fingerprint,
+    TensorDigest,
+    exact_algo,
+    fingerprint,
+    from_entries,
+    layout,
+    tensor_hasher,
+)
+from torchverity.checkpoint._hashing_reader import HashingReader
+from torchverity.checkpoint._meta import (
+    META_SUFFIX,
+    _meta_fingerprint,
+    _read_meta_file,
+    meta_path_for,
+    read_meta,
+)
+from torchverity.checkpoint._read import _count_tensors, _load_failure, _torch_load
+from torchverity.checkpoint._results import LoadReport, SidecarPolicy
+from torchverity.digest import (
+    ALGORITHMS,
+    FASTER_THAN_COPY,
+    digest_file,
+    find_sidecar,
+    new_hasher,
+    read_sidecar,
+    sidecar_path,
+)
+from torchverity.errors import (
+    FormatError,
+    IntegrityError,
+)
+
+log = logging.getLogger("torchverity.checkpoint")
+
+
+def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: str | None,
+               mmap: bool, recheck_tensors: bool = False) -> tuple[Any, LoadReport]:
+    notes = []
+    expected: tuple[str, str, str] | None
+    pending = _pending_records(p) if policy != "ignore" else None
+    if pending is not None:
+        expected, meta = pending
+        notes.append(f"{p}: its save was interrupted after the file was renamed; verified "
+                     "against the pending records (the next save replaces them)")
+    else:
+        meta = read_meta(p) if meta_path_for(p).exists() else None
+        expected = _expected_digest(p, meta, policy) if p.is_file() else None
+    try:
+        fmt = file_format(p)
+    except FormatError:
+        if p.stat().st_size:  # damage that hit the magic bytes is damage
+            _check_digest(p, expected, None)
+        raise
+    if expected is None and policy == "warn":
+        notes.append(f"{p}: no sidecar: the file's bytes were not verified "
+                     f"(write one with: torchverity hash --write {p})")
+    full_pickle = _trusted(p, trust_sha256)
+    bound = _digest_binds_fingerprint(expected, meta) and not recheck_tensors
+    if fmt == "safetensors":
+        obj, digest, fp = _read_safetensors(p, expected, meta, hash_tensors=not bound)
+        if map_location not in (None, "cpu", torch.device("cpu")):
+            obj = {k: v.to(map_location) for k, v in obj.items()}
+    else:
+        obj, digest = _load_pt(p, fmt, expected, meta, map_location, full_pickle, mmap)
+        fp = None
+    fp_root = _check_fingerprint(p, obj, meta, fp, bound)
+    if fp_root is None and policy == "warn":
+        notes.append(f"{p}: no meta.json: the content fingerprint was not verified")
+    report = LoadReport(
+        path=os.fspath(p), format=fmt, algo=expected[0] if expected else None,
+        digest=digest, digest_source=expected[2] if expected else None, fingerprint=fp_root,
+        fingerprint_verified=fp_root is not None, sidecar_policy=policy,
+        fingerprint_check=None if fp_root is None else "bound" if bound else "rehashed",
+        weights_only=not full_pickle, tensors=_count_tensors(obj), warnings=tuple(notes),
+    )
+    return obj, report
+
+
+def _pending_records(p: Path) -> tuple[tuple[str, str, str], dict[str, Any] | None] | None:
+    """The records of an interrupted save, if they describe the file now at ``p``.
+
+    Costs one extra digest pass, and only when ``.NAME.<algo>.pending`` exists.
+    """
+    for algo in ALGORITHMS:
+        side = pending_name(sidecar_path(p, algo))
+        if not side.is_file() or not p.is_file():
+            continue
+        hexd = _first_word(side)
+        if hexd is None or digest_file(p, algo).hexdigest != hexd:
+            return None  # a save that died before its rename: the old records stand
+        mp = pending_name(meta_path_for(p))
+        return (algo, hexd, "sidecar"), _read_meta_file(mp) if mp.is_file() else None
+    return None
+
+
+def _first_word(path: Path) -> str | None:
+    try:
+        words = path.read_text(encoding="utf-8").split()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return words[0].lower() if words else None
+
+
+def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
+                     policy: SidecarPolicy) -> tuple[str, str, str] | None:
+    """``(algo, hex, source)`` to check the file against, or None."""
+    recorded = meta.get("digest") if meta else None
+    side = _sidecar_for(p, recorded) if policy != "ignore" else None
+    if side is not None:
+        algo, hexd, _ = read_sidecar(side)
+        if isinstance(recorded, dict) and recorded.get("algo") == algo \
+                and recorded.get("hex") != hexd:
+            raise IntegrityError(
+                f"{p}: meta.json disagrees with the sidecar {side.name} "
+                f"(meta.json records {recorded.get('hex')}, sidecar {hexd}): "
+                "one of them belongs to another save", path=p, expected=hexd,
+                actual=str(recorded.get("hex")),
+                hint=f"torchverity verify {p}; restore the matching checkpoint, sidecar and meta",
+            )
+        return algo, hexd, "sidecar"
+    if policy == "require":
+        raise IntegrityError(
+            f"{p}: no sidecar ({p.name}.sha256) and sidecar='require': refusing to load "
+            "unverified bytes", path=p,
+            hint=f"save with torchverity.save, or record the digest: torchverity hash --write {p}",
+        )
+    if policy != "ignore" and isinstance(recorded, dict) and "hex" in recorded:
+        return str(recorded["algo"]), str(recorded["hex"]), "meta"
+    return None
+
+
+def _sidecar_for(p: Path, recorded: Any) -> Path | None:
+    """The sidecar of the algorithm meta.json records, else the first one found."""
+    algo = recorded.get("algo") if isinstance(recorded, dict) else None
+    if algo in ALGORITHMS and sidecar_path(p, algo).is_file():
+        return sidecar_path(p, algo)
+    return find_sidecar(p)
+
+
+def _digest_mismatch(p: Path, expected: tuple[str, str, str], actual: str,
+                     damaged: list[str]) -> IntegrityError:
+    algo, want, source = expected
+    where = (f"damaged tensor{'s' if len(damaged) > 1 else ''}: {', '.join(damaged[:10])}"
+             if damaged else "the damage could not be tied to a tensor")
+    record = f"{p.name}.{algo}" if source == "sidecar" else f"{p.name}{META_SUFFIX}"
+    return IntegrityError(
+        f"{p}: {algo} digest does not match {record}: the file changed after it was saved "
+        f"(expected {want}, got {actual}); {where}",
+        path=p, expected=want, actual=actual, tensors=damaged,
+        hint=f"restore {p.name} from a verified copy; torchverity diff {p} <good copy> "
+             "shows every changed value",
+    )
+
+
+def _check_digest(p: Path, expected: tuple[str, str, str] | None,
+                  meta: Mapping[str, Any] | None) -> str | None:
+    if expected is None:
+        return None
+    actual = digest_file(p, expected[0]).hexdigest
+    if actual != expected[1]:
+        raise _digest_mismatch(p, expected, actual, _locate_pt_damage(p, meta))
+    return actual
+
+
+def _trusted(p: Path, trust_sha256: str | None) -> bool:
+    if trust_sha256 is None:
+        return False
+    actual = digest_file(p, "sha256").hexdigest
+    if actual != trust_sha256.lower():
+        raise IntegrityError(
+            f"{p}: sha256 is {actual}, not the trusted {trust_sha256}: refusing a full-pickle load",
+            path=p, expected=trust_sha256.lower(), actual=actual,
+            hint="trust_sha256 must name this exact file; torchverity inspect shows its digest",
+        )
+    log.warning("loading %s with weights_only=False: caller trusts sha256 %s", p, actual)
+    return True
+
+
+def _load_pt(p: Path, fmt: FileFormat, expected: tuple[str, str, str] | None,
+             meta: Mapping[str, Any] | None, map_location: Any, full_pickle: bool,
+             mmap: bool) -> tuple[Any, str | None]:
+    if expected is not None and fmt == "pt" and not (full_pickle or mmap):
+        return _load_while_hashing(p, expected, meta, map_location)
+    # A full pickle may run code: its bytes are verified before anything is unpickled.
+    digest = _check_digest(p, expected, meta)
+    return _torch_load(p, fmt, map_location, full_pickle, mmap and fmt == "pt"), digest
+
+
+def _load_while_hashing(p: Path, expected: tuple[str, str, str],
+                        meta: Mapping[str, Any] | None, map_location: Any) -> tuple[Any, str]:
+    """One pass over the file: torch.load reads it through a reader that hashes it.
+
+    The weights_only unpickler runs no code from the file, so it may read the
+    bytes before their digest is known; nothing is returned unless it matches,
+    and a file that fails to load is reported as damaged when its digest differs.
+    """
+    failure: Exception | None = None
+    obj: Any = None
+    inline = expected[0] in FASTER_THAN_COPY
+    with (contextlib.nullcontext() if inline else
+          ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load")) as pool:
+        reader = HashingReader(p, new_hasher(expected[0], threads=True), pool)
+        try:
+            obj = torch.load(reader, map_location=map_location,  # type: ignore[arg-type]
+                             weights_only=True)
+        except Exception as exc:  # judged below, once the digest says whether it is damage
+            failure = exc
+        finally:
+            actual = reader.hexdigest()
+            reader.close()
+    if actual != expected[1]:
+        raise _digest_mismatch(p, expected, actual, _locate_pt_damage(p, meta))
+    if failure is not None:
+        raise _load_failure(p, "pt", failure) from None
+    return obj, actual
+
+
+
+
+
+
+def _read_safetensors(p: Path, expected: tuple[str, str, str] | None,
+                      meta: Mapping[str, Any] | None, hash_tensors: bool = True,
+                      ) -> tuple[dict[str, torch.Tensor], str | None, Fingerprint | None]:
+    """One pass: read tensors into place while hashing the file and (``hash_tensors``) each tensor.
+
+    Without meta.json there is no fingerprint to compare with, so none is computed.
+    """
+    try:
+        header = st.read_header(p)
+    except FormatError:
+        _check_digest(p, expected, None)  # a damaged header is reported as damage
+        raise
+    file_hasher = new_hasher(expected[0]) if expected else None
+    recorded = _meta_fingerprint(meta, meta_path_for(p)) if meta else None
+    algo = exact_algo(recorded) if recorded else EXACT
+    tensor_hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape, algo)
+                      for e in header.entries} if hash_tensors and recorded else {}
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load") as pool:
+        pending: list[Future[Any]] = []
+
+        def feed(name: str, chunk: memoryview) -> None:
+            # The file digest of a chunk runs on the pool while this thread hashes
+            # the tensor and reads the next chunk: two cores, one read. A chunk's
+            # view keeps its tensor alive until the pool is done with it.
+            for f in pending:
+                f.result()
+            pending.clear()
+            if file_hasher is not None:
+                pending.append(pool.submit(file_hasher.update, chunk))
+            if name and tensor_hashers:
+                tensor_hashers[name].update(chunk)
+
+        tensors = st.read_tensors(p, header, feed)
+        for f in pending:
+            f.result()
+    fp = from_entries(algo, [
+        TensorDigest(e.name, dtype_name(e.dtype), e.shape, tensor_hashers[e.name].hexdigest())
+        for e in header.entries
+    ]) if tensor_hashers else None
+    digest = file_hasher.hexdigest() if file_hasher else None
+    if expected is not None and digest != expected[1]:
+        damaged = (recorded.differing(fp) if recorded and fp
+                   else _locate_pt_damage(p, meta))
+        raise _digest_mismatch(p, expected, str(digest), damaged)
+    return tensors, digest, fp
+
+
+def _digest_binds_fingerprint(expected: tuple[str, str, str] | None,
+                              meta: Mapping[str, Any] | None) -> bool:
+    """Whether the verified file digest is the one meta.json recorded beside its fingerprint.
+
+    ``save`` computes both from the same tensors in one call, so bytes that
+    match that digest are the bytes the fingerprint describes: hashing the
+    loaded tensors again would only catch a fault in this machine's memory
+    during the load (``recheck_tensors=True`` asks for that).
+    """
+    if expected is None or meta is None:
+        return False
+    recorded = meta.get("digest")
+    return (isinstance(recorded, dict) and recorded.get("algo") == expected[0]
+            and recorded.get("hex") == expected[1])
+
+
+def _check_fingerprint(p: Path, obj: Any, meta: Mapping[str, Any] | None,
+                       computed: Fingerprint | None, bound: bool = False) -> str | None:
+    if meta is None:
+        return None
+    recorded = _meta_fingerprint(meta, meta_path_for(p))
+    if bound and computed is None:
+        _check_layout(p, obj, recorded)
+        return recorded.root
+    actual = computed or fingerprint(obj, mode=exact_algo(recorded))
+    bad = recorded.differing(actual)
+    if bad:
+        raise _content_mismatch(p, recorded, actual.tensors, bad)
+    return actual.root
+
+
+def _check_layout(p: Path, obj: Any, recorded: Fingerprint) -> None:
+    """Names, dtypes, shapes and plain values against the record (tensor bytes not hashed)."""
+    loaded, want = layout(obj), recorded.tensors
+    bad = sorted(
+        set(loaded) ^ set(want)
+        | {n for n, e in loaded.items() if n in want and (
+            (e.dtype, e.shape) != (want[n].dtype, want[n].shape)
+            or (e.digest and e.digest != want[n].digest))}
+    )
+    if bad:
+        raise _content_mismatch(p, recorded, loaded, bad)
+
+
+def _content_mismatch(p: Path, recorded: Fingerprint, actual: Mapping[str, TensorDigest],
+                      bad: list[str]) -> IntegrityError:
+    first = bad[0]
+    want, got = recorded.tensors.get(first), actual.get(first)
+    return IntegrityError(
+        f"{p}: content does not match {p.name}{META_SUFFIX}: {len(bad)} tensor(s) differ: "
+        f"{', '.join(bad[:10])} (first: '{first}' expected "
+        f"{_describe(want)}, got {_describe(got)})",
+        path=p, expected=want.digest if want else None,
+        actual=(got.digest or None) if got else None, tensors=bad,
+        hint=f"restore {p.name} from a verified copy, or its meta.json if only that changed; "
+             f"torchverity diff {p} <good copy>",
+    )
+
+
+
+
+def _describe(entry: TensorDigest | None) -> str:
+    if entry is None:
+        return "no such entry"
+    digest = f" digest {entry.digest[:16]}..." if entry.digest else ""
+    return f"{entry.dtype}{list(entry.shape)}{digest}"

@@ -1,0 +1,94 @@
+"""Reading a checkpoint's tensors without verifying it (inspect, fingerprint), never running
+its pickle.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import torchverity.checkpoint._safetensors as st
+from torchverity._formats import FileFormat, file_format
+from torchverity._tensors import iter_leaves
+from torchverity.checkpoint._model_fit import state_dict_of
+from torchverity.errors import (
+    FormatError,
+    IntegrityError,
+    UnsafeFileError,
+)
+
+
+def _count_tensors(obj: Any) -> int:
+    try:
+        return sum(1 for _, v in iter_leaves(obj) if isinstance(v, torch.Tensor))
+    except FormatError:
+        return 0
+
+
+def read_unverified(path: str | os.PathLike[str]) -> Any:
+    """Open a checkpoint file or sharded folder for inspection, without verifying it.
+
+    Nothing from the file executes: .pt files go through PyTorch's restricted
+    ``weights_only`` unpickler, .safetensors through the strict header parser.
+    Storages are memory-mapped where the format allows, so large files are
+    read only as far as they are used.
+    """
+    p = Path(path)
+    if p.is_dir():
+        from torchverity.checkpoint._index import find_index, read_index
+
+        index = find_index(p)
+        merged: dict[str, Any] = {}
+        for shard in sorted(set(read_index(index).values())):
+            if not (p / shard).is_file():
+                raise IntegrityError(f"{index}: shard {shard} does not exist", path=index,
+                                     hint=f"torchverity inspect {p}")
+            merged.update(state_dict_of(read_unverified(p / shard)))
+        return merged
+    fmt = file_format(p)
+    if fmt == "safetensors":
+        return st.map_tensors(p, st.read_header(p))
+    return _torch_load(p, fmt, "cpu", False, fmt == "pt")
+
+
+def _torch_load(p: Path, fmt: FileFormat, map_location: Any, full_pickle: bool,
+                mmap: bool) -> Any:
+    try:
+        return torch.load(p, map_location=map_location, weights_only=not full_pickle, mmap=mmap)
+    except Exception as exc:
+        raise _load_failure(p, fmt, exc) from None
+
+
+def _load_failure(p: Path, fmt: FileFormat, exc: Exception) -> Exception:
+    import zipfile
+
+    if fmt == "pt" and not zipfile.is_zipfile(p):
+        return FormatError(
+            f"{p}: damaged or truncated PyTorch zip archive (its central directory, written "
+            "last, is missing: the save was interrupted or the copy is partial)", path=p,
+            hint=f"restore a good copy; torchverity verify {p} checks it against its sidecar",
+        )
+    return _explained_load_error(p, exc)
+
+
+def _explained_load_error(p: Path, exc: Exception) -> Exception:
+    from torchverity.pickles._explain import explain_exception, with_file
+
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    text = f"{type(exc).__name__}: {first}"
+    hint = f"torchverity inspect {p}"
+    explanation = explain_exception(exc)
+    if explanation is not None:
+        explanation = with_file(explanation, os.fspath(p))
+        text = f"{text} (likely cause: {explanation.cause.rstrip('.')})"
+        hint = f"{explanation.fix.rstrip('.')}; check with: {explanation.command}"
+    if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+        return UnsafeFileError(
+            f"{p}: refused by the weights_only loader: {text}", path=p,
+            hint=f"torchverity scan {p}; if you trust this exact file, pass "
+                 "trust_sha256=<its sha256> (torchverity inspect shows it)",
+        )
+    return FormatError(f"{p}: cannot load: {text}", path=p, hint=hint)

@@ -1,0 +1,52 @@
+"""What save and load report, and the warning for checks that could not run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SidecarPolicy = Literal["warn", "require", "ignore"]
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint loaded, but something could not be verified (e.g. no sidecar)."""
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What ``save`` wrote. ``written`` is False on ranks that left writing to rank 0."""
+
+    path: str
+    algo: str
+    digest: str
+    fingerprint: str
+    sidecar: str | None
+    meta_path: str | None
+    size: int = 0
+    written: bool = True
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What ``load`` verified, and how."""
+
+    path: str
+    format: str
+    algo: str | None
+    digest: str | None
+    digest_source: str | None  # "sidecar", "meta" or None when nothing was checked
+    fingerprint: str | None
+    fingerprint_verified: bool
+    sidecar_policy: str
+    weights_only: bool
+    tensors: int
+    model_checked: bool = False
+    shards: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    # "rehashed": the loaded tensors were hashed and compared with meta.json;
+    # "bound": the verified file digest is the one meta.json recorded with it.
+    fingerprint_check: str | None = None
+
+    @property
+    def verified(self) -> bool:
+        return self.digest_source is not None and self.fingerprint_verified
