@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import table, write_results
-from torchverity.serve import format_digest, verify_digest
+from torchverity.serve._digests import format_digest, verify_digest
 from torchverity.serve._spec import encode_inputs
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -77,7 +77,7 @@ class SumNet(torch.nn.Module):
 def build_app(server: str) -> Any:
     """"off"/"off2": no digests; "on": the service as shipped (the app sees no body
     before its digest matched); "overlap": "on" with overlap_digest=True."""
-    from torchverity.serve import create_app
+    from torchverity.serve._app import create_app
 
     on = server in ("on", "overlap")
     return create_app(SumNet(), digest_policy="require" if on else "ignore",

@@ -28,14 +28,8 @@ from typing import Any
 import torch
 
 from torchverity.errors import InputError, UsageError, require_extra
-from torchverity.golden import (
-    Comparison,
-    call_model,
-    compare_tensors,
-    inference_mode,
-    output_leaves,
-    tolerance,
-)
+from torchverity.golden import Comparison, compare_tensors, tolerance
+from torchverity.golden._run import call_model, inference_mode, output_leaves
 
 BUILDERS = ("onnx", "torch.export", "torchscript", "torch.compile")
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from torchverity import faults
-from torchverity._console import dumps
+from torchverity.cli._output import dumps
 from torchverity.errors import TrainingAnomalyError, UsageError
 from torchverity.training import AnomalyWarning, TrainingGuard
 from torchverity.training._checksum import (

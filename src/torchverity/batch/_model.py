@@ -86,7 +86,7 @@ class ModelSpec:
         return self._weights()[1]
 
     def load(self) -> tuple[ItemFn, dict[str, str]]:
-        from torchverity._loader import import_callable
+        from torchverity._callables import import_callable
 
         build = import_callable(self.spec)
         state, ident = self._weights()

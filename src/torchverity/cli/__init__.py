@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 from torchverity.errors import EXIT_USAGE, TorchVerityError
 
 Handler = Callable[[argparse.Namespace, Output], int]

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchverity._console import Output, _is_tty
+from torchverity.cli._output import Output, _is_tty
 
 if TYPE_CHECKING:
     from torchverity.batch import BatchReport, BatchVerifyResult

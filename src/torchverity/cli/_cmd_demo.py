@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED
 
 _MARK = {"ok": "ok", "info": "info", "warn": "WARN", "fail": "FAIL"}

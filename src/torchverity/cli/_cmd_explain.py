@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 from torchverity.errors import InputError, UsageError
 
 # A log can be huge; failures worth explaining sit in the last part of it.

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED, UsageError
 
 
@@ -56,7 +56,7 @@ def build_model(spec: str, weights: Path | None, device: str) -> Any:
     """Build the model from ``module:callable``, load verified weights, move it to ``device``."""
     import torch
 
-    from torchverity._loader import import_callable
+    from torchverity._callables import import_callable
     from torchverity.checkpoint._load import load
     from torchverity.selftest import resolve_device
 

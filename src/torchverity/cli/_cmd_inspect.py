@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED
 
 

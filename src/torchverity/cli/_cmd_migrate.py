@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 
 if TYPE_CHECKING:
     from torchverity.pickles._scan import ScanResult

@@ -6,7 +6,7 @@ import argparse
 import re
 from typing import Any
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 from torchverity.errors import InputError, require_extra
 
 _UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2,
@@ -60,7 +60,7 @@ def _size(text: str) -> int:
 def _run(args: argparse.Namespace, out: Output) -> int:
     require_extra("fastapi", extra="serve", feature="torchverity serve")
     uvicorn = require_extra("uvicorn", extra="serve", feature="torchverity serve")
-    from torchverity.serve import create_app
+    from torchverity.serve._app import create_app
 
     app = create_app(
         args.model, args.weights, golden=args.golden, input_spec=args.input_spec,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 from torchverity.errors import CheckFailedError
 
 

@@ -64,7 +64,9 @@ def _serve_and_probe(ctx: DemoContext, spec: str, weights: Any, golden: Any) -> 
     import httpx
     import uvicorn
 
-    from torchverity.serve import Client, create_app, format_digest
+    from torchverity.serve._app import create_app
+    from torchverity.serve._client import Client
+    from torchverity.serve._digests import format_digest
 
     app = create_app(spec, weights, golden=golden)
     sock = socket.socket()
@@ -80,7 +82,7 @@ def _serve_and_probe(ctx: DemoContext, spec: str, weights: Any, golden: Any) -> 
         with Client(url) as client:
             out = client.predict(torch.ones(1, 8))["output"]
             ctx.say(f"  POST /predict -> {[round(v, 4) for v in out.flatten().tolist()]} "
-                    f"from weights {client.fingerprint[:23]}...")
+                    f"from weights {(client.fingerprint or "")[:23]}...")
         body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 8],
                                        "data": [1.0] * 8}]}).encode()
         tampered = body.replace(b"1.0]", b"9.0]")

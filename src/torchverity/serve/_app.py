@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 import torch
 
 from torchverity import __version__
-from torchverity._loader import import_callable
+from torchverity._callables import import_callable
 from torchverity.errors import UsageError, require_extra
 from torchverity.serve._digest_fields import (
     DEFAULT_MAX_BODY,
@@ -33,8 +33,8 @@ from torchverity.serve._digest_fields import (
     ContentDigestMiddleware,
     DeferredDigest,
     Policy,
-    verify_digest,
 )
+from torchverity.serve._digests import verify_digest
 from torchverity.serve._problem import (
     INTERNAL,
     INVALID_INPUT,

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchverity.errors import IntegrityError, ServiceError, require_extra
-from torchverity.serve._digest_fields import HASHES, format_digest, verify_digest
+from torchverity.serve._digest_fields import HASHES
+from torchverity.serve._digests import format_digest, verify_digest
 from torchverity.serve._problem import ProblemError
 from torchverity.serve._rechecks import FINGERPRINT_HEADER
 from torchverity.serve._spec import decode_outputs, encode_inputs

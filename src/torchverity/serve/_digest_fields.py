@@ -38,21 +38,22 @@ raises on such a body is answered with that 400 too.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import hashlib
-import hmac
-import re
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, Literal
 
+from torchverity.serve._digests import (
+    HASHES,
+    WANT_VALUE,
+    check_digests,
+    choose_algorithm,
+    format_digest,
+    new_hashers,
+    parse_digest_field,
+)
 from torchverity.serve._problem import (
     BODY_TOO_LARGE,
-    DIGEST_INVALID,
-    DIGEST_MISMATCH,
     DIGEST_REQUIRED,
-    DIGEST_UNSUPPORTED,
     Message,
     Problem,
     ProblemError,
@@ -61,265 +62,34 @@ from torchverity.serve._problem import (
 )
 
 Policy = Literal["require", "verify-if-present", "ignore"]
+
+
 POLICIES: tuple[str, ...] = ("require", "verify-if-present", "ignore")
-HASHES: dict[str, Callable[[], Any]] = {"sha-256": hashlib.sha256, "sha-512": hashlib.sha512}
-DIGEST_SIZES = {"sha-256": 32, "sha-512": 64}
-# What this side prefers, sent with "unsupported" and "required" answers.
-WANT_VALUE = "sha-256=10, sha-512=5"
+
+
+
+
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
+
+
 # Large enough for any prediction; a bigger streamed response is passed on
 # without a digest rather than held in memory.
 MAX_DIGESTED_RESPONSE = 64 * 1024 * 1024
+
+
 # Deferred mode hashes smaller bodies inline: below this size a thread hand-off
 # costs more than it hides (and hashlib keeps the GIL under 2 KiB anyway).
 DEFER_MIN_BYTES = 64 * 1024
+
+
 # The scope key under which deferred mode leaves the pending check.
 DEFERRED_DIGEST = "torchverity.deferred_digest"
 
+
 Receive = Callable[[], Awaitable[Message]]
+
+
 ASGIApp = Callable[[Message, Receive, Send], Awaitable[None]]
-
-
-class FieldSyntaxError(ValueError):
-    """The field is not a valid Structured-Field dictionary."""
-
-
-# ------------------------------------------------ structured-field dictionaries
-
-_KEY = re.compile(r"[a-z*][a-z0-9_\-.*]*")
-_TOKEN = re.compile(r"[A-Za-z*][!#$%&'*+\-.^_`|~0-9A-Za-z:/]*")
-_NUMBER = re.compile(r"-?[0-9]{1,15}(\.[0-9]{1,3})?")
-_BYTES = re.compile(r":([A-Za-z0-9+/=]*):")
-
-
-class _Parser:
-    """A small RFC 8941 dictionary parser: enough for digest fields, strict on syntax."""
-
-    def __init__(self, text: str) -> None:
-        if any(ord(c) > 0x7E or (ord(c) < 0x20 and c != "\t") for c in text):
-            raise FieldSyntaxError("field contains characters outside visible ASCII")
-        self.text = text.strip(" \t")
-        self.pos = 0
-
-    def dictionary(self) -> dict[str, Any]:
-        members: dict[str, Any] = {}
-        if not self.text:
-            return members
-        while True:
-            key = self._match(_KEY, "a lowercase key")
-            if self._peek("="):
-                self.pos += 1
-                value = self._inner_list() if self._peek("(") else self._bare_item()
-            else:
-                value = True
-            self._params()
-            members[key] = value  # later duplicates win (RFC 8941 4.2.2)
-            self._skip_ows()
-            if self.pos >= len(self.text):
-                return members
-            if not self._peek(","):
-                raise FieldSyntaxError(f"expected ',' at position {self.pos}")
-            self.pos += 1
-            self._skip_ows()
-            if self.pos >= len(self.text):
-                raise FieldSyntaxError("trailing ','")
-
-    def _bare_item(self) -> Any:
-        if self._peek(":"):
-            encoded = self._match(_BYTES, "a byte sequence")[1:-1]
-            try:
-                return base64.b64decode(encoded, validate=True)
-            except binascii.Error:
-                raise FieldSyntaxError("byte sequence is not valid base64") from None
-        if self._peek('"'):
-            return self._string()
-        if self._peek("?"):
-            flag = self._match(re.compile(r"\?[01]"), "a boolean")
-            return flag == "?1"
-        if self.pos < len(self.text) and self.text[self.pos] in "-0123456789":
-            number = self._match(_NUMBER, "a number")
-            return float(number) if "." in number else int(number)
-        return self._match(_TOKEN, "an item")
-
-    def _inner_list(self) -> list[Any]:
-        self.pos += 1
-        items: list[Any] = []
-        while True:
-            while self._peek(" "):
-                self.pos += 1
-            if self._peek(")"):
-                self.pos += 1
-                return items
-            items.append(self._bare_item())
-            self._params()
-            if not (self._peek(" ") or self._peek(")")):
-                raise FieldSyntaxError("malformed inner list")
-
-    def _string(self) -> str:
-        out: list[str] = []
-        self.pos += 1
-        while self.pos < len(self.text):
-            char = self.text[self.pos]
-            self.pos += 1
-            if char == "\\":
-                if self.pos >= len(self.text) or self.text[self.pos] not in '"\\':
-                    raise FieldSyntaxError("bad escape in string")
-                out.append(self.text[self.pos])
-                self.pos += 1
-            elif char == '"':
-                return "".join(out)
-            else:
-                out.append(char)
-        raise FieldSyntaxError("unterminated string")
-
-    def _params(self) -> None:
-        # Parameters are allowed by the syntax; digest fields define none, so they are skipped.
-        while self._peek(";"):
-            self.pos += 1
-            self._skip_ows()
-            self._match(_KEY, "a parameter key")
-            if self._peek("="):
-                self.pos += 1
-                self._bare_item()
-
-    def _match(self, pattern: re.Pattern[str], what: str) -> str:
-        m = pattern.match(self.text, self.pos)
-        if not m:
-            raise FieldSyntaxError(f"expected {what} at position {self.pos}")
-        self.pos = m.end()
-        return m.group(0)
-
-    def _peek(self, char: str) -> bool:
-        return self.text.startswith(char, self.pos)
-
-    def _skip_ows(self) -> None:
-        while self.pos < len(self.text) and self.text[self.pos] in " \t":
-            self.pos += 1
-
-
-def parse_dictionary(text: str) -> dict[str, Any]:
-    """Parse a Structured-Field dictionary; raise :class:`FieldSyntaxError` if malformed."""
-    return _Parser(text).dictionary()
-
-
-# ------------------------------------------------ digest values
-
-
-def _invalid(field: str, reason: str, algorithm: str | None = None) -> ProblemError:
-    entry = {"header": field, "reason": reason}
-    if algorithm:
-        entry["algorithm"] = algorithm
-    return ProblemError(
-        Problem(
-            400, DIGEST_INVALID, "Invalid Digest Values",
-            f"the {field} field is not valid: {reason}",
-            {"invalid-digests": [entry]},
-        )
-    )
-
-
-def parse_digest_field(value: str, field: str = "content-digest") -> dict[str, bytes]:
-    """The supported digests a ``Content-Digest``-style field asks for: ``{algo: raw bytes}``.
-
-    Raises :class:`ProblemError` (400) for a malformed field, a digest of the
-    wrong form or length, or a field naming no supported algorithm.
-    """
-    try:
-        members = parse_dictionary(value)
-    except FieldSyntaxError as exc:
-        raise _invalid(field, str(exc)) from None
-    if not members:
-        raise _invalid(field, "the field is empty")
-    wanted: dict[str, bytes] = {}
-    unsupported: list[str] = []
-    for algo, digest in members.items():
-        if algo not in HASHES:
-            unsupported.append(algo)
-            continue
-        if not isinstance(digest, bytes):
-            raise _invalid(field, "the value is not a byte sequence (:base64:)", algo)
-        if len(digest) != DIGEST_SIZES[algo]:
-            reason = f"a {algo} digest has {DIGEST_SIZES[algo]} bytes, got {len(digest)}"
-            raise _invalid(field, reason, algo)
-        wanted[algo] = digest
-    if not wanted:
-        raise ProblemError(
-            Problem(
-                400, DIGEST_UNSUPPORTED, "Unsupported Hashing Algorithms",
-                f"the {field} field names no supported algorithm "
-                f"({', '.join(sorted(unsupported))}); use sha-256 or sha-512",
-                {"unsupported-algorithms": [{"algorithm": a, "header": field}
-                                            for a in unsupported]},
-                {"Want-Content-Digest": WANT_VALUE},
-            )
-        )
-    return wanted
-
-
-def check_digests(field: str, expected: Mapping[str, bytes], hashers: Mapping[str, Any]) -> None:
-    """Compare each expected digest with its hasher in constant time; raise on mismatch.
-
-    The answer names the algorithms that failed, never the computed values.
-    """
-    failed = [
-        algo for algo, digest in expected.items()
-        if not hmac.compare_digest(hashers[algo].digest(), digest)
-    ]
-    if failed:
-        raise ProblemError(
-            Problem(
-                400, DIGEST_MISMATCH, "Mismatching Digest Values",
-                f"the content does not match its {field} ({', '.join(failed)}): "
-                "it was changed or truncated on the way; resend it",
-                {"mismatching-digests": [{"algorithm": a, "header": field} for a in failed]},
-            )
-        )
-
-
-def new_hashers(algorithms: Iterable[str]) -> dict[str, Any]:
-    return {algo: HASHES[algo]() for algo in algorithms}
-
-
-def format_digest(algorithm: str, data: bytes | memoryview | Iterable[bytes]) -> str:
-    """A ``Content-Digest`` value for ``data`` (bytes or an iterable of chunks)."""
-    hasher = HASHES[algorithm]()
-    for chunk in [data] if isinstance(data, (bytes, memoryview)) else data:
-        hasher.update(chunk)
-    return f"{algorithm}=:{base64.b64encode(hasher.digest()).decode()}:"
-
-
-def verify_digest(field_value: str, data: bytes, field: str = "content-digest") -> None:
-    """Check ``data`` against a digest field value; raise :class:`ProblemError` otherwise."""
-    expected = parse_digest_field(field_value, field)
-    hashers = new_hashers(expected)
-    for hasher in hashers.values():
-        hasher.update(data)
-    check_digests(field, expected, hashers)
-
-
-def choose_algorithm(want: str | None, default: str | None) -> str | None:
-    """The algorithm a ``Want-Content-Digest`` prefers (highest weight above 0), or ``default``.
-
-    An absent or malformed preference falls back to ``default``; a valid one
-    that accepts no supported algorithm means: send no digest.
-    """
-    if want is None:
-        return default
-    try:
-        members = parse_dictionary(want)
-    except FieldSyntaxError:
-        return default
-    weights = {
-        algo: weight for algo, weight in members.items()
-        if algo in HASHES and isinstance(weight, int) and not isinstance(weight, bool)
-        and 0 < weight <= 10
-    }
-    if not weights:
-        return None
-    return max(sorted(weights), key=lambda a: weights[a])
-
-
-# ------------------------------------------------ the ASGI middleware
 
 
 class DeferredDigest:

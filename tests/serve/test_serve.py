@@ -34,14 +34,14 @@ import uvicorn
 
 import torchverity
 from torchverity.errors import IntegrityError, ServiceError
-from torchverity.serve import (
+from torchverity.serve._app import create_app
+from torchverity.serve._client import Client
+from torchverity.serve._digest_fields import (
+    DEFER_MIN_BYTES,
     DEFERRED_DIGEST,
-    Client,
     ContentDigestMiddleware,
-    create_app,
-    format_digest,
 )
-from torchverity.serve._digest_fields import DEFER_MIN_BYTES
+from torchverity.serve._digests import format_digest
 from torchverity.serve._problem import (
     BODY_TOO_LARGE,
     DIGEST_INVALID,

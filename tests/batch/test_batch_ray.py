@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from test_batch import (
     MODEL_SOURCE,
     assert_exactly_once,
@@ -27,6 +26,7 @@ from test_batch import (
     make_inputs,
     wait_for,
 )
+
 from torchverity.batch import BatchItem, run_batch, verify_batch
 
 ray = pytest.importorskip("ray")
@@ -125,8 +125,8 @@ def test_ray_actors_each_pass_the_golden_check_or_the_job_does_not_start(
     tmp_path: Path, ray_address: str
 ) -> None:
     import torch
-
     from test_batch import _linear_predictor
+
     from torchverity.errors import IntegrityError
     from torchverity.golden import record
 

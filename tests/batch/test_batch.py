@@ -831,8 +831,8 @@ def test_bad_usage_is_refused_before_any_work(tmp_path: Path) -> None:
 def test_progress_bar_shows_items_per_second_and_eta_on_a_terminal() -> None:
     import io
 
-    from torchverity._console import Output
     from torchverity.cli._cmd_batch import _progress
+    from torchverity.cli._output import Output
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

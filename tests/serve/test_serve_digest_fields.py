@@ -11,11 +11,9 @@ from typing import Any
 
 import pytest
 
-from torchverity.serve._digest_fields import (
-    FieldSyntaxError,
+from torchverity.serve._digests import (
     choose_algorithm,
     format_digest,
-    parse_dictionary,
     parse_digest_field,
     verify_digest,
 )
@@ -26,6 +24,7 @@ from torchverity.serve._problem import (
     ProblemError,
 )
 from torchverity.serve._spec import parse_spec_entry
+from torchverity.serve._structured_fields import FieldSyntaxError, parse_dictionary
 
 
 def test_structured_dictionary_syntax() -> None:
@@ -127,7 +126,7 @@ def _stream_through_middleware(parts: list[bytes]) -> list[dict[str, Any]]:
     """Run the middleware around an app that streams ``parts``; return what reached the wire."""
     import asyncio
 
-    from torchverity.serve import ContentDigestMiddleware
+    from torchverity.serve._digest_fields import ContentDigestMiddleware
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
