@@ -82,7 +82,7 @@ def _serve_and_probe(ctx: DemoContext, spec: str, weights: Any, golden: Any) -> 
         with Client(url) as client:
             out = client.predict(torch.ones(1, 8))["output"]
             ctx.say(f"  POST /predict -> {[round(v, 4) for v in out.flatten().tolist()]} "
-                    f"from weights {(client.fingerprint or "")[:23]}...")
+                    f"from weights {(client.fingerprint or '')[:23]}...")
         body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 8],
                                        "data": [1.0] * 8}]}).encode()
         tampered = body.replace(b"1.0]", b"9.0]")
