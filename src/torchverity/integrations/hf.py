@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from torchverity.errors import UsageError, require_extra
-from torchverity.integrations import (
+from torchverity.integrations._common import (
     CheckpointRecord,
     GuardCallbackBase,
     record_checkpoint_file,
@@ -36,6 +36,8 @@ from torchverity.training import TrainingGuard
 _TrainerCallback: Any = require_extra(
     "transformers", extra="hf", feature="the Hugging Face callback"
 ).TrainerCallback
+
+__all__ = ["GuardCallback"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 

@@ -20,12 +20,14 @@ from typing import Any
 import torch
 
 from torchverity.errors import UsageError, require_extra
-from torchverity.integrations import (
+from torchverity.integrations._common import (
     CheckpointRecord,
     GuardCallbackBase,
     record_checkpoint_file,
 )
 from torchverity.training import TrainingGuard
+
+__all__ = ["GuardCallback"]
 
 _pl = require_extra("lightning.pytorch", extra="lightning", feature="the Lightning callback")
 _plugins = require_extra("lightning.fabric.plugins", extra="lightning",

@@ -24,40 +24,45 @@ raises ``MissingExtraError`` naming the extra.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING
 
-# Public name -> submodule. Every submodule imports on a base install; the
-# serve extra is required (MissingExtraError) when create_app or Client is used.
-_PUBLIC: dict[str, str] = {
-    "create_app": "_app",
-    "build_model": "_app",
-    "FINGERPRINT_HEADER": "_rechecks",
-    "Client": "_client",
-    "ContentDigestMiddleware": "_digest_fields",
-    "DeferredDigest": "_digest_fields",
-    "DEFERRED_DIGEST": "_digest_fields",
-    "parse_digest_field": "_digest_fields",
-    "verify_digest": "_digest_fields",
-    "format_digest": "_digest_fields",
-    "choose_algorithm": "_digest_fields",
-    "Problem": "_problem",
-    "ProblemError": "_problem",
-    "TensorSpec": "_spec",
-    "parse_spec": "_spec",
-}
+from torchverity._lazy import attach
 
-__all__ = sorted(_PUBLIC)
+# Every submodule imports on a base install; the serve extra is required
+# (MissingExtraError) when create_app or Client is used.
+if TYPE_CHECKING:
+    from torchverity.serve._app import build_model, create_app
+    from torchverity.serve._client import Client
+    from torchverity.serve._digest_fields import (
+        DEFERRED_DIGEST,
+        ContentDigestMiddleware,
+        DeferredDigest,
+    )
+    from torchverity.serve._digests import (
+        choose_algorithm,
+        format_digest,
+        parse_digest_field,
+        verify_digest,
+    )
+    from torchverity.serve._problem import Problem, ProblemError
+    from torchverity.serve._rechecks import FINGERPRINT_HEADER
+    from torchverity.serve._spec import TensorSpec, parse_spec
 
-
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchverity.serve' has no attribute '{name}'")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__ = [
+    "DEFERRED_DIGEST",
+    "FINGERPRINT_HEADER",
+    "Client",
+    "ContentDigestMiddleware",
+    "DeferredDigest",
+    "Problem",
+    "ProblemError",
+    "TensorSpec",
+    "build_model",
+    "choose_algorithm",
+    "create_app",
+    "format_digest",
+    "parse_digest_field",
+    "parse_spec",
+    "verify_digest",
+]
+__getattr__, __dir__ = attach(__name__, __file__)

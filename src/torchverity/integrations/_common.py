@@ -1,0 +1,80 @@
+"""What both trainer callbacks share: the guard they drive and the records they write."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_file, write_sidecar
+from torchverity.errors import FormatError, UsageError
+
+if TYPE_CHECKING:
+    from torchverity.training import GuardSummary, TrainingGuard
+
+log = logging.getLogger("torchverity.integrations")
+
+
+class GuardCallbackBase:
+    """What both trainer callbacks hold; ``framework`` names the trainer in messages."""
+
+    framework = "trainer"
+
+    def __init__(self, *, log: str | Path | None = None, record_checkpoints: bool = True,
+                 **guard_options: Any) -> None:
+        if "step_fn" in guard_options:
+            raise UsageError(f"the {self.framework} callback does not replay steps",
+                             hint="use TrainingGuard in a plain loop for replay audits")
+        super().__init__()
+        self.log_path = log
+        self.record_checkpoints = record_checkpoints
+        self.guard_options = guard_options
+        self.guard: TrainingGuard | None = None
+        self.summary: GuardSummary | None = None
+        self.checkpoints: list[CheckpointRecord] = []
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """What was recorded next to a checkpoint file written by a trainer."""
+
+    path: str
+    algo: str
+    digest: str
+    fingerprint: str | None
+    sidecar: str
+    meta: str | None
+
+
+def record_checkpoint_file(
+    path: str | os.PathLike[str], content: Any = None, *, source: str,
+    user: dict[str, Any] | None = None, algo: str = DEFAULT_ALGO,
+) -> CheckpointRecord:
+    """Write the sidecar and, when ``content`` (the object saved) is given, the meta.json.
+
+    ``content`` must be what loading the file returns, so that
+    ``torchverity.load`` can compare fingerprints; objects that cannot be
+    fingerprinted (custom classes in hyperparameters) get the sidecar only.
+    """
+    from torchverity.checkpoint._fingerprint import fingerprint
+    from torchverity.checkpoint._meta import meta_path_for, meta_record
+
+    p = Path(path)
+    digest = digest_file(p, algo)
+    sidecar = write_sidecar(p, digest)
+    if content is None:
+        return CheckpointRecord(str(p), algo, digest.hexdigest, None, str(sidecar), None)
+    try:
+        fp = fingerprint(content, mode="exact")
+    except FormatError as exc:
+        log.warning("%s: sidecar written, no meta.json: %s", p, exc.message)
+        return CheckpointRecord(str(p), algo, digest.hexdigest, None, str(sidecar), None)
+    file_format = "safetensors" if p.suffix == ".safetensors" else "pt"
+    record = meta_record(p, file_format, algo, digest.hexdigest, digest.size, fp, None, None,
+                         {"source": source, **(user or {})})
+    meta = meta_path_for(p)
+    atomic_write_text(meta, json.dumps(record, indent=2) + "\n")
+    return CheckpointRecord(str(p), algo, digest.hexdigest, fp.root, str(sidecar), str(meta))
