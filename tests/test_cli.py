@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -182,3 +184,30 @@ def test_rich_table_on_a_terminal_plain_text_in_a_pipe(tmp_path: Path) -> None:
     piped = _cli_subprocess("verify", "run", cwd=tmp_path)
     assert piped.returncode == 1
     assert "│" not in piped.stdout and "\x1b[" not in piped.stdout + piped.stderr
+
+
+def test_an_internal_error_has_its_own_exit_code(
+    run_cli: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A bug is never reported as a verdict on the input (exit 2) or a failed check (1)."""
+    from torchverity.cli import _cmd_hash
+
+    def broken(args: object, out: object) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(_cmd_hash, "_run", broken)  # register() binds _run when main runs
+    (tmp_path / "f").write_bytes(b"x")
+    result = run_cli("hash", tmp_path / "f")
+    assert result.code == 3
+    assert "internal error: RuntimeError: a bug" in result.err
+    assert "TORCHVERITY_DEBUG=1" in result.err
+
+
+def test_every_command_module_is_listed() -> None:
+    import pkgutil
+
+    import torchverity.cli as cli
+
+    found = {m.name.removeprefix("_cmd_") for m in pkgutil.iter_modules(cli.__path__)
+             if m.name.startswith("_cmd_")}
+    assert found == set(cli.COMMANDS)

@@ -7,7 +7,8 @@ do next (``hint``), ideally the ``torchverity`` command that checks it.
 
 ``exit_code`` tells the CLI how to end: 1 when a check ran and failed
 (mismatch, unsafe file, anomaly), 2 when the input could not be checked at all
-(bad usage, missing or unreadable input, malformed format).
+(bad usage, missing or unreadable input, malformed format). The CLI ends with 3 only
+on an internal error: a bug to report, never a verdict on the input.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
+EXIT_INTERNAL = 3  # a bug in torchverity, never a verdict on the input
 
 
 class TorchVerityError(Exception):

@@ -1,12 +1,11 @@
 """The ``torchverity`` command.
 
 Each command lives in its own module ``torchverity.cli._cmd_<name>`` that
-defines ``register(subparsers, common)``; ``main`` discovers them, so adding a
-capability never edits this file. Command modules import heavy libraries
-(torch, fastapi, ray) inside their handlers, keeping ``--help`` fast.
+defines ``register(subparsers, common)``; ``COMMANDS`` lists them. Command modules
+import heavy libraries (torch, fastapi, ray) inside their handlers, keeping ``--help`` fast.
 
-Exit codes: 0 ok, 1 a check failed, 2 bad usage or unreadable input. A
-traceback is printed only when ``TORCHVERITY_DEBUG=1``.
+Exit codes: 0 ok, 1 a check failed, 2 bad usage or unreadable input, 3 an
+internal error (a bug to report). A traceback is printed only when ``TORCHVERITY_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -15,13 +14,12 @@ import argparse
 import functools
 import importlib
 import os
-import pkgutil
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_USAGE, TorchVerityError
+from torchverity.errors import EXIT_INTERNAL, EXIT_USAGE, TorchVerityError
 
 Handler = Callable[[argparse.Namespace, Output], int]
 
@@ -49,14 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Every command, in the order ``--help`` lists them. Each module defines
+# ``register(subparsers, common)`` and imports heavy libraries inside its handler.
+COMMANDS = (
+    "hash", "manifest", "verify", "inject", "fingerprint", "diff", "inspect",
+    "scan", "migrate", "explain", "report", "golden", "selftest", "doctor",
+    "serve", "batch", "demo",
+)
+
+
 @functools.lru_cache(maxsize=1)
 def _command_modules() -> tuple[ModuleType, ...]:
-    """The ``_cmd_*`` modules, found once per process (the folder may not stay
-    readable: a process that drops privileges still has its commands)."""
-    package = importlib.import_module(__name__)
-    names = sorted(info.name for info in pkgutil.iter_modules(package.__path__)
-                   if info.name.startswith("_cmd_"))
-    return tuple(importlib.import_module(f"{__name__}.{name}") for name in names)
+    """The command modules, imported once per process (the folder may not stay readable:
+    a process that drops privileges still has its commands)."""
+    return tuple(importlib.import_module(f"{__name__}._cmd_{name}") for name in COMMANDS)
 
 
 def _report_error(exc: TorchVerityError, out: Output) -> None:
@@ -93,4 +97,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"torchverity: internal error: {type(exc).__name__}: {exc}\n"
             "  next: rerun with TORCHVERITY_DEBUG=1 for the traceback and report it\n"
         )
-        return EXIT_USAGE
+        return EXIT_INTERNAL
