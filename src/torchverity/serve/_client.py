@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchverity.errors import IntegrityError, ServiceError, require_extra
+from torchverity.errors import IntegrityError, ServiceError, UsageError, require_extra
 from torchverity.serve._digest_fields import HASHES
 from torchverity.serve._digests import format_digest, verify_digest
 from torchverity.serve._problem import ProblemError
@@ -48,7 +48,8 @@ class Client:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         if algorithm not in HASHES:
-            raise ValueError(f"unsupported algorithm {algorithm!r}; use one of {sorted(HASHES)}")
+            raise UsageError(f"Client: unsupported algorithm {algorithm!r}",
+                             hint=f"use one of {sorted(HASHES)}")
         self.algorithm = algorithm
         self.require_digest = require_digest
         self.fingerprint = fingerprint

@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, Literal
 
+from torchverity.errors import UsageError
 from torchverity.serve._digests import (
     HASHES,
     WANT_VALUE,
@@ -158,9 +159,12 @@ class ContentDigestMiddleware:
         deferred: bool = False,
     ) -> None:
         if policy not in POLICIES:
-            raise ValueError(f"unknown digest policy {policy!r}; use one of {POLICIES}")
+            raise UsageError(f"ContentDigestMiddleware: unknown digest policy {policy!r}",
+                             hint=f"use one of {POLICIES}")
         if response_algorithm is not None and response_algorithm not in HASHES:
-            raise ValueError(f"unsupported response algorithm {response_algorithm!r}")
+            raise UsageError(
+                f"ContentDigestMiddleware: unsupported response algorithm {response_algorithm!r}",
+                hint=f"use one of {sorted(HASHES)} or None")
         self.app = app
         self.policy = policy
         self.max_body = max_body
