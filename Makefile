@@ -16,15 +16,18 @@ $(VENV)/.torch: | $(BIN)/python
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
 	touch $@
 
-$(VENV)/.base: pyproject.toml $(VENV)/.torch
-	$(BIN)/python -m pip install --quiet -e .
+# The demo shows every capability, so it installs the extras its steps need.
+DEMO_EXTRAS ?= serve
+
+$(VENV)/.demo: pyproject.toml $(VENV)/.torch
+	$(BIN)/python -m pip install --quiet -e '.[$(DEMO_EXTRAS)]'
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m pip install --quiet -e '.[dev,all]'
-	touch $@ $(VENV)/.base
+	touch $@ $(VENV)/.demo
 
-demo: $(VENV)/.base
+demo: $(VENV)/.demo
 	$(BIN)/torchverity demo
 
 test: $(VENV)/.dev

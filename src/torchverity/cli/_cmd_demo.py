@@ -8,6 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from torchverity.cli._output import Output
+from torchverity.errors import EXIT_CHECK_FAILED
+
+
+def _names(text: str) -> list[str]:
+    return [n for n in text.split(",") if n]
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -15,10 +20,14 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "demo",
         parents=[common],
         help="run the end-to-end demo on built-in data",
-        description="Run every capability's check on built-in data (no downloads).",
+        description="Run every capability's check on built-in data (no downloads). Every step "
+        "must pass: a step whose extra is missing fails unless it is named in --skip.",
     )
     p.add_argument("--dir", type=Path, help="keep the demo's files in this folder")
-    p.add_argument("--only", help="run only the steps whose name contains this text")
+    p.add_argument("--only", type=_names, action="extend", default=[], metavar="STEP[,STEP]",
+                   help="run only these steps (names as in the summary, e.g. serve)")
+    p.add_argument("--skip", type=_names, action="extend", default=[], metavar="STEP[,STEP]",
+                   help="do not run these steps")
     p.set_defaults(func=_run)
 
 
@@ -27,12 +36,21 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     if args.dir:
         args.dir.mkdir(parents=True, exist_ok=True)
-        summary = run_demo(args.dir, out, args.only)
+        results = run_demo(args.dir, out, args.only, args.skip)
     else:
         with tempfile.TemporaryDirectory(prefix="torchverity-demo-") as tmp:
-            summary = run_demo(Path(tmp), out, args.only)
+            results = run_demo(Path(tmp), out, args.only, args.skip)
+    ok = all(r.verdict != "failed" for r in results)
     if out.json_mode:
-        out.data({"ok": True, "steps": summary})
-    else:
-        out.line(f"demo finished: {len(summary)} steps passed")
-    return 0
+        out.data({"ok": ok, "steps": results})
+        return 0 if ok else EXIT_CHECK_FAILED
+    out.line("")
+    for r in results:
+        detail = f"{r.seconds:6.1f} s" if r.verdict == "passed" else r.reason
+        out.line(f"{r.verdict:8} {r.name:14} {r.title}  [{detail}]")
+    passed = sum(r.verdict == "passed" for r in results)
+    skipped = sum(r.verdict == "skipped" for r in results)
+    tail = f", {skipped} skipped" if skipped else ""
+    verdict = "finished" if ok else "FAILED"
+    out.line(f"demo {verdict}: {passed} of {len(results)} steps passed{tail}")
+    return 0 if ok else EXIT_CHECK_FAILED

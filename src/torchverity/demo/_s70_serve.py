@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
 import threading
@@ -14,6 +13,7 @@ import torch
 from torchverity.demo import DemoContext
 
 TITLE = "Serving: verified weights, RFC 9530 request digests, golden readiness"
+NEEDS = ("serve",)
 
 
 class DemoNet(torch.nn.Module):
@@ -31,11 +31,6 @@ class DemoNet(torch.nn.Module):
 
 
 def run(ctx: DemoContext) -> None:
-    missing = [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]
-    if missing:
-        ctx.say(f"  skipped: the serve extra is not installed (missing {', '.join(missing)}); "
-                "pip install 'torchverity[serve]'")
-        return
     import torchverity
 
     folder = ctx.workdir / "serve"
