@@ -39,7 +39,7 @@ from torchverity.checkpoint._meta import (
     read_meta,
 )
 from torchverity.checkpoint._read import _count_tensors, _load_failure, _torch_load
-from torchverity.checkpoint._results import LoadReport, SidecarPolicy
+from torchverity.checkpoint._results import ExpectedDigest, LoadReport, SidecarPolicy
 from torchverity.digest import (
     ALGORITHMS,
     FASTER_THAN_COPY,
@@ -60,7 +60,7 @@ log = logging.getLogger("torchverity.checkpoint")
 def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: str | None,
                mmap: bool, recheck_tensors: bool = False) -> tuple[Any, LoadReport]:
     notes = []
-    expected: tuple[str, str, str] | None
+    expected: ExpectedDigest | None
     pending = _pending_records(p) if policy != "ignore" else None
     if pending is not None:
         expected, meta = pending
@@ -91,8 +91,8 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
     if fp_root is None and policy == "warn":
         notes.append(f"{p}: no meta.json: the content fingerprint was not verified")
     report = LoadReport(
-        path=os.fspath(p), format=fmt, algo=expected[0] if expected else None,
-        digest=digest, digest_source=expected[2] if expected else None, fingerprint=fp_root,
+        path=os.fspath(p), format=fmt, algo=expected.algo if expected else None,
+        digest=digest, digest_source=expected.source if expected else None, fingerprint=fp_root,
         fingerprint_verified=fp_root is not None, sidecar_policy=policy,
         fingerprint_check=None if fp_root is None else "bound" if bound else "rehashed",
         weights_only=not full_pickle, tensors=_count_tensors(obj), warnings=tuple(notes),
@@ -100,7 +100,7 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
     return obj, report
 
 
-def _pending_records(p: Path) -> tuple[tuple[str, str, str], dict[str, Any] | None] | None:
+def _pending_records(p: Path) -> tuple[ExpectedDigest, dict[str, Any] | None] | None:
     """The records of an interrupted save, if they describe the file now at ``p``.
 
     Costs one extra digest pass, and only when ``.NAME.<algo>.pending`` exists.
@@ -113,7 +113,7 @@ def _pending_records(p: Path) -> tuple[tuple[str, str, str], dict[str, Any] | No
         if hexd is None or digest_file(p, algo).hexdigest != hexd:
             return None  # a save that died before its rename: the old records stand
         mp = pending_name(meta_path_for(p))
-        return (algo, hexd, "sidecar"), _read_meta_file(mp) if mp.is_file() else None
+        return ExpectedDigest(algo, hexd, "sidecar"), _read_meta_file(mp) if mp.is_file() else None
     return None
 
 
@@ -126,8 +126,8 @@ def _first_word(path: Path) -> str | None:
 
 
 def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
-                     policy: SidecarPolicy) -> tuple[str, str, str] | None:
-    """``(algo, hex, source)`` to check the file against, or None."""
+                     policy: SidecarPolicy) -> ExpectedDigest | None:
+    """The digest to check the file against, or None."""
     recorded = meta.get("digest") if meta else None
     side = _sidecar_for(p, recorded) if policy != "ignore" else None
     if side is not None:
@@ -141,7 +141,7 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
                 actual=str(recorded.get("hex")),
                 hint=f"torchverity verify {p}; restore the matching checkpoint, sidecar and meta",
             )
-        return algo, hexd, "sidecar"
+        return ExpectedDigest(algo, hexd, "sidecar")
     if policy == "require":
         raise IntegrityError(
             f"{p}: no sidecar ({p.name}.sha256) and sidecar='require': refusing to load "
@@ -149,7 +149,7 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
             hint=f"save with torchverity.save, or record the digest: torchverity hash --write {p}",
         )
     if policy != "ignore" and isinstance(recorded, dict) and "hex" in recorded:
-        return str(recorded["algo"]), str(recorded["hex"]), "meta"
+        return ExpectedDigest(str(recorded["algo"]), str(recorded["hex"]), "meta")
     return None
 
 
@@ -161,9 +161,9 @@ def _sidecar_for(p: Path, recorded: Any) -> Path | None:
     return find_sidecar(p)
 
 
-def _digest_mismatch(p: Path, expected: tuple[str, str, str], actual: str,
+def _digest_mismatch(p: Path, expected: ExpectedDigest, actual: str,
                      damaged: list[str]) -> IntegrityError:
-    algo, want, source = expected
+    algo, want, source = expected.algo, expected.hex, expected.source
     where = (f"damaged tensor{'s' if len(damaged) > 1 else ''}: {', '.join(damaged[:10])}"
              if damaged else "the damage could not be tied to a tensor")
     record = f"{p.name}.{algo}" if source == "sidecar" else f"{p.name}{META_SUFFIX}"
@@ -176,12 +176,12 @@ def _digest_mismatch(p: Path, expected: tuple[str, str, str], actual: str,
     )
 
 
-def _check_digest(p: Path, expected: tuple[str, str, str] | None,
+def _check_digest(p: Path, expected: ExpectedDigest | None,
                   meta: Mapping[str, Any] | None) -> str | None:
     if expected is None:
         return None
-    actual = digest_file(p, expected[0]).hexdigest
-    if actual != expected[1]:
+    actual = digest_file(p, expected.algo).hexdigest
+    if actual != expected.hex:
         raise _digest_mismatch(p, expected, actual, _locate_pt_damage(p, meta))
     return actual
 
@@ -200,7 +200,7 @@ def _trusted(p: Path, trust_sha256: str | None) -> bool:
     return True
 
 
-def _load_pt(p: Path, fmt: FileFormat, expected: tuple[str, str, str] | None,
+def _load_pt(p: Path, fmt: FileFormat, expected: ExpectedDigest | None,
              meta: Mapping[str, Any] | None, map_location: Any, full_pickle: bool,
              mmap: bool) -> tuple[Any, str | None]:
     if expected is not None and fmt == "pt" and not (full_pickle or mmap):
@@ -210,7 +210,7 @@ def _load_pt(p: Path, fmt: FileFormat, expected: tuple[str, str, str] | None,
     return _torch_load(p, fmt, map_location, full_pickle, mmap and fmt == "pt"), digest
 
 
-def _load_while_hashing(p: Path, expected: tuple[str, str, str],
+def _load_while_hashing(p: Path, expected: ExpectedDigest,
                         meta: Mapping[str, Any] | None, map_location: Any) -> tuple[Any, str]:
     """One pass over the file: torch.load reads it through a reader that hashes it.
 
@@ -220,10 +220,10 @@ def _load_while_hashing(p: Path, expected: tuple[str, str, str],
     """
     failure: Exception | None = None
     obj: Any = None
-    inline = expected[0] in FASTER_THAN_COPY
+    inline = expected.algo in FASTER_THAN_COPY
     with (contextlib.nullcontext() if inline else
           ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load")) as pool:
-        reader = HashingReader(p, new_hasher(expected[0], threads=True), pool)
+        reader = HashingReader(p, new_hasher(expected.algo, threads=True), pool)
         try:
             obj = torch.load(reader, map_location=map_location,  # type: ignore[arg-type]
                              weights_only=True)
@@ -232,7 +232,7 @@ def _load_while_hashing(p: Path, expected: tuple[str, str, str],
         finally:
             actual = reader.hexdigest()
             reader.close()
-    if actual != expected[1]:
+    if actual != expected.hex:
         raise _digest_mismatch(p, expected, actual, _locate_pt_damage(p, meta))
     if failure is not None:
         raise _load_failure(p, "pt", failure) from None
@@ -243,7 +243,7 @@ def _load_while_hashing(p: Path, expected: tuple[str, str, str],
 
 
 
-def _read_safetensors(p: Path, expected: tuple[str, str, str] | None,
+def _read_safetensors(p: Path, expected: ExpectedDigest | None,
                       meta: Mapping[str, Any] | None, hash_tensors: bool = True,
                       ) -> tuple[dict[str, torch.Tensor], str | None, Fingerprint | None]:
     """One pass: read tensors into place while hashing the file and (``hash_tensors``) each tensor.
@@ -255,7 +255,7 @@ def _read_safetensors(p: Path, expected: tuple[str, str, str] | None,
     except FormatError:
         _check_digest(p, expected, None)  # a damaged header is reported as damage
         raise
-    file_hasher = new_hasher(expected[0]) if expected else None
+    file_hasher = new_hasher(expected.algo) if expected else None
     recorded = _meta_fingerprint(meta, meta_path_for(p)) if meta else None
     algo = exact_algo(recorded) if recorded else EXACT
     tensor_hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape, algo)
@@ -283,14 +283,14 @@ def _read_safetensors(p: Path, expected: tuple[str, str, str] | None,
         for e in header.entries
     ]) if tensor_hashers else None
     digest = file_hasher.hexdigest() if file_hasher else None
-    if expected is not None and digest != expected[1]:
+    if expected is not None and digest != expected.hex:
         damaged = (recorded.differing(fp) if recorded and fp
                    else _locate_pt_damage(p, meta))
         raise _digest_mismatch(p, expected, str(digest), damaged)
     return tensors, digest, fp
 
 
-def _digest_binds_fingerprint(expected: tuple[str, str, str] | None,
+def _digest_binds_fingerprint(expected: ExpectedDigest | None,
                               meta: Mapping[str, Any] | None) -> bool:
     """Whether the verified file digest is the one meta.json recorded beside its fingerprint.
 
@@ -302,8 +302,8 @@ def _digest_binds_fingerprint(expected: tuple[str, str, str] | None,
     if expected is None or meta is None:
         return False
     recorded = meta.get("digest")
-    return (isinstance(recorded, dict) and recorded.get("algo") == expected[0]
-            and recorded.get("hex") == expected[1])
+    return (isinstance(recorded, dict) and recorded.get("algo") == expected.algo
+            and recorded.get("hex") == expected.hex)
 
 
 def _check_fingerprint(p: Path, obj: Any, meta: Mapping[str, Any] | None,

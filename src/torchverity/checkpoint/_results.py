@@ -6,6 +6,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 SidecarPolicy = Literal["warn", "require", "ignore"]
+DigestSource = Literal["sidecar", "meta"]
+
+
+@dataclass(frozen=True)
+class ExpectedDigest:
+    """The digest a file is checked against, and the record it came from."""
+
+    algo: str
+    hex: str
+    source: DigestSource
 
 
 class CheckpointWarning(UserWarning):
@@ -34,7 +44,7 @@ class LoadReport:
     format: str
     algo: str | None
     digest: str | None
-    digest_source: str | None  # "sidecar", "meta" or None when nothing was checked
+    digest_source: DigestSource | None  # None when nothing was checked
     fingerprint: str | None
     fingerprint_verified: bool
     sidecar_policy: str

@@ -144,8 +144,8 @@ def load_sharded(folder: Path, *, map_location: Any, sidecar: SidecarPolicy,
         check = "rehashed" if fp_root is not None else None
     report = LoadReport(
         path=os.fspath(folder), format=f"sharded-{reports[0].format}",
-        algo=expected[0] if expected else None, digest=digest,
-        digest_source=expected[2] if expected else None, fingerprint=fp_root,
+        algo=expected.algo if expected else None, digest=digest,
+        digest_source=expected.source if expected else None, fingerprint=fp_root,
         fingerprint_verified=fp_root is not None, sidecar_policy=sidecar, weights_only=True,
         tensors=len(merged), shards=tuple(shards),
         warnings=_summarise_warnings(index, reports, expected is None and sidecar == "warn"),
