@@ -28,9 +28,14 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from torchverity.batch._item import BatchItem, ItemFn
+from torchverity.batch._item import BatchItem, DurabilityMode, EngineName, ItemFn
 from torchverity.batch._model import GivenFn, ModelSpec
-from torchverity.batch._run import BatchReport, ItemProblem, JobConfig, execute
+from torchverity.batch._run import (
+    BatchReport,
+    ItemProblem,
+    JobConfig,
+    execute,
+)
 from torchverity.batch._verify import BatchProblem, BatchVerifyResult, verify_batch
 
 __all__ = [
@@ -56,11 +61,11 @@ def run_batch(
     workers: int = 1,
     retries: int = 2,
     backoff: float = 0.1,
-    engine: str = "local",
+    engine: EngineName = "local",
     ray_address: str | None = None,
     force: bool = False,
     suffix: str = ".out",
-    durability: str = "group",
+    durability: DurabilityMode = "group",
     name: str | None = None,
     model_fingerprint: str | None = None,
     golden: PathLike | None = None,
@@ -100,11 +105,11 @@ def run_model_batch(
     workers: int = 1,
     retries: int = 2,
     backoff: float = 0.1,
-    engine: str = "local",
+    engine: EngineName = "local",
     ray_address: str | None = None,
     force: bool = False,
     suffix: str = ".out",
-    durability: str = "group",
+    durability: DurabilityMode = "group",
     golden: PathLike | None = None,
     settings: Mapping[str, str] | None = None,
     progress: Progress | None = None,
@@ -124,7 +129,8 @@ def run_model_batch(
 
 
 def _config(inputs: PathLike, out: PathLike, workers: int, retries: int, backoff: float,
-            engine: str, ray_address: str | None, force: bool, suffix: str, durability: str,
+            engine: EngineName, ray_address: str | None, force: bool, suffix: str,
+            durability: DurabilityMode,
             golden: str | None, settings: Mapping[str, str] | None) -> JobConfig:
     return JobConfig(
         inputs=Path(inputs), out=Path(out), suffix=suffix, workers=workers, retries=retries,

@@ -27,6 +27,7 @@ from collections import deque
 from pathlib import Path
 
 from torchverity.batch._item import (
+    EngineName,
     ItemFn,
     ItemResult,
     OutputWriteError,
@@ -80,7 +81,7 @@ def _thread_setup() -> None:
 class LocalEngine:
     """Runs ``fn`` on ``workers`` threads at a time."""
 
-    name = "local"
+    name: EngineName = "local"
 
     def __init__(self, fn: ItemFn, out: Path, workers: int, *, fsync: bool) -> None:
         self._workers = workers

@@ -15,7 +15,14 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from torchverity.batch._item import ItemFn, ItemResult, OutputWriteError, compute, write_output
+from torchverity.batch._item import (
+    EngineName,
+    ItemFn,
+    ItemResult,
+    OutputWriteError,
+    compute,
+    write_output,
+)
 from torchverity.batch._journal import FAILED, WorkItem
 from torchverity.batch._model import ModelFactory, golden_gate
 from torchverity.errors import BatchError, TorchVerityError, require_extra
@@ -54,7 +61,7 @@ class _Worker:
 class RayEngine:
     """Runs the per-item function on ``workers`` Ray actors (one CPU each)."""
 
-    name = "ray"
+    name: EngineName = "ray"
 
     def __init__(self, factory: ModelFactory, identity: dict[str, str], out: Path,
                  workers: int, address: str | None = None, *, fsync: bool = True) -> None:

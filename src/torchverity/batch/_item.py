@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from torchverity.batch._inputs import InputChanged, file_digest, read_verified
 from torchverity.batch._journal import CHANGED, COMMITTED, FAILED, WorkItem
@@ -167,7 +167,9 @@ def fsync_dirs(folders: set[Path]) -> None:
             os.close(fd)
 
 
-DURABILITY = ("file", "group", "lazy")
+EngineName = Literal["local", "ray"]
+DurabilityMode = Literal["file", "group", "lazy"]
+DURABILITY = get_args(DurabilityMode)
 
 
 def _syncfs() -> Callable[[int], int] | None:

@@ -43,6 +43,8 @@ from torchverity.batch._item import (
     DURABILITY,
     TMP_SUFFIX,
     Durability,
+    DurabilityMode,
+    EngineName,
     ItemFn,
     ItemResult,
     OutputWriteError,
@@ -76,7 +78,7 @@ MAX_BACKOFF_S = 10.0
 
 
 class Engine(Protocol):
-    name: str
+    name: EngineName
 
     @property
     def backlog(self) -> int: ...  # how many items the driver keeps submitted
@@ -109,7 +111,7 @@ class BatchReport:
 
     out: str
     fingerprint: str
-    engine: str
+    engine: EngineName
     total: int
     committed: int
     failed: int
@@ -141,10 +143,10 @@ class JobConfig:
     workers: int = 1
     retries: int = 2
     backoff: float = 0.1
-    engine: str = "local"
+    engine: EngineName = "local"
     ray_address: str | None = None
     force: bool = False
-    durability: str = "group"
+    durability: DurabilityMode = "group"
     golden: str | None = None
     settings: tuple[tuple[str, str], ...] = ()
 
@@ -650,7 +652,7 @@ def _finish(journal: Journal, out: Path) -> str | None:
     return os.fspath(write_bag(out, entries))
 
 
-def _report(journal: Journal, out: Path, fingerprint: str, engine: str, resumed: bool,
+def _report(journal: Journal, out: Path, fingerprint: str, engine: EngineName, resumed: bool,
             interrupted: int, orphans: int, repaired: list[str], processed: int, retries: int,
             seconds: float, work_seconds: float, manifest: str | None) -> BatchReport:
     counts = journal.counts()

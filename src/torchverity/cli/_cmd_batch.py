@@ -7,8 +7,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
+from torchverity.batch._item import DurabilityMode, EngineName
 from torchverity.cli._output import Output, _is_tty
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     run.add_argument("--out", required=True, type=Path,
                      help="output folder: data/, journal, manifest-sha256.txt")
     run.add_argument("--workers", type=int, default=1, help="parallel workers (default 1)")
-    run.add_argument("--engine", choices=("local", "ray"), default="local",
+    run.add_argument("--engine", choices=get_args(EngineName), default="local",
                      help="local threads or Ray actors (extra 'ray')")
     run.add_argument("--ray-address", help="Ray cluster to join (default: RAY_ADDRESS or a "
                      "new local one)")
@@ -51,7 +52,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                      help="retries per failing item, with backoff (default 2)")
     run.add_argument("--suffix", default=".out", help="appended to each input's key to name "
                      "its output (default .out)")
-    run.add_argument("--durability", choices=("file", "group", "lazy"), default="group",
+    run.add_argument("--durability", choices=get_args(DurabilityMode), default="group",
                      help="group: one syncfs of the output filesystem per commit point "
                      "(default; Linux, elsewhere file); file: fsync every output; lazy: no "
                      "flush, outputs lost by a power cut are found and redone by the "

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any
+from typing import Any, get_args
 
 from torchverity.cli._output import Output
 from torchverity.errors import InputError, require_extra
+from torchverity.serve._digest_fields import Policy
 
 _UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2,
           "gb": 1000**3, "gib": 1024**3}
@@ -35,7 +36,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="move the model there after verifying (cpu, cuda, cuda:1...)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--digest-policy", choices=("require", "verify-if-present", "ignore"),
+    p.add_argument("--digest-policy", choices=get_args(Policy),
                    default="verify-if-present",
                    help="request Content-Digest: require it, check it when present, or ignore it")
     p.add_argument("--max-body", type=_size, default="8MiB", metavar="SIZE",
