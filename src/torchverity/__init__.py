@@ -1,37 +1,35 @@
 """torchverity: make silent data corruption in PyTorch loud, located and recoverable.
 
-Map of the package (one module per concept; the CLI mirrors it)::
+Map of the package (one subpackage per area; the CLI mirrors it)::
 
     Artifacts
-      digest       streaming file digests, sha256sum-compatible sidecars
-      manifest     directory manifests (JSON, BagIt/sha256sum) with a root digest
-      verify       files against sidecars, folders against manifests
-      inject       fault drills on files: bit flips, truncation
-      fingerprint  format-independent content fingerprints of tensors and checkpoints
-      checkpoint   atomic verified save / verified load, sharded folders, meta.json
-      diff         tensor-by-tensor comparison, bit-flip classification
-      inspect      what a checkpoint holds, without running its pickle
-      scan         static pickle analysis, weights_only planner
-      migrate      legacy pickles -> weights_only state_dict + JSON meta
-      explain      known save/load errors -> cause, fix, checking command
+      digest        streaming file digests, sha256sum-compatible sidecars
+      manifest      directory manifests (JSON, BagIt/sha256sum) with a root digest
+      verify        files against sidecars, folders against manifests
+      inject        fault drills on files: bit flips, truncation
+      checkpoint/   atomic verified save and load, sharded folders, meta.json,
+                    content fingerprints, diff, inspect
+      pickles/      static pickle scans, the weights_only plan, inert migration, explain
     Training
-      guard        TrainingGuard: NaN/Inf, spikes, weights at rest, replay, policies
-      determinism  seed_everything, RNG capture, data-order records, reproducibility
-      faults       tensor fault injection for drills and tests
-      distributed  cross-replica checks, gradient checks, cross-rank replay, DCP manifests
-      report       summaries and plots of guard event logs
-      integrations Lightning and Hugging Face callbacks (extras)
+      training/     TrainingGuard: NaN/Inf, spikes, weights at rest, replay, policies
+      determinism   seed_everything, RNG capture, data-order records, reproducibility
+      faults        tensor fault injection for drills and tests
+      distributed/  cross-replica and gradient checks, cross-rank replay, DCP manifests
+      report        summaries and plots of guard event logs
+      integrations/ Lightning and Hugging Face callbacks (extras)
     Inference
-      golden       consistency_check, golden record/check
-      selftest     known-answer and repeat-run tests of a device
-      doctor       environment report
-      export       eager vs ONNX Runtime / torch.export / TorchScript / torch.compile
+      golden/       consistency_check, golden record/check
+      selftest      known-answer and repeat-run tests of a device
+      doctor        environment report
+      export        eager vs ONNX Runtime / torch.export / TorchScript / torch.compile
     Serving and batch
-      serve        FastAPI service with RFC 9530 digests (extra: serve)
-      batch        journaled batch jobs with exactly-once outputs (local or Ray)
-    Shared
-      errors       TorchVerityError and its typed subclasses
-      cli, demo    the ``torchverity`` command and ``torchverity demo``
+      serve/        FastAPI service with RFC 9530 digests (extra: serve)
+      batch/        journaled batch jobs with exactly-once outputs (local or Ray)
+    Bottom layer (imports nothing above it)
+      errors        TorchVerityError and its typed subclasses
+      _formats      what a file is, from its bytes (torch-free)
+      _tensors      tensors as bytes: leaves, byte views, dtype names
+    cli/, demo/     the ``torchverity`` command and ``torchverity demo``
 
 Examples (``torchverity demo`` runs every capability end to end)::
 
