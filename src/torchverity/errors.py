@@ -1,14 +1,29 @@
 """The exception hierarchy.
 
 Every error torchverity raises derives from :class:`TorchVerityError`. Each
-subclass carries the data a caller needs to act on it (path, expected, actual,
-...) and renders a message with three parts: what happened, where, and what to
-do next (``hint``), ideally the ``torchverity`` command that checks it.
+subclass carries the data a caller needs to act on it (``path``, expected,
+actual, ...) and renders a message with three parts: what happened, where, and
+what to do next (``hint``), ideally the ``torchverity`` command that checks it::
 
-``exit_code`` tells the CLI how to end: 1 when a check ran and failed
-(mismatch, unsafe file, anomaly), 2 when the input could not be checked at all
-(bad usage, missing or unreadable input, malformed format). The CLI ends with 3 only
-on an internal error: a bug to report, never a verdict on the input.
+    TorchVerityError                 exit 2: the input could not be checked
+    ├── UsageError                   arguments that cannot work
+    ├── InputError                   missing or unreadable input
+    ├── FormatError                  not the format it claims
+    ├── MissingExtraError            an optional package is needed
+    ├── CheckpointWriteError         a save could not finish; says if the old one is intact
+    ├── BatchError                   a batch job cannot start or go on
+    ├── DistributedTimeoutError      a collective did not complete: a rank died or hangs
+    ├── ServiceError                 a model service refused a request or is unreachable
+    └── CheckFailedError             exit 1: the check ran and the data is wrong
+        ├── IntegrityError           bytes or content differ from the record
+        ├── UnsafeFileError          a file would run code if unpickled
+        ├── StateDictMismatchError   a checkpoint does not fit a model
+        ├── TrainingAnomalyError     an anomaly under a ``stop`` policy
+        └── ReplicaMismatchError     ranks that must agree disagree
+
+``exit_code`` tells the CLI how to end: 1 when a check ran and failed, 2 when the
+input could not be checked at all. The CLI ends with 3 only on an internal
+error: a bug to report, never a verdict on the input.
 """
 
 from __future__ import annotations
@@ -27,10 +42,14 @@ class TorchVerityError(Exception):
     """Root of every torchverity error."""
 
     exit_code: int = EXIT_USAGE
+    path: str | None = None  # the file or folder concerned, when there is one
 
-    def __init__(self, message: str, *, hint: str | None = None) -> None:
+    def __init__(self, message: str, *, hint: str | None = None,
+                 path: str | Path | None = None) -> None:
         self.message = message
         self.hint = hint
+        if path is not None:
+            self.path = str(path)
         super().__init__(self._render())
 
     def _render(self) -> str:
@@ -57,17 +76,9 @@ class UsageError(TorchVerityError):
 class InputError(TorchVerityError):
     """An input is missing or cannot be read."""
 
-    def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None):
-        self.path = str(path) if path is not None else None
-        super().__init__(message, hint=hint)
-
 
 class FormatError(TorchVerityError):
     """A file exists but is not in the format it claims (sidecar, manifest, checkpoint...)."""
-
-    def __init__(self, message: str, *, path: str | Path | None = None, hint: str | None = None):
-        self.path = str(path) if path is not None else None
-        super().__init__(message, hint=hint)
 
 
 class MissingExtraError(TorchVerityError):
@@ -102,11 +113,10 @@ class IntegrityError(CheckFailedError):
         tensors: Sequence[str] = (),
         hint: str | None = None,
     ) -> None:
-        self.path = str(path) if path is not None else None
         self.expected = expected
         self.actual = actual
         self.tensors = list(tensors)
-        super().__init__(message, hint=hint)
+        super().__init__(message, hint=hint, path=path)
 
 
 class UnsafeFileError(CheckFailedError):
@@ -120,9 +130,8 @@ class UnsafeFileError(CheckFailedError):
         globals_found: Sequence[str] = (),
         hint: str | None = None,
     ) -> None:
-        self.path = str(path) if path is not None else None
         self.globals_found = list(globals_found)
-        super().__init__(message, hint=hint)
+        super().__init__(message, hint=hint, path=path)
 
 
 def require_extra(module: str, *, extra: str, feature: str) -> Any:
@@ -172,11 +181,10 @@ class StateDictMismatchError(CheckFailedError):
         mismatched: Sequence[dict[str, Any]] = (),
         hint: str | None = None,
     ) -> None:
-        self.path = str(path) if path is not None else None
         self.missing = list(missing)
         self.unexpected = list(unexpected)
         self.mismatched = list(mismatched)
-        super().__init__(message, hint=hint)
+        super().__init__(message, hint=hint, path=path)
 
 
 class CheckpointWriteError(TorchVerityError):
@@ -191,10 +199,9 @@ class CheckpointWriteError(TorchVerityError):
         previous_intact: bool = True,
         hint: str | None = None,
     ) -> None:
-        self.path = str(path) if path is not None else None
         self.reason = reason
         self.previous_intact = previous_intact
-        super().__init__(message, hint=hint)
+        super().__init__(message, hint=hint, path=path)
 
 
 class BatchError(TorchVerityError):
