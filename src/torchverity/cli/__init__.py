@@ -15,13 +15,11 @@ import functools
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
 
 from torchverity.cli._output import Output
 from torchverity.errors import EXIT_INTERNAL, EXIT_USAGE, TorchVerityError
-
-Handler = Callable[[argparse.Namespace, Output], int]
 
 
 def _common_parser() -> argparse.ArgumentParser:

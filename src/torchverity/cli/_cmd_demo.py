@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED
 
@@ -16,9 +17,8 @@ def _names(text: str) -> list[str]:
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "demo",
-        parents=[common],
+    p = add_command(
+        subparsers, common, "demo", _run,
         help="run the end-to-end demo on built-in data",
         description="Run every capability's check on built-in data (no downloads). Every step "
         "must pass: a step whose extra is missing fails unless it is named in --skip.",
@@ -28,7 +28,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="run only these steps (names as in the summary, e.g. serve)")
     p.add_argument("--skip", type=_names, action="extend", default=[], metavar="STEP[,STEP]",
                    help="do not run these steps")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

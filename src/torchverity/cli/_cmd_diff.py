@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "diff",
-        parents=[common],
+    p = add_command(
+        subparsers, common, "diff", _run,
         help="compare two checkpoints tensor by tensor (bit flips, drift, shape changes)",
         description="Compare A and B (.pt, .safetensors or sharded folders, in any mix). Each "
         "value change is classified: bit-flip (which bit: sign, exponent or mantissa), "
@@ -24,7 +24,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--rtol", type=float, default=0.0, help="relative tolerance (default 0)")
     p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
     p.add_argument("--all", action="store_true", help="also list identical tensors")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

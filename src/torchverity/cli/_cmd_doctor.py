@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED
 
@@ -12,15 +13,15 @@ _MARK = {"ok": "ok", "info": "info", "warn": "WARN", "fail": "FAIL"}
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "doctor", parents=[common], help="check this environment for silent-corruption risks",
+    p = add_command(
+        subparsers, common, "doctor", _run,
+        help="check this environment for silent-corruption risks",
         description="Versions (Python, torch, CUDA, cuDNN, driver), the effective torch.load "
         "weights_only default and the variables that change it, determinism settings, GPU ECC "
         "counters (with nvidia-ml-py) and a short self-test. Exit 1 if anything fails.",
     )
     p.add_argument("--seconds", type=float, help="self-test length per device (default: 1 round)")
     p.add_argument("--no-selftest", action="store_true", help="skip the self-test")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

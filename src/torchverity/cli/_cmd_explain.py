@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import InputError, UsageError
 
@@ -15,15 +16,15 @@ _LOG_TAIL_BYTES = 16 * 1024 * 1024
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "explain", parents=[common], help="explain a checkpoint save/load error message",
+    p = add_command(
+        subparsers, common, "explain", _run,
+        help="explain a checkpoint save/load error message",
         description="Recognise known failure messages around saving and loading (in TEXT, a "
         "log file, or stdin) and print the cause, the fix and the torchverity command that "
         "checks it.",
     )
     p.add_argument("text", nargs="*", help="the error message (quote it)")
     p.add_argument("--log", type=Path, help="read the messages from this log file")
-    p.set_defaults(func=_run)
 
 
 def _read_log(path: Path) -> str:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "fingerprint",
-        parents=[common],
+    p = add_command(
+        subparsers, common, "fingerprint", _run,
         help="content fingerprint of a checkpoint (same for .pt, .safetensors, shards)",
         description="Print the root digest over every tensor's name, dtype, shape and bytes. "
         "It depends only on content: the same tensors saved in any format, order or layout "
@@ -22,7 +22,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("exact", "device", "sha256"), default="exact",
                    help="exact: BLAKE3 (default); device: the tvsum64x2 device checksum; "
                         "sha256: the exact mode of records made before BLAKE3")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.digest import ALGORITHMS, DEFAULT_ALGO
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "hash",
-        parents=[common],
+    p = add_command(
+        subparsers, common, "hash", _run,
         help="print file digests like sha256sum; --write sidecars",
         description="Print '<hex>  <path>' lines exactly like sha256sum. "
         "--write also writes FILE.sha256 (or FILE.blake3), which sha256sum -c accepts.",
@@ -20,7 +20,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--algo", choices=ALGORITHMS, default=DEFAULT_ALGO)
     p.add_argument("--write", action="store_true", help="write a sidecar next to each file")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

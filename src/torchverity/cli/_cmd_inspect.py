@@ -6,14 +6,14 @@ import argparse
 import json
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "inspect",
-        parents=[common],
+    p = add_command(
+        subparsers, common, "inspect", _run,
         help="tensors, sizes, fingerprint, meta.json, sidecar and scan verdict of a checkpoint",
         description="Show a checkpoint's tensors (names, shapes, dtypes, bytes), element count, "
         "bytes per dtype, content fingerprint, meta.json summary, whether the sidecar matches "
@@ -24,7 +24,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="PATH", help="a .pt/.bin/.safetensors file or sharded folder")
     p.add_argument("--limit", type=int, default=50,
                    help="list at most this many tensors (default 50; 0 lists all)")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

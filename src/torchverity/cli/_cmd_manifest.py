@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.digest import ALGORITHMS, DEFAULT_ALGO
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "manifest",
-        parents=[common],
+    p = add_command(
+        subparsers, common, "manifest", _run,
         help="write a manifest of every file in a folder",
         description="Hash every regular file under DIR (symlinks are skipped) and write "
         "DIR/torchverity.manifest.json, or DIR/manifest-sha256.txt with --format sha256sum. "
@@ -21,7 +21,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("directory", metavar="DIR")
     p.add_argument("--algo", choices=ALGORITHMS, default=DEFAULT_ALGO)
     p.add_argument("--format", choices=("json", "sha256sum"), default="json", dest="fmt")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

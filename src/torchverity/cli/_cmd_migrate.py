@@ -6,12 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "migrate", parents=[common],
+    p = add_command(
+        subparsers, common, "migrate", _run,
         help="convert a legacy checkpoint to a weights_only-loadable state_dict",
         description="Extract the tensors of a legacy checkpoint (custom classes, whole models, "
         "optimizers, Namespace, numpy) into NEW (.safetensors or .pt) and its non-tensor data "
@@ -23,7 +24,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("target", type=Path, help="the new file (.safetensors or .pt)")
     p.add_argument("--trust-sha256", metavar="HEX",
                    help="the source's SHA-256: allows a real unpickler if inert migration fails")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

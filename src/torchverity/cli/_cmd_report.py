@@ -6,19 +6,20 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "report", parents=[common], help="summarise a TrainingGuard event log",
+    p = add_command(
+        subparsers, common, "report", _run,
+        help="summarise a TrainingGuard event log",
         description="Summarise a TrainingGuard event log (JSONL): anomalies, skipped steps, "
                     "rollbacks, replays; optionally plot loss and grad norm with anomalies marked.",
     )
     p.add_argument("events", type=Path, help="the log= file written by TrainingGuard")
     p.add_argument("--plot", type=Path, metavar="PNG",
                    help="also draw loss and grad norm to this PNG (needs torchverity[plot])")
-    p.set_defaults(func=_run)
 
 
 def _suspects(record: dict[str, Any]) -> str:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 
 if TYPE_CHECKING:
@@ -13,8 +14,9 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "scan", parents=[common], help="check checkpoints/pickles for code without running them",
+    p = add_command(
+        subparsers, common, "scan", _run,
+        help="check checkpoints/pickles for code without running them",
         description="Statically scan torch checkpoints (zip and legacy), pickles, .npy/.npz and "
         "joblib files. Verdicts: safe, needs-allowlist (with the exact safe_globals code), unsafe, "
         "malformed. Nothing from the files is imported or run. Exit 1 if any file is unsafe or "
@@ -22,7 +24,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("paths", nargs="+", type=Path, help="files or folders (scanned recursively)")
     p.add_argument("--all", action="store_true", help="list torch-allowlisted globals too")
-    p.set_defaults(func=_run)
 
 
 def _global_rows(result: ScanResult, show_all: bool) -> list[list[str]]:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "selftest", parents=[common], help="test that a device computes and stores correctly",
+    p = add_command(
+        subparsers, common, "selftest", _run,
+        help="test that a device computes and stores correctly",
         description="Known-answer tests (integer-valued matmul, convolution and reductions with "
         "exact results), repeat-run determinism and comparison with a float64 CPU reference in "
         "float32, float16 and bfloat16, plus a memory pattern test. Exit 1 on any failure.",
@@ -20,7 +22,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=5.0,
                    help="keep testing with fresh inputs for about this long (default 5)")
     p.add_argument("--memory-mb", type=int, help="pattern-test buffer size (0 skips it)")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

@@ -6,6 +6,7 @@ import argparse
 import re
 from typing import Any, get_args
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import InputError, require_extra
 from torchverity.serve._digest_fields import Policy
@@ -15,8 +16,9 @@ _UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2,
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "serve", parents=[common], help="serve a model from verified weights (extra: serve)",
+    p = add_command(
+        subparsers, common, "serve", _run,
+        help="serve a model from verified weights (extra: serve)",
         description="Verify the weights (sidecar or manifest digest, content fingerprint), load "
         "them with weights_only=True, run the golden check, then serve /predict, /health, "
         "/ready and /metadata with RFC 9530 Content-Digest checks. Refuses to start (exit 1) "
@@ -48,7 +50,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="run the start-up checks, print the report and exit without serving")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
-    p.set_defaults(func=_run)
 
 
 def _size(text: str) -> int:

@@ -5,20 +5,19 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "verify",
-        parents=[common],
+    p = add_command(
+        subparsers, common, "verify", _run,
         help="check files and folders against their records",
         description="A file is checked against FILE.sha256 (or .blake3), a folder against its "
         "manifest. Lists ok / mismatched / missing / extra paths; exit 1 if any is not ok.",
     )
     p.add_argument("paths", nargs="+", metavar="PATH")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
