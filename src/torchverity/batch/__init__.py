@@ -25,7 +25,7 @@ up to ``retries`` times, then recorded with its error. Engines: ``"local"``
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from torchverity.batch._item import BatchItem, DurabilityMode, EngineName, ItemFn
@@ -113,6 +113,8 @@ def run_model_batch(
     golden: PathLike | None = None,
     settings: Mapping[str, str] | None = None,
     progress: Progress | None = None,
+    strip_prefix: Sequence[str] = (),
+    key_map: Mapping[str, str] | None = None,
 ) -> BatchReport:
     """``torchverity batch run``: ``model`` is ``module:build``, ``build(state) -> fn``.
 
@@ -121,9 +123,12 @@ def run_model_batch(
     fingerprint. Without ``weights``, ``build()`` is called with no argument.
     With ``golden``, the returned function's ``model`` attribute is checked
     against the golden file before the first item and after the run.
+    ``strip_prefix`` and ``key_map`` rename the state's keys before ``build``
+    sees them, as :func:`torchverity.load` does.
     """
     gate = os.fspath(golden) if golden is not None else None
-    factory = ModelSpec(model, os.fspath(weights) if weights is not None else None, gate)
+    factory = ModelSpec(model, os.fspath(weights) if weights is not None else None, gate,
+                        tuple(strip_prefix), tuple((key_map or {}).items()))
     return execute(_config(inputs, out, workers, retries, backoff, engine, ray_address, force,
                            suffix, durability, gate, settings), factory, progress)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from torchverity.batch._item import DurabilityMode, EngineName
+from torchverity.cli._fit_args import add_fit_args, fit_kwargs
 from torchverity.cli._output import Output, _is_tty
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                      "--weights)")
     run.add_argument("--weights", type=Path,
                      help="checkpoint, verified against its .sha256 sidecar before any item")
+    add_fit_args(run, strict=False)
     run.add_argument("--golden", type=Path, metavar="FILE",
                      help="golden file: the model (fn.model) must pass it before the first "
                      "item and after the run, or the run's outputs are discarded")
@@ -83,7 +85,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
             args.inputs, args.model, args.out, weights=args.weights, workers=args.workers,
             retries=args.retries, engine=args.engine, ray_address=args.ray_address,
             force=args.force, suffix=args.suffix, durability=args.durability, golden=args.golden,
-            progress=progress,
+            progress=progress, strip_prefix=args.strip_prefix,
+            key_map=fit_kwargs(args)["key_map"],
         )
     if out.json_mode:
         out.data({"ok": report.ok, **_as_dict(report)})
