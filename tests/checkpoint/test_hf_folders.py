@@ -1,8 +1,8 @@
 """Hugging Face folders as checkpoints, built with transformers' own save_pretrained.
 
 Single file, sharded (``max_shard_size``) and ``.bin`` (what ``safe_serialization=False``
-wrote before transformers 5) folders, each with ``config.json``, tokenizer files and ``.gitattributes`` beside the
-weights. Both ways: every layout loads, inspects and fingerprints to the model's own
+wrote before transformers 5) folders, each with ``config.json``, tokenizer files and
+``.gitattributes`` beside the weights. Both ways: every layout loads, inspects and fingerprints to the model's own
 fingerprint; a flipped bit is caught against the folder's manifest and located; an
 extra file gets advice that is not "restore"; clean folders raise nothing.
 """
@@ -24,7 +24,8 @@ from torchverity.verify import verify_path
 
 transformers = pytest.importorskip("transformers")
 
-GITATTRIBUTES = "*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.bin filter=lfs diff=lfs merge=lfs -text\n"
+GITATTRIBUTES = ("*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
+                 "*.bin filter=lfs diff=lfs merge=lfs -text\n")
 
 
 def tiny_bert() -> torch.nn.Module:
