@@ -3,8 +3,9 @@
 Single file, sharded (``max_shard_size``) and ``.bin`` (what ``safe_serialization=False``
 wrote before transformers 5) folders, each with ``config.json``, tokenizer files and
 ``.gitattributes`` beside the weights. Both ways: every layout loads, inspects and
-fingerprints to the model's own fingerprint; a flipped bit is caught against the folder's manifest and located; an
-extra file gets advice that is not "restore"; clean folders raise nothing.
+fingerprints to the model's own fingerprint; a flipped bit is caught against the
+folder's manifest and located; an extra file gets advice that is not "restore"; clean
+folders raise nothing.
 """
 
 from __future__ import annotations
