@@ -45,10 +45,15 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     chk = actions.add_parser(
         "check", parents=[common, model_args], help="compare the model with a golden file",
         description="Exit 1 when any part fails: digest, sampled values, a statistic, "
-        "NaN/Inf count or output structure; when outputs differ the weights are compared too.",
+        "NaN/Inf count, output structure, or the weights' fingerprint (compared whenever "
+        "the record holds one).",
     )
     chk.add_argument("--mode", choices=("auto", "exact", "tolerance"), default="auto",
                      help="auto: exact on the recorded environment, tolerance elsewhere")
+    chk.add_argument("--check-weights", action=argparse.BooleanOptionalAction, default=None,
+                     help="compare the model's weights with the record's fingerprint even when "
+                     "outputs match (default: whenever the record holds one; "
+                     "--no-check-weights only when outputs differ)")
     chk.add_argument("--rtol", type=float, help="relative tolerance (tolerance mode)")
     chk.add_argument("--atol", type=float, help="absolute tolerance (tolerance mode)")
     chk.set_defaults(func=_check)
@@ -70,6 +75,14 @@ def build_model(spec: str, weights: Path | None, device: str,
     if weights is not None:
         load(weights, model=model, map_location="cpu", **(fit or {}))
     return model.to(dev)
+
+
+def _require_fingerprint(path: Path) -> None:
+    from torchverity.golden._record_file import load_record
+
+    if load_record(path)[0].model_fingerprint is None:
+        raise UsageError(f"{path}: the record holds no weights fingerprint to compare with",
+                         hint="record it again with the model: torchverity golden record ...")
 
 
 def _inputs(args: argparse.Namespace) -> Any:
@@ -118,7 +131,10 @@ def _check(args: argparse.Namespace, out: Output) -> int:
 
     model = build_model(args.model, args.weights, args.device, fit_kwargs(args))
     exact = {"auto": None, "exact": True, "tolerance": False}[args.mode]
-    result = golden.check(model, args.golden, exact=exact, rtol=args.rtol, atol=args.atol)
+    if args.check_weights:
+        _require_fingerprint(args.golden)
+    result = golden.check(model, args.golden, exact=exact, rtol=args.rtol, atol=args.atol,
+                          weights=args.check_weights)
     if out.json_mode:
         out.data(result)
         return 0 if result.ok else EXIT_CHECK_FAILED
