@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from torchverity._formats import broken_download
 from torchverity.digest import ALGORITHMS, digest_file, find_sidecar, read_sidecar
 from torchverity.errors import InputError
 from torchverity.manifest import list_files
@@ -88,6 +89,10 @@ def advice(result: VerifyResult) -> list[str]:
     counts = result.counts
     target = result.target
     steps = []
+    for entry in result.problems:
+        broken = broken_download(_entry_path(result, entry.path))
+        if broken is not None:
+            steps.append(f"{broken.message}; next: {broken.hint}")
     if counts["mismatched"]:
         steps.append("mismatched: the content changed since it was recorded; restore those "
                      "files from a good copy, then rerun torchverity verify")
@@ -99,3 +104,8 @@ def advice(result: VerifyResult) -> list[str]:
                      f"(torchverity manifest {target}), else remove them or skip them with "
                      "--exclude GLOB")
     return steps
+
+
+def _entry_path(result: VerifyResult, rel: str) -> Path:
+    target = Path(result.target)
+    return target / rel if result.kind == "directory" else target

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import torchverity.checkpoint._safetensors as st
-from torchverity._formats import FileFormat, file_format
+from torchverity._formats import FileFormat, download_kind, file_format
 from torchverity._tensors import dtype_name
 from torchverity.checkpoint._atomic import pending_name
 from torchverity.checkpoint._damage import _locate_pt_damage
@@ -73,7 +73,8 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
     try:
         fmt = file_format(p)
     except FormatError:
-        if p.stat().st_size:  # damage that hit the magic bytes is damage
+        # Damage that hit the magic bytes is damage; a pointer or web page is a bad download.
+        if p.stat().st_size and download_kind(p) is None:
             _check_digest(p, expected, None)
         raise
     if expected is None and policy == "warn":
