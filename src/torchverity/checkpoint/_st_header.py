@@ -68,7 +68,9 @@ class _Span(Protocol):
 def stream_tensor_bytes(path: Path, data_start: int, entries: Sequence[_Span],
                         feed: Callable[[str, memoryview], None], chunk: int = 8 << 20) -> None:
     """Stream every tensor's bytes (in file order) through ``feed`` with one reused buffer."""
-    buf = memoryview(bytearray(chunk))
+    # Sized to the largest tensor: a small file costs no 8 MiB allocation.
+    buf = memoryview(bytearray(max(1, min(chunk, max((e.nbytes for e in entries), default=1)))))
+    chunk = len(buf)
     with open(path, "rb", buffering=0) as fh:
         fh.seek(data_start)
         for e in entries:

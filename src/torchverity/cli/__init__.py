@@ -30,7 +30,9 @@ def _common_parser() -> argparse.ArgumentParser:
     return common
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or (``command``) one with only that command's module registered:
+    a command's start-up then pays for its own options, not every command's."""
     from torchverity import __version__
 
     parser = argparse.ArgumentParser(
@@ -40,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"torchverity {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     common = _common_parser()
-    for module in _command_modules():
+    modules = _command_modules()
+    named = [m for m in modules if command and m.__name__.endswith(f"._cmd_{command}")]
+    for module in named or modules:
         module.register(subparsers, common)
     return parser
 
@@ -71,7 +75,9 @@ def _report_error(exc: TorchVerityError, out: Output) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return the exit code (the console script exits with it)."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(first if first and first.isidentifier() else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
