@@ -59,6 +59,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                      "(default; Linux, elsewhere file); file: fsync every output; lazy: no "
                      "flush, outputs lost by a power cut are found and redone by the "
                      "rerun's re-hash")
+    run.add_argument("--retry-failed", action="store_true",
+                     help="give failed items a new round of attempts (committed outputs stay); "
+                     "new and edited inputs are always picked up on a rerun")
     run.add_argument("--force", action="store_true",
                      help="start over: delete this folder's previous job and outputs")
     run.set_defaults(func=_run)
@@ -85,7 +88,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
             args.inputs, args.model, args.out, weights=args.weights, workers=args.workers,
             retries=args.retries, engine=args.engine, ray_address=args.ray_address,
             force=args.force, suffix=args.suffix, durability=args.durability, golden=args.golden,
-            progress=progress, strip_prefix=args.strip_prefix,
+            progress=progress, retry_failed=args.retry_failed, strip_prefix=args.strip_prefix,
             key_map=fit_kwargs(args)["key_map"],
         )
     if out.json_mode:
