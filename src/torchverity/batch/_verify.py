@@ -16,7 +16,7 @@ from pathlib import Path
 from torchverity.batch._bag import write_bag
 from torchverity.batch._changes import input_changes, inputs_of
 from torchverity.batch._item import DATA_DIR
-from torchverity.batch._journal import COMMITTED, ItemRow, Journal
+from torchverity.batch._journal import CHANGED, COMMITTED, ItemRow, Journal
 from torchverity.batch._run import stored_digests
 from torchverity.errors import TorchVerityError
 from torchverity.manifest import SHA256SUM_NAME, ManifestEntry, read_manifest
@@ -113,7 +113,7 @@ def _input_problems(inputs: Path | None, root: Path, rows: list[ItemRow]) -> lis
             problems.append(BatchProblem("new-input", change.key, change.record.path,
                                          "an input the job has not processed yet; "
                                          "rerun torchverity batch run to process it"))
-        elif change.row is not None:
+        elif change.row is not None and change.row.state != CHANGED:  # else reported above
             when = ("after its output was committed" if change.row.state == COMMITTED
                     else "since it was listed")
             problems.append(BatchProblem(
