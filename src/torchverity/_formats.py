@@ -53,10 +53,16 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
     broken = broken_download(p)
     if broken is not None:
         raise broken
+    if p.suffix.lower() == ".onnx" and head[:1] == b"\x08":
+        raise FormatError(
+            f"{p}: an ONNX model, not a PyTorch checkpoint: it does not load into a module",
+            path=p, hint=f"run it with onnxruntime; torchverity inspect {p} lists its "
+                         f"initializers and torchverity fingerprint {p} covers them",
+        )
     raise FormatError(
         f"{p}: not a checkpoint (neither a PyTorch zip/pickle nor .safetensors; "
         f"starts with {head[:8]!r})", path=p,
-        hint=f"check the path; torchverity inspect {p} shows what torchverity sees",
+        hint=f"check the path and how the file was made (file {p} names many formats)",
     )
 
 

@@ -27,16 +27,20 @@ def fingerprint_file(path: str | os.PathLike[str], *,
     """
     from torchverity._formats import file_format
     from torchverity.checkpoint._folders import resolve
+    from torchverity.checkpoint._onnx import is_onnx
 
     target = resolve(path)
     algo = {"exact": EXACT, "auto": EXACT}.get(mode, mode)
-    if target.index is None and algo in (EXACT, LEGACY_EXACT) \
+    onnx = target.index is None and is_onnx(target.file)
+    if target.index is None and not onnx and algo in (EXACT, LEGACY_EXACT) \
             and file_format(target.file) == "safetensors":
         return fingerprint_safetensors(target.file, algo)
     from torchverity.checkpoint._fingerprint import fingerprint
+    from torchverity.checkpoint._onnx import onnx_initializers
     from torchverity.checkpoint._read import read_unverified
 
-    return fingerprint(read_unverified(path), mode=DEVICE if algo == DEVICE else mode)
+    obj = onnx_initializers(target.file) if onnx else read_unverified(path)
+    return fingerprint(obj, mode=DEVICE if algo == DEVICE else mode)
 
 
 def fingerprint_safetensors(path: Path, algo: str = EXACT) -> Fingerprint:

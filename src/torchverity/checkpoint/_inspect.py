@@ -93,9 +93,11 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def inspect(path: str | os.PathLike[str]) -> InspectResult:
-    """Inspect a checkpoint file or sharded folder without executing code from it."""
+    """Inspect a checkpoint file, Hugging Face folder, index or ONNX model without executing
+    code from it."""
     from torchverity._formats import file_format
     from torchverity.checkpoint._folders import resolve
+    from torchverity.checkpoint._onnx import is_onnx
     from torchverity.checkpoint._meta import meta_path_for
 
     p = Path(path)
@@ -109,7 +111,8 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
         size = sum((folder / s).stat().st_size for s in shards if (folder / s).is_file())
     else:
         record = target.file
-        fmt, size = file_format(record), record.stat().st_size
+        fmt = "onnx" if is_onnx(record) else file_format(record)
+        size = record.stat().st_size
     sidecar = _check_sidecar(record)
     meta = _meta_summary(meta_path_for(record)) if meta_path_for(record).exists() else None
     # Compared with meta.json, so rebuilt with the algorithm the record names.
@@ -120,7 +123,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     if listed is not None:
         (rows, values, root), not_loaded = listed, None
     else:
-        obj, not_loaded = _open(p, scan)
+        obj, not_loaded = _open_onnx(record) if fmt == "onnx" else _open(p, scan)
         rows, values, root = _contents(obj, algo)
     return InspectResult(os.fspath(p), fmt, size, sidecar, rows, values, root, meta, scan,
                          not_loaded, shards)
@@ -151,6 +154,15 @@ def _open(path: Path, scan: Any) -> tuple[Any, str | None]:
         return read_unverified(path), None
     except TorchVerityError as exc:
         return None, f"cannot list tensors: {exc.message}"
+
+
+def _open_onnx(path: Path) -> tuple[Any, str | None]:
+    from torchverity.checkpoint._onnx import onnx_initializers
+
+    try:
+        return onnx_initializers(path), None
+    except TorchVerityError as exc:
+        return None, f"cannot list initializers: {exc.message}"
 
 
 def _safetensors_contents(target: Any, algo: str,
