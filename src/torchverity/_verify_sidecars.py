@@ -8,15 +8,12 @@ import fnmatch
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from torchverity._formats import broken_download
+from torchverity._verify_results import VerifyEntry, VerifyResult, _damaged_tensors
 from torchverity.digest import ALGORITHMS, digest_file, find_sidecar, read_sidecar
 from torchverity.errors import InputError
 from torchverity.manifest import list_files
-
-if TYPE_CHECKING:
-    from torchverity.verify import VerifyEntry, VerifyResult
 
 _SIDECAR_SUFFIXES = tuple(f".{a}" for a in ALGORITHMS)
 
@@ -30,8 +27,6 @@ def excluded(rel: str, exclude: Sequence[str]) -> bool:
 def verify_sidecars(root: Path, exclude: Sequence[str] = (),
                     progress: Callable[[int], None] | None = None) -> VerifyResult:
     """A folder with no manifest: every file that has a sidecar, against it."""
-    from torchverity.verify import VerifyResult
-
     files, _links = list_files(root)
     present = set(files)
     checked = [rel for rel in files if not excluded(rel, exclude)
@@ -51,8 +46,6 @@ def verify_sidecars(root: Path, exclude: Sequence[str] = (),
 
 def check_sidecar(path: Path, rel: str, progress: Callable[[int], None] | None,
                   ) -> VerifyEntry:
-    from torchverity.verify import VerifyEntry, _damaged_tensors
-
     sidecar = find_sidecar(path)
     assert sidecar is not None
     algo, expected, _name = read_sidecar(sidecar)
@@ -67,7 +60,6 @@ def verify_by_manifest(path: Path, progress: Callable[[int], None] | None,
                        ) -> VerifyResult | None:
     """A file with no sidecar, against its folder's manifest entry (None when unlisted)."""
     from torchverity.checkpoint._folders import manifest_entry
-    from torchverity.verify import VerifyEntry, VerifyResult, _damaged_tensors
 
     listed = manifest_entry(path) if path.parent.is_dir() else None
     if listed is None:

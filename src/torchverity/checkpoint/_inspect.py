@@ -97,8 +97,8 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     code from it."""
     from torchverity._formats import file_format
     from torchverity.checkpoint._folders import resolve
-    from torchverity.checkpoint._onnx import is_onnx
     from torchverity.checkpoint._meta import meta_path_for
+    from torchverity.checkpoint._onnx import is_onnx
 
     p = Path(path)
     target = resolve(p)
