@@ -74,7 +74,7 @@ def run(commands: dict[str, list[str]], repeat: int,
     times: dict[str, list[float]] = {name: [] for name in commands}
     cpu.update({name: [] for name in commands})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name, cmd in commands.items():  # untimed: warms the page cache
+    for cmd in commands.values():  # untimed: warms the page cache
         subprocess.run(cmd, capture_output=True, env=env, check=False)
     for r in range(repeat):
         order = list(commands)
