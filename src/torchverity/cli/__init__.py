@@ -42,9 +42,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"torchverity {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     common = _common_parser()
-    modules = _command_modules()
-    named = [m for m in modules if command and m.__name__.endswith(f"._cmd_{command}")]
-    for module in named or modules:
+    # A named command imports its own module only: another command's imports (asyncio,
+    # sqlite3...) stay off its start-up.
+    modules = (_command_module(command),) if command in COMMANDS else _command_modules()
+    for module in modules:
         module.register(subparsers, common)
     return parser
 
@@ -62,7 +63,12 @@ COMMANDS = (
 def _command_modules() -> tuple[ModuleType, ...]:
     """The command modules, imported once per process (the folder may not stay readable:
     a process that drops privileges still has its commands)."""
-    return tuple(importlib.import_module(f"{__name__}._cmd_{name}") for name in COMMANDS)
+    return tuple(_command_module(name) for name in COMMANDS)
+
+
+@functools.lru_cache(maxsize=None)
+def _command_module(name: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}._cmd_{name}")
 
 
 def _report_error(exc: TorchVerityError, out: Output) -> None:
