@@ -66,7 +66,7 @@ def _command_modules() -> tuple[ModuleType, ...]:
     return tuple(_command_module(name) for name in COMMANDS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _command_module(name: str) -> ModuleType:
     return importlib.import_module(f"{__name__}._cmd_{name}")
 
