@@ -51,6 +51,17 @@ def make_state(total: int, tensors: int = 64) -> dict[str, torch.Tensor]:
     return {f"layers.{i}.weight": torch.randn(per, generator=g) for i in range(tensors)}
 
 
+def bert_state() -> dict[str, torch.Tensor]:
+    """A real checkpoint's shape: a MiniLM-sized BertModel (6 layers, hidden 384), ~90 MB."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=384, num_hidden_layers=6,
+                                     num_attention_heads=12, intermediate_size=1536)
+    model = transformers.BertModel(config)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def numpy_recipe(state: dict[str, torch.Tensor]) -> str:
     """The widely copied state_dict checksum: sorted keys, ``numpy().tobytes()`` per tensor."""
     h = hashlib.sha256()
@@ -263,11 +274,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="256 MiB instead of 1 GiB")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--bert", action="store_true",
+                        help="a MiniLM-sized BertModel state_dict (~90 MB, 101 tensors) "
+                        "instead of 64 equal tensors; results in checkpoint-bert.md")
     args = parser.parse_args()
-    size = (256 if args.quick else 1024) * MiB
     work = WORK / "checkpoint"
     work.mkdir(parents=True, exist_ok=True)
-    state = make_state(size)
+    state = bert_state() if args.bert else make_state((256 if args.quick else 1024) * MiB)
+    size = sum(t.numel() * t.element_size() for t in state.values())
     gib = f"{size // MiB} MiB"
     load_before = os.getloadavg()[0]
     cpu: dict[str, tuple[float, float]] = {}
@@ -293,6 +307,7 @@ def main() -> None:
         NUMPY: lambda: numpy_recipe(state),
     }, args.repeat, cpu, paired)
     speed = hash_speeds(state, args.repeat)
+    len_state = len(state)
     state.clear()  # loads below allocate their own GiB
     gc.collect()
     load = interleaved({
@@ -315,7 +330,9 @@ def main() -> None:
                          "tv:" + LOAD_B3: work / ALGOS["blake3"]}, args.repeat, paired)
     load_after = os.getloadavg()[0]
 
-    body = (f"State: 64 float32 tensors, {gib} in total. Page cache warm. "
+    shape = (f"a MiniLM-sized BertModel state_dict ({len_state} tensors)" if args.bert
+             else "64 float32 tensors")
+    body = (f"State: {shape}, {gib} in total. Page cache warm. "
             f"Load average {load_before:.1f} before, {load_after:.1f} after "
             f"(2 cores shared with other jobs: absolute times are noisy, ratios less so).\n\n")
     body += save_section(save, cpu, gib, paired)
@@ -330,8 +347,10 @@ def main() -> None:
     body += floors(size, speed, save, load)
     body += READING
     cmd = ("python benchmarks/bench_checkpoint.py" + (" --quick" if args.quick else "")
+           + (" --bert" if args.bert else "")
            + (f" --repeat {args.repeat}" if args.repeat != 7 else ""))
-    print(write_results("checkpoint", "Checkpoints: save, load, fingerprint", cmd, body)
+    area = "checkpoint-bert" if args.bert else "checkpoint"
+    print(write_results(area, f"Checkpoints: save, load, fingerprint ({gib})", cmd, body)
           .read_text())
     print(json.dumps({"save": save, "fingerprint": fp, "load": load, "fresh": fresh}, indent=1))
     for p in work.iterdir():

@@ -77,9 +77,13 @@ def test_exit_codes(tmp_path: Path, run_cli) -> None:
     missing = run_cli("verify", tmp_path / "nothing")
     assert missing.code == 2
     assert missing.err == f"torchverity: error: {tmp_path / 'nothing'}: no such file or directory\n"
+    by_sidecars = run_cli("verify", tree)  # no manifest: the sidecars it holds are checked
+    assert by_sidecars.code == 1 and "1 per-file sidecar" in by_sidecars.out
+    (tree / "a.txt.sha256").unlink()
     no_manifest = run_cli("verify", tree)
     assert no_manifest.code == 2
-    assert f"next: record one first: torchverity manifest {tree}" in no_manifest.err
+    assert f"next: record the folder from a trusted copy: torchverity manifest {tree}" \
+        in no_manifest.err
     bad_flip = run_cli("inject", "bitflip", tree / "a.txt")
     assert bad_flip.code == 2 and "give --offset and --bit, or --random" in bad_flip.err
 

@@ -50,8 +50,55 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
         return "pt-legacy"
     if is_safetensors(p):
         return "safetensors"
+    broken = broken_download(p)
+    if broken is not None:
+        raise broken
+    if p.suffix.lower() == ".onnx" and head[:1] == b"\x08":
+        raise FormatError(
+            f"{p}: an ONNX model, not a PyTorch checkpoint: it does not load into a module",
+            path=p, hint=f"run it with onnxruntime; torchverity inspect {p} lists its "
+                         f"initializers and torchverity fingerprint {p} covers them",
+        )
     raise FormatError(
         f"{p}: not a checkpoint (neither a PyTorch zip/pickle nor .safetensors; "
         f"starts with {head[:8]!r})", path=p,
-        hint=f"check the path; torchverity inspect {p} shows what torchverity sees",
+        hint=f"check the path and how the file was made (file {p} names many formats)",
     )
+
+
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def download_kind(path: Path) -> str | None:
+    """``"lfs-pointer"`` or ``"html"`` when a file is one of the two common broken downloads."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(512)
+    except OSError:
+        return None
+    if head.startswith(LFS_POINTER):
+        return "lfs-pointer"
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if text.startswith((b"<!doctype html", b"<html", b"<head", b"<!--")) or b"<html" in text:
+        return "html"
+    return None
+
+
+def broken_download(path: Path) -> FormatError | None:
+    """The error naming a Git LFS pointer or an HTML page saved under a weights name."""
+    kind = download_kind(path)
+    if kind == "lfs-pointer":
+        return FormatError(
+            f"{path}: a Git LFS pointer file ({path.stat().st_size} bytes), not the weights: "
+            "the clone or download fetched the pointer, not the LFS object it names", path=path,
+            hint=f"fetch the real file: git lfs install && git lfs pull --include "
+                 f"'{path.name}' (or download it again with huggingface_hub)",
+        )
+    if kind == "html":
+        return FormatError(
+            f"{path}: an HTML page, not the weights: a login, error or redirect page was "
+            "saved under the weights' name", path=path,
+            hint="download the file again from its direct URL (on the Hugging Face Hub: "
+                 f".../resolve/<revision>/{path.name}, with a token for gated models)",
+        )
+    return None

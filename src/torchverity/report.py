@@ -146,8 +146,8 @@ def plot(path: str | Path, out: str | Path) -> Path:
         for i, (step, _kind) in enumerate(marks):
             ax.axvline(step, color="tab:red", ls="--", lw=0.8,
                        label="anomaly" if i == 0 and ax is ax_loss else None)
-    for step, kind in sorted(set(marks)):
-        ax_loss.annotate(kind, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
+    for step, kinds in _labels_by_step(marks):
+        ax_loss.annotate(kinds, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
                          va="top", ha="right", fontsize=7, color="tab:red")
     if marks:
         ax_loss.legend(loc="upper right")
@@ -157,3 +157,12 @@ def plot(path: str | Path, out: str | Path) -> Path:
     fig.savefig(target, dpi=110)
     plt.close(fig)
     return target
+
+
+def _labels_by_step(marks: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """One label per step (kinds joined), so anomalies at one step never overprint."""
+    by_step: dict[int, list[str]] = {}
+    for step, kind in marks:
+        if kind not in by_step.setdefault(step, []):
+            by_step[step].append(kind)
+    return [(step, ", ".join(kinds)) for step, kinds in sorted(by_step.items())]

@@ -144,3 +144,18 @@ def test_json_for_an_unsafe_file(tmp_path: Path, run_cli: Callable[..., Any]) ->
     assert r.code == 1 and data["ok"] is False and data["scan"]["verdict"] == "unsafe"
     assert data["tensors"] == [] and "not opened" in data["not_loaded"]
     assert not sentinel.exists()
+
+
+def test_limit_caps_plain_values_too(tmp_path, run_cli):
+    import torch
+
+    import torchverity
+
+    state = {"w": torch.ones(2), **{f"hparam_{i:02d}": i for i in range(30)}}
+    torchverity.save(state, tmp_path / "c.pt")
+    capped = run_cli("inspect", tmp_path / "c.pt", "--limit", "5")
+    assert capped.code == 0
+    assert sum(line.startswith("  hparam_") for line in capped.out.splitlines()) == 5
+    assert "25 more values (--limit 0 lists all)" in capped.out
+    full = run_cli("inspect", tmp_path / "c.pt", "--limit", "0")
+    assert sum(line.startswith("  hparam_") for line in full.out.splitlines()) == 30

@@ -214,12 +214,14 @@ def test_golden_catches_every_random_flip_that_changes_outputs(tmp_path):
         _flip_bit(p, index, bit)
         with torch.no_grad():
             differs = not torch.equal(model(x), clean)
-        result = golden.check(model, tmp_path / "g.json")
+        outputs_only = golden.check(model, tmp_path / "g.json", weights=False)
         changed += differs
-        caught += not result.ok
-        assert result.ok == (not differs)  # caught exactly when the outputs changed
+        assert outputs_only.ok == (not differs)  # outputs: caught exactly when they changed
+        # By default the record's fingerprint is compared too: every flip is caught,
+        # also one that moves no output bit on the golden inputs.
+        caught += not golden.check(model, tmp_path / "g.json").ok
         _flip_bit(p, index, bit)
-    assert changed >= 30 and caught == changed
+    assert changed >= 30 and caught == 40
     assert golden.check(model, tmp_path / "g.json").ok
 
 
@@ -253,8 +255,10 @@ def test_golden_other_environment_uses_tolerances(tmp_path):
         f"device_name: 'Another CPU' -> {golden.device_name(torch.device('cpu'))!r}",
     )
     _flip_bit(model.c1.weight, index=7, bit=12)
-    assert golden.check(model, path).ok  # within cross-device tolerance: only exact sees it
-    assert not golden.check(model, path, exact=True).ok
+    # Outputs stay within cross-device tolerance: only exact outputs see it ...
+    assert golden.check(model, path, weights=False).ok
+    assert not golden.check(model, path, exact=True, weights=False).ok
+    assert golden.check(model, path).parts == ["weights"]  # ... and the weights' fingerprint
     _flip_bit(model.c1.weight, index=7, bit=12)
     _flip_bit(model.fc.bias, index=3, bit=29)  # an exponent bit: a large change
     result = golden.check(model, path)

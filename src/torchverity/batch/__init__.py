@@ -25,7 +25,7 @@ up to ``retries`` times, then recorded with its error. Engines: ``"local"``
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from torchverity.batch._item import BatchItem, DurabilityMode, EngineName, ItemFn
@@ -71,6 +71,7 @@ def run_batch(
     golden: PathLike | None = None,
     settings: Mapping[str, str] | None = None,
     progress: Progress | None = None,
+    retry_failed: bool = False,
 ) -> BatchReport:
     """Run (or resume) ``fn`` over every file of ``inputs`` (a folder or a list file).
 
@@ -93,7 +94,8 @@ def run_batch(
     gate = os.fspath(golden) if golden is not None else None
     factory = GivenFn(fn, label, model_fingerprint, gate)
     return execute(_config(inputs, out, workers, retries, backoff, engine, ray_address, force,
-                           suffix, durability, gate, settings), factory, progress)
+                           suffix, durability, gate, settings, retry_failed), factory,
+                           progress)
 
 
 def run_model_batch(
@@ -113,6 +115,9 @@ def run_model_batch(
     golden: PathLike | None = None,
     settings: Mapping[str, str] | None = None,
     progress: Progress | None = None,
+    retry_failed: bool = False,
+    strip_prefix: Sequence[str] = (),
+    key_map: Mapping[str, str] | None = None,
 ) -> BatchReport:
     """``torchverity batch run``: ``model`` is ``module:build``, ``build(state) -> fn``.
 
@@ -121,20 +126,26 @@ def run_model_batch(
     fingerprint. Without ``weights``, ``build()`` is called with no argument.
     With ``golden``, the returned function's ``model`` attribute is checked
     against the golden file before the first item and after the run.
+    ``strip_prefix`` and ``key_map`` rename the state's keys before ``build``
+    sees them, as :func:`torchverity.load` does.
     """
     gate = os.fspath(golden) if golden is not None else None
-    factory = ModelSpec(model, os.fspath(weights) if weights is not None else None, gate)
+    factory = ModelSpec(model, os.fspath(weights) if weights is not None else None, gate,
+                        tuple(strip_prefix), tuple((key_map or {}).items()))
     return execute(_config(inputs, out, workers, retries, backoff, engine, ray_address, force,
-                           suffix, durability, gate, settings), factory, progress)
+                           suffix, durability, gate, settings, retry_failed), factory,
+                           progress)
 
 
 def _config(inputs: PathLike, out: PathLike, workers: int, retries: int, backoff: float,
             engine: EngineName, ray_address: str | None, force: bool, suffix: str,
             durability: DurabilityMode,
-            golden: str | None, settings: Mapping[str, str] | None) -> JobConfig:
+            golden: str | None, settings: Mapping[str, str] | None,
+            retry_failed: bool = False) -> JobConfig:
     return JobConfig(
         inputs=Path(inputs), out=Path(out), suffix=suffix, workers=workers, retries=retries,
         backoff=backoff, engine=engine, ray_address=ray_address, force=force,
         durability=durability, golden=golden,
         settings=tuple(sorted((str(k), str(v)) for k, v in (settings or {}).items())),
+        retry_failed=retry_failed,
     )

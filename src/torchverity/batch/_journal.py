@@ -278,6 +278,30 @@ class Journal:
             )
             self._events(rows)
 
+    def add_items(self, records: Sequence[InputRecord], outputs: Sequence[str]) -> None:
+        """Inputs that appeared after the job was listed, as new pending items."""
+        if not records:
+            return
+        with self._transaction():
+            (top,) = self._conn.execute("SELECT COALESCE(MAX(id), 0) FROM items").fetchone()
+            rows = [(top + i, r.key, r.path, r.size, r.mtime_ns, r.digest, o)
+                    for i, (r, o) in enumerate(zip(records, outputs, strict=True), 1)]
+            self._conn.executemany(
+                "INSERT INTO items (id, key, path, size, mtime_ns, digest, output, state)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, 'pending')", rows)
+            self._events((row[0], "new-input", "listed on resume") for row in rows)
+
+    def relist(self, changed: Sequence[tuple[int, InputRecord]], why: str) -> None:
+        """Items whose input bytes changed: the new listing, and pending again."""
+        if not changed:
+            return
+        with self._transaction():
+            self._conn.executemany(
+                "UPDATE items SET path = ?, size = ?, mtime_ns = ?, digest = ?, state = 'pending',"
+                " output_digest = NULL, output_size = NULL, error = ? WHERE id = ?",
+                [(r.path, r.size, r.mtime_ns, r.digest, why, i) for i, r in changed])
+            self._events((i, "input-edited", why) for i, _ in changed)
+
     def set_job(self, values: dict[str, str]) -> None:
         with self._transaction():
             self._conn.executemany("INSERT OR REPLACE INTO job VALUES (?, ?)", values.items())

@@ -57,6 +57,8 @@ class GivenFn:
     name: str
     model_fingerprint: str | None = None
     golden: str | None = None
+    strip_prefix: tuple[str, ...] = ()
+    key_map: tuple[tuple[str, str], ...] = ()
 
     def identity(self) -> dict[str, str]:
         ident = {"model": self.name}
@@ -81,6 +83,8 @@ class ModelSpec:
     spec: str
     weights: str | None = None
     golden: str | None = None
+    strip_prefix: tuple[str, ...] = ()
+    key_map: tuple[tuple[str, str], ...] = ()
 
     def identity(self) -> dict[str, str]:
         return self._weights()[1]
@@ -110,7 +114,10 @@ class ModelSpec:
         from torchverity.checkpoint._fingerprint import fingerprint
         from torchverity.checkpoint._load import load
 
-        state, report = load(self.weights, sidecar="require", with_report=True)
+        state, report = load(self.weights, sidecar="require", with_report=True,
+                             strip_prefix=self.strip_prefix, key_map=dict(self.key_map))
         ident["weights_sha256"] = str(report.digest)
+        if self.strip_prefix or self.key_map:
+            ident["key_fit"] = repr((self.strip_prefix, self.key_map))
         ident["model_fingerprint"] = report.fingerprint or fingerprint(state, mode="exact").root
         return state, ident

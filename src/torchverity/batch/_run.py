@@ -149,6 +149,7 @@ class JobConfig:
     durability: DurabilityMode = "group"
     golden: str | None = None
     settings: tuple[tuple[str, str], ...] = ()
+    retry_failed: bool = False  # on resume, failed items get a new round of attempts
 
 
 def job_fingerprint(config: JobConfig, identity: dict[str, str]) -> tuple[str, dict[str, Any]]:
@@ -194,6 +195,8 @@ def _run_locked(config: JobConfig, make: Callable[[bool], Engine],
     journal, resumed = _open_or_create(config, out, fingerprint, doc)
     try:
         interrupted, orphans, repaired = _recover(journal, out) if resumed else (0, 0, [])
+        if resumed:
+            _resume_changes(journal, out, config)
         durability = Durability(out, config.durability)
         engine = make(durability.per_file)
         try:
@@ -211,6 +214,14 @@ def _run_locked(config: JobConfig, make: Callable[[bool], Engine],
                        repaired, processed, retries, seconds, work_seconds, manifest)
     finally:
         journal.close()
+
+
+def _resume_changes(journal: Journal, out: Path, config: JobConfig) -> None:
+    from torchverity.batch._changes import apply_input_changes, retry_failed
+
+    apply_input_changes(journal, out, config.inputs, config.suffix, DATA_DIR, INPUTS_MANIFEST)
+    if config.retry_failed:
+        retry_failed(journal)
 
 
 def _golden_after(engine: Engine, golden: str, journal: Journal, out: Path,

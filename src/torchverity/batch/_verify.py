@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchverity.batch._bag import write_bag
+from torchverity.batch._changes import input_changes, inputs_of
 from torchverity.batch._item import DATA_DIR
-from torchverity.batch._journal import COMMITTED, ItemRow, Journal
+from torchverity.batch._journal import CHANGED, COMMITTED, ItemRow, Journal
 from torchverity.batch._run import stored_digests
 from torchverity.errors import TorchVerityError
 from torchverity.manifest import SHA256SUM_NAME, ManifestEntry, read_manifest
@@ -23,7 +24,7 @@ from torchverity.manifest import SHA256SUM_NAME, ManifestEntry, read_manifest
 # Problem kinds, in the order a reader should fix them.
 KINDS = (
     "missing-output", "output-mismatch", "extra-output", "manifest-mismatch", "failed",
-    "input-changed", "not-done",
+    "input-changed", "new-input", "not-done",
 )
 
 
@@ -59,10 +60,12 @@ def verify_batch(out: str | os.PathLike[str]) -> BatchVerifyResult:
     journal = Journal.open(root, read_only=True)
     try:
         rows = journal.items()
+        inputs = inputs_of(journal.job())
     finally:
         journal.close()
     committed = [r for r in rows if r.state == COMMITTED]
-    problems = [*_check_items(root, rows, committed), *_extra_files(root, rows)]
+    problems = [*_check_items(root, rows, committed), *_extra_files(root, rows),
+                *_input_problems(inputs, root, rows)]
     manifest_path = root / SHA256SUM_NAME
     written = False
     if manifest_path.is_file():
@@ -98,6 +101,25 @@ def _check_items(root: Path, rows: list[ItemRow], committed: list[ItemRow]) -> l
         if kind == "failed":
             detail = f"after {row.attempts} attempts: {detail}"
         problems.append(BatchProblem(kind, row.key, None, detail))
+    return problems
+
+
+def _input_problems(inputs: Path | None, root: Path, rows: list[ItemRow]) -> list[BatchProblem]:
+    """Inputs re-hashed when their folder is reachable: new ones, and ones edited since."""
+    changes = input_changes(inputs, root, rows) if inputs is not None else None
+    problems = []
+    for change in changes or []:
+        if change.kind == "new-input":
+            problems.append(BatchProblem("new-input", change.key, change.record.path,
+                                         "an input the job has not processed yet; "
+                                         "rerun torchverity batch run to process it"))
+        elif change.row is not None and change.row.state != CHANGED:  # else reported above
+            when = ("after its output was committed" if change.row.state == COMMITTED
+                    else "since it was listed")
+            problems.append(BatchProblem(
+                "input-changed", change.key, change.record.path,
+                f"edited {when}: sha256 now {change.record.digest}, listed "
+                f"{change.row.digest}; rerun torchverity batch run to redo it"))
     return problems
 
 

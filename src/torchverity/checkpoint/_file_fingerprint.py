@@ -3,43 +3,57 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from torchverity._tensors import dtype_name
-from torchverity.checkpoint._fingerprint import (
+from torchverity.checkpoint._fp_record import (
     DEVICE,
+    EXACT,
+    LEGACY_EXACT,
     Fingerprint,
-    Mode,
     TensorDigest,
-    _resolve_mode,
-    fingerprint,
     from_entries,
-    tensor_hasher,
+    plain_tensor_hasher,
 )
 
 
 def fingerprint_file(path: str | os.PathLike[str], *,
-                     mode: Mode | str = "exact") -> Fingerprint:
-    """Fingerprint a checkpoint file or sharded folder without executing code from it.
+                     mode: str = "exact") -> Fingerprint:
+    """Fingerprint a checkpoint file, Hugging Face folder or index without executing code from it.
 
     A .safetensors file streams each tensor's bytes through its hash with one
-    small buffer (memory stays flat whatever the size); .pt files go through
-    PyTorch's restricted ``weights_only`` unpickler with memory-mapped storages.
+    small buffer (memory stays flat whatever the size, and torch is not
+    imported); .pt files go through PyTorch's restricted ``weights_only``
+    unpickler with memory-mapped storages.
     """
-    from pathlib import Path
-
-    import torchverity.checkpoint._safetensors as st
     from torchverity._formats import file_format
+    from torchverity.checkpoint._folders import resolve
+    from torchverity.checkpoint._onnx import is_onnx
+
+    target = resolve(path)
+    algo = {"exact": EXACT, "auto": EXACT}.get(mode, mode)
+    onnx = target.index is None and is_onnx(target.file)
+    if target.index is None and not onnx and algo in (EXACT, LEGACY_EXACT) \
+            and file_format(target.file) == "safetensors":
+        return fingerprint_safetensors(target.file, algo)
+    from torchverity.checkpoint._fingerprint import fingerprint
+    from torchverity.checkpoint._onnx import onnx_initializers
     from torchverity.checkpoint._read import read_unverified
 
-    p = Path(path)
-    algo = _resolve_mode(mode, [])
-    if algo != DEVICE and p.is_file() and file_format(p) == "safetensors":
-        header = st.read_header(p)
-        hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape, algo, threads=True)
-                   for e in header.entries}
-        st.iter_tensor_bytes(p, header, lambda name, chunk: hashers[name].update(chunk))
-        return from_entries(algo, [
-            TensorDigest(e.name, dtype_name(e.dtype), e.shape, hashers[e.name].hexdigest())
-            for e in header.entries
-        ])
-    return fingerprint(read_unverified(p), mode=mode)
+    obj = onnx_initializers(target.file) if onnx else read_unverified(path)
+    return fingerprint(obj, mode=DEVICE if algo == DEVICE else mode)
+
+
+def fingerprint_safetensors(path: Path, algo: str = EXACT) -> Fingerprint:
+    """Stream a .safetensors file's tensor bytes through their entry hashes (no torch)."""
+    from torchverity.checkpoint._st_header import parse_header, stream_tensor_bytes
+
+    header = parse_header(path)
+    hashers = {e.name: plain_tensor_hasher(e.name, e.dtype_name, e.shape, e.nbytes, algo,
+                                           threads=True)
+               for e in header.entries}
+    stream_tensor_bytes(path, header.data_start, header.entries,
+                        lambda name, chunk: hashers[name].update(chunk))
+    return from_entries(algo, [
+        TensorDigest(e.name, e.dtype_name, e.shape, hashers[e.name].hexdigest())
+        for e in header.entries
+    ])

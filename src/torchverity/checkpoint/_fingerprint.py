@@ -45,27 +45,28 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
 from torchverity._tensors import byte_view, dtype_name, host_bytes, iter_leaves, numel_bytes
+from torchverity.checkpoint._fp_record import (
+    DEVICE,
+    EXACT,
+    FINGERPRINT_VERSION,
+    LEGACY_EXACT,
+    Fingerprint,
+    TensorDigest,
+    _header,
+    from_entries,
+    plain_tensor_hasher,
+)
 from torchverity.errors import FormatError, UsageError
 
-FINGERPRINT_VERSION = 1
-
-
-EXACT = "blake3"
-
-
-LEGACY_EXACT = "sha256"  # the exact mode of earlier records, still verified
-
-
-DEVICE = "tvsum64x2"
-
+__all__ = ["DEVICE", "EXACT", "FINGERPRINT_VERSION", "LEGACY_EXACT", "Fingerprint",
+           "TensorDigest", "from_entries"]
 
 # "auto"/"exact"/"device", or a recorded algorithm name to rebuild that record.
 Mode = Literal["auto", "exact", "device", "blake3", "sha256", "tvsum64x2"]
@@ -93,74 +94,6 @@ def _signed64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-@dataclass(frozen=True)
-class TensorDigest:
-    """One entry of a fingerprint. ``dtype`` is torch's name without ``torch.``."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    digest: str
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    """The content fingerprint of a set of named tensors (and plain values)."""
-
-    algo: str
-    root: str
-    entries: tuple[TensorDigest, ...]
-    version: int = FINGERPRINT_VERSION
-    _index: dict[str, TensorDigest] = field(default_factory=dict, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self._index.update({e.name: e for e in self.entries})
-
-    @property
-    def tensors(self) -> Mapping[str, TensorDigest]:
-        return self._index
-
-    def differing(self, other: Fingerprint) -> list[str]:
-        """Names whose digest differs, or that exist on one side only, sorted."""
-        if other.algo != self.algo:
-            raise UsageError(
-                f"cannot compare a {self.algo} fingerprint with a {other.algo} one",
-                hint="compute both with the same mode (exact or device)",
-            )
-        names = set(self._index) | set(other.tensors)
-        return sorted(n for n in names if self._index.get(n) != other.tensors.get(n))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "algo": self.algo,
-            "root": self.root,
-            "tensors": {
-                e.name: {"dtype": e.dtype, "shape": list(e.shape), "digest": e.digest}
-                for e in self.entries
-            },
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Fingerprint:
-        try:
-            entries = tuple(
-                TensorDigest(name, v["dtype"], tuple(int(s) for s in v["shape"]), v["digest"])
-                for name, v in data["tensors"].items()
-            )
-            fp = cls(algo=data["algo"], root=data["root"], entries=entries,
-                     version=int(data["version"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise FormatError(f"not a valid fingerprint record: {exc!r}") from None
-        if _root(fp.algo, entries) != fp.root:
-            raise FormatError("fingerprint record is inconsistent: root does not match its entries")
-        return fp
-
-
-def _header(kind: str, name: str, dtype: str, shape: Sequence[int], nbytes: int) -> bytes:
-    return f"torchverity-{kind}-v1\0{name}\0{dtype}\0{list(shape)}\0{nbytes}\0".encode()
-
-
 def tensor_hasher(name: str, dtype: torch.dtype, shape: Sequence[int], algo: str = EXACT,
                   *, threads: bool = False) -> Any:
     """A hash of ``algo`` primed with the entry header: feed it the canonical bytes.
@@ -168,18 +101,8 @@ def tensor_hasher(name: str, dtype: torch.dtype, shape: Sequence[int], algo: str
     Lets file readers fingerprint tensors while streaming them from disk.
     ``threads`` lets one blake3 hash spread a large input over every core.
     """
-    nbytes = numel_bytes(shape, dtype)
-    header = _header("tensor", name, dtype_name(dtype), tuple(shape), nbytes)
-    if algo == LEGACY_EXACT:
-        return hashlib.sha256(header)
-    if algo != EXACT:
-        raise UsageError(f"'{algo}' is not an exact fingerprint algorithm",
-                         hint=f"use {EXACT} (or {LEGACY_EXACT} for old records)")
-    import blake3
-
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
-    h.update(header)
-    return h
+    return plain_tensor_hasher(name, dtype_name(dtype), shape, numel_bytes(shape, dtype), algo,
+                               threads=threads)
 
 
 def _exact_digest(name: str, value: Any, algo: str = EXACT, spread: bool = False) -> TensorDigest:
@@ -256,13 +179,6 @@ def _device_digests(leaves: list[tuple[str, Any]]) -> list[TensorDigest]:
     return [by_name[n] if n in by_name else _value_digest(n, v) for n, v in leaves]
 
 
-def _root(algo: str, entries: Sequence[TensorDigest]) -> str:
-    h = hashlib.sha256(f"torchverity-fingerprint-v{FINGERPRINT_VERSION}\0{algo}\0".encode())
-    for e in sorted(entries, key=lambda e: e.name):
-        h.update(f"{e.name}\0{e.digest}\n".encode())
-    return h.hexdigest()
-
-
 def _resolve_mode(mode: str, leaves: list[tuple[str, Any]]) -> str:
     if mode == "exact":
         return EXACT
@@ -297,12 +213,6 @@ def fingerprint(obj: Any, *, mode: Mode | str = "auto",
     entries = (_device_digests(leaves) if algo == DEVICE
                else _exact_digests(leaves, algo, workers))
     return from_entries(algo, entries)
-
-
-def from_entries(algo: str, entries: Sequence[TensorDigest]) -> Fingerprint:
-    """Assemble a fingerprint (sorted entries and their root) from computed digests."""
-    ordered = tuple(sorted(entries, key=lambda e: e.name))
-    return Fingerprint(algo=algo, root=_root(algo, ordered), entries=ordered)
 
 
 def _exact_digests(leaves: list[tuple[str, Any]], algo: str,

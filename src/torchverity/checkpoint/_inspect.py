@@ -18,10 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
-from torchverity._tensors import dtype_name, iter_leaves
-from torchverity.checkpoint._fingerprint import EXACT, LEGACY_EXACT, fingerprint
+from torchverity.checkpoint._fp_record import EXACT, LEGACY_EXACT
 from torchverity.digest import digest_file, find_sidecar, read_sidecar
 from torchverity.errors import TorchVerityError
 
@@ -96,28 +93,38 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def inspect(path: str | os.PathLike[str]) -> InspectResult:
-    """Inspect a checkpoint file or sharded folder without executing code from it."""
+    """Inspect a checkpoint file, Hugging Face folder, index or ONNX model without executing
+    code from it."""
     from torchverity._formats import file_format
+    from torchverity.checkpoint._folders import resolve
     from torchverity.checkpoint._meta import meta_path_for
+    from torchverity.checkpoint._onnx import is_onnx
 
     p = Path(path)
+    target = resolve(p)
     shards: tuple[str, ...] = ()
-    if p.is_dir():
-        from torchverity.checkpoint._index import find_index, read_index
+    if target.index is not None:
+        from torchverity.checkpoint._index import read_index
 
-        record = find_index(p)
-        fmt = "sharded"
+        record, folder, fmt = target.index, target.folder, "sharded"
         shards = tuple(sorted(set(read_index(record).values())))
-        size = sum((p / s).stat().st_size for s in shards if (p / s).is_file())
+        size = sum((folder / s).stat().st_size for s in shards if (folder / s).is_file())
     else:
-        record, fmt, size = p, file_format(p), p.stat().st_size
+        record = target.file
+        fmt = "onnx" if is_onnx(record) else file_format(record)
+        size = record.stat().st_size
     sidecar = _check_sidecar(record)
-    scan = _scan(p) if fmt in ("pt", "pt-legacy") else None
-    obj, not_loaded = _open(p, scan)
     meta = _meta_summary(meta_path_for(record)) if meta_path_for(record).exists() else None
     # Compared with meta.json, so rebuilt with the algorithm the record names.
     recorded = (meta or {}).get("fingerprint_algo")
-    rows, values, root = _contents(obj, recorded if recorded in (EXACT, LEGACY_EXACT) else EXACT)
+    algo = recorded if recorded in (EXACT, LEGACY_EXACT) else EXACT
+    scan = _scan(record) if fmt in ("pt", "pt-legacy") else None
+    listed = _safetensors_contents(target, algo) if fmt in ("safetensors", "sharded") else None
+    if listed is not None:
+        (rows, values, root), not_loaded = listed, None
+    else:
+        obj, not_loaded = _open_onnx(record) if fmt == "onnx" else _open(p, scan)
+        rows, values, root = _contents(obj, algo)
     return InspectResult(os.fspath(p), fmt, size, sidecar, rows, values, root, meta, scan,
                          not_loaded, shards)
 
@@ -149,7 +156,47 @@ def _open(path: Path, scan: Any) -> tuple[Any, str | None]:
         return None, f"cannot list tensors: {exc.message}"
 
 
+def _open_onnx(path: Path) -> tuple[Any, str | None]:
+    from torchverity.checkpoint._onnx import onnx_initializers
+
+    try:
+        return onnx_initializers(path), None
+    except TorchVerityError as exc:
+        return None, f"cannot list initializers: {exc.message}"
+
+
+def _safetensors_contents(target: Any, algo: str,
+                          ) -> tuple[tuple[TensorRow, ...], dict[str, str], str | None] | None:
+    """Rows and fingerprint from .safetensors headers and streamed bytes, without torch.
+
+    None when some file is not .safetensors (then tensors are opened the usual way).
+    """
+    from torchverity._formats import file_format
+    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors
+    from torchverity.checkpoint._fp_record import from_entries
+    from torchverity.checkpoint._index import read_index
+    from torchverity.checkpoint._st_header import parse_header
+
+    files = ([target.file] if target.index is None else
+             [target.folder / s for s in sorted(set(read_index(target.index).values()))])
+    try:
+        if not all(f.is_file() and file_format(f) == "safetensors" for f in files):
+            return None
+        rows = [TensorRow(e.name, e.dtype_name, e.shape, e.nbytes)
+                for f in files for e in parse_header(f).entries]
+        entries = [e for f in files for e in fingerprint_safetensors(f, algo).entries]
+    except TorchVerityError:
+        return None  # reported by the usual path, with its own wording
+    rows.sort(key=lambda r: r.name)
+    return tuple(rows), {}, from_entries(algo, entries).root
+
+
 def _contents(obj: Any, algo: str) -> tuple[tuple[TensorRow, ...], dict[str, str], str | None]:
+    import torch
+
+    from torchverity._tensors import dtype_name, iter_leaves
+    from torchverity.checkpoint._fingerprint import fingerprint
+
     if obj is None:
         return (), {}, None
     rows, values = [], {}

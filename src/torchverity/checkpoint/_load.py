@@ -4,15 +4,19 @@ compared with meta.json.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from torchverity.checkpoint._folders import resolve
+from torchverity.checkpoint._key_map import FitReport, KeyFit, rename_keys
 from torchverity.checkpoint._load_file import _load_file
-from torchverity.checkpoint._model_fit import check_against_model
+from torchverity.checkpoint._model_fit import check_against_model, state_dict_of
 from torchverity.checkpoint._results import CheckpointWarning, LoadReport, SidecarPolicy
 from torchverity.errors import (
     UsageError,
@@ -29,36 +33,56 @@ def load(
     with_report: bool = False,
     mmap: bool = False,
     recheck_tensors: bool = False,
+    strict: bool = True,
+    strip_prefix: str | Iterable[str] | None = None,
+    key_map: Mapping[str, str] | None = None,
 ) -> Any:
-    """Load a checkpoint (file or HF-style sharded folder) after verifying it.
+    """Load a checkpoint (a file, a Hugging Face folder or its index) after verifying it.
 
     Returns the object, or ``(obj, LoadReport)`` with ``with_report=True``.
     With ``model`` the state is checked against it (all problems at once) and
-    loaded into it. The file is hashed as it is read (one pass); when its
-    digest is the one meta.json recorded with the fingerprint, that digest
-    vouches for the content and the tensors are not hashed a second time:
-    ``recheck_tensors=True`` hashes them anyway, which also catches a fault in
-    this machine's memory during the load.
+    loaded into it. ``strip_prefix`` (e.g. ``"module."``, ``"_orig_mod."``)
+    and ``key_map`` (old key prefix -> new) rename the checkpoint's keys first;
+    ``strict=False`` loads what fits and reports missing and unexpected keys in
+    the report and as a :class:`CheckpointWarning`. Without ``model`` the
+    renamed state is returned. The file is hashed as it is read (one pass);
+    when its digest is the one meta.json recorded with the fingerprint, that
+    digest vouches for the content and the tensors are not hashed a second
+    time: ``recheck_tensors=True`` hashes them anyway, which also catches a
+    fault in this machine's memory during the load. A file with no sidecar of
+    its own is checked against its folder's manifest when that lists it.
     """
     if sidecar not in ("warn", "require", "ignore"):
         raise UsageError(f"unknown sidecar policy '{sidecar}'", hint="use warn, require or ignore")
+    fit = KeyFit.of(strict, strip_prefix, key_map)
     p = Path(path)
-    if p.is_dir():
+    target = resolve(p)
+    if target.index is not None:
         from torchverity.checkpoint._sharded import load_sharded
 
-        obj, report = load_sharded(p, map_location=map_location, sidecar=sidecar, mmap=mmap,
-                                   recheck_tensors=recheck_tensors)
+        obj, report = load_sharded(target.folder, map_location=map_location, sidecar=sidecar,
+                                   mmap=mmap, recheck_tensors=recheck_tensors,
+                                   index=target.index)
     else:
-        obj, report = _load_file(p, map_location, sidecar, trust_sha256, mmap, recheck_tensors)
+        obj, report = _load_file(target.file, map_location, sidecar, trust_sha256, mmap,
+                                 recheck_tensors)
     if model is not None:
-        check_against_model(obj, model, p)
-        report = _replace(report, model_checked=True)
+        report = _fitted(report, check_against_model(obj, model, p, fit))
+    elif fit.renames:
+        obj = rename_keys(state_dict_of(obj), fit)[0]
     for text in report.warnings:
         warnings.warn(text, CheckpointWarning, stacklevel=2)
     return (obj, report) if with_report else obj
 
 
-def _replace(report: LoadReport, **changes: Any) -> LoadReport:
-    import dataclasses
-
-    return dataclasses.replace(report, **changes)
+def _fitted(report: LoadReport, fit: FitReport) -> LoadReport:
+    notes = list(report.warnings)
+    if fit.missing:
+        notes.append(f"{report.path}: strict=False: {len(fit.missing)} model key(s) not in the "
+                     f"checkpoint kept their initial values: {', '.join(fit.missing[:10])}")
+    if fit.unexpected:
+        notes.append(f"{report.path}: strict=False: {len(fit.unexpected)} checkpoint key(s) not "
+                     f"in the model were not loaded: {', '.join(fit.unexpected[:10])}")
+    return dataclasses.replace(report, model_checked=True, missing_keys=fit.missing,
+                               unexpected_keys=fit.unexpected, ignored_keys=fit.ignored_buffers,
+                               warnings=tuple(notes))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 import torchverity.checkpoint._safetensors as st
-from torchverity._formats import FileFormat, file_format
+from torchverity._formats import FileFormat, download_kind, file_format
 from torchverity._tensors import dtype_name
 from torchverity.checkpoint._atomic import pending_name
 from torchverity.checkpoint._damage import _locate_pt_damage
@@ -30,6 +30,7 @@ from torchverity.checkpoint._fingerprint import (
     layout,
     tensor_hasher,
 )
+from torchverity.checkpoint._folders import manifest_entry
 from torchverity.checkpoint._hashing_reader import HashingReader
 from torchverity.checkpoint._meta import (
     META_SUFFIX,
@@ -72,7 +73,8 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
     try:
         fmt = file_format(p)
     except FormatError:
-        if p.stat().st_size:  # damage that hit the magic bytes is damage
+        # Damage that hit the magic bytes is damage; a pointer or web page is a bad download.
+        if p.stat().st_size and download_kind(p) is None:
             _check_digest(p, expected, None)
         raise
     if expected is None and policy == "warn":
@@ -142,10 +144,13 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
                 hint=f"torchverity verify {p}; restore the matching checkpoint, sidecar and meta",
             )
         return ExpectedDigest(algo, hexd, "sidecar")
+    listed = manifest_entry(p) if policy != "ignore" and p.is_file() else None
+    if listed is not None:
+        return ExpectedDigest(listed[0], listed[1], "manifest")
     if policy == "require":
         raise IntegrityError(
-            f"{p}: no sidecar ({p.name}.sha256) and sidecar='require': refusing to load "
-            "unverified bytes", path=p,
+            f"{p}: no sidecar ({p.name}.sha256), no entry in a manifest of its folder, and "
+            "sidecar='require': refusing to load unverified bytes", path=p,
             hint=f"save with torchverity.save, or record the digest: torchverity hash --write {p}",
         )
     if policy != "ignore" and isinstance(recorded, dict) and "hex" in recorded:
@@ -166,7 +171,8 @@ def _digest_mismatch(p: Path, expected: ExpectedDigest, actual: str,
     algo, want, source = expected.algo, expected.hex, expected.source
     where = (f"damaged tensor{'s' if len(damaged) > 1 else ''}: {', '.join(damaged[:10])}"
              if damaged else "the damage could not be tied to a tensor")
-    record = f"{p.name}.{algo}" if source == "sidecar" else f"{p.name}{META_SUFFIX}"
+    record = {"sidecar": f"{p.name}.{algo}", "manifest": "its folder's manifest"}.get(
+        source, f"{p.name}{META_SUFFIX}")
     return IntegrityError(
         f"{p}: {algo} digest does not match {record}: the file changed after it was saved "
         f"(expected {want}, got {actual}); {where}",

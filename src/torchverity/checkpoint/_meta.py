@@ -14,9 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from torchverity.checkpoint._fingerprint import (
+from torchverity.checkpoint._fp_record import (
     Fingerprint,
 )
 from torchverity.digest import (
@@ -70,6 +68,8 @@ def _data_record(data: str | os.PathLike[str], algo: str) -> dict[str, Any]:
 
 def environment() -> dict[str, Any]:
     """Versions and platform recorded in every meta.json."""
+    import torch  # only savers call this: reading a meta.json stays torch-free
+
     from torchverity import __version__
 
     cuda = torch.version.cuda

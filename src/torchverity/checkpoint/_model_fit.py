@@ -9,6 +9,13 @@ from typing import Any
 import torch
 
 from torchverity._tensors import dtype_name
+from torchverity.checkpoint._key_map import (
+    FitReport,
+    KeyFit,
+    non_persistent_buffers,
+    prefix_diagnosis,
+    rename_keys,
+)
 from torchverity.errors import (
     FormatError,
     StateDictMismatchError,
@@ -30,12 +37,30 @@ def state_dict_of(obj: Any) -> Mapping[str, Any]:
                       hint="save model.state_dict() instead of the model object")
 
 
-def check_against_model(obj: Any, model: torch.nn.Module, path: Path) -> None:
-    """Report every missing, unexpected, reshaped or retyped key at once, then load."""
-    state = state_dict_of(obj)
+def check_against_model(obj: Any, model: torch.nn.Module, path: Path,
+                        fit: KeyFit | None = None) -> FitReport:
+    """Report every missing, unexpected, reshaped or retyped key at once, then load.
+
+    Keys are renamed by ``fit`` first; non-persistent buffers the file still
+    holds are left out, as transformers' ``from_pretrained`` does. With
+    ``fit.strict`` False only reshaped or retyped entries refuse the load:
+    missing and unexpected keys are returned to be reported.
+    """
+    fit = fit or KeyFit()
+    state, renamed = rename_keys(state_dict_of(obj), fit)
     want = model.state_dict()
+    ignored = sorted((set(state) - set(want)) & non_persistent_buffers(model))
+    state = {k: v for k, v in state.items() if k not in ignored}
     missing = sorted(set(want) - set(state))
     unexpected = sorted(set(state) - set(want))
+    mismatched = _mismatched(want, state)
+    if mismatched or (fit.strict and (missing or unexpected)):
+        raise _mismatch_error(path, model, missing, unexpected, mismatched)
+    model.load_state_dict({k: v for k, v in state.items() if k in want}, strict=False)
+    return FitReport(tuple(missing), tuple(unexpected), tuple(ignored), renamed)
+
+
+def _mismatched(want: Mapping[str, Any], state: Mapping[str, Any]) -> list[dict[str, str]]:
     mismatched = []
     for name in sorted(set(want) & set(state)):
         w, g = want[name], state[name]
@@ -45,18 +70,26 @@ def check_against_model(obj: Any, model: torch.nn.Module, path: Path) -> None:
             mismatched.append({"name": name,
                                "expected": f"{dtype_name(w.dtype)}{list(w.shape)}",
                                "actual": f"{dtype_name(g.dtype)}{list(g.shape)}"})
-    if missing or unexpected or mismatched:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing: {', '.join(missing[:10])}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected: {', '.join(unexpected[:10])}")
-        for m in mismatched[:10]:
-            parts.append(f"'{m['name']}' is {m['actual']}, model expects {m['expected']}")
-        raise StateDictMismatchError(
-            f"{path}: checkpoint does not fit {type(model).__name__}: " + "; ".join(parts),
-            path=path, missing=missing, unexpected=unexpected, mismatched=mismatched,
-            hint=f"check the model config matches the one that saved it; "
-                 f"torchverity inspect {path} lists the checkpoint's tensors",
-        )
-    model.load_state_dict(state, strict=True)
+    return mismatched
+
+
+def _mismatch_error(path: Path, model: torch.nn.Module, missing: list[str],
+                    unexpected: list[str], mismatched: list[dict[str, str]],
+                    ) -> StateDictMismatchError:
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing: {', '.join(missing[:10])}")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected: {', '.join(unexpected[:10])}")
+    for m in mismatched[:10]:
+        parts.append(f"'{m['name']}' is {m['actual']}, model expects {m['expected']}")
+    diagnosis = None if mismatched else prefix_diagnosis(missing, unexpected)
+    hint = diagnosis or (
+        f"check the model config matches the one that saved it; "
+        f"torchverity inspect {path} lists the checkpoint's tensors"
+        + ("; strict=False (CLI: --no-strict) loads what fits and reports the rest"
+           if not mismatched else ""))
+    return StateDictMismatchError(
+        f"{path}: checkpoint does not fit {type(model).__name__}: " + "; ".join(parts),
+        path=path, missing=missing, unexpected=unexpected, mismatched=mismatched, hint=hint,
+    )

@@ -36,18 +36,22 @@ def read_unverified(path: str | os.PathLike[str]) -> Any:
     Storages are memory-mapped where the format allows, so large files are
     read only as far as they are used.
     """
-    p = Path(path)
-    if p.is_dir():
-        from torchverity.checkpoint._index import find_index, read_index
+    from torchverity.checkpoint._folders import resolve
 
-        index = find_index(p)
+    target = resolve(path)
+    if target.index is not None:
+        from torchverity.checkpoint._index import read_index
+
+        index, folder = target.index, target.folder
         merged: dict[str, Any] = {}
         for shard in sorted(set(read_index(index).values())):
-            if not (p / shard).is_file():
+            if not (folder / shard).is_file():
                 raise IntegrityError(f"{index}: shard {shard} does not exist", path=index,
-                                     hint=f"torchverity inspect {p}")
-            merged.update(state_dict_of(read_unverified(p / shard)))
+                                     hint=f"copy it from the source, then torchverity verify "
+                                          f"{folder}")
+            merged.update(state_dict_of(read_unverified(folder / shard)))
         return merged
+    p = target.file
     fmt = file_format(p)
     if fmt == "safetensors":
         return st.map_tensors(p, st.read_header(p))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 SidecarPolicy = Literal["warn", "require", "ignore"]
-DigestSource = Literal["sidecar", "meta"]
+DigestSource = Literal["sidecar", "meta", "manifest"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,12 @@ class LoadReport:
     # "rehashed": the loaded tensors were hashed and compared with meta.json;
     # "bound": the verified file digest is the one meta.json recorded with it.
     fingerprint_check: str | None = None
+    # Fitting into a model (load(..., model=)): keys left out with strict=False, and
+    # non-persistent buffers the file holds that the model does not load (as
+    # transformers' from_pretrained ignores them).
+    missing_keys: tuple[str, ...] = ()
+    unexpected_keys: tuple[str, ...] = ()
+    ignored_keys: tuple[str, ...] = ()
 
     @property
     def verified(self) -> bool:

@@ -14,7 +14,6 @@ files written here load there and the other way round.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,12 +22,12 @@ from typing import Any, Protocol
 
 import torch
 
-from torchverity._formats import MAX_HEADER_BYTES
-from torchverity._tensors import host_bytes, numel_bytes
+from torchverity._tensors import host_bytes
+from torchverity.checkpoint._st_header import _bad, parse_header, stream_tensor_bytes
 from torchverity.errors import FormatError
 
 _ALIGN = 8
-DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {  # codes as in _st_header.DTYPE_NAMES
     "BOOL": torch.bool,
     "U8": torch.uint8,
     "I8": torch.int8,
@@ -79,96 +78,9 @@ class Header:
 
 def read_header(path: Path) -> Header:
     """Parse and validate the header; any lie raises :class:`FormatError`."""
-    size = os.stat(path).st_size
-    with open(path, "rb") as fh:
-        raw_len = fh.read(8)
-        if len(raw_len) < 8:
-            raise _bad(path, f"file is {size} bytes, too short for a header")
-        (n,) = struct.unpack("<Q", raw_len)
-        if n > MAX_HEADER_BYTES:
-            raise _bad(path, f"header length {n} exceeds the 100 MB limit")
-        if 8 + n > size:
-            raise _bad(path, f"header length {n} runs past the end of the {size}-byte file "
-                             "(truncated?)")
-        raw = fh.read(n)
-    try:
-        data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _bad(path, f"header is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise _bad(path, "header is not a JSON object")
-    metadata = _metadata(path, data.pop("__metadata__", None))
-    entries = sorted((_entry(path, name, v, 8 + n) for name, v in data.items()),
-                     key=lambda e: (e.begin, e.end))
-    _check_layout(path, entries, 8 + n, size)
-    return Header(tuple(entries), metadata, 8 + n, size)
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"name '{key}' appears twice")
-        out[key] = value
-    return out
-
-
-def _metadata(path: Path, meta: Any) -> dict[str, str]:
-    if meta is None:
-        return {}
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
-        raise _bad(path, "__metadata__ must map strings to strings")
-    return dict(meta)
-
-
-def _entry(path: Path, name: str, v: Any, data_start: int) -> TensorInfo:
-    if not isinstance(v, dict):
-        raise _bad(path, f"tensor '{name}': entry is not an object")
-    code = v.get("dtype")
-    dtype = DTYPES.get(code) if isinstance(code, str) else None
-    if dtype is None:
-        raise _bad(path, f"tensor '{name}': unknown dtype {v.get('dtype')!r}")
-    shape, offsets = v.get("shape"), v.get("data_offsets")
-    if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
-        raise _bad(path, f"tensor '{name}': shape {shape!r} is not a list of non-negative ints")
-    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets))
-            or offsets[0] > offsets[1]):
-        raise _bad(path, f"tensor '{name}': data_offsets {offsets!r} are not [begin, end]")
-    expected = numel_bytes(shape, dtype)
-    if offsets[1] - offsets[0] != expected:
-        raise _bad(path, f"tensor '{name}': data_offsets span {offsets[1] - offsets[0]} bytes "
-                         f"but shape {shape} x {v['dtype']} needs {expected}")
-    return TensorInfo(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
-
-
-def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _check_layout(path: Path, entries: list[TensorInfo], data_start: int, size: int) -> None:
-    cursor = data_start
-    for e in entries:
-        if e.begin < cursor:
-            raise _bad(path, f"tensor '{e.name}' overlaps the previous tensor "
-                             f"(starts at data offset {e.begin - data_start}, "
-                             f"previous ends at {cursor - data_start})")
-        if e.begin > cursor:
-            raise _bad(path, f"gap of {e.begin - cursor} bytes before tensor '{e.name}'")
-        cursor = e.end
-    if cursor > size:
-        raise _bad(path, f"tensors need {cursor - data_start} data bytes but the file holds "
-                         f"{size - data_start} (truncated?)")
-    if cursor < size:
-        raise _bad(path, f"{size - cursor} unexpected bytes after the last tensor")
-
-
-def _bad(path: Path, what: str) -> FormatError:
-    return FormatError(
-        f"{path}: not a valid .safetensors file: {what}", path=path,
-        hint=f"torchverity inspect {path}; restore the file from a verified copy",
-    )
+    raw = parse_header(path)
+    return Header(tuple(TensorInfo(e.name, DTYPES[e.code], e.shape, e.begin, e.end)
+                        for e in raw.entries), raw.metadata, raw.data_start, raw.file_size)
 
 
 Feed = Callable[[str, memoryview], None]
@@ -201,17 +113,7 @@ def read_tensors(path: Path, header: Header, feed: Feed | None = None) -> dict[s
 
 def iter_tensor_bytes(path: Path, header: Header, feed: Feed, chunk: int = 8 << 20) -> None:
     """Stream every tensor's bytes through ``feed`` with one small reused buffer."""
-    buf = memoryview(bytearray(chunk))
-    with open(path, "rb", buffering=0) as fh:
-        fh.seek(header.data_start)
-        for e in header.entries:
-            left = e.nbytes
-            while left:
-                n = fh.readinto(buf[: min(left, chunk)])
-                if not n:
-                    raise _bad(path, f"file ended inside tensor '{e.name}'")
-                feed(e.name, buf[:n])
-                left -= n
+    stream_tensor_bytes(path, header.data_start, header.entries, feed, chunk)
 
 
 def _fill(fh: Any, target: memoryview, path: Path, name: str, feed: Feed | None) -> None:

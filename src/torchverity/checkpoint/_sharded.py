@@ -114,10 +114,10 @@ def _publish_index(index: Path, body: bytes, algo: str, fp: Fingerprint, seed: i
 
 
 def load_sharded(folder: Path, *, map_location: Any, sidecar: SidecarPolicy,
-                 mmap: bool = False, recheck_tensors: bool = False,
+                 mmap: bool = False, recheck_tensors: bool = False, index: Path | None = None,
                  ) -> tuple[dict[str, Any], LoadReport]:
     """Verify the index, every shard, the index's tensor list and the whole fingerprint."""
-    index = find_index(folder)
+    index = index or find_index(folder)
     meta = read_meta(index) if meta_path_for(index).exists() else None
     expected = _expected_digest(index, meta, sidecar)
     digest = _check_digest(index, expected, None)

@@ -30,7 +30,9 @@ def _common_parser() -> argparse.ArgumentParser:
     return common
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or (``command``) one with only that command's module registered:
+    a command's start-up then pays for its own options, not every command's."""
     from torchverity import __version__
 
     parser = argparse.ArgumentParser(
@@ -40,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"torchverity {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     common = _common_parser()
-    for module in _command_modules():
+    # A named command imports its own module only: another command's imports (asyncio,
+    # sqlite3...) stay off its start-up.
+    modules = (_command_module(command),) if command in COMMANDS else _command_modules()
+    for module in modules:
         module.register(subparsers, common)
     return parser
 
@@ -58,7 +63,12 @@ COMMANDS = (
 def _command_modules() -> tuple[ModuleType, ...]:
     """The command modules, imported once per process (the folder may not stay readable:
     a process that drops privileges still has its commands)."""
-    return tuple(importlib.import_module(f"{__name__}._cmd_{name}") for name in COMMANDS)
+    return tuple(_command_module(name) for name in COMMANDS)
+
+
+@functools.cache
+def _command_module(name: str) -> ModuleType:
+    return importlib.import_module(f"{__name__}._cmd_{name}")
 
 
 def _report_error(exc: TorchVerityError, out: Output) -> None:
@@ -71,7 +81,9 @@ def _report_error(exc: TorchVerityError, out: Output) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return the exit code (the console script exits with it)."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(first if first and first.isidentifier() else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)

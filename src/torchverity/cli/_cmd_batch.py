@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from torchverity.batch._item import DurabilityMode, EngineName
+from torchverity.cli._fit_args import add_fit_args, fit_kwargs
 from torchverity.cli._output import Output, _is_tty
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                      "--weights)")
     run.add_argument("--weights", type=Path,
                      help="checkpoint, verified against its .sha256 sidecar before any item")
+    add_fit_args(run, strict=False)
     run.add_argument("--golden", type=Path, metavar="FILE",
                      help="golden file: the model (fn.model) must pass it before the first "
                      "item and after the run, or the run's outputs are discarded")
@@ -57,6 +59,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                      "(default; Linux, elsewhere file); file: fsync every output; lazy: no "
                      "flush, outputs lost by a power cut are found and redone by the "
                      "rerun's re-hash")
+    run.add_argument("--retry-failed", action="store_true",
+                     help="give failed items a new round of attempts (committed outputs stay); "
+                     "new and edited inputs are always picked up on a rerun")
     run.add_argument("--force", action="store_true",
                      help="start over: delete this folder's previous job and outputs")
     run.set_defaults(func=_run)
@@ -83,7 +88,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
             args.inputs, args.model, args.out, weights=args.weights, workers=args.workers,
             retries=args.retries, engine=args.engine, ray_address=args.ray_address,
             force=args.force, suffix=args.suffix, durability=args.durability, golden=args.golden,
-            progress=progress,
+            progress=progress, retry_failed=args.retry_failed, strip_prefix=args.strip_prefix,
+            key_map=fit_kwargs(args)["key_map"],
         )
     if out.json_mode:
         out.data({"ok": report.ok, **_as_dict(report)})

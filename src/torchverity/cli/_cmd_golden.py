@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from torchverity.cli._fit_args import add_fit_args, fit_kwargs
 from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED, UsageError
 
@@ -23,6 +24,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                             help="callable that builds the model, e.g. mypkg.models:build")
     model_args.add_argument("--weights", type=Path, metavar="CKPT",
                             help="checkpoint loaded into the model with torchverity.load")
+    add_fit_args(model_args)
     model_args.add_argument("--golden", type=Path, required=True, metavar="FILE",
                             help="the golden file (JSON)")
     model_args.add_argument("--device", default="cpu", help="run the model here (default cpu)")
@@ -43,16 +45,22 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     chk = actions.add_parser(
         "check", parents=[common, model_args], help="compare the model with a golden file",
         description="Exit 1 when any part fails: digest, sampled values, a statistic, "
-        "NaN/Inf count or output structure; when outputs differ the weights are compared too.",
+        "NaN/Inf count, output structure, or the weights' fingerprint (compared whenever "
+        "the record holds one).",
     )
     chk.add_argument("--mode", choices=("auto", "exact", "tolerance"), default="auto",
                      help="auto: exact on the recorded environment, tolerance elsewhere")
+    chk.add_argument("--check-weights", action=argparse.BooleanOptionalAction, default=None,
+                     help="compare the model's weights with the record's fingerprint even when "
+                     "outputs match (default: whenever the record holds one; "
+                     "--no-check-weights only when outputs differ)")
     chk.add_argument("--rtol", type=float, help="relative tolerance (tolerance mode)")
     chk.add_argument("--atol", type=float, help="absolute tolerance (tolerance mode)")
     chk.set_defaults(func=_check)
 
 
-def build_model(spec: str, weights: Path | None, device: str) -> Any:
+def build_model(spec: str, weights: Path | None, device: str,
+                fit: dict[str, Any] | None = None) -> Any:
     """Build the model from ``module:callable``, load verified weights, move it to ``device``."""
     import torch
 
@@ -65,8 +73,16 @@ def build_model(spec: str, weights: Path | None, device: str) -> Any:
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"'{spec}' returned a {type(model).__name__}, not a torch.nn.Module")
     if weights is not None:
-        load(weights, model=model, map_location="cpu")
+        load(weights, model=model, map_location="cpu", **(fit or {}))
     return model.to(dev)
+
+
+def _require_fingerprint(path: Path) -> None:
+    from torchverity.golden._record_file import load_record
+
+    if load_record(path)[0].model_fingerprint is None:
+        raise UsageError(f"{path}: the record holds no weights fingerprint to compare with",
+                         hint="record it again with the model: torchverity golden record ...")
 
 
 def _inputs(args: argparse.Namespace) -> Any:
@@ -94,7 +110,7 @@ def _inputs(args: argparse.Namespace) -> Any:
 def _record(args: argparse.Namespace, out: Output) -> int:
     from torchverity import golden
 
-    model = build_model(args.model, args.weights, args.device)
+    model = build_model(args.model, args.weights, args.device, fit_kwargs(args))
     rec = golden.record(model, _inputs(args), args.golden, sample_size=args.sample_size)
     if out.json_mode:
         out.data({"ok": True, "record": rec})
@@ -113,9 +129,12 @@ def _record(args: argparse.Namespace, out: Output) -> int:
 def _check(args: argparse.Namespace, out: Output) -> int:
     from torchverity import golden
 
-    model = build_model(args.model, args.weights, args.device)
+    model = build_model(args.model, args.weights, args.device, fit_kwargs(args))
     exact = {"auto": None, "exact": True, "tolerance": False}[args.mode]
-    result = golden.check(model, args.golden, exact=exact, rtol=args.rtol, atol=args.atol)
+    if args.check_weights:
+        _require_fingerprint(args.golden)
+    result = golden.check(model, args.golden, exact=exact, rtol=args.rtol, atol=args.atol,
+                          weights=args.check_weights)
     if out.json_mode:
         out.data(result)
         return 0 if result.ok else EXIT_CHECK_FAILED

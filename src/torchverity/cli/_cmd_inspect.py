@@ -21,9 +21,11 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "from the file. Exit 1 if the sidecar or meta.json disagrees or the scan finds it "
         "unsafe.",
     )
-    p.add_argument("path", metavar="PATH", help="a .pt/.bin/.safetensors file or sharded folder")
+    p.add_argument("path", metavar="PATH", help="a .pt/.bin/.safetensors/.onnx file, a Hugging "
+                   "Face folder (single file or sharded) or its index")
     p.add_argument("--limit", type=int, default=50,
-                   help="list at most this many tensors (default 50; 0 lists all)")
+                   help="list at most this many tensors, and this many plain values "
+                   "(default 50; 0 lists all)")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
@@ -68,8 +70,11 @@ def _print(r: Any, limit: int, out: Output) -> None:
                for t in shown])
     if len(shown) < len(r.tensors):
         out.line(f"  ... {len(r.tensors) - len(shown)} more (--limit 0 lists all)")
-    for name, value in r.values.items():
+    values = list(r.values.items())
+    for name, value in values if limit <= 0 else values[:limit]:
         out.line(f"  {name} = {value}")
+    if 0 < limit < len(values):
+        out.line(f"  ... {len(values) - limit} more values (--limit 0 lists all)")
 
 
 def _print_meta(meta: dict[str, Any], out: Output) -> None:

@@ -7,6 +7,7 @@ import re
 from typing import Any, get_args
 
 from torchverity.cli._command import add_command
+from torchverity.cli._fit_args import add_fit_args, fit_kwargs
 from torchverity.cli._output import Output
 from torchverity.errors import InputError, require_extra
 from torchverity.serve._digest_fields import Policy
@@ -27,8 +28,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="MODULE:CALLABLE",
                    help="builds the model, as uvicorn names apps (mypkg.models:build)")
     p.add_argument("--weights", required=True, metavar="CKPT",
-                   help="checkpoint with a sidecar (CKPT.sha256) or listed in its folder's "
-                   "manifest")
+                   help="checkpoint (file, Hugging Face folder or index) with a sidecar "
+                   "(CKPT.sha256) or listed in its folder's manifest")
+    add_fit_args(p)
     p.add_argument("--golden", metavar="FILE", help="golden record checked before serving and "
                    "at every re-check (torchverity golden record)")
     p.add_argument("--input-spec", action="append", metavar="NAME:DTYPE:DIMS",
@@ -68,6 +70,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         args.model, args.weights, golden=args.golden, input_spec=args.input_spec,
         name=args.name, digest_policy=args.digest_policy, max_body=args.max_body,
         recheck_interval=args.recheck_interval or None, device=args.device,
+        **fit_kwargs(args),
     )
     report = _report(app.state.torchverity, args)
     if out.json_mode:
@@ -112,6 +115,11 @@ def _print_report(report: dict[str, Any], out: Output) -> None:
     out.line(f"inputs:      {spec}")
     if report["url"]:
         out.line(f"starting on  {report['url']}  (/predict /health /ready /metadata)")
+    for kind in ("missing", "unexpected"):
+        keys = weights.get(f"{kind}_keys") or []
+        if keys:
+            out.warn(f"{weights['path']}: --no-strict: {len(keys)} {kind} key(s) not loaded: "
+                     f"{', '.join(keys[:10])}")
     if weights["fingerprint_verified"] is None:
         out.warn(f"{weights['path']}: no meta.json, so the content fingerprint was not checked "
                  "against a record (the file digest was)")

@@ -15,9 +15,13 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         subparsers, common, "verify", _run,
         help="check files and folders against their records",
         description="A file is checked against FILE.sha256 (or .blake3), a folder against its "
-        "manifest. Lists ok / mismatched / missing / extra paths; exit 1 if any is not ok.",
+        "manifest (a folder without one by the sidecars of its files, a file without a "
+        "sidecar by its folder's manifest). Lists ok / mismatched / missing / extra paths; "
+        "exit 1 if any is not ok.",
     )
     p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="skip paths (or file names) matching GLOB in folders; repeat for more")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
@@ -26,7 +30,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     results = []
     for path in args.paths:
         with out.progress(None, f"verifying {path}") as advance:
-            results.append(verify_path(path, progress=advance))
+            results.append(verify_path(path, progress=advance, exclude=args.exclude))
     ok = all(r.ok for r in results)
     if out.json_mode:
         out.data({"ok": ok, "results": results})
@@ -37,6 +41,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
 
 def _print_result(result: Any, out: Output) -> None:
+    from torchverity._verify_sidecars import advice
+
     counts = ", ".join(f"{n} {s}" for s, n in result.counts.items() if n)
     verdict = "OK" if result.ok else "FAILED"
     out.line(f"{result.target}: {verdict} ({counts}) against {result.record}")
@@ -46,8 +52,5 @@ def _print_result(result: Any, out: Output) -> None:
     for e in result.problems:
         if e.tensors:
             out.line(f"{e.path}: damaged tensors (from its meta.json): {', '.join(e.tensors)}")
-    if not result.ok:
-        out.info(
-            f"{result.target}: content differs from what was recorded; restore the listed "
-            "paths from a good copy, then rerun torchverity verify"
-        )
+    for step in advice(result):
+        out.info(f"{result.target}: {step}")

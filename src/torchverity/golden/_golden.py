@@ -108,14 +108,16 @@ def check(
     exact: bool | None = None,
     rtol: float | None = None,
     atol: float | None = None,
-    weights: bool = False,
+    weights: bool | None = None,
 ) -> GoldenResult:
     """Rerun the golden inputs through ``model`` and compare with the file at ``path``.
 
     ``exact=None`` compares bitwise when the environment matches the recorded
     one and within the ``cross`` tolerances (or ``rtol``/``atol``) otherwise.
-    The weights are compared with the recorded fingerprint when outputs fail,
-    or always with ``weights=True``.
+    The weights are compared with the recorded fingerprint whenever the record
+    holds one (``weights=None``, the default: exact, and cheaper than the model
+    run, it catches a weight change that moves no output bit on the golden
+    inputs); ``weights=False`` compares them only when outputs fail.
     """
     start = time.perf_counter()
     rec, named = load_record(path)
@@ -129,7 +131,7 @@ def check(
             outputs = output_leaves(call_model(model, sample))
         failures = _check_outputs(rec, outputs, exact, rtol, atol)
     changed = None
-    if (failures or weights) and rec.model_fingerprint is not None:
+    if (failures or weights is not False) and rec.model_fingerprint is not None:
         changed = _changed_weights(rec.model_fingerprint, model)
         if changed:
             failures.append(_weights_failure(changed))

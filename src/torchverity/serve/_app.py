@@ -26,6 +26,7 @@ import torch
 
 from torchverity import __version__
 from torchverity._callables import import_callable
+from torchverity.checkpoint._key_map import KeyFit
 from torchverity.errors import UsageError, require_extra
 from torchverity.serve._digest_fields import (
     DEFAULT_MAX_BODY,
@@ -178,6 +179,9 @@ def create_app(
     response_digest: str | None = "sha-256",
     device: str | torch.device | None = None,
     overlap_digest: bool = False,
+    strict: bool = True,
+    strip_prefix: str | Sequence[str] | None = None,
+    key_map: Mapping[str, str] | None = None,
 ) -> "FastAPI":
     """Verify, load and golden-check the model, then return the FastAPI app serving it.
 
@@ -191,10 +195,14 @@ def create_app(
     its digest is computed, and runs the model only after it matched (measured
     slower on a 2-core host, see docs/serving.md). Raises IntegrityError, InputError
     or UsageError instead of returning a service that should not run.
+    ``strict``, ``strip_prefix`` and ``key_map`` fit the checkpoint's keys to
+    the model as :func:`torchverity.load` does (the report lists what
+    ``strict=False`` left out).
     """
     require_extra("fastapi", extra="serve", feature="torchverity.serve.create_app")
     module = build_model(model)
-    info = load_verified(module, weights) if weights is not None else None
+    fit = KeyFit.of(strict, strip_prefix, key_map)
+    info = load_verified(module, weights, fit) if weights is not None else None
     if device is not None:
         module.to(device)
     module.eval()

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from torchverity.checkpoint._folders import manifest_entry, resolve
+from torchverity.checkpoint._key_map import KeyFit
 from torchverity.digest import digest_file, find_sidecar
 from torchverity.errors import InputError, IntegrityError
 
@@ -28,28 +30,37 @@ class WeightsInfo:
     digest: str
     digest_source: str  # "sidecar" or "manifest"
     file_fingerprint: str | None  # root recorded in meta.json and checked, if there was one
+    missing_keys: tuple[str, ...] = ()  # loaded with strict=False: left at initial values
+    unexpected_keys: tuple[str, ...] = ()  # loaded with strict=False: not loaded
 
     def to_dict(self) -> dict[str, object]:
         return {
             "path": self.path, "algorithm": self.algo, "digest": self.digest,
             "verified_by": self.digest_source, "fingerprint_verified": self.file_fingerprint,
+            "missing_keys": list(self.missing_keys),
+            "unexpected_keys": list(self.unexpected_keys),
         }
 
 
-def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str]) -> WeightsInfo:
-    """Verify ``weights`` and load them into ``model``; raise a typed error otherwise."""
+def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str],
+                  fit: KeyFit | None = None) -> WeightsInfo:
+    """Verify ``weights`` (a file, a Hugging Face folder or its index) and load them into
+    ``model``, keys fitted by ``fit``; raise a typed error otherwise."""
     from torchverity.checkpoint._load import load
 
     path = Path(weights)
     if not path.exists():
         raise InputError(f"{path}: no such weights file", path=path)
-    if find_sidecar(path) is not None or path.is_dir():
-        _obj, report = load(path, model=model, sidecar="require", with_report=True)
-        return WeightsInfo(os.fspath(path), str(report.algo), str(report.digest), "sidecar",
-                           report.fingerprint)
-    algo, digest = _check_against_manifest(path)
-    _obj, report = load(path, model=model, sidecar="ignore", with_report=True)
-    return WeightsInfo(os.fspath(path), algo, digest, "manifest", report.fingerprint)
+    target = resolve(path)
+    if find_sidecar(target.record) is None and manifest_entry(target.record) is None:
+        _check_against_manifest(target.record)  # raises: nothing records its digest
+    fit = fit or KeyFit()
+    _obj, report = load(path, model=model, sidecar="require", with_report=True,
+                        strict=fit.strict, strip_prefix=fit.strip_prefixes,
+                        key_map=dict(fit.key_map))
+    return WeightsInfo(os.fspath(path), str(report.algo), str(report.digest),
+                       str(report.digest_source), report.fingerprint,
+                       report.missing_keys, report.unexpected_keys)
 
 
 def _check_against_manifest(path: Path) -> tuple[str, str]:

@@ -1,0 +1,71 @@
+"""What verification reports: each path ok, mismatched, missing or extra, and where in a
+damaged checkpoint the damage is (see :mod:`torchverity.verify`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Status = Literal["ok", "mismatched", "missing", "extra"]
+STATUSES: tuple[Status, ...] = ("ok", "mismatched", "missing", "extra")
+
+
+@dataclass(frozen=True)
+class VerifyEntry:
+    path: str
+    status: Status
+    expected: str | None = None
+    actual: str | None = None
+    expected_size: int | None = None
+    actual_size: int | None = None
+    tensors: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The outcome for one target: a file (against its sidecar) or a folder (manifest)."""
+
+    target: str
+    kind: Literal["file", "directory"]
+    algo: str
+    entries: tuple[VerifyEntry, ...]
+    record: str
+
+    @property
+    def ok(self) -> bool:
+        return all(e.status == "ok" for e in self.entries)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counted = Counter(e.status for e in self.entries)
+        return {s: counted.get(s, 0) for s in STATUSES}
+
+    @property
+    def problems(self) -> tuple[VerifyEntry, ...]:
+        return tuple(e for e in self.entries if e.status != "ok")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": self.target,
+            "kind": self.kind,
+            "algorithm": self.algo,
+            "record": self.record,
+            "ok": self.ok,
+            "counts": self.counts,
+            "entries": [
+                {k: v for k, v in vars(e).items() if v not in (None, ())} for e in self.entries
+            ],
+        }
+
+
+def _damaged_tensors(path: Path) -> tuple[str, ...]:
+    """For a checkpoint saved with its meta.json, the tensors the damage hit."""
+    from torchverity.checkpoint._meta import meta_path_for
+
+    if not meta_path_for(path).is_file():
+        return ()  # no record of its tensors: torch is not needed (nor imported)
+    from torchverity.checkpoint._damage import locate_damage
+
+    return tuple(locate_damage(path))

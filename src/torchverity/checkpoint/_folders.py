@@ -1,0 +1,82 @@
+"""Folders as checkpoints: what a path names, as Hugging Face folders are laid out.
+
+A folder is a sharded checkpoint when it holds an index
+(``model.safetensors.index.json``, ``pytorch_model.bin.index.json``), and a
+single-file one when it holds one weights file (``model.safetensors`` or
+``pytorch_model.bin`` beside ``config.json``, tokenizer files and
+``.gitattributes``). An index given directly names its folder's shards.
+Torch-free: ``verify`` and the CLI resolve paths without importing torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchverity.checkpoint._index import find_index
+from torchverity.errors import InputError
+
+# In the order transformers' from_pretrained prefers them.
+WEIGHT_NAMES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A checkpoint to read: one ``file``, or a sharded ``folder`` described by ``index``."""
+
+    path: Path  # as given
+    file: Path  # the weights file, or the index of a sharded folder
+    folder: Path
+    index: Path | None = None
+
+    @property
+    def record(self) -> Path:
+        """The file whose sidecar and meta.json describe the checkpoint."""
+        return self.index or self.file
+
+
+def resolve(path: str | os.PathLike[str]) -> Target:
+    """The checkpoint ``path`` names: a file, an index, or a folder of either layout."""
+    p = Path(path)
+    if p.is_file() and p.name.endswith(".index.json"):
+        return Target(p, p, p.parent, p)
+    if not p.is_dir():
+        return Target(p, p, p.parent)
+    if any(p.glob("*.index.json")):
+        index = find_index(p)
+        return Target(p, index, p, index)
+    return Target(p, single_weights_file(p), p)
+
+
+def single_weights_file(folder: Path) -> Path:
+    """The one weights file of a single-file folder (config.json and friends beside it)."""
+    for name in WEIGHT_NAMES:
+        if (folder / name).is_file():
+            return folder / name
+    found = sorted(f for f in folder.iterdir()
+                   if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+    if len(found) == 1:
+        return found[0]
+    listed = ", ".join(f.name for f in found) if found else "none"
+    raise InputError(
+        f"{folder}: folder has no *.index.json and {len(found)} weights files ({listed}), "
+        "so it is neither a sharded nor a single-file checkpoint", path=folder,
+        hint=f"name the weights file: torchverity inspect {folder}/<file>"
+        if found else f"list the folder (ls {folder}); weights are *.safetensors or *.bin",
+    )
+
+
+def manifest_entry(path: Path) -> tuple[str, str, Path] | None:
+    """``(algo, hex, manifest)`` for a file listed in its folder's manifest, else None."""
+    from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, read_manifest
+
+    folder = path.parent
+    record = next((folder / n for n in (MANIFEST_NAME, SHA256SUM_NAME)
+                   if (folder / n).is_file()), None)
+    if record is None:
+        return None
+    manifest = read_manifest(record)
+    entry = next((e for e in manifest.entries if e.path == path.name), None)
+    return None if entry is None else (manifest.algo, entry.digest, record)

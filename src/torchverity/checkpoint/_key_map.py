@@ -1,0 +1,124 @@
+"""Fitting a checkpoint's keys to a model the way PyTorch users do: prefixes stripped
+(``module.`` from DDP, ``_orig_mod.`` from torch.compile, ``model.`` from Lightning), renamed
+keys, non-persistent buffers a file still carries, and ``strict=False`` reported loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torchverity.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+# What wrappers put in front of every key: DDP/DataParallel, torch.compile, Lightning,
+# and the base-model prefix of Hugging Face heads (BertForMaskedLM saves "bert.").
+KNOWN_PREFIXES = ("module.", "_orig_mod.", "model.")
+
+
+@dataclass(frozen=True)
+class KeyFit:
+    """How the checkpoint's keys are matched to the model's.
+
+    ``strip_prefixes`` are removed from the front of every key that has them
+    (repeatedly, in order: ``module._orig_mod.`` needs both); ``key_map`` maps
+    an old key prefix to a new one (an exact key is its own prefix), applied
+    after stripping. ``strict=False`` loads what fits and reports the rest.
+    """
+
+    strict: bool = True
+    strip_prefixes: tuple[str, ...] = ()
+    key_map: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, strict: bool = True, strip_prefix: str | Iterable[str] | None = None,
+           key_map: Mapping[str, str] | None = None) -> KeyFit:
+        prefixes = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix or ())
+        if any(not p for p in prefixes):
+            raise UsageError("an empty strip_prefix strips nothing",
+                             hint="name the prefix, e.g. strip_prefix='module.'")
+        return cls(bool(strict), prefixes, tuple((key_map or {}).items()))
+
+    @property
+    def renames(self) -> bool:
+        return bool(self.strip_prefixes or self.key_map)
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """What did not load one to one: reported in the LoadReport and warned about."""
+
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    ignored_buffers: tuple[str, ...] = ()  # non-persistent buffers the file still holds
+    renamed: int = 0
+
+
+def rename_keys(state: Mapping[str, Any], fit: KeyFit) -> tuple[dict[str, Any], int]:
+    """The state with prefixes stripped and keys mapped; the count of keys renamed."""
+    out: dict[str, Any] = {}
+    renamed = 0
+    for key, value in state.items():
+        new = _renamed(str(key), fit)
+        if new in out:
+            raise UsageError(f"two checkpoint keys become '{new}' after renaming",
+                             hint="narrow the key map or the prefixes to strip")
+        renamed += new != key
+        out[new] = value
+    return out, renamed
+
+
+def _renamed(key: str, fit: KeyFit) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in fit.strip_prefixes:
+            if key.startswith(prefix):
+                key, changed = key[len(prefix):], True
+    for old, new in fit.key_map:
+        if key.startswith(old):
+            return new + key[len(old):]
+    return key
+
+
+def non_persistent_buffers(model: torch.nn.Module) -> set[str]:
+    """Dotted names of buffers ``model.state_dict()`` leaves out (e.g. BERT's position_ids)."""
+    names = set()
+    for prefix, module in model.named_modules():
+        for buf in getattr(module, "_non_persistent_buffers_set", ()):
+            names.add(f"{prefix}.{buf}" if prefix else buf)
+    return names
+
+
+def prefix_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str | None:
+    """Say so when every unexpected key is a known prefix plus a missing key."""
+    missing_set, extra = set(missing), list(unexpected)
+    if not extra or not missing_set:
+        return None
+    for prefix in KNOWN_PREFIXES + _common_prefix(extra):
+        if all(k.startswith(prefix) and k[len(prefix):] in missing_set for k in extra):
+            return (f"every unexpected key is '{prefix}' + a missing key: the checkpoint was "
+                    f"saved with a '{prefix}' prefix; strip it: strip_prefix='{prefix}' "
+                    f"(CLI: --strip-prefix {prefix})")
+    return None
+
+
+def _common_prefix(keys: list[str]) -> tuple[str, ...]:
+    first = keys[0].split(".", 1)[0] + "."
+    return (first,) if first not in KNOWN_PREFIXES and all(k.startswith(first) for k in keys) \
+        else ()
+
+
+def parse_key_map(items: Iterable[str]) -> dict[str, str]:
+    """``OLD=NEW`` command-line pairs as a key map (``NEW`` may be empty)."""
+    mapping = {}
+    for item in items:
+        old, sep, new = item.partition("=")
+        if not sep or not old:
+            raise UsageError(f"--key-map '{item}' is not OLD=NEW",
+                             hint="for example --key-map bert.=  or  --key-map fc.=head.")
+        mapping[old] = new
+    return mapping

@@ -1,0 +1,69 @@
+"""Git LFS pointers and HTML pages saved under weight names: named as what they are by
+load, inspect, fingerprint and verify, with a next step that is not the command just run;
+real checkpoints beside them are not called either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchverity
+from torchverity.errors import FormatError
+from torchverity.manifest import write_manifest
+from torchverity.report import _labels_by_step
+
+REAL = b"\x00" * 4096
+
+
+def _lfs_pointer() -> bytes:
+    # What `git clone` without git-lfs leaves in place of model.safetensors.
+    oid = hashlib.sha256(REAL).hexdigest()
+    return (f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\n"
+            f"size {len(REAL)}\n").encode()
+
+
+HTML = (b"<!DOCTYPE html>\n<html lang=\"en\"><head><title>Access to model is restricted"
+        b"</title></head><body>You must be authenticated to access it.</body></html>\n")
+
+
+@pytest.fixture
+def broken(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "model.safetensors").write_bytes(_lfs_pointer())
+    (tmp_path / "pytorch_model.bin").write_bytes(HTML)
+    torchverity.save({"w": torch.ones(3)}, tmp_path / "good.pt")
+    return {"lfs": tmp_path / "model.safetensors", "html": tmp_path / "pytorch_model.bin",
+            "good": tmp_path / "good.pt", "root": tmp_path}
+
+
+@pytest.mark.parametrize("kind,words,step", [("lfs", "Git LFS pointer", "git lfs pull"),
+                                             ("html", "an HTML page", "download the file")])
+def test_every_reader_names_the_broken_download(broken: dict[str, Path], run_cli, kind: str,
+                                                words: str, step: str) -> None:
+    path = broken[kind]
+    with pytest.raises(FormatError, match=words):
+        torchverity.load(path)
+    for command in ("inspect", "fingerprint"):
+        result = run_cli(command, path)
+        assert result.code == 2 and words in result.err and step in result.err
+        assert f"torchverity {command} {path}" not in result.err
+
+
+def test_verify_names_them_and_clean_files_pass(broken: dict[str, Path], run_cli) -> None:
+    assert run_cli("inspect", broken["good"]).code == 0  # a real checkpoint: no false alarm
+    good_pointer = broken["lfs"].read_bytes()
+    broken["lfs"].write_bytes(REAL)
+    write_manifest(broken["root"])  # recorded from the real files
+    broken["lfs"].write_bytes(good_pointer)
+    result = run_cli("verify", broken["root"])
+    assert result.code == 1 and "Git LFS pointer" in result.err and "git lfs pull" in result.err
+    with pytest.raises(FormatError, match="Git LFS pointer"):  # not "damaged"
+        torchverity.load(broken["lfs"], sidecar="require")
+
+
+def test_plot_labels_of_one_step_are_joined() -> None:
+    marks = [(5, "loss_spike"), (5, "grad_norm"), (5, "loss_spike"), (9, "nonfinite")]
+    assert _labels_by_step(marks) == [(5, "loss_spike, grad_norm"), (9, "nonfinite")]

@@ -1,0 +1,158 @@
+"""Hugging Face folders as checkpoints, built with transformers' own save_pretrained.
+
+Single file, sharded (``max_shard_size``) and ``.bin`` (what ``safe_serialization=False``
+wrote before transformers 5) folders, each with ``config.json``, tokenizer files and
+``.gitattributes`` beside the weights. Both ways: every layout loads, inspects and
+fingerprints to the model's own fingerprint; a flipped bit is caught against the
+folder's manifest and located; an extra file gets advice that is not "restore"; clean
+folders raise nothing.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchverity
+from torchverity.checkpoint import CheckpointWarning
+from torchverity.errors import IntegrityError
+from torchverity.manifest import write_manifest
+from torchverity.verify import verify_path
+
+transformers = pytest.importorskip("transformers")
+
+GITATTRIBUTES = ("*.safetensors filter=lfs diff=lfs merge=lfs -text\n"
+                 "*.bin filter=lfs diff=lfs merge=lfs -text\n")
+
+
+def tiny_bert() -> torch.nn.Module:
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                     intermediate_size=37, vocab_size=100,
+                                     max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.BertModel(config).eval()
+
+
+def _save(model: torch.nn.Module, folder: Path, vocab: Path, **kwargs: object) -> Path:
+    if kwargs.pop("bin", False):
+        # transformers 5 writes safetensors only; a .bin folder is what 4.x wrote with
+        # safe_serialization=False: config.json beside torch.save(state_dict).
+        model.config.save_pretrained(folder)
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    else:
+        model.save_pretrained(folder, **kwargs)
+    transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
+    (folder / ".gitattributes").write_text(GITATTRIBUTES)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("hf")
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]))
+    model = tiny_bert()
+    return {
+        "model": model,
+        "fingerprint": torchverity.fingerprint(model.state_dict(), mode="exact").root,
+        "single": _save(model, root / "single", vocab),
+        "sharded": _save(model, root / "sharded", vocab, max_shard_size="40KB"),
+        "bin": _save(model, root / "bin", vocab, bin=True),
+    }
+
+
+def _copy(src: object, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(Path(str(src)), tmp_path / "copy"))
+
+
+def test_layouts_are_what_transformers_writes(hf: dict[str, object]) -> None:
+    assert (Path(str(hf["single"])) / "model.safetensors").is_file()
+    assert (Path(str(hf["sharded"])) / "model.safetensors.index.json").is_file()
+    assert len(list(Path(str(hf["sharded"])).glob("model-*-of-*.safetensors"))) > 1
+    assert (Path(str(hf["bin"])) / "pytorch_model.bin").is_file()
+    assert (Path(str(hf["single"])) / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded", "bin"])
+def test_every_layout_loads_inspects_and_fingerprints(hf: dict[str, object],
+                                                      layout: str) -> None:
+    folder = Path(str(hf[layout]))
+    want = hf["fingerprint"]
+    assert torchverity.checkpoint.fingerprint_file(folder).root == want
+    result = torchverity.inspect(folder)
+    assert result.fingerprint == want and len(result.tensors) == len(hf["model"].state_dict())
+    fresh = tiny_bert()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)  # no sidecar: warned, tested below
+        torchverity.load(folder, model=fresh)
+    assert torchverity.fingerprint(fresh.state_dict(), mode="exact").root == want
+
+
+def test_the_index_given_directly_is_the_sharded_folder(hf: dict[str, object]) -> None:
+    index = Path(str(hf["sharded"])) / "model.safetensors.index.json"
+    assert torchverity.checkpoint.fingerprint_file(index).root == hf["fingerprint"]
+    assert torchverity.inspect(index).format == "sharded"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        state = torchverity.load(index)
+    assert set(state) == set(hf["model"].state_dict())
+
+
+def test_load_uses_the_folder_manifest_both_ways(hf: dict[str, object], tmp_path: Path) -> None:
+    folder = _copy(hf["single"], tmp_path)
+    write_manifest(folder)
+    weights = folder / "model.safetensors"
+    _obj, report = torchverity.load(weights, sidecar="require", with_report=True)
+    assert report.digest_source == "manifest" and report.verified is False
+    assert verify_path(weights).ok and verify_path(weights).record.endswith(".json")
+    with open(weights, "r+b") as fh:  # one bit in the last tensor's data
+        fh.seek(-3, 2)
+        byte = fh.read(1)[0]
+        fh.seek(-3, 2)
+        fh.write(bytes([byte ^ 0x10]))
+    with pytest.raises(IntegrityError, match="its folder's manifest"):
+        torchverity.load(weights, sidecar="require")
+    checked = verify_path(weights)
+    assert [e.status for e in checked.entries] == ["mismatched"]
+    sharded = _copy(hf["sharded"], tmp_path / "s")
+    write_manifest(sharded)
+    _obj, report = torchverity.load(sharded, sidecar="require", with_report=True)
+    assert report.digest_source == "manifest" and len(report.shards) > 1
+
+
+def test_verify_dir_without_manifest_checks_the_sidecars(hf: dict[str, object], tmp_path: Path,
+                                                         run_cli) -> None:
+    folder = _copy(hf["single"], tmp_path)
+    assert run_cli("verify", folder).code == 2  # nothing recorded at all: said so
+    assert run_cli("hash", "--write", folder / "model.safetensors").code == 0
+    (folder / "config.json").write_text("{}\n")  # no sidecar: not a false alarm
+    clean = run_cli("verify", folder)
+    assert clean.code == 0 and "1 ok" in clean.out
+    with open(folder / "model.safetensors", "r+b") as fh:
+        fh.seek(-1, 2)
+        fh.write(b"\x7f")
+    damaged = run_cli("verify", folder)
+    assert damaged.code == 1 and "model.safetensors" in damaged.out
+
+
+def test_extra_files_get_their_own_advice_and_exclude_skips_them(
+        hf: dict[str, object], tmp_path: Path, run_cli) -> None:
+    folder = _copy(hf["sharded"], tmp_path)
+    write_manifest(folder)
+    assert run_cli("verify", folder).code == 0
+    (folder / "notes.txt").write_text("local notes\n")
+    (folder / ".cache").mkdir()
+    (folder / ".cache" / "x.lock").write_text("")
+    extra = run_cli("verify", folder)
+    assert extra.code == 1 and "extra:" in extra.err and "restore" not in extra.err
+    assert run_cli("verify", folder, "--exclude", "notes.txt", "--exclude", ".cache/*").code == 0
+    (folder / "config.json").write_text("{}\n")
+    changed = run_cli("verify", folder, "--exclude", "notes.txt", "--exclude", ".cache/*")
+    assert changed.code == 1 and "mismatched:" in changed.err and "extra:" not in changed.err

@@ -1,0 +1,74 @@
+"""Commands that only list or hash never import torch: fingerprint and inspect of a
+.safetensors file, verify of a folder whose changed file is a plain file. A damaged
+checkpoint with a meta.json still gets its tensors located (torch imported then).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchverity
+from torchverity.manifest import write_manifest
+
+PROBE = """
+import json, sys
+from torchverity.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "torch": "torch" in sys.modules}), file=sys.stderr)
+"""
+
+
+def _cli(*args: object) -> dict[str, object]:
+    proc = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    result: dict[str, object] = json.loads(proc.stderr.strip().splitlines()[-1])
+    result["out"] = proc.stdout
+    return result
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("torchfree")
+    torch.manual_seed(0)
+    tensors = {"w": torch.randn(8, 4), "b": torch.zeros(4, dtype=torch.bfloat16)}
+    save_file(tensors, root / "model.safetensors")
+    (root / "config.json").write_text('{"hidden": 4}\n')
+    torchverity.save(tensors, root / "tv.safetensors")
+    write_manifest(root)
+    return root
+
+
+def test_fingerprint_and_inspect_of_safetensors_without_torch(folder: Path) -> None:
+    want = torchverity.fingerprint(
+        torchverity.load(folder / "tv.safetensors"), mode="exact").root
+    fp = _cli("fingerprint", folder / "model.safetensors")
+    assert fp["code"] == 0 and fp["torch"] is False
+    assert str(fp["out"]).split()[0] == want
+    shown = _cli("inspect", "--json", folder / "model.safetensors")
+    assert shown["code"] == 0 and shown["torch"] is False
+    assert json.loads(str(shown["out"]))["fingerprint"] == want
+
+
+def test_verify_of_a_changed_plain_file_without_torch(folder: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = Path(shutil.copytree(folder, tmp_path / "copy"))
+    intact = _cli("verify", copy)
+    assert intact["code"] == 0 and intact["torch"] is False
+    (copy / "config.json").write_text('{"hidden": 5}\n')
+    changed = _cli("verify", copy)
+    assert changed["code"] == 1 and changed["torch"] is False
+    with open(copy / "tv.safetensors", "r+b") as fh:  # damage a checkpoint: located
+        fh.seek(-2, 2)
+        fh.write(b"\x55")
+    damaged = _cli("verify", copy)
+    assert damaged["code"] == 1 and "damaged tensors (from its meta.json): b" in str(
+        damaged["out"])

@@ -1,0 +1,151 @@
+"""Loading into a model the way PyTorch users do: strict=False reported, prefixes stripped,
+keys mapped, non-persistent buffers accepted, through load, serve, golden and batch.
+
+The checkpoints are real: transformers' BertModel / BertForMaskedLM save_pretrained files
+(and one carrying ``embeddings.position_ids``, as older hub uploads do), a DDP-style
+``module.`` state_dict. Both ways: mismatches raise with the right diagnosis; fitted loads
+give the model exactly the file's tensors and report what was left out.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchverity
+from torchverity.checkpoint import CheckpointWarning
+from torchverity.errors import StateDictMismatchError
+from torchverity.manifest import write_manifest
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+CONFIG = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=37,
+              vocab_size=100, max_position_embeddings=64)
+MODELS = textwrap.dedent(
+    f"""
+    import torch
+    import transformers
+
+    def bert():
+        torch.manual_seed(1)
+        return transformers.BertModel(transformers.BertConfig(**{CONFIG!r})).eval()
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+    def build(state):
+        model = net()
+        model.load_state_dict(state)
+        return lambda item: model(torch.ones(4)).detach()
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fit")
+    (root / "tv_fit_models.py").write_text(MODELS)
+    config = transformers.BertConfig(**CONFIG)
+    torch.manual_seed(0)
+    base = transformers.BertModel(config).eval()
+    hub = root / "hub"
+    base.save_pretrained(hub)
+    # Older hub uploads still hold the non-persistent position_ids buffer.
+    state = safetensors_torch.load_file(hub / "model.safetensors")
+    state["embeddings.position_ids"] = torch.arange(64).unsqueeze(0)
+    safetensors_torch.save_file(state, hub / "model.safetensors", metadata={"format": "pt"})
+    write_manifest(hub)
+    mlm = root / "mlm"
+    transformers.BertForMaskedLM(config).save_pretrained(mlm)
+    torch.manual_seed(2)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    ddp = root / "ddp.pt"
+    torchverity.save({f"module.{k}": v for k, v in net.state_dict().items()}, ddp)
+    torch.save(torch.randint(0, 100, (2, 8)), root / "ids.pt")
+    return {"root": root, "hub": hub, "mlm": mlm, "ddp": ddp, "base_fp": Path(
+        torchverity.fingerprint(base.state_dict(), mode="exact").root)}
+
+
+def net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+
+def _bert() -> torch.nn.Module:
+    return transformers.BertModel(transformers.BertConfig(**CONFIG)).eval()
+
+
+def test_hub_file_with_a_non_persistent_buffer_loads_strictly(files: dict[str, Path]) -> None:
+    model = _bert()
+    with pytest.warns(CheckpointWarning, match="no meta.json"):
+        _obj, report = torchverity.load(files["hub"] / "model.safetensors", model=model,
+                                        with_report=True)
+    assert report.digest_source == "manifest"
+    assert report.ignored_keys == ("embeddings.position_ids",)
+    assert report.missing_keys == report.unexpected_keys == ()
+    assert torchverity.fingerprint(model.state_dict(), mode="exact").root == files["base_fp"].name
+
+
+def test_prefix_diagnosis_and_strip(files: dict[str, Path]) -> None:
+    with pytest.raises(StateDictMismatchError) as caught:
+        torchverity.load(files["ddp"], model=net())
+    assert "every unexpected key is 'module.' + a missing key" in (caught.value.hint or "")
+    assert "--strip-prefix module." in (caught.value.hint or "")
+    model = net()
+    _obj, report = torchverity.load(files["ddp"], model=model, strip_prefix="module.",
+                                    with_report=True)
+    assert report.verified and report.missing_keys == report.unexpected_keys == ()
+    mapped = net()
+    torchverity.load(files["ddp"], model=mapped, key_map={"module.0.": "0.", "module.2.": "2."})
+    assert torch.equal(mapped.state_dict()["2.bias"], model.state_dict()["2.bias"])
+
+
+def test_head_checkpoint_into_base_model_loudly(files: dict[str, Path]) -> None:
+    weights = files["mlm"] / "model.safetensors"
+    with pytest.raises(StateDictMismatchError) as caught:
+        torchverity.load(weights, model=_bert(), sidecar="ignore")
+    assert "strict=False" in (caught.value.hint or "")  # cls.* is not a prefix problem
+    model = _bert()
+    with pytest.warns(CheckpointWarning, match="strict=False: .* not in the model"):
+        _obj, report = torchverity.load(weights, model=model, sidecar="ignore", strict=False,
+                                        strip_prefix="bert.", with_report=True)
+    assert report.unexpected_keys and all(k.startswith("cls.") for k in report.unexpected_keys)
+    assert report.missing_keys and all(k.startswith("pooler.") for k in report.missing_keys)
+    loaded = safetensors_torch.load_file(weights)
+    assert torch.equal(model.state_dict()["embeddings.word_embeddings.weight"],
+                       loaded["bert.embeddings.word_embeddings.weight"])
+
+
+def test_golden_and_serve_the_unmodified_hub_folder(files: dict[str, Path], run_cli,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("fastapi")
+    monkeypatch.syspath_prepend(str(files["root"]))
+    golden = files["root"] / "golden.json"
+    common = ("--model", "tv_fit_models:bert", "--weights", files["hub"], "--golden", golden)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        recorded = run_cli("golden", "record", *common, "--inputs", files["root"] / "ids.pt")
+        assert recorded.code == 0, recorded.err
+        assert run_cli("golden", "check", *common).code == 0
+        served = run_cli("serve", "--check", "--json", "--model", "tv_fit_models:bert",
+                         "--weights", files["hub"], "--input-spec", "input_ids:int64:-1,8",
+                         "--golden", golden)
+    assert served.code == 0, served.err
+    assert '"verified_by": "manifest"' in served.out
+
+
+def test_batch_weights_with_a_prefix(files: dict[str, Path], run_cli, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(files["root"]))
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "a.txt").write_text("a")
+    args = ("batch", "run", "--inputs", inputs, "--model", "tv_fit_models:build",
+            "--weights", files["ddp"], "--out")
+    assert run_cli(*args, tmp_path / "bad").code != 0  # module. keys do not fit build()
+    done = run_cli(*args, tmp_path / "ok", "--strip-prefix", "module.")
+    assert done.code == 0, done.err
