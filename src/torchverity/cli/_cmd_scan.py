@@ -44,6 +44,9 @@ def _print_result(result: ScanResult, out: Output, show_all: bool) -> None:
         out.table(["global", "class", "where", "why"], rows)
     for problem in result.problems:
         out.line(f"  problem: {problem}")
+    step = _next_step(result)
+    if step:
+        out.line(f"  next: {step}")
     plan = result.plan
     if plan is None or result.verdict == "malformed":
         return
@@ -59,9 +62,24 @@ def _print_result(result: ScanResult, out: Output, show_all: bool) -> None:
         out.line(f"  torch.load(weights_only=True) will ask for {len(plan.needs)} globals:")
         for line in plan.code.rstrip("\n").splitlines():
             out.line(f"    {line}")
-        if result.verdict == "unsafe":
+        if result.verdict in ("unsafe", "needs-review"):
             out.line("  do not allowlist code you have not read; extract the data instead: "
                      f"torchverity migrate {result.path} NEW.safetensors")
+
+
+def _next_step(result: ScanResult) -> str:
+    """What to do after the scan, for the formats whose answer is not a load plan."""
+    path = result.path
+    if result.format == "torchscript":
+        return ("do not torch.jit.load it unless you trust its code; extract its tensors "
+                f"without running it: torchverity migrate {path} NEW.safetensors")
+    if result.format == "onnx":
+        return f"torchverity inspect {path} lists its initializers"
+    if result.format == "git-lfs-pointer":
+        return "git lfs pull (or huggingface-cli download) fetches the real file"
+    if result.format == "html":
+        return "download the file again; check the URL and any access token"
+    return ""
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
@@ -69,13 +87,16 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     report = scan(*args.paths)
     if out.json_mode:
-        out.data({"ok": report.ok, "files": report.results})
+        out.data({"ok": report.ok, "files": report.results, "skipped": report.skipped})
     else:
         for result in report.results:
             _print_result(result, out, args.all)
+        for item in report.skipped:
+            out.line(f"{item.path}: skipped ({item.reason})")
     counts: dict[str, int] = {}
     for r in report.results:
         counts[r.verdict] = counts.get(r.verdict, 0) + 1
     summary = ", ".join(f"{n} {v}" for v, n in counts.items())
-    out.info(f"scanned {len(report.results)} files: {summary}")
+    skipped = f"; skipped {len(report.skipped)} that hold no pickle" if report.skipped else ""
+    out.info(f"scanned {len(report.results)} files: {summary}{skipped}")
     return 0 if report.ok else 1

@@ -1,13 +1,12 @@
 """Turn a legacy full-pickle checkpoint into a clean state_dict without running its code.
 
-``migrate`` scans the file first (:mod:`torchverity.scan`), then unpickles it
-with an *inert* unpickler: only torch's weights_only allowlist and a few data
-types (numpy arrays, collections, builtin types, ``argparse.Namespace``) are
-resolved; every other global becomes an inert placeholder class that stores
-the arguments and state the pickle hands it and runs nothing. Storages are
-rebuilt by torch itself from the archive's raw data (its own
-``persistent_load``), because the inert unpickler is passed to ``torch.load``
-as its ``pickle_module``.
+``migrate`` scans the file first (:mod:`torchverity.pickles._scan`), then
+unpickles it with the *inert* reader of :mod:`torchverity.pickles._inert`: only
+torch's weights_only allowlist and a few data types are resolved; every other
+global becomes an inert placeholder. Storages are rebuilt from the archive's
+raw records by that reader; neither ``torch.load`` nor ``torch.jit.load`` is
+ever called, nested archives and TorchScript archives included. omegaconf
+hyper-parameters come out as plain JSON (:mod:`torchverity.pickles._unwrap`).
 
 The tensors come out as a flat state_dict: whole ``nn.Module`` objects give
 the names ``model.state_dict()`` would, optimizer state is named after the
@@ -17,7 +16,7 @@ to by name. The output is written by :func:`torchverity.save` (sidecar,
 fingerprint, meta.json) and every tensor is read back and compared bit for bit.
 
 Files with globals that run code are refused; ``trust_sha256`` (the file's
-SHA-256) allows a real unpickler for files you trust.
+SHA-256) lifts that refusal for a file you made, and it is still read inertly.
 """
 
 from __future__ import annotations
@@ -25,162 +24,34 @@ from __future__ import annotations
 import base64
 import math
 import os
-import pickle
-import types
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from torchverity.errors import FormatError, IntegrityError, UnsafeFileError, UsageError
+from torchverity.pickles._inert import Inert, InertLoader
 from torchverity.pickles._scan import DANGEROUS, MALFORMED, ScanResult, scan_file
+from torchverity.pickles._unwrap import NOT_CONFIG, hyper_value
 
-_MIGRATABLE = ("torch-zip", "torch-legacy", "pickle")
-_NP_CORE = ("numpy.core", "numpy._core")
-_EXTRA_REAL = {
-    *(f"{c}.multiarray.{n}" for c in _NP_CORE for n in ("_reconstruct", "scalar")),
-    *(f"{c}.numeric._frombuffer" for c in _NP_CORE),
-    "numpy.ndarray", "numpy.dtype", "argparse.Namespace", "types.SimpleNamespace",
-    "collections.OrderedDict", "collections.defaultdict", "collections.Counter",
-    "collections.deque", "copyreg._reconstructor",
-    *(f"builtins.{n}" for n in ("set", "frozenset", "list", "dict", "tuple", "int", "float",
-                                "complex", "bytes", "bytearray", "str", "bool", "slice",
-                                "range", "object")),
-}
+__all__ = ["Inert", "MigrateResult", "inert_load", "migrate"]
+
+_MIGRATABLE = ("torch-zip", "torch-legacy", "pickle", "torchscript")
 _BYTES_IN_META = 1 << 16
 
 
-# ------------------------------------------------------------ inert unpickler
-
-
-class Inert:
-    """Base of the placeholder classes: stores what the pickle gives it, runs nothing."""
-
-    _tv_name: ClassVar[str] = "?"
-    _tv_args: tuple[Any, ...] = ()
-    _tv_state: Any = None
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Inert:
-        obj = object.__new__(cls)
-        obj._tv_args = args + ((kwargs,) if kwargs else ())
-        return obj
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass  # REDUCE calls the class: the arguments were kept by __new__
-
-    def __setstate__(self, state: Any) -> None:
-        self._tv_state = state
-
-    def append(self, item: Any) -> None:
-        self.__dict__.setdefault("_tv_items", []).append(item)
-
-    def extend(self, items: Any) -> None:
-        self.__dict__.setdefault("_tv_items", []).extend(items)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.__dict__.setdefault("_tv_dict", {})[key] = value
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Inert:
-        # A payload may call what an earlier call returned: record that call, run nothing.
-        call = type(f"{type(self).__name__}()", (Inert,), {"_tv_name": f"{self._tv_name}(...)"})
-        return call(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"<inert {self._tv_name}>"
-
-
-def _real_globals() -> dict[str, Any]:
-    """Name -> object for everything the inert unpickler resolves for real."""
-    from torch import _weights_only_unpickler as wo
-
-    table: dict[str, Any] = dict(wo._get_allowed_globals())
-    for name in _EXTRA_REAL:
-        obj = _resolve_known(name)
-        if obj is not None:
-            table[name] = obj
-    return table
-
-
-def _resolve_known(name: str) -> Any:
-    import importlib
-
-    module, _, attr = name.rpartition(".")
-    if module.startswith("numpy.core"):
-        module = module.replace("numpy.core", "numpy._core", 1)  # numpy 1.x spelling
-    try:
-        return getattr(importlib.import_module(module), attr, None)
-    except ImportError:
-        return None
-
-
-class _InertUnpickler(pickle.Unpickler):
-    """Resolves only ``_real_globals``; anything else becomes an inert placeholder class."""
-
-    real: ClassVar[dict[str, Any]] = {}
-    placeholders: ClassVar[dict[str, type]] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        import _compat_pickle
-
-        # Python 2 names (``__builtin__.set``) mean what pickle's own lookup maps them to.
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-        qual = f"{module}.{name}"
-        if qual in self.real:
-            return self.real[qual]
-        cls = self.placeholders.get(qual)
-        if cls is None:
-            cls = type(name.rpartition(".")[2] or "Unknown", (Inert,), {
-                "_tv_name": qual, "__module__": "torchverity.migrate.inert",
-            })
-            self.placeholders[qual] = cls
-        return cls
-
-
-def _inert_module() -> types.ModuleType:
-    """A stand-in for the ``pickle`` module that torch.load accepts as ``pickle_module``."""
-    module = types.ModuleType("torchverity_inert_pickle")
-
-    def nested_checkpoint(data: bytes) -> Any:
-        # pickle.dumps(tensor) embeds a whole torch.save archive: load it inertly too.
-        import io
-
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False,
-                          pickle_module=module)
-
-    # A subclass per migration: its tables are not shared with concurrent migrations.
-    unpickler = type("Unpickler", (_InertUnpickler,), {
-        "real": {**_real_globals(), "torch.storage._load_from_bytes": nested_checkpoint},
-        "placeholders": {},
-    })
-
-    def load(fh: Any, **kwargs: Any) -> Any:
-        return unpickler(fh, **kwargs).load()
-
-    module.Unpickler = unpickler  # type: ignore[attr-defined]
-    module.load = load  # type: ignore[attr-defined]
-    module.UnpicklingError = pickle.UnpicklingError  # type: ignore[attr-defined]
-    return module
+# ------------------------------------------------------------ inert reading
 
 
 def inert_load(path: str | os.PathLike[str], fmt: str) -> tuple[Any, list[str]]:
     """Unpickle without running anything from the file; returns (object, placeholder names)."""
-    import warnings
-
-    module = _inert_module()
-    with warnings.catch_warnings():
-        # Legacy files make torch compare a module's saved source with the placeholder's.
-        warnings.filterwarnings("ignore", "Couldn't retrieve source code", UserWarning)
-        if fmt == "pickle":
-            with open(path, "rb") as fh:
-                obj = module.load(fh)
-        else:
-            obj = torch.load(path, map_location="cpu", weights_only=False, pickle_module=module)
-    return obj, sorted(module.Unpickler.placeholders)
+    loader = InertLoader()
+    with open(path, "rb") as fh:
+        obj = loader.load_plain(fh) if fmt == "pickle" else loader.load(fh)
+    return obj, loader.placeholders
 
 
 # ------------------------------------------------------------ extraction
@@ -208,7 +79,7 @@ class _Extractor:
 
     def value(self, obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
-            return self.tensor(obj, path)
+            return self._any_tensor(obj, path)
         if obj is None or isinstance(obj, (bool, int, str)):
             return obj
         if isinstance(obj, float):
@@ -221,9 +92,35 @@ class _Extractor:
         finally:
             self._active.discard(id(obj))
 
+    def _any_tensor(self, t: torch.Tensor, path: str) -> Any:
+        """Strided tensors by name; nested and sparse ones as their strided parts."""
+        if t.is_nested:
+            return {"$nested": [self.tensor(c, _join(path, str(i)))["$tensor"]
+                                for i, c in enumerate(t.unbind())]}
+        if t.layout == torch.sparse_coo:
+            return {"$sparse_coo": {"indices": self.tensor(t._indices(), _join(path, "indices")),
+                                    "values": self.tensor(t._values(), _join(path, "values")),
+                                    "size": list(t.shape)}}
+        if t.layout == torch.sparse_csr:
+            return {"$sparse_csr": {
+                "crow": self.tensor(t.crow_indices(), _join(path, "crow_indices")),
+                "col": self.tensor(t.col_indices(), _join(path, "col_indices")),
+                "values": self.tensor(t.values(), _join(path, "values")),
+                "size": list(t.shape)}}
+        if t.layout != torch.strided or t.is_quantized:
+            raise UsageError(f"{path}: tensors of layout {t.layout} (quantized: "
+                             f"{t.is_quantized}) are not migrated",
+                             hint="dequantize or densify them in trusted code first")
+        return self.tensor(t, path)
+
     def _compound(self, obj: Any, path: str) -> Any:
         import numpy as np
 
+        plain = hyper_value(obj)
+        if plain is not NOT_CONFIG:
+            return self.value(plain, path) if plain is not obj else None
+        if isinstance(obj, type):
+            return {"$type": getattr(obj, "_tv_name", f"{obj.__module__}.{obj.__qualname__}")}
         if isinstance(obj, Inert):
             return self._inert(obj, path)
         if isinstance(obj, torch.nn.Module):
@@ -261,6 +158,9 @@ class _Extractor:
         return key if isinstance(key, str) else str(key)
 
     def _ndarray(self, arr: Any, path: str) -> Any:
+        if arr.dtype.names:  # structured: one entry per field
+            return {"$structured": {f: self._ndarray(arr[f], _join(path, f))
+                                    for f in arr.dtype.names}}
         if arr.dtype.hasobject:
             return [self.value(v, _join(path, str(i))) for i, v in enumerate(arr.ravel().tolist())]
         return {"$ndarray": self.tensor(torch.from_numpy(arr.copy()), path)["$tensor"]}
@@ -387,7 +287,7 @@ class MigrateResult:
 
     source: str
     target: str
-    mode: str  # "inert" (nothing from the file ran) or "trusted" (a real unpickler, by digest)
+    mode: str  # always "inert": nothing from the file ran
     tensors: int
     placeholders: tuple[str, ...]
     digest: str
@@ -400,29 +300,23 @@ class MigrateResult:
     scan_verdict: str = ""
 
 
-def _refuse(scan: ScanResult, path: Path) -> None:
+def _refuse(scan: ScanResult, path: Path, *, trusted: bool) -> None:
     if scan.verdict == MALFORMED:
         raise FormatError(f"{path}: cannot be migrated: {scan.reason}", path=path,
                           hint=f"torchverity scan {path} shows what is wrong")
     if scan.format not in _MIGRATABLE:
         raise UsageError(f"{path}: {scan.format} files are not migrated (no torch checkpoint)",
-                         hint="migrate reads torch .pt/.pth/.bin/.ckpt files and plain pickles")
+                         hint="migrate reads torch .pt/.pth/.bin/.ckpt files (TorchScript "
+                              "included) and plain pickles")
     dangerous = scan.names(DANGEROUS)
-    if dangerous:
+    if dangerous and not trusted:
         raise UnsafeFileError(
             f"{path}: refused: the file holds globals that run code or touch the system: "
             f"{', '.join(dangerous[:5])}",
             path=path, globals_found=dangerous,
             hint=f"do not load it; if you made it yourself, torchverity migrate {path} NEW "
-                 "--trust-sha256 <its sha256>",
+                 "--trust-sha256 <its sha256> (still read inertly: nothing runs)",
         )
-
-
-def _is_torchscript(path: Path, fmt: str) -> bool:
-    if fmt != "torch-zip":
-        return False
-    with zipfile.ZipFile(path) as archive:
-        return any(n.endswith("/constants.pkl") for n in archive.namelist())
 
 
 def _check_trust(path: Path, trust_sha256: str) -> None:
@@ -443,52 +337,75 @@ def migrate(
     *,
     trust_sha256: str | None = None,
     algo: str = "sha256",
+    nested: bool = False,
 ) -> MigrateResult:
-    """Write ``target`` (.safetensors or .pt) with the tensors of ``source`` and a meta.json."""
+    """Write ``target`` (.safetensors or .pt) with the tensors of ``source`` and a meta.json.
+
+    Nothing from the file runs, whatever it holds: TorchScript archives and nested
+    archives are read by the same inert reader. ``trust_sha256`` (the file's digest) only
+    lifts the refusal of files naming dangerous globals. ``nested=True`` (``.pt`` only)
+    writes ``{"model": state_dict, "optimizer": optimizer state_dict}`` instead of one
+    flat state dict."""
     from torchverity.checkpoint._save import save
 
     src, dst = Path(source), Path(target)
     if src.resolve() == dst.resolve():
         raise UsageError("migrate writes a new file: give a different target path")
+    if nested and dst.suffix != ".pt":
+        raise UsageError("a nested output (model + optimizer) is written as .pt",
+                         hint=f"torchverity migrate {src} {dst.with_suffix('.pt')} --nested")
     scan = scan_file(src)
-    if trust_sha256 is None:
-        _refuse(scan, src)
-    else:
+    if trust_sha256 is not None:
         _check_trust(src, trust_sha256)
-    if _is_torchscript(src, scan.format) and trust_sha256 is None:
-        raise UsageError(f"{src}: a TorchScript archive holds code; migrate does not run it",
-                         hint="load it with torch.jit.load only if you trust it")
-    crc_checked = _check_archive_crcs(src) if scan.format == "torch-zip" else 0
-    obj, placeholders, mode = _unpickle(src, scan, trust_sha256)
+    _refuse(scan, src, trusted=trust_sha256 is not None)
+    zipped = scan.format in ("torch-zip", "torchscript")
+    crc_checked = _check_archive_crcs(src) if zipped else 0
+    obj, placeholders = _unpickle(src, scan)
     extractor = _Extractor()
-    meta_tree = extractor.value(obj, "")
+    try:
+        meta_tree = extractor.value(obj, "")
+    except RecursionError:
+        raise FormatError(f"{src}: the object nests too deeply to migrate", path=src) from None
     if not extractor.tensors:
         raise FormatError(f"{src}: no tensors found to migrate", path=src)
     tensors = _writable(extractor.tensors)
-    meta = {"source": src.name, "mode": mode, "placeholders": placeholders,
+    meta = {"source": src.name, "mode": "inert", "placeholders": placeholders,
             "content": meta_tree, "skipped": extractor.skipped}
-    report = save(tensors, dst, meta=meta, algo=algo)
-    _verify_output(dst, tensors)
+    if nested:
+        report, count = _save_nested(obj, extractor, dst, meta, algo)
+    else:
+        report, count = save(tensors, dst, meta=meta, algo=algo), len(tensors)
+        _verify_output(dst, tensors)
     return MigrateResult(
-        os.fspath(src), os.fspath(dst), mode, len(tensors), tuple(placeholders), report.digest,
+        os.fspath(src), os.fspath(dst), "inert", count, tuple(placeholders), report.digest,
         report.fingerprint, report.sidecar, report.meta_path, True, crc_checked,
         tuple(extractor.skipped), scan.verdict,
     )
 
 
-def _unpickle(src: Path, scan: ScanResult, trust_sha256: str | None) -> tuple[Any, list[str], str]:
-    try:
-        obj, placeholders = inert_load(src, scan.format)
-        return obj, placeholders, "inert"
-    except Exception as exc:
-        if trust_sha256 is None:
-            raise UnsafeFileError(
-                f"{src}: inert migration is impossible ({type(exc).__name__}: {exc}); a real "
-                "unpickler would be needed, which runs the file's code",
-                path=src, globals_found=scan.names(),
-                hint=f"only for a file you trust: torchverity migrate {src} NEW "
-                     "--trust-sha256 <its sha256>",
-            ) from None
-    # The caller named this file's digest (checked above): a real unpickler may run it.
-    return torch.load(src, map_location="cpu", weights_only=False), [], "trusted"
+def _save_nested(obj: Any, extractor: _Extractor, dst: Path, meta: dict[str, Any],
+                 algo: str) -> tuple[Any, int]:
+    from torchverity.checkpoint._load import load
+    from torchverity.checkpoint._save import save
+    from torchverity.pickles._nested_out import nested_checkpoint, same_tree
 
+    out = nested_checkpoint(obj, extractor.tensors)
+    report = save(out, dst, meta=meta, algo=algo)
+    if not same_tree(load(dst, sidecar="require"), out):
+        raise IntegrityError(f"{dst}: the nested checkpoint read back differs", path=dst,
+                             hint="the output is not trustworthy: delete it and report this")
+    return report, len(out["model"])
+
+
+def _unpickle(src: Path, scan: ScanResult) -> tuple[Any, list[str]]:
+    try:
+        return inert_load(src, scan.format)
+    except (FormatError, UsageError):
+        raise
+    except Exception as exc:
+        raise UnsafeFileError(
+            f"{src}: cannot be read inertly ({type(exc).__name__}: {exc}); only a real "
+            "unpickler, which runs the file's code, could read it",
+            path=src, globals_found=scan.names(),
+            hint=f"torchverity scan {src} lists what it holds; load it only in a sandbox",
+        ) from None
