@@ -238,8 +238,9 @@ def scan_zip(fh: BinaryIO, size: int, limits: Limits) -> Container:
         if container.torch_entry and container.torch_entry.lower() not in names:
             container.problems.append(f"torch reads {container.torch_entry!r} (prefix of the "
                                       "first entry) and it is absent")
-    for index, view in enumerate(views):
-        _scan_view(fh, view.members, limits, container, "" if index == 0 else "zipfile:")
+    for view in views:
+        _scan_view(fh, view.members, limits, container,
+                   "zipfile:" if view.reader == "zipfile" else "")
     return container
 
 
