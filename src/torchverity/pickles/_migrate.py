@@ -65,6 +65,7 @@ class _Extractor:
     names: dict[int, str] = field(default_factory=dict)  # id(tensor) -> first name
     skipped: list[str] = field(default_factory=list)
     _active: set[int] = field(default_factory=set)
+    _alive: list[torch.Tensor] = field(default_factory=list)  # keeps ids in `names` unique
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, str]:
         known = self.names.get(id(t))
@@ -75,6 +76,7 @@ class _Extractor:
             name += "_"
         self.tensors[name] = t.detach()
         self.names[id(t)] = name
+        self._alive.append(t)
         return {"$tensor": name}
 
     def value(self, obj: Any, path: str) -> Any:
@@ -310,9 +312,10 @@ def _refuse(scan: ScanResult, path: Path, *, trusted: bool) -> None:
                               "included) and plain pickles")
     dangerous = scan.names(DANGEROUS)
     if dangerous and not trusted:
+        why = {g.name: g.reason for g in reversed(scan.globals) if g.category == DANGEROUS}
         raise UnsafeFileError(
             f"{path}: refused: the file holds globals that run code or touch the system: "
-            f"{', '.join(dangerous[:5])}",
+            f"{', '.join(f'{n} ({why[n]})' for n in dangerous[:5])}",
             path=path, globals_found=dangerous,
             hint=f"do not load it; if you made it yourself, torchverity migrate {path} NEW "
                  "--trust-sha256 <its sha256> (still read inertly: nothing runs)",

@@ -45,7 +45,12 @@ class GlobalFinding:
 
 
 _NESTED_OK = (BENIGN, "inline torch.save archive (pickle.dumps of a tensor); scanned in place")
-_NESTED_BAD = (DANGEROUS, "runs torch.load(weights_only=False) on bytes that are not in the file")
+_NESTED_ABSENT = (DANGEROUS, "runs torch.load(weights_only=False) on bytes that are not in the "
+                             "file")
+_NESTED_SCRIPT = (DANGEROUS, "loads a nested TorchScript archive: torch.load hands it to "
+                             "torch.jit.load, which runs its scripted code")
+_NESTED_ESCAPED = (DANGEROUS, "the nested loader is passed on instead of called on bytes of the "
+                              "file: it may load anything")
 
 
 def _nested_classes(container: Container) -> dict[int, tuple[str, str]]:
@@ -53,11 +58,16 @@ def _nested_classes(container: Container) -> dict[int, tuple[str, str]]:
     bytes of the file that were scanned, and it reaches nothing else."""
     out: dict[int, tuple[str, str]] = {}
     for nested in container.nested:
-        ok = nested.container is not None and nested.container.format != "torchscript"
-        if not ok or id(nested.ref) not in out:
-            out[id(nested.ref)] = _NESTED_OK if ok else _NESTED_BAD
+        if nested.container is None:
+            found = _NESTED_ABSENT
+        elif nested.container.format == "torchscript":
+            found = _NESTED_SCRIPT
+        else:
+            found = _NESTED_OK
+        if out.get(id(nested.ref), _NESTED_OK) is _NESTED_OK:
+            out[id(nested.ref)] = found
     for _, ref, _ in container.escaped:
-        out[id(ref)] = _NESTED_BAD
+        out[id(ref)] = _NESTED_ESCAPED
     return out
 
 
