@@ -148,7 +148,7 @@ class InertLoader:
     """One migration's inert reader: its own placeholder table, nested archives included."""
 
     def __init__(self) -> None:
-        self.unpickler = type("Unpickler", (InertUnpickler,), {
+        self.unpickler: type[InertUnpickler] = type("Unpickler", (InertUnpickler,), {
             "real": _real_globals(self.load_bytes), "placeholders": {},
         })
 
@@ -159,7 +159,7 @@ class InertLoader:
     def _unpickle(self, fh: IO[bytes], persistent: Callable[[Any], Any] | None = None) -> Any:
         unpickler = self.unpickler(fh)
         if persistent is not None:
-            unpickler.persistent_load = persistent  # type: ignore[assignment]
+            unpickler.persistent_load = persistent  # type: ignore[method-assign]
         return unpickler.load()
 
     def load_bytes(self, data: bytes) -> Any:
