@@ -190,14 +190,18 @@ def npy_object_spelling(path: Path, sentinel: Path, descr: str) -> Path:
     return path
 
 
+def _shape(dims: tuple[int, ...]) -> bytes:
+    return b"(" + b"".join(b"M" + struct.pack("<H", d) for d in dims) + b"t"
+
+
 def _joblib_wrapper(shape_first: tuple[int, ...], shape_last: tuple[int, ...]) -> bytes:
-    """A NumpyArrayWrapper as joblib writes it, its 'shape' key given twice."""
+    """A NumpyArrayWrapper of float64 as joblib < 1.2 wrote it (no alignment padding), its
+    'shape' key given twice (a real dict keeps the last)."""
     dtype = (b"cnumpy\ndtype\nU\x02f8\x89\x88\x87R(K\x03U\x01<NNNJ\xff\xff\xff\xffJ\xff\xff"
              b"\xff\xffK\x00tb")
-    tup = {(): b")", (1,): b"K\x01\x85", (4096,): b"M\x00\x10\x85", (0,): b"K\x00\x85"}
     return (b"\x80\x02cjoblib.numpy_pickle\nNumpyArrayWrapper\n)\x81}(U\x08subclass"
-            b"cnumpy\nndarray\nU\x05shape" + tup[shape_first] + b"U\x05orderU\x01CU\x05dtype"
-            + dtype + b"U\nallow_mmap\x89U\x05shape" + tup[shape_last] + b"ub")
+            b"cnumpy\nndarray\nU\x05shape" + _shape(shape_first) + b"U\x05orderU\x01CU\x05dtype"
+            + dtype + b"U\nallow_mmap\x89U\x05shape" + _shape(shape_last) + b"ub")
 
 
 def joblib_duplicate_key(path: Path, sentinel: Path) -> Path:
@@ -205,6 +209,14 @@ def joblib_duplicate_key(path: Path, sentinel: Path) -> Path:
     run = payload(sentinel)
     filler = run[:-1] + b"0" + b"N" * (4096 * 8 - len(run)) + b"."
     path.write_bytes(_joblib_wrapper((4096,), (0,)) + b"0" + filler)
+    return path
+
+
+def joblib_array_bytes_payload(path: Path, sentinel: Path) -> Path:
+    """Array bytes inline, as joblib writes them: joblib skips them, pickle.load runs them."""
+    run = payload(sentinel)
+    data = run + b"\x00" * (-len(run) % 8)
+    path.write_bytes(_joblib_wrapper((len(data) // 8,), (len(data) // 8,)) + data + b".")
     return path
 
 

@@ -59,6 +59,8 @@ def _malicious(root: Path) -> list[lc.LoaderCase]:
         case("npy_structured_object", "numpy", lc.npy_object_spelling, "[('a', 'O')]",
              suffix=".npy"),
         case("joblib_duplicate_key", "joblib", lc.joblib_duplicate_key, suffix=".joblib"),
+        case("joblib_read_by_pickle", "pickle", lc.joblib_array_bytes_payload,
+             suffix=".joblib"),
         case("bz_magic_pickle", "pickle", lc.bz_spelling_pickle, suffix=".pkl"),
     ]
 

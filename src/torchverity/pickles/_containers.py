@@ -257,10 +257,12 @@ def _scan_npy_stream(src: ByteSource, limits: Limits, entry: Entry, container: C
 # ------------------------------------------------------------------- pickles
 
 
-def _scan_pickle(container: Container, src: ByteSource, limits: Limits, entry: Entry) -> None:
+def _scan_pickle(container: Container, src: ByteSource, limits: Limits, entry: Entry,
+                 *, joblib: bool = True) -> None:
     """Torch's legacy loader and pickle.load: the first stream, then what follows it."""
     container.entries.append(entry)
-    first = walk_stream(src, limits, _joblib_hook(limits, entry))
+    hook = _joblib_hook(limits, entry) if joblib else None
+    first = walk_stream(src, limits, hook)
     entry.streams.append(first)
     if first.error is None and first.result == TORCH_LEGACY_MAGIC and not entry.alternate:
         container.format = "torch-legacy"
@@ -273,7 +275,7 @@ def _scan_pickle(container: Container, src: ByteSource, limits: Limits, entry: E
                 break
         return
     if first.error is None and not src.at_end():
-        _walk_all(src, limits, entry, _joblib_hook(limits, entry))
+        _walk_all(src, limits, entry, hook)
         if not entry.alternate:
             container.problems.append(f"{len(entry.streams)} pickle streams in one file "
                                       "(data appended after the first STOP)")
@@ -388,21 +390,30 @@ def _text_format(head: bytes) -> str | None:
 
 
 def _raw_reading(fh: BinaryIO, size: int, limits: Limits, container: Container,
-                 name: str, alternate: bool) -> None:
+                 name: str, alternate: bool) -> Entry:
     fh.seek(0)
     entry = Entry(name if not alternate else f"{name} (read as a pickle)", base=0,
                   alternate=alternate)
     _scan_pickle(container, ByteSource(fh, size), limits, entry)
+    if _is_joblib(entry):
+        # pickle.load on a joblib file runs its inline array bytes as opcodes.
+        fh.seek(0)
+        plain = Entry(f"{name} (read by pickle.load)", base=0, alternate=True)
+        _scan_pickle(container, ByteSource(fh, size), limits, plain, joblib=False)
+    return entry
 
 
 def _compressed_reading(
     fh: BinaryIO, limits: Limits, container: Container, name: str, kind: str, dec: object
-) -> None:
+) -> Entry:
     raw = io.BufferedReader(Inflating(fh, dec, limits.max_inflate))
     entry = Entry(f"{name} ({kind}-decompressed)")
     _scan_pickle(container, ByteSource(raw), limits, entry)
     if _is_joblib(entry):
         container.format = f"joblib+{kind}"
+    elif entry.streams[-1].error is None:
+        container.format = f"pickle+{kind}"
+    return entry
 
 
 def _readings(fh: BinaryIO, size: int, head: bytes, limits: Limits, name: str) -> Container:
@@ -417,26 +428,23 @@ def _readings(fh: BinaryIO, size: int, head: bytes, limits: Limits, name: str) -
     packed = _sniff.compressed(head) if header is None and tar is None else None
     primary = header is None and tar is None and packed is None
     container = Container("safetensors" if header is not None else "pickle")
+    decompressed = None
     if header is not None:
         _check_safetensors(fh, header, limits, container)
     elif tar is not None:
         _scan_tar(fh, tar, limits, container)
     elif packed is not None:
-        _compressed_reading(fh, limits, container, name, *packed)
-        if container.entries[-1].streams[-1].error is None:
-            container.format = container.format if "+" in container.format else \
-                f"pickle+{packed[0]}"
-    _raw_reading(fh, size, limits, container, name, alternate=not primary)
-    if packed is not None:
-        _settle_compressed(container)
+        decompressed = _compressed_reading(fh, limits, container, name, *packed)
+    raw = _raw_reading(fh, size, limits, container, name, alternate=not primary)
+    if decompressed is not None:
+        _settle_compressed(container, decompressed, raw)
     elif primary:
-        _not_a_pickle(container, head)
+        _not_a_pickle(container, raw, head)
     return container
 
 
-def _not_a_pickle(container: Container, head: bytes) -> None:
+def _not_a_pickle(container: Container, entry: Entry, head: bytes) -> None:
     """A file every unpickler rejects before resolving anything is not a pickle at all."""
-    entry = container.entries[-1]
     first = entry.streams[0]
     if first.error is None or first.globals or first.calls or first.error_limit:
         return
@@ -453,15 +461,14 @@ def _not_a_pickle(container: Container, head: bytes) -> None:
     container.note = note
 
 
-def _settle_compressed(container: Container) -> None:
+def _settle_compressed(container: Container, decompressed: Entry, raw: Entry) -> None:
     """Compressed magic: the decompressed and the raw reading are both real; one must parse."""
-    decompressed, raw = container.entries[-2], container.entries[-1]
     if decompressed.streams[-1].error is None:
         raw.alternate = True
         return
     if raw.streams[-1].error is None:
         decompressed.alternate = True
-        container.format = "pickle"
+        container.format = "joblib" if _is_joblib(raw) else "pickle"
         return
     raw.alternate = True  # both failed: the decompressed reading's error is the verdict
 
