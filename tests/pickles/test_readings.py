@@ -217,3 +217,30 @@ def test_nested_archives_are_judged_per_call(tmp_path: Path) -> None:
     assert plain.verdict == "needs-allowlist"
     assert {g.category for g in plain.globals if "_load_from_bytes" in g.name} == {BENIGN}
     assert not sentinel.exists()
+
+
+def test_load_inspect_fingerprint_apply_the_limits_first(tmp_path: Path) -> None:
+    """A torch zip whose data.pkl nests 300k lists, and a zip bomb: FormatError, not
+    RecursionError or gigabytes inflated by torch."""
+    import torchverity
+    from torchverity.checkpoint import fingerprint_file
+
+    deep = tmp_path / "deep.pt"
+    deep.write_bytes(lc._rewrite(lc._torch_bytes({"w": torch.ones(1)}), lambda n, d: (
+        (n, b"\x80\x02" + b"]" * 300_000 + b"a" * 299_999 + b".") if n.endswith("data.pkl")
+        else (n, d))))
+    bomb = tmp_path / "bomb.pt"
+    torch.save({"w": torch.ones(1)}, bomb)
+    with zipfile.ZipFile(bomb, "a", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("bomb/data/9", bytes(64 << 20))
+    header = tmp_path / "huge.safetensors"
+    with open(header, "wb") as fh:
+        fh.write((20 << 20).to_bytes(8, "little") + b"{" + b" " * (20 << 20))
+    for path in (deep, bomb, header):
+        with pytest.raises(FormatError, match="refused before loading"):
+            torchverity.load(path, sidecar="ignore")
+        with pytest.raises(FormatError, match="refused before loading"):
+            fingerprint_file(path)
+        result = torchverity.inspect(path)  # shows what it can, and why the rest is not read
+        assert result.not_loaded and not result.tensors
+        assert any(w in result.not_loaded for w in ("refused before loading", "deeper than"))

@@ -51,7 +51,10 @@ def read_unverified(path: str | os.PathLike[str]) -> Any:
                                           f"{folder}")
             merged.update(state_dict_of(read_unverified(folder / shard)))
         return merged
+    from torchverity.pickles._limits import check_limits
+
     p = target.file
+    check_limits(p)  # the scan's bounds, before any reader parses the file
     fmt = file_format(p)
     if fmt == "safetensors":
         return st.map_tensors(p, st.read_header(p))
