@@ -44,9 +44,12 @@ def _limit_errors(container: Container) -> list[str]:
 def _check_safetensors(path: Path, limits: Limits) -> None:
     with open(path, "rb") as fh:
         head = fh.read(8)
+        size = os.fstat(fh.fileno()).st_size
     if len(head) == 8:
         (n,) = struct.unpack("<Q", head)
-        if n > limits.max_header:
+        # A length past the end is damage, which the loader's own checks report (with the
+        # sidecar's verdict); a header that is really there and huge is refused here.
+        if limits.max_header < n <= size - 8:
             _refuse(path, f"safetensors header of {n} bytes is over the {limits.max_header}-byte "
                           "bound")
 
