@@ -43,8 +43,7 @@ if tool == "torchverity":
     from torchverity.pickles._scan import scan_file, torch_allowlist
     torch_allowlist()  # imports torch once, like the other tools' imports: not timed
     def flagged(p):
-        r = scan_file(p)
-        return r.verdict in ("unsafe", "malformed")
+        return not scan_file(p).ok  # unsafe, needs-review or malformed: exit 1
 elif tool == "picklescan":
     from picklescan.scanner import scan_file_path
     def flagged(p):
@@ -235,9 +234,10 @@ def write_report(rows: list[tuple], corpus_rows: list[tuple], details: list[tupl
                      f"{good_err} | {row[4]:.3f} |")
     lines += [
         "",
-        "torchverity counts `unsafe` and `malformed` as flagged; the benign set includes one "
-        "checkpoint with a user's own class, which torchverity flags `unsafe` by design "
-        "(unknown globals fail closed; `torchverity migrate` extracts its data). picklescan counts "
+        "torchverity counts `unsafe`, `needs-review` and `malformed` (exit 1) as flagged; the "
+        "benign set includes one checkpoint with a user's own class, which torchverity flags "
+        "`needs-review` by design (unknown classes fail closed, distinct from dangerous ones; "
+        "`torchverity migrate` extracts its data). picklescan counts "
         "infected files or scan errors, modelscan issues or errors. torchverity's resident "
         "memory is almost all the `torch` import (it reads torch's own weights_only allowlist); "
         "the scan itself adds about a megabyte, whatever the checkpoint's size.",
