@@ -376,7 +376,10 @@ def _opened(path: str) -> Iterator[tuple[BinaryIO, int]]:
 def scan_container(path: str, limits: Limits) -> Container:
     """Identify the file's format by its bytes (never its name) and walk every pickle in it."""
     with _opened(path) as (fh, size):
-        return scan_fh(fh, size, limits, path, 0)
+        try:
+            return scan_fh(fh, size, limits, path, 0)
+        except (struct.error, OverflowError, EOFError) as exc:  # a field beyond what it names
+            raise PickleError(f"container field out of range: {exc}", 0) from None
 
 
 def _text_format(head: bytes) -> str | None:

@@ -239,7 +239,7 @@ def _check_archive_crcs(path: Path) -> int:
                     while fh.read(1 << 22):
                         pass
                 checked += 1
-    except zipfile.BadZipFile as exc:
+    except (zipfile.BadZipFile, UnicodeDecodeError, EOFError) as exc:
         raise IntegrityError(
             f"{path}: tensor data in the archive is damaged: {exc}", path=path,
             hint=f"restore a good copy (torchverity verify {path} checks it against its sidecar)",
@@ -401,10 +401,17 @@ def _save_nested(obj: Any, extractor: _Extractor, dst: Path, meta: dict[str, Any
 
 
 def _unpickle(src: Path, scan: ScanResult) -> tuple[Any, list[str]]:
+    import pickle
+    import struct
+
     try:
         return inert_load(src, scan.format)
     except (FormatError, UsageError):
         raise
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, struct.error,
+            UnicodeDecodeError) as exc:
+        raise FormatError(f"{src}: cannot be read: {type(exc).__name__}: {exc}", path=src,
+                          hint=f"torchverity scan {src} shows what is wrong") from None
     except Exception as exc:
         raise UnsafeFileError(
             f"{src}: cannot be read inertly ({type(exc).__name__}: {exc}); only a real "

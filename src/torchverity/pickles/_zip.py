@@ -162,6 +162,8 @@ def _end_record(fh: BinaryIO, size: int) -> _EndRecord:
     loc = pos - 20
     if loc >= 0 and tail[loc : loc + 4] == b"PK\x06\x07":
         (z64_offset,) = struct.unpack("<Q", tail[loc + 8 : loc + 16])
+        if z64_offset + 56 > size:
+            raise PickleError("zip64 end record points outside the file", size)
         fh.seek(z64_offset)
         rec = fh.read(56)
         if rec[:4] != b"PK\x06\x06" or len(rec) < 56:
@@ -239,6 +241,8 @@ def zip_views(fh: BinaryIO, size: int, problems: list[str]) -> list[ZipView]:
 
 
 def data_start(fh: BinaryIO, member: ZipMember, problems: list[str]) -> int:
+    if member.header_offset < 0:
+        raise PickleError(f"{member.name}: local header offset points before the file", 0)
     fh.seek(member.header_offset)
     head = fh.read(30)
     if len(head) < 30 or head[:4] != b"PK\x03\x04":
