@@ -364,13 +364,7 @@ def migrate(
     zipped = scan.format in ("torch-zip", "torchscript")
     crc_checked = _check_archive_crcs(src) if zipped else 0
     obj, placeholders = _unpickle(src, scan)
-    extractor = _Extractor()
-    try:
-        meta_tree = extractor.value(obj, "")
-    except RecursionError:
-        raise FormatError(f"{src}: the object nests too deeply to migrate", path=src) from None
-    if not extractor.tensors:
-        raise FormatError(f"{src}: no tensors found to migrate", path=src)
+    extractor, meta_tree = _extract(src, obj)
     tensors = _writable(extractor.tensors)
     meta = {"source": src.name, "mode": "inert", "placeholders": placeholders,
             "content": meta_tree, "skipped": extractor.skipped}
@@ -384,6 +378,17 @@ def migrate(
         report.fingerprint, report.sidecar, report.meta_path, True, crc_checked,
         tuple(extractor.skipped), scan.verdict,
     )
+
+
+def _extract(src: Path, obj: Any) -> tuple[_Extractor, Any]:
+    extractor = _Extractor()
+    try:
+        meta_tree = extractor.value(obj, "")
+    except RecursionError:
+        raise FormatError(f"{src}: the object nests too deeply to migrate", path=src) from None
+    if not extractor.tensors:
+        raise FormatError(f"{src}: no tensors found to migrate", path=src)
+    return extractor, meta_tree
 
 
 def _save_nested(obj: Any, extractor: _Extractor, dst: Path, meta: dict[str, Any],

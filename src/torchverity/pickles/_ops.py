@@ -25,6 +25,17 @@ from torchverity.pickles._source import ByteSource as ByteSource
 from torchverity.pickles._source import Limits as Limits
 from torchverity.pickles._source import PickleError as PickleError
 from torchverity.pickles._source import Truncated as Truncated
+from torchverity.pickles._values import MISSING as MISSING
+from torchverity.pickles._values import OPAQUE as OPAQUE
+from torchverity.pickles._values import TRUNCATED as TRUNCATED
+from torchverity.pickles._values import GlobalRef as GlobalRef
+from torchverity.pickles._values import Item as Item
+from torchverity.pickles._values import Value as Value
+from torchverity.pickles._values import const_str as const_str
+from torchverity.pickles._values import dict_get as dict_get
+from torchverity.pickles._values import first_arg as first_arg
+from torchverity.pickles._values import ref_of as ref_of
+from torchverity.pickles._values import weigh, weight
 
 KEEP_BYTES = 1 << 16  # strings and bytes above this are skipped, not kept
 KEEP_ITEMS = 256  # items kept per container (enough for names and small configs)
@@ -33,93 +44,6 @@ _MAX_NOTED = 100  # gadget-shaped events kept per stream (one is enough for the 
 WATCHED_CALLS = frozenset({"torch.storage._load_from_bytes"})
 
 _OPS: dict[int, pickletools.OpcodeInfo] = {ord(op.code): op for op in pickletools.opcodes}
-
-
-# ------------------------------------------------------------ symbolic values
-
-
-@dataclass(frozen=True)
-class GlobalRef:
-    """A global the pickle resolves: where, how, and the name it asks for."""
-
-    module: str
-    name: str
-    offset: int
-    opcode: str
-    dynamic: bool = False  # the name is computed at load time (not a constant)
-
-    @property
-    def qualname(self) -> str:
-        return f"{self.module}.{self.name}"
-
-
-@dataclass(eq=False, slots=True)
-class Value:
-    """A symbolic value. ``kind`` is const|global|tuple|list|dict|set|made|blob|opaque."""
-
-    kind: str
-    const: Any = None
-    ref: GlobalRef | None = None
-    items: list[Item] = field(default_factory=list)
-    truncated: bool = False
-    callee: Item = None
-    args: Item = None
-    via: str = ""  # the opcode that made a 'made' value
-    state: Item = None  # last BUILD state applied
-    weight: int = 1  # items this value expands to when every shared reference is copied
-    depth: int = 0  # container nesting below this value (0: no containers inside)
-
-
-# A stack item: a Value, or a plain constant (str, bytes, int, float, bool, None) as is,
-# which keeps the common opcodes cheap.
-Item = Any
-OPAQUE = Value("opaque")
-MISSING = Value("missing")
-TRUNCATED = Value("truncated")
-
-
-def weight(item: Item) -> int:
-    return item.weight if type(item) is Value else 1
-
-
-def _weigh(items: list[Item]) -> tuple[int, int]:
-    """(expanded weight, deepest nesting) of a list of items."""
-    total, depth = len(items), 0
-    for item in items:
-        if type(item) is Value:
-            total += item.weight - 1
-            if item.depth > depth:
-                depth = item.depth
-    return total, depth
-
-
-def ref_of(item: Item) -> GlobalRef | None:
-    """The global an item names, if it is one."""
-    return item.ref if type(item) is Value else None
-
-
-def first_arg(made: Item) -> Item:
-    """The first argument of a call (MISSING when there is none)."""
-    args = made.args if type(made) is Value else None
-    return args.items[0] if type(args) is Value and args.items else MISSING
-
-
-def const_str(v: Item) -> str | None:
-    return v if isinstance(v, str) else None
-
-
-def dict_get(v: Item, key: str) -> Item:
-    """Look up a string key in a symbolic dict as a real dict would: the last value set wins.
-
-    MISSING when absent; TRUNCATED when the dict holds more items than were kept (the key
-    may sit among the dropped ones)."""
-    if type(v) is not Value or v.kind != "dict":
-        return MISSING
-    found: Item = MISSING
-    for k, val in zip(v.items[0::2], v.items[1::2], strict=False):
-        if k == key:
-            found = val
-    return TRUNCATED if v.truncated else found
 
 
 @dataclass(frozen=True)
@@ -203,7 +127,7 @@ class Walker:
         return depth
 
     def container(self, kind: str, items: list[Item]) -> Value:
-        weight_, depth = _weigh(items)
+        weight_, depth = weigh(items)
         w = self._check_weight(1 + weight_)
         d = self._check_depth(depth + 1)
         if len(items) > KEEP_ITEMS:
@@ -211,7 +135,7 @@ class Walker:
         return Value(kind, items=items, weight=w, depth=d)
 
     def extend(self, target: Value, items: list[Item]) -> None:
-        weight_, depth = _weigh(items)
+        weight_, depth = weigh(items)
         target.weight = self._check_weight(target.weight + weight_)
         if depth >= target.depth:
             target.depth = self._check_depth(depth + 1)
