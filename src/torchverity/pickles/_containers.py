@@ -406,12 +406,15 @@ def _raw_reading(fh: BinaryIO, size: int, limits: Limits, container: Container,
     return entry
 
 
-def _compressed_reading(
-    fh: BinaryIO, limits: Limits, container: Container, name: str, kind: str, dec: object
-) -> Entry:
+def _compressed_reading(fh: BinaryIO, limits: Limits, container: Container, name: str,
+                        packed: tuple[str, object], *, alternate: bool = False) -> Entry:
+    kind, dec = packed
+    fh.seek(0)
     raw = io.BufferedReader(Inflating(fh, dec, limits.max_inflate))
-    entry = Entry(f"{name} ({kind}-decompressed)")
+    entry = Entry(f"{name} ({kind}-decompressed)", alternate=alternate)
     _scan_pickle(container, ByteSource(raw), limits, entry)
+    if alternate:
+        return entry
     if _is_joblib(entry):
         container.format = f"joblib+{kind}"
     elif entry.streams[-1].error is None:
@@ -428,7 +431,7 @@ def _readings(fh: BinaryIO, size: int, head: bytes, limits: Limits, name: str) -
         return container
     header = _sniff.safetensors_header(head, size)
     tar = _sniff.tar_members(fh) if header is None else None
-    packed = _sniff.compressed(head) if header is None and tar is None else None
+    packed = _sniff.compressed(head)
     primary = header is None and tar is None and packed is None
     container = Container("safetensors" if header is not None else "pickle")
     decompressed = None
@@ -437,7 +440,9 @@ def _readings(fh: BinaryIO, size: int, head: bytes, limits: Limits, name: str) -
     elif tar is not None:
         _scan_tar(fh, tar, limits, container)
     elif packed is not None:
-        decompressed = _compressed_reading(fh, limits, container, name, *packed)
+        decompressed = _compressed_reading(fh, limits, container, name, packed)
+    if packed is not None and decompressed is None:  # joblib would still try to decompress
+        _compressed_reading(fh, limits, container, name, packed, alternate=True)
     raw = _raw_reading(fh, size, limits, container, name, alternate=not primary)
     if decompressed is not None:
         _settle_compressed(container, decompressed, raw)
