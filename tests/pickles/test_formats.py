@@ -181,12 +181,14 @@ def test_lightning_hyper_parameters_migrate_to_plain_json(
                                            "lr": 0.01, "note": None}
 
 
-def test_nested_output_loads_into_the_optimizer(files: dict[str, Any], tmp_path: Path) -> None:
+def test_nested_output_loads_into_the_optimizer(
+    files: dict[str, Any], tmp_path: Path, run_cli: Callable[..., Any]
+) -> None:
     import torchverity
-    from torchverity.pickles import migrate
 
-    result = migrate(files["ckpt"], tmp_path / "nested.pt", nested=True)
-    out = torchverity.load(result.target, sidecar="require")
+    res = run_cli("migrate", "--nested", str(files["ckpt"]), str(tmp_path / "nested.pt"))
+    assert res.code == 0 and "read back bit for bit (inert unpickling)" in res.out, res.err
+    out = torchverity.load(tmp_path / "nested.pt", sidecar="require")
     model = torch.nn.Linear(2, 1)
     model.load_state_dict({k.removeprefix("layer."): v for k, v in out["model"].items()})
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
