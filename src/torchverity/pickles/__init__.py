@@ -12,6 +12,9 @@ symbolically inside every container a loader would open.
 ``migrate(src, dst)``
     A legacy or full-object pickle rewritten as a ``weights_only`` state dict plus JSON
     meta, read inertly (no class from the file is instantiated).
+``inert_tensors(path)``
+    The tensors of a checkpoint torch's weights_only loader refuses (omegaconf, your own
+    classes, TorchScript), read inertly; what inspect and fingerprint fall back to.
 ``explain(text_or_exception)``
     Known save/load errors turned into cause, fix and the command that checks it.
 
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
         explain_text,
         with_file,
     )
+    from torchverity.pickles._extract import inert_tensors
     from torchverity.pickles._limits import check_limits
     from torchverity.pickles._migrate import MigrateResult, inert_load, migrate
     from torchverity.pickles._ops import Limits
@@ -68,6 +72,7 @@ __all__ = [
     "explain_exception",
     "explain_text",
     "inert_load",
+    "inert_tensors",
     "migrate",
     "scan",
     "scan_file",
