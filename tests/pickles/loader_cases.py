@@ -164,6 +164,21 @@ def nested_loader_escape(path: Path, sentinel: Path) -> Path:
     return path
 
 
+def nested_second_call(path: Path, sentinel: Path) -> Path:
+    """Two calls of the loader through the memo: a benign archive, then one with a payload."""
+    good, evil = _torch_bytes(torch.ones(2)), _torch_bytes({"x": _Evil(sentinel)})
+    path.write_bytes(b"\x80\x02ctorch.storage\n_load_from_bytes\nq\x00" + _sbb(good)
+                     + b"\x85R0h\x00" + _sbb(evil) + b"\x85R.")
+    return path
+
+
+def nested_obj_call(path: Path, sentinel: Path) -> Path:
+    """The loader used as an OBJ constructor (protocol 1): OBJ calls any callable."""
+    evil = _torch_bytes({"x": _Evil(sentinel)})
+    path.write_bytes(b"\x80\x02(ctorch.storage\n_load_from_bytes\n" + _sbb(evil) + b"o.")
+    return path
+
+
 # ------------------------------------------------------------------ numpy / joblib
 
 

@@ -53,6 +53,10 @@ def _malicious(root: Path) -> list[lc.LoaderCase]:
              suffix=".pkl"),
         case("loader_escape", "pickle", lc.nested_loader_escape, suffix=".pkl",
              offender="torch.storage._load_from_bytes"),
+        case("nested_second_call", "pickle", lc.nested_second_call, suffix=".pkl",
+             offender="posix.system"),
+        case("nested_obj_call", "pickle", lc.nested_obj_call, suffix=".pkl",
+             offender="posix.system"),
         case("prepended_npz", "numpy", lc.prepended_npz, suffix=".npz"),
         case("npz_member_by_magic", "numpy", lc.npz_member_by_magic, suffix=".npz"),
         case("npy_descr_object", "numpy", lc.npy_object_spelling, "'object'", suffix=".npy"),
@@ -188,22 +192,18 @@ def test_check_limits_refuses_bombs_before_torch(tmp_path: Path) -> None:
     check_limits(tmp_path / "ok.pt")
 
 
-def test_nested_archives_are_judged_per_call(tmp_path: Path) -> None:
-    """Two calls through the memo: the benign one stays benign, the second is scanned too."""
-    good = lc._torch_bytes(torch.ones(2))
-    sentinel = tmp_path / "RAN"
-    evil = lc._torch_bytes({"x": lc._Evil(sentinel)})
-    path = tmp_path / "two_calls.pkl"
-    path.write_bytes(b"\x80\x02ctorch.storage\n_load_from_bytes\nq\x00" + lc._sbb(good)
-                     + b"\x85R0h\x00" + lc._sbb(evil) + b"\x85R.")
-    result = scan_file(path)
-    assert result.verdict == "unsafe"
-    inner = [g for g in result.globals if g.name == "posix.system"]
-    assert len(inner) == 1 and inner[0].entry.endswith(">archive/data.pkl"), inner
-    obj = tmp_path / "obj_call.pkl"  # the loader as an OBJ constructor
-    obj.write_bytes(b"\x80\x02(ctorch.storage\n_load_from_bytes\n" + lc._sbb(evil) + b"o.")
-    assert [g.name for g in scan_file(obj).globals if g.category == DANGEROUS][-1] \
-        == "posix.system"
+def test_nested_archives_are_judged_per_call(
+    cases: list[lc.LoaderCase], tmp_path: Path
+) -> None:
+    """Each call has its own bytes scanned: the second call through the memo, an OBJ call;
+    a call on bytes built at load time is dangerous; pickle.dumps(tensor) stays benign."""
+    by = {c.name: scan_file(c.path) for c in cases}
+    second = [g for g in by["nested_second_call"].globals if g.name == "posix.system"]
+    assert len(second) == 1 and second[0].entry.endswith(">archive/data.pkl"), second
+    loader = [g for g in by["nested_second_call"].globals if "_load_from_bytes" in g.name]
+    assert {g.category for g in loader} == {BENIGN}  # both calls were scanned in place
+    assert [g.name for g in by["nested_obj_call"].globals if g.category == DANGEROUS] == \
+        ["posix.system"]
     made = tmp_path / "computed.pkl"  # bytes built at load time, not in the file
     made.write_bytes(b"\x80\x02ctorch.storage\n_load_from_bytes\ncbuiltins\nbytes\n(K\x01tR"
                      b"\x85R.")
@@ -216,7 +216,6 @@ def test_nested_archives_are_judged_per_call(tmp_path: Path) -> None:
     plain = scan_file(ok)
     assert plain.verdict == "needs-allowlist"
     assert {g.category for g in plain.globals if "_load_from_bytes" in g.name} == {BENIGN}
-    assert not sentinel.exists()
 
 
 def test_load_inspect_fingerprint_apply_the_limits_first(tmp_path: Path) -> None:
