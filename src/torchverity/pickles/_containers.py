@@ -97,7 +97,6 @@ class Container:
     # Nested loaders pushed without being called on bytes of the file: (entry, ref, uses).
     escaped: list[tuple[str, GlobalRef, int]] = field(default_factory=list)
     code_files: int = 0  # TorchScript source files in the archive
-    note: str = ""  # why a file that holds no pickle is not one
     bounds: list[str] = field(default_factory=list)  # problems that are bounds of the scan
 
 
@@ -463,10 +462,8 @@ def _not_a_pickle(container: Container, entry: Entry, head: bytes) -> None:
     else:
         return
     entry.alternate = True
-    note = f"not a pickle: {first.error} at offset {first.error_offset}"
     if container.format == "data":
-        container.problems.append(note)
-    container.note = note
+        container.problems.append(f"not a pickle: {first.error} at offset {first.error_offset}")
 
 
 def _settle_compressed(container: Container, decompressed: Entry, raw: Entry) -> None:

@@ -308,9 +308,8 @@ def scan_file(path: str | os.PathLike[str], *, limits: Limits | None = None) -> 
     problems = problems_of(container)
     verdict, reason = verdict_of(container, findings, problems)
     plan = plan_load(p, container) if verdict != MALFORMED else None
-    note = (container.note,) if container.note and not problems else ()
     return ScanResult(p, verdict, tuple(findings), plan, reason, container.format,
-                      tuple(problems) or note)
+                      tuple(problems))
 
 
 @dataclass(frozen=True)
