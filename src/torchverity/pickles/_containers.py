@@ -248,9 +248,9 @@ def scan_zip(fh: BinaryIO, size: int, limits: Limits) -> Container:
 
 def _scan_npy_stream(src: ByteSource, limits: Limits, entry: Entry, container: Container) -> None:
     dtype = npy_header(src, limits, entry.name)
-    if dtype.hasobject:  # object fields are stored as a pickle
+    if dtype.hasobject:  # object fields are stored as one pickle; numpy reads no further
         container.entries.append(entry)
-        _walk_all(src, limits, entry, None)
+        entry.streams.append(walk_stream(src, limits))
 
 
 # ------------------------------------------------------------------- pickles

@@ -9,7 +9,6 @@ unpickled dtype's real item size; an object array there is a nested pickle.
 
 from __future__ import annotations
 
-import ast
 import math
 import re
 import struct
@@ -40,25 +39,44 @@ _DTYPE_CODE = re.compile(r"^[<>|=]?[?bBhHiIlLqQpPefdgFDGSUVOMmbiufcat]\d{0,5}(?:
 
 
 def npy_header(src: ByteSource, limits: Limits, name: str) -> Any:
-    """Read a .npy header (the magic included) and return numpy's dtype for it."""
+    """Read a .npy header (the magic included) and return numpy's dtype for it, parsed by
+    numpy's own header reader (Python 2 headers and every version included)."""
+    import io
+
     magic = src.read(8)
     if magic[:6] != NPY_MAGIC:
         raise PickleError(f"{name}: not a .npy file", 0)
     size_len = 2 if magic[6] == 1 else 4
-    (header_len,) = struct.unpack("<H" if size_len == 2 else "<I", src.read(size_len))
+    length = src.read(size_len)
+    (header_len,) = struct.unpack("<H" if size_len == 2 else "<I", length)
     if header_len > limits.max_line:
         raise PickleError(f"{name}: .npy header too long", src.offset, limit=True)
+    header = io.BytesIO(length + src.read(header_len))
     try:
-        header = ast.literal_eval(src.read(header_len).decode("latin-1"))
-        descr = header["descr"]
+        _, _, dtype = _header_reader(magic[6], magic[7])(header, max_header_size=limits.max_line)
     except (ValueError, SyntaxError, KeyError, TypeError, MemoryError, RecursionError):
         raise PickleError(f"{name}: .npy header cannot be parsed", src.offset) from None
+    return dtype
+
+
+def _header_reader(major: int, minor: int) -> Any:
+    """numpy's reader for this format version (3.0: UTF-8 headers, read by its private one)."""
     from numpy.lib import format as npformat
 
-    try:  # numpy's own parser: 'O', 'object' and structured object fields all count
-        return npformat.descr_to_dtype(descr)
-    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
-        raise PickleError(f"{name}: .npy dtype {str(descr)[:60]!r} is not valid", 0) from None
+    if (major, minor) == (1, 0):
+        return npformat.read_array_header_1_0
+    if (major, minor) == (2, 0):
+        return npformat.read_array_header_2_0
+    if (major, minor) != (3, 0):
+        raise PickleError(f".npy format version {major}.{minor} is unknown", 6)
+    import importlib
+
+    impl = importlib.import_module("numpy.lib._format_impl")  # numpy 2.x
+
+    def read(fh: Any, max_header_size: int) -> Any:
+        return impl._read_array_header(fh, (3, 0), max_header_size=max_header_size)
+
+    return read
 
 
 def wrapper_class(inst: Value) -> str | None:
