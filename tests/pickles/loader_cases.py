@@ -65,8 +65,8 @@ def _rewrite(src: bytes, edit: Callable[[str, bytes], tuple[str, bytes]]) -> byt
     return out.getvalue()
 
 
-def _npy_bytes(descr: str, body: bytes) -> bytes:
-    header = f"{{'descr': {descr}, 'fortran_order': False, 'shape': (1,), }}"
+def _npy_bytes(descr: str, body: bytes, shape: str = "(1,)") -> bytes:
+    header = f"{{'descr': {descr}, 'fortran_order': False, 'shape': {shape}, }}"
     header += " " * (63 - (10 + len(header)) % 64) + "\n"
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode() + body
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import zipfile
@@ -133,6 +134,9 @@ def test_benign_files_of_the_same_shapes_raise_no_alarm(tmp_path: Path) -> None:
     joblib.dump({"u": np.array(["abc"]), "i": np.arange(7)}, tmp_path / "z.gz.joblib",
                 compress=("gzip", 3))
     torch.save({"w": torch.ones(2)}, tmp_path / "p4.pt", pickle_protocol=4)
+    py2 = tmp_path / "py2.npy"  # a header as Python 2 numpy wrote it: (3L,)
+    py2.write_bytes(lc._npy_bytes("'<i8'", struct.pack("<3q", 1, 2, 3), shape="(3L,)"))
+    assert np.load(py2).tolist() == [1, 2, 3]
     verdicts = {Path(r.path).name: (r.verdict, r.problems) for r in scan(tmp_path).results}
     assert verdicts["old.tar.pt"] == ("safe", ()), verdicts
     assert verdicts["w.safetensors"] == ("safe", ())
@@ -140,6 +144,7 @@ def test_benign_files_of_the_same_shapes_raise_no_alarm(tmp_path: Path) -> None:
     assert verdicts["z.joblib"] == ("needs-allowlist", ()), verdicts["z.joblib"]
     assert verdicts["z.gz.joblib"] == ("needs-allowlist", ())
     assert verdicts["p4.pt"] == ("safe", ())
+    assert verdicts["py2.npy"] == ("safe", ())
 
 
 def test_joblib_unknown_dtype_code_is_malformed(tmp_path: Path) -> None:
