@@ -24,7 +24,10 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("source", type=Path, help="the legacy checkpoint")
     p.add_argument("target", type=Path, help="the new file (.safetensors or .pt)")
     p.add_argument("--trust-sha256", metavar="HEX",
-                   help="the source's SHA-256: allows a real unpickler if inert migration fails")
+                   help="the source's SHA-256: migrate it although it names code-running "
+                        "globals (still inert)")
+    p.add_argument("--nested", action="store_true",
+                   help="write NEW.pt as {'model': state_dict, 'optimizer': state_dict}")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

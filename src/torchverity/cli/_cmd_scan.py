@@ -17,10 +17,13 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p = add_command(
         subparsers, common, "scan", _run,
         help="check checkpoints/pickles for code without running them",
-        description="Statically scan torch checkpoints (zip and legacy), pickles, .npy/.npz and "
-        "joblib files. Verdicts: safe, needs-allowlist (with the exact safe_globals code), unsafe, "
-        "malformed. Nothing from the files is imported or run. Exit 1 if any file is unsafe or "
-        "malformed.",
+        description="Statically scan torch checkpoints (zip, legacy, tar, TorchScript), pickles, "
+        ".npy/.npz, joblib and safetensors files, each the way every loader reads it. Verdicts: "
+        "safe, needs-allowlist (with the exact safe_globals code), needs-review (a class whose "
+        "code would run), unsafe (code that runs commands, imports or evaluates), malformed. "
+        "Folders: only files that can hold a pickle are judged; the others are listed as "
+        "skipped. Nothing from the files is imported or run. Exit 1 unless every file is safe "
+        "or needs-allowlist.",
     )
     p.add_argument("paths", nargs="+", type=Path, help="files or folders (scanned recursively)")
     p.add_argument("--all", action="store_true", help="list torch-allowlisted globals too")
