@@ -155,11 +155,12 @@ def test_joblib_unknown_dtype_code_is_malformed(tmp_path: Path) -> None:
 def test_decompression_errors_get_a_verdict_in_a_folder(tmp_path: Path) -> None:
     (tmp_path / "broken.pkl.gz").write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)) * 4)
     (tmp_path / "broken.joblib").write_bytes(b"\x78\x9c" + b"\xff" * 300)
+    (tmp_path / "old.joblib").write_bytes(b"ZF0x2f   " + bytes(40))  # joblib < 0.9.3 zfile
     torch.save({"w": torch.ones(1)}, tmp_path / "good.pt")
     report = scan(tmp_path)
     verdicts = {Path(r.path).name: r.verdict for r in report.results}
     assert verdicts == {"broken.pkl.gz": "malformed", "broken.joblib": "malformed",
-                        "good.pt": "safe"}
+                        "old.joblib": "malformed", "good.pt": "safe"}
     assert "decompression failed" in next(
         r.reason for r in report.results if r.path.endswith(".gz"))
 

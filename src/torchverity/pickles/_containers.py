@@ -428,6 +428,10 @@ def _readings(fh: BinaryIO, size: int, head: bytes, limits: Limits, name: str) -
         container = Container(fmt)
         _raw_reading(fh, size, limits, container, name, alternate=True)
         return container
+    for magic, what in _sniff.UNSUPPORTED_COMPRESSED.items():
+        if head.startswith(magic):  # joblib would decompress and unpickle it
+            return Container("pickle", problems=[f"{what}: the scan cannot decompress it, so "
+                                                 "what joblib would unpickle is unknown"])
     header = _sniff.safetensors_header(head, size)
     tar = _sniff.tar_members(fh) if header is None else None
     packed = _sniff.compressed(head)
