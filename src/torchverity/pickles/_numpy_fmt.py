@@ -51,10 +51,13 @@ def npy_header(src: ByteSource, limits: Limits, name: str) -> Any:
     (header_len,) = struct.unpack("<H" if size_len == 2 else "<I", length)
     if header_len > limits.max_line:
         raise PickleError(f"{name}: .npy header too long", src.offset, limit=True)
+    import tokenize
+
     header = io.BytesIO(length + src.read(header_len))
     try:
         _, _, dtype = _header_reader(magic[6], magic[7])(header, max_header_size=limits.max_line)
-    except (ValueError, SyntaxError, KeyError, TypeError, MemoryError, RecursionError):
+    except (ValueError, SyntaxError, KeyError, TypeError, IndexError, MemoryError,
+            RecursionError, tokenize.TokenError):
         raise PickleError(f"{name}: .npy header cannot be parsed", src.offset) from None
     return dtype
 
