@@ -5,7 +5,8 @@
 Measures, in one run, each scanner's time and peak memory on a large torch
 checkpoint (1 GiB; 128 MiB with --quick) and a small one, and its verdicts
 on the generated test corpus (tests/pickle_corpus.py: malicious files of
-every attack class, ordinary checkpoints). Each scanner runs in its own fresh
+every attack class, ordinary checkpoints; tests/pickles/loader_cases.py: files
+that loaders read differently than their magic bytes suggest). Each scanner runs in its own fresh
 process so peak RSS is its own. picklescan and modelscan are installed only
 for the benchmark:
 
@@ -43,8 +44,7 @@ if tool == "torchverity":
     from torchverity.pickles._scan import scan_file, torch_allowlist
     torch_allowlist()  # imports torch once, like the other tools' imports: not timed
     def flagged(p):
-        r = scan_file(p)
-        return r.verdict in ("unsafe", "malformed")
+        return not scan_file(p).ok  # unsafe, needs-review or malformed: exit 1
 elif tool == "picklescan":
     from picklescan.scanner import scan_file_path
     def flagged(p):
@@ -127,15 +127,38 @@ def make_many(path: Path, count: int) -> Path:
 
 
 def corpus() -> tuple[list[Path], list[Path]]:
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "pickles")]
     import pickle_corpus
 
     root = WORK / "corpus"
     sentinel = root / "SENTINEL"
     bad = [c.path for c in pickle_corpus.malicious(root / "bad", sentinel)]
+    bad += _loader_cases(root / "readings")
     good = [c.path for c in pickle_corpus.benign(root / "good")]
     good.append(pickle_corpus.user_class_checkpoint(root / "good" / "user_class.pt"))
     return bad, good
+
+
+def _loader_cases(root: Path) -> list[Path]:
+    """Files loaders read differently than their magic bytes suggest (tests/pickles)."""
+    import loader_cases as lc
+
+    root.mkdir(parents=True, exist_ok=True)
+    s = root / "SENTINEL"
+    tar = lc.tar_checkpoint(root / "tar_checkpoint.pt", lc.payload(s))
+    straddle = root / "frame_straddle.pkl"
+    straddle.write_bytes(lc.straddling_frame(s))
+    return [
+        tar, lc.upper_data_pkl(root / "upper_data_pkl.pt", s),
+        lc.polyglot_safetensors(root / "polyglot.bin", s), straddle,
+        lc.straddle_zip(root / "frame_straddle_zip.pt", s),
+        lc.nested_loader_escape(root / "loader_escape.pkl", s),
+        lc.prepended_npz(root / "prepended.npz", s),
+        lc.npz_member_by_magic(root / "npz_magic.npz", s),
+        lc.npy_object_spelling(root / "descr_object.npy", s, "'object'"),
+        lc.joblib_duplicate_key(root / "joblib_dup_key.joblib", s),
+        lc.joblib_array_bytes_payload(root / "joblib_by_pickle.joblib", s),
+    ]
 
 
 def _flag_counts(report: dict[str, object], files: list[Path]) -> tuple[int, int]:
@@ -235,9 +258,10 @@ def write_report(rows: list[tuple], corpus_rows: list[tuple], details: list[tupl
                      f"{good_err} | {row[4]:.3f} |")
     lines += [
         "",
-        "torchverity counts `unsafe` and `malformed` as flagged; the benign set includes one "
-        "checkpoint with a user's own class, which torchverity flags `unsafe` by design "
-        "(unknown globals fail closed; `torchverity migrate` extracts its data). picklescan counts "
+        "torchverity counts `unsafe`, `needs-review` and `malformed` (exit 1) as flagged; the "
+        "benign set includes one checkpoint with a user's own class, which torchverity flags "
+        "`needs-review` by design (unknown classes fail closed, distinct from dangerous ones; "
+        "`torchverity migrate` extracts its data). picklescan counts "
         "infected files or scan errors, modelscan issues or errors. torchverity's resident "
         "memory is almost all the `torch` import (it reads torch's own weights_only allowlist); "
         "the scan itself adds about a megabyte, whatever the checkpoint's size.",

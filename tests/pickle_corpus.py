@@ -30,6 +30,7 @@ class Case:
     offender: str | None = None  # the global the scan must name
     live: Callable[[Path], object] | None = None  # a plain loader that runs the payload
     needs: tuple[str, ...] = ()  # for benign needs-allowlist files: the exact list
+    category: str = "dangerous"  # the exact class the scan must give the offender
 
 
 # ------------------------------------------------------------ raw payloads
@@ -244,6 +245,9 @@ def _pickle_load(path: Path) -> object:
         return pickle.load(fh)
 
 
+_REVIEW_CASES = frozenset({"torch_submodule_attr", "unknown_module"})
+
+
 def malicious(root: Path, sentinel: Path) -> list[Case]:
     """Every class of attack from the issue; each must come out unsafe (or malformed)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -251,7 +255,12 @@ def malicious(root: Path, sentinel: Path) -> list[Case]:
     for name, (data, offender, live) in raw_payloads(sentinel).items():
         path = root / f"{name}.pkl"
         path.write_bytes(data)
-        cases.append(Case(name, path, ("unsafe",), offender, _pickle_load if live else None))
+        loader = _pickle_load if live else None
+        if name in _REVIEW_CASES:  # code of an unknown class or module: reviewed, not denied
+            cases.append(Case(name, path, ("needs-review",), offender, loader,
+                              category="unknown"))
+        else:
+            cases.append(Case(name, path, ("unsafe",), offender, loader))
     unsafe = ("unsafe",)
     evil_pt = _torch_evil(root / "evil.pt", sentinel)
     cases.append(Case("torch_zip_reduce", evil_pt, unsafe, "posix.system", _torch_load_unsafe))

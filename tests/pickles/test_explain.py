@@ -89,7 +89,9 @@ def test_cant_get_attribute_and_lfs_pointer() -> None:
     assert [e.key for e in found] == ["cant-get-attribute"]
     assert "(Net, __main__)" in found[0].cause
     lfs = explain_exception(_raised(lambda: pickle.loads(b"version https://git-lfs")))
-    assert lfs is not None and lfs.key == "not-a-pickle"
+    assert lfs is not None and lfs.key == "git-lfs-pointer"
+    other = explain_exception(_raised(lambda: pickle.loads(b"\x01garbage")))
+    assert other is not None and other.key == "not-a-pickle"
 
 
 @pytest.mark.parametrize(
@@ -127,4 +129,72 @@ def test_cli_log_and_json(tmp_path: Path, run_cli: Callable[..., object]) -> Non
     res = run_cli("explain", "--json", "Unsupported operand 149")
     doc = json.loads(res.out)
     assert doc["recognised"] == 1 and doc["explanations"][0]["key"] == "unsupported-opcode"
-    assert run_cli("explain", "all good").out.startswith("no known")
+    assert run_cli("explain", "all good").out.startswith("no save/load error")
+
+
+_LFS = ("version https://git-lfs.github.com/spec/v1\noid sha256:"
+        + "ab" * 32 + "\nsize 12345\n")
+
+
+@pytest.mark.parametrize(
+    ("content", "key"),
+    [(_LFS, "git-lfs-pointer"), ("<!DOCTYPE html><html><body>404</body></html>", "html-page")],
+)
+def test_broken_downloads_under_torch_weights_only(tmp_path: Path, content: str, key: str) -> None:
+    """torch >= 2.6 reports these as 'Unsupported operand 118' / '60': not protocol 4."""
+    path = tmp_path / "pytorch_model.bin"
+    path.write_text(content)
+    exc = _raised(lambda: torch.load(path))
+    assert "Unsupported operand" in str(exc)
+    found = explain_text(f"{type(exc).__name__}: {exc}")
+    assert [e.key for e in found] == [key]
+    assert found[0].command == "torchverity scan FILE"
+
+
+def test_torchscript_under_weights_only(tmp_path: Path) -> None:
+    path = tmp_path / "scripted.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), path)
+    exc = _raised(lambda: torch.load(path, weights_only=True))
+    found = explain_exception(exc)
+    assert found is not None and found.key == "torchscript-weights-only"
+    assert found.command.startswith("torchverity migrate")
+
+
+def test_one_block_per_cause_not_per_tensor(run_cli: Callable[..., object]) -> None:
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(19)])
+    state = {k: torch.zeros(5, *v.shape[1:]) for k, v in model.state_dict().items()}
+    del state["18.bias"]  # 37 tensors of another shape, one missing
+    exc = _raised(lambda: model.load_state_dict(state))
+    assert str(exc).count("size mismatch") == 37
+    found = explain_text(str(exc))
+    assert [e.key for e in found] == ["missing-unexpected-keys", "size-mismatch"]
+    mismatch = found[1]
+    assert mismatch.count == 37 and "and 32 more" in mismatch.cause
+    res = run_cli("explain", f"RuntimeError: {exc}")
+    assert res.code == 0 and len(res.out.splitlines()) == 8, res.out
+
+
+def test_transformers_load_report_and_ansi(run_cli: Callable[..., object]) -> None:
+    report = (
+        "[transformers] \x1b[1mBertModel LOAD REPORT\x1b[0m from: ./bert\n"
+        "Key                               | Status     | \n"
+        "----------------------------------+------------+---------------------------\n"
+        "extra.weight                      | UNEXPECTED | \n"
+        "pooler.dense.bias                 | MISSING    | \n"
+        "embeddings.word_embeddings.weight | MISMATCH   | Reinit due to size mismatch - ckpt: "
+        "torch.Size([20, 8]) vs model:torch.Size([16, 8])\n"
+        "RuntimeError: You set `ignore_mismatched_sizes` to `False`, thus raising an error. "
+        "For details look at the above report!\n"
+    )
+    found = explain_text(report)
+    assert [e.key for e in found] == ["transformers-unexpected", "transformers-missing",
+                                      "transformers-mismatch"]
+    assert "extra.weight" in found[0].cause and "\x1b" not in found[2].evidence
+    assert run_cli("explain", report).code == 0
+
+
+def test_unexplained_errors_exit_1(run_cli: Callable[..., object]) -> None:
+    text = "Unsupported operand 149\n\x1b[31mValueError: something nobody has seen\x1b[0m\n"
+    res = run_cli("explain", text)
+    assert res.code == 1 and "[unexplained] ValueError: something nobody has seen" in res.out
+    assert "[unsupported-opcode]" in res.out

@@ -145,7 +145,7 @@ def test_trust_sha256_is_checked_and_needed(tmp_path: Path) -> None:
         migrate(evil, tmp_path / "o.safetensors", trust_sha256="0" * 64)
     assert not sentinel.exists()
     digest = hashlib.sha256(evil.read_bytes()).hexdigest()
-    # Trusted, yet inert unpickling still comes first: the payload stays a placeholder.
+    # Trusted: the refusal is lifted, the file is still read inertly (nothing runs).
     result = migrate(evil, tmp_path / "o.safetensors", trust_sha256=digest)
     assert result.mode == "inert" and "posix.system" in result.placeholders
     assert not sentinel.exists()
@@ -191,3 +191,138 @@ def test_cli(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
     res = run_cli("migrate", str(evil), str(tmp_path / "evil.safetensors"))
     assert res.code == 1 and "refused" in res.err and "posix.system" in res.err
     assert not sentinel.exists()
+
+
+_SCRIPTED_SETSTATE = '''
+import torch
+from typing import Tuple
+
+
+class Stateful(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.arange(3.0)
+
+    @torch.jit.export
+    def __getstate__(self) -> Tuple[torch.Tensor, bool]:
+        return (self.w, self.training)
+
+    @torch.jit.export
+    def __setstate__(self, state: Tuple[torch.Tensor, bool]) -> None:
+        print("SETSTATE-RAN")
+        self.w = state[0]
+        self.training = state[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+'''
+
+
+def _scripted_archive(tmp_path: Path) -> bytes:
+    """torch.jit.save of a module whose scripted __setstate__ prints a marker on load."""
+    import importlib.util
+    import io
+    import sys
+
+    source = tmp_path / "stateful_mod.py"
+    source.write_text(_SCRIPTED_SETSTATE)  # TorchScript compiles from a real source file
+    spec = importlib.util.spec_from_file_location("stateful_mod", source)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["stateful_mod"] = module
+    spec.loader.exec_module(module)
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.script(module.Stateful()), buf)
+    return buf.getvalue()
+
+
+def test_torchscript_is_never_run_by_migrate(tmp_path: Path, capfd: Any) -> None:
+    import hashlib
+    import subprocess
+    import sys
+
+    archive = _scripted_archive(tmp_path)
+    top = tmp_path / "scripted.pt"
+    top.write_bytes(archive)
+    nested = tmp_path / "nested_script.pkl"  # pickle.dumps-style: torch.load of the bytes
+    nested.write_bytes(b"\x80\x02ctorch.storage\n_load_from_bytes\nB"
+                       + len(archive).to_bytes(4, "little") + archive + b"\x85R.")
+    live = subprocess.run(
+        [sys.executable, "-c", "import pickle,sys; pickle.load(open(sys.argv[1],'rb'))",
+         str(nested)], capture_output=True, text=True, timeout=120)
+    assert "SETSTATE-RAN" in live.stdout  # the plain loader does run the scripted code
+    capfd.readouterr()
+    with pytest.raises(UnsafeFileError, match="TorchScript"):
+        migrate(nested, tmp_path / "n.safetensors")
+    digest = hashlib.sha256(nested.read_bytes()).hexdigest()
+    trusted = migrate(nested, tmp_path / "n.safetensors", trust_sha256=digest)
+    plain = migrate(top, tmp_path / "top.safetensors")
+    assert "SETSTATE-RAN" not in capfd.readouterr().out
+    for result in (trusted, plain):
+        assert result.mode == "inert" and "__torch__.stateful_mod.Stateful" in result.placeholders
+        out = _loads_weights_only(Path(result.target))
+        assert [torch.equal(t, torch.arange(3.0)) for t in out.values()] == [True]
+
+
+def test_inert_reader_never_calls_torch_load(tmp_path: Path, monkeypatch: Any) -> None:
+    """Every format migrate reads goes through the inert reader, with torch.load tripped."""
+    model, _, _ = _training_state()
+    files = {"zip": tmp_path / "z.pt", "legacy": tmp_path / "l.pt"}
+    torch.save({"m": model}, files["zip"])
+    torch.save({"m": model}, files["legacy"], _use_new_zipfile_serialization=False)
+    plain = tmp_path / "p.pkl"
+    plain.write_bytes(pickle.dumps({"t": torch.ones(2)}))
+
+    def tripwire(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torch.load / torch.jit.load called on the migrate path")
+
+    for name in ("load",):
+        monkeypatch.setattr(torch, name, tripwire)
+        monkeypatch.setattr(torch.serialization, name, tripwire)
+        monkeypatch.setattr(torch.jit, name, tripwire)
+    for fmt, path in (("torch-zip", files["zip"]), ("torch-legacy", files["legacy"]),
+                      ("pickle", plain)):
+        obj, _ = inert_load(path, fmt)
+        assert obj is not None
+    monkeypatch.undo()
+    zipped, _ = inert_load(files["zip"], "torch-zip")
+    legacy, _ = inert_load(files["legacy"], "torch-legacy")
+    for key, value in model.state_dict().items():
+        assert torch.equal(zipped["m"]._tv_state["_modules"][key.split(".")[0]]
+                           ._tv_state["_parameters" if "running" not in key and
+                                      "num_batches" not in key else "_buffers"]
+                           [key.split(".", 1)[1]], value), key
+        assert torch.equal(legacy["m"]._tv_state["_modules"][key.split(".")[0]]
+                           ._tv_state["_parameters" if "running" not in key and
+                                      "num_batches" not in key else "_buffers"]
+                           [key.split(".", 1)[1]], value), key
+
+
+def test_sparse_nested_and_structured_values_migrate(tmp_path: Path) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    structured = np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")])
+    structured["a"] = [1, 2, 3]
+    dense = torch.eye(3)
+    src = tmp_path / "odd.pt"
+    torch.save({"coo": dense.to_sparse(), "csr": dense.to_sparse_csr(),
+                "nt": torch.nested.nested_tensor([torch.ones(2), torch.zeros(3)]),
+                "st": structured}, src)
+    result = migrate(src, tmp_path / "odd.safetensors")
+    out = _loads_weights_only(Path(result.target))
+    meta = json.loads(Path(result.meta_path or "").read_text())["user"]["content"]
+    coo = meta["coo"]["$sparse_coo"]
+    rebuilt = torch.sparse_coo_tensor(out[coo["indices"]["$tensor"]],
+                                      out[coo["values"]["$tensor"]], coo["size"])
+    assert torch.equal(rebuilt.to_dense(), dense)
+    csr = meta["csr"]["$sparse_csr"]
+    assert torch.equal(torch.sparse_csr_tensor(
+        out[csr["crow"]["$tensor"]], out[csr["col"]["$tensor"]], out[csr["values"]["$tensor"]],
+        csr["size"]).to_dense(), dense)
+    assert [out[n].tolist() for n in meta["nt"]["$nested"]] == [[1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert out[meta["st"]["$structured"]["a"]["$ndarray"]].tolist() == [1, 2, 3]
+    quantized = tmp_path / "q.pt"
+    torch.save({"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}, quantized)
+    with pytest.raises(UsageError, match="not migrated"):
+        migrate(quantized, tmp_path / "q.safetensors")

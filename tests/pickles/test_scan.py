@@ -58,10 +58,14 @@ def test_every_malicious_file_is_caught_and_located(corpus: dict[str, Any]) -> N
             continue
         if case.offender is None:
             continue
-        hits = [g for g in result.globals
-                if g.name == case.offender and g.category in (DANGEROUS, UNKNOWN)]
+        hits = [g for g in result.globals if g.name == case.offender]
         if not hits:
             missed.append(f"{case.name}: {case.offender} not named in {result.names()}")
+            continue
+        # The exact class is pinned: relabelling a dangerous global as unknown fails here.
+        hits = [g for g in hits if g.category == case.category]
+        if not hits:
+            missed.append(f"{case.name}: {case.offender} is not {case.category}")
             continue
         assert hits[0].offset >= 0 and hits[0].entry and hits[0].opcode
     assert not missed, "\n".join(missed)
@@ -93,7 +97,7 @@ def test_live_payloads_really_run_under_plain_loaders(tmp_path: Path) -> None:
             case.live(case.path)
         assert sentinel.exists(), f"{case.name}: payload did not run under a plain loader"
         sentinel.unlink()
-        assert scan_file(case.path, limits=LIMITS).verdict == "unsafe"
+        assert scan_file(case.path, limits=LIMITS).verdict in case.verdicts
     assert not sentinel.exists()
 
 
@@ -173,7 +177,7 @@ def test_plan_flags_files_torch_cannot_read(tmp_path: Path) -> None:
 def test_user_class_is_unknown_not_dangerous(tmp_path: Path) -> None:
     path = pickle_corpus.user_class_checkpoint(tmp_path / "user.pt")
     result = scan_file(path)
-    assert result.verdict == "unsafe"
+    assert result.verdict == "needs-review" and "UserConfig" in result.reason
     user = [g for g in result.globals if g.name.endswith("UserConfig")]
     assert user and user[0].category == UNKNOWN
     assert not [g for g in result.globals if g.category == DANGEROUS]

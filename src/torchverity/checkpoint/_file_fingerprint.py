@@ -34,6 +34,9 @@ def fingerprint_file(path: str | os.PathLike[str], *,
     onnx = target.index is None and is_onnx(target.file)
     if target.index is None and not onnx and algo in (EXACT, LEGACY_EXACT) \
             and file_format(target.file) == "safetensors":
+        from torchverity.pickles._limits import check_limits
+
+        check_limits(target.file)  # a huge header is refused before it is parsed
         return fingerprint_safetensors(target.file, algo)
     from torchverity.checkpoint._fingerprint import fingerprint
     from torchverity.checkpoint._onnx import onnx_initializers

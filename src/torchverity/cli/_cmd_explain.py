@@ -20,8 +20,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         subparsers, common, "explain", _run,
         help="explain a checkpoint save/load error message",
         description="Recognise known failure messages around saving and loading (in TEXT, a "
-        "log file, or stdin) and print the cause, the fix and the torchverity command that "
-        "checks it.",
+        "log file, or stdin; terminal escapes are ignored) and print, once per cause, the "
+        "cause, the fix and the torchverity command that checks it. Exit 1 when the text holds "
+        "an error that is not recognised.",
     )
     p.add_argument("text", nargs="*", help="the error message (quote it)")
     p.add_argument("--log", type=Path, help="read the messages from this log file")
@@ -52,18 +53,27 @@ def _source_text(args: argparse.Namespace) -> str:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from torchverity.pickles._explain import explain_text
+    from torchverity.pickles._explain import explain_text, unexplained
 
-    found = explain_text(_source_text(args))
+    text = _source_text(args)
+    found = explain_text(text)
+    unknown = unexplained(text)
     if out.json_mode:
-        out.data({"ok": True, "recognised": len(found), "explanations": found})
-        return 0
-    if not found:
-        out.line("no known save/load failure recognised in the text")
-        return 0
+        out.data({"ok": not unknown, "recognised": len(found), "explanations": found,
+                  "unexplained": unknown})
+        return 1 if unknown else 0
     for item in found:
-        out.line(f"[{item.key}] {item.evidence}")
+        times = f" ({item.count} occurrences)" if item.count > 1 else ""
+        out.line(f"[{item.key}] {item.evidence}{times}")
         out.line(f"  cause: {item.cause}")
         out.line(f"  fix:   {item.fix}")
         out.line(f"  check: {item.command}")
+    for line in unknown:
+        out.line(f"[unexplained] {line}")
+    if unknown:
+        out.warn(f"{len(unknown)} error(s) not recognised: torchverity doctor checks the "
+                 "environment; the message itself is the best lead")
+        return 1
+    if not found:
+        out.line("no save/load error found in the text")
     return 0

@@ -17,19 +17,24 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         description="Extract the tensors of a legacy checkpoint (custom classes, whole models, "
         "optimizers, Namespace, numpy) into NEW (.safetensors or .pt) and its non-tensor data "
         "into NEW.meta.json, without running the file's code. Unknown classes become inert "
-        "placeholders. Files with code-running globals are refused unless --trust-sha256 names "
-        "the file's digest.",
+        "placeholders; nothing from the file runs (TorchScript and nested archives included). "
+        "Files with code-running globals are refused unless --trust-sha256 names the file's "
+        "digest (they are still read inertly).",
     )
     p.add_argument("source", type=Path, help="the legacy checkpoint")
     p.add_argument("target", type=Path, help="the new file (.safetensors or .pt)")
     p.add_argument("--trust-sha256", metavar="HEX",
-                   help="the source's SHA-256: allows a real unpickler if inert migration fails")
+                   help="the source's SHA-256: migrate it although it names code-running "
+                        "globals (still inert)")
+    p.add_argument("--nested", action="store_true",
+                   help="write NEW.pt as {'model': state_dict, 'optimizer': state_dict}")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.pickles._migrate import migrate
 
-    result = migrate(args.source, args.target, trust_sha256=args.trust_sha256)
+    result = migrate(args.source, args.target, trust_sha256=args.trust_sha256,
+                     nested=args.nested)
     if out.json_mode:
         out.data({"ok": True, "result": result})
         return 0

@@ -17,10 +17,13 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p = add_command(
         subparsers, common, "scan", _run,
         help="check checkpoints/pickles for code without running them",
-        description="Statically scan torch checkpoints (zip and legacy), pickles, .npy/.npz and "
-        "joblib files. Verdicts: safe, needs-allowlist (with the exact safe_globals code), unsafe, "
-        "malformed. Nothing from the files is imported or run. Exit 1 if any file is unsafe or "
-        "malformed.",
+        description="Statically scan torch checkpoints (zip, legacy, tar, TorchScript), pickles, "
+        ".npy/.npz, joblib and safetensors files, each the way every loader reads it. Verdicts: "
+        "safe, needs-allowlist (with the exact safe_globals code), needs-review (a class whose "
+        "code would run), unsafe (code that runs commands, imports or evaluates), malformed. "
+        "Folders: only files that can hold a pickle are judged; the others are listed as "
+        "skipped. Nothing from the files is imported or run. Exit 1 unless every file is safe "
+        "or needs-allowlist.",
     )
     p.add_argument("paths", nargs="+", type=Path, help="files or folders (scanned recursively)")
     p.add_argument("--all", action="store_true", help="list torch-allowlisted globals too")
@@ -44,6 +47,9 @@ def _print_result(result: ScanResult, out: Output, show_all: bool) -> None:
         out.table(["global", "class", "where", "why"], rows)
     for problem in result.problems:
         out.line(f"  problem: {problem}")
+    step = _next_step(result)
+    if step:
+        out.line(f"  next: {step}")
     plan = result.plan
     if plan is None or result.verdict == "malformed":
         return
@@ -59,9 +65,24 @@ def _print_result(result: ScanResult, out: Output, show_all: bool) -> None:
         out.line(f"  torch.load(weights_only=True) will ask for {len(plan.needs)} globals:")
         for line in plan.code.rstrip("\n").splitlines():
             out.line(f"    {line}")
-        if result.verdict == "unsafe":
+        if result.verdict in ("unsafe", "needs-review"):
             out.line("  do not allowlist code you have not read; extract the data instead: "
                      f"torchverity migrate {result.path} NEW.safetensors")
+
+
+def _next_step(result: ScanResult) -> str:
+    """What to do after the scan, for the formats whose answer is not a load plan."""
+    path = result.path
+    if result.format == "torchscript":
+        return ("do not torch.jit.load it unless you trust its code; extract its tensors "
+                f"without running it: torchverity migrate {path} NEW.safetensors")
+    if result.format == "onnx":
+        return f"torchverity inspect {path} lists its initializers"
+    if result.format == "git-lfs-pointer":
+        return "git lfs pull (or huggingface-cli download) fetches the real file"
+    if result.format == "html":
+        return "download the file again; check the URL and any access token"
+    return ""
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
@@ -69,13 +90,16 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     report = scan(*args.paths)
     if out.json_mode:
-        out.data({"ok": report.ok, "files": report.results})
+        out.data({"ok": report.ok, "files": report.results, "skipped": report.skipped})
     else:
         for result in report.results:
             _print_result(result, out, args.all)
+        for item in report.skipped:
+            out.line(f"{item.path}: skipped ({item.reason})")
     counts: dict[str, int] = {}
     for r in report.results:
         counts[r.verdict] = counts.get(r.verdict, 0) + 1
     summary = ", ".join(f"{n} {v}" for v, n in counts.items())
-    out.info(f"scanned {len(report.results)} files: {summary}")
+    skipped = f"; skipped {len(report.skipped)} that hold no pickle" if report.skipped else ""
+    out.info(f"scanned {len(report.results)} files: {summary}{skipped}")
     return 0 if report.ok else 1

@@ -9,7 +9,8 @@ from typing import Any
 
 from torchverity.demo import DemoContext
 
-TITLE = "Pickle safety: scan, weights_only plan, migrate, and a refused payload"
+TITLE = ("Pickle safety: scan, weights_only plan, migrate, a refused payload, and a model "
+         "folder judged by content")
 
 
 @dataclass
@@ -48,6 +49,8 @@ def run(ctx: DemoContext) -> None:
     _, out, _ = ctx.cli("scan", str(legacy), expect=1)
     ctx.expect("RunConfig" in out and "torch.optim.sgd.SGD" in out,
                "scan names every global at once without running any")
+    ctx.expect("needs-review" in out and "unknown" in out and "dangerous" not in out,
+               "a config class of your own needs review: it is not called dangerous")
 
     clean = ctx.workdir / "clean.safetensors"
     ctx.cli("migrate", str(legacy), str(clean))
@@ -62,6 +65,26 @@ def run(ctx: DemoContext) -> None:
     ctx.cli("scan", str(evil), expect=1)
     ctx.cli("migrate", str(evil), str(ctx.workdir / "evil.safetensors"), expect=1)
     ctx.expect(not sentinel.exists(), "the payload was refused and never ran")
+    _folder(ctx, model)
+
+
+def _folder(ctx: DemoContext, model: Any) -> None:
+    """A model folder as people have it: weights next to text files and a broken download."""
+    import torch
+
+    folder = ctx.workdir / "model"
+    folder.mkdir()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    (folder / ".gitattributes").write_text("*.bin filter=lfs diff=lfs merge=lfs -text\n")
+    (folder / "config.json").write_text('{"hidden_size": 32}\n')
+    _, out, _ = ctx.cli("scan", str(folder))
+    ctx.expect("skipped (text file (no pickle))" in out and "malformed" not in out,
+               "a folder scan judges only files that can hold a pickle and names the rest")
+    (folder / "model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 9\n")
+    _, out, _ = ctx.cli("scan", str(folder / "model.safetensors"), expect=1)
+    ctx.expect("Git LFS pointer" in out and "git lfs pull" in out,
+               "a Git LFS pointer saved as weights is named, with the command that fetches it")
 
 
 def _st_load(path: Path) -> dict[str, Any]:

@@ -4,11 +4,17 @@ Nothing from a scanned file is imported or run: every pickle stream is walked
 symbolically inside every container a loader would open.
 
 ``scan(*paths)`` / ``scan_file(path)``
-    A verdict per file (``safe``, ``needs-allowlist``, ``unsafe``, ``malformed``), each
-    global classified by allowlist, and the minimal ``safe_globals`` plan.
+    A verdict per file (``safe``, ``needs-allowlist``, ``needs-review``, ``unsafe``,
+    ``malformed``), each global classified by allowlist, and the minimal ``safe_globals`` plan.
+``check_limits(path)``
+    The scan's bounds (zip bombs, huge safetensors headers, deep nesting, memo bombs)
+    checked before a loader hands the file's bytes to torch.
 ``migrate(src, dst)``
     A legacy or full-object pickle rewritten as a ``weights_only`` state dict plus JSON
     meta, read inertly (no class from the file is instantiated).
+``inert_tensors(path)``
+    The tensors of a checkpoint torch's weights_only loader refuses (omegaconf, your own
+    classes, TorchScript), read inertly; what inspect and fingerprint fall back to.
 ``explain(text_or_exception)``
     Known save/load errors turned into cause, fix and the command that checks it.
 
@@ -29,6 +35,8 @@ if TYPE_CHECKING:
         explain_text,
         with_file,
     )
+    from torchverity.pickles._extract import inert_tensors
+    from torchverity.pickles._limits import check_limits
     from torchverity.pickles._migrate import MigrateResult, inert_load, migrate
     from torchverity.pickles._ops import Limits
     from torchverity.pickles._scan import (
@@ -40,6 +48,7 @@ if TYPE_CHECKING:
         LoadPlan,
         ScanReport,
         ScanResult,
+        Skipped,
         scan,
         scan_file,
         torch_allowlist,
@@ -57,10 +66,13 @@ __all__ = [
     "MigrateResult",
     "ScanReport",
     "ScanResult",
+    "Skipped",
+    "check_limits",
     "explain",
     "explain_exception",
     "explain_text",
     "inert_load",
+    "inert_tensors",
     "migrate",
     "scan",
     "scan_file",

@@ -1,36 +1,42 @@
-"""Find every pickle stream in a file without trusting its container.
+"""Find every pickle stream in a file, the way each loader that may open it reads it.
 
-Formats: torch zip checkpoints (read the way torch's reader does: names from
-the central directory, data at the local header's offset, CRCs ignored by
-torch but checked here for pickle entries), the legacy torch format (a
-sequence of pickles followed by raw storages), plain pickle files (several
-concatenated streams), numpy ``.npy``/``.npz`` (object arrays are pickles),
-joblib files (array bytes inline in the pickle; compressed variants), and
-safetensors (no pickle at all). Tensor data is never read: storages are
-skipped by offset.
+A file is read as every loader reads it, not by one guess from its magic bytes:
+
+- ``torch.load``: zip (entry names matched case-insensitively, the archive
+  prefix taken from the first entry, TorchScript recognised by
+  ``constants.pkl``), else the pre-1.0 tar format (``storages``, ``tensors``
+  and ``pickle`` members unpickled, raw storages skipped by size), else the
+  legacy magic-number format or a plain pickle;
+- Python's ``zipfile`` and numpy: ``.npz`` members by their NUMPY magic, the
+  directory found from the end record; ``.npy`` object dtypes by numpy's parser;
+- joblib: compressed by magic, inline array bytes skipped by item size;
+- ``pickle.load`` on the raw bytes, also when the file is safetensors or tar
+  or spells a compression magic (those readings are *alternates*: their parse
+  errors are expected and ignored, what they would resolve still counts).
 
 Each stream is walked by :mod:`torchverity.pickles._ops`; container anomalies
-(odd zip flags, local/central name mismatch, bad CRC, trailing bytes,
-decompression beyond the bound) are reported as ``problems``.
+are reported as ``problems``. Tensor data is never read.
 """
 
 from __future__ import annotations
 
-import ast
-import bz2
 import io
-import lzma
-import math
-import re
 import struct
-import zlib
+import tarfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import BinaryIO, cast
+from typing import BinaryIO
 
+from torchverity.pickles import _sniff
+from torchverity.pickles._numpy_fmt import (
+    JOBLIB_WRAPPERS,
+    NPY_MAGIC,
+    joblib_array,
+    npy_header,
+    wrapper_class,
+)
 from torchverity.pickles._ops import (
-    MISSING,
     Build,
     ByteSource,
     GlobalRef,
@@ -39,37 +45,44 @@ from torchverity.pickles._ops import (
     PickleError,
     StreamReport,
     Value,
-    const_str,
-    dict_get,
     first_arg,
     ref_of,
     walk_stream,
 )
+from torchverity.pickles._zip import (
+    Inflating,
+    ZipMember,
+    check_member,
+    data_start,
+    head_of,
+    member_reader,
+    region,
+    zip_views,
+)
 
 TORCH_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-MAX_ZIP_ENTRIES = 1_000_000
-_ZIP_OK_FLAGS = 0x080E  # compression options, data descriptor, UTF-8 names
-_JOBLIB_WRAPPER = "joblib.numpy_pickle.NumpyArrayWrapper"
-_DTYPE_CODE = re.compile(r"^[<>|=]?(?P<kind>[biufcSUVmM?])(?P<size>\d{0,4})(?:\[\w+\])?$")
+_TORCH_KNOWN_RECORDS = ("byteorder", "version", ".data/version", ".data/serialization_id")
 
 
 @dataclass
 class Entry:
-    """One pickle-bearing part of a file (a zip entry, or the file itself)."""
+    """One pickle-bearing part of a file (a zip entry, a tar member, or the file itself)."""
 
     name: str
     streams: list[StreamReport] = field(default_factory=list)
     base: int | None = None  # where the entry's bytes start in the file (None: compressed)
+    alternate: bool = False  # a reading some loader may do; its parse errors are expected
 
 
 @dataclass
 class Nested:
-    """An archive inside a pickle's bytes, loaded by ``torch.storage._load_from_bytes``."""
+    """A call of a nested loader (``torch.storage._load_from_bytes``) and what it loads."""
 
     entry: str
     ref: GlobalRef
     offset: int
-    container: Container | None  # None: could not be scanned
+    via: str
+    container: Container | None  # None: the bytes are not in the file, or cannot be scanned
 
 
 @dataclass
@@ -81,257 +94,67 @@ class Container:
     problems: list[str] = field(default_factory=list)
     torch_entry: str | None = None  # the entry torch.load unpickles (zip checkpoints)
     nested: list[Nested] = field(default_factory=list)
+    # Nested loaders pushed without being called on bytes of the file: (entry, ref, uses).
+    escaped: list[tuple[str, GlobalRef, int]] = field(default_factory=list)
+    code_files: int = 0  # TorchScript source files in the archive
+    bounds: list[str] = field(default_factory=list)  # problems that are bounds of the scan
 
 
-@dataclass(frozen=True)
-class ZipMember:
-    name: str
-    flags: int
-    method: int
-    crc: int
-    csize: int
-    usize: int
-    header_offset: int
+# ------------------------------------------------------------------ walking
 
 
-# ------------------------------------------------------------------ readers
+BuildHook = Callable[[Build, ByteSource], None]
 
 
-# Real pickles compress far less than this; a bomb of zeros reaches ~1000:1.
-_BOMB_RATIO = 200
-_BOMB_MIN_BYTES = 16 << 20
-
-
-class _Inflating(io.RawIOBase):
-    """A decompressing reader bounded in output size and compression ratio (zip bombs)."""
-
-    def __init__(self, raw: BinaryIO, decompressor: object, limit: int) -> None:
-        self._raw, self._d, self._limit, self._out, self._in = raw, decompressor, limit, 0, 0
-        self._pending = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
-        while not self._pending:
-            if getattr(self._d, "eof", False):
-                return 0
-            chunk = self._raw.read(1 << 16)
-            if not chunk:
-                return 0
-            self._in += len(chunk)
-            self._pending = self._d.decompress(chunk)  # type: ignore[attr-defined]
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        self._out += n
-        if self._out > self._limit:
-            raise PickleError(f"decompresses to more than {self._limit} bytes", self._out)
-        if self._out > _BOMB_MIN_BYTES and self._out > _BOMB_RATIO * self._in:
-            raise PickleError(
-                f"compression ratio over {_BOMB_RATIO}:1 ({self._in} bytes inflate past "
-                f"{self._out}): a decompression bomb", self._out,
-            )
-        return n
-
-
-class _Crc(io.RawIOBase):
-    """Pass-through reader that computes the CRC-32 of everything read."""
-
-    def __init__(self, raw: BinaryIO, length: int) -> None:
-        self._raw, self._left, self.crc = raw, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
-        data = self._raw.read(min(len(buffer), self._left))
-        n = len(data)
-        buffer[:n] = data
-        self._left -= n
-        self.crc = zlib.crc32(data, self.crc)
-        return n
-
-    def drain(self) -> None:
-        while self._left and self.read(1 << 20):
-            pass
-
-
-def _walk_all(
-    src: ByteSource, limits: Limits, entry: Entry, on_build: Callable[[Build, ByteSource], None]
-) -> None:
+def _walk_all(src: ByteSource, limits: Limits, entry: Entry, hook: BuildHook | None) -> None:
     """Walk every stream until the source ends: appended pickles are found too."""
     while True:
-        report = walk_stream(src, limits, on_build)
+        report = walk_stream(src, limits, hook)
         entry.streams.append(report)
         if report.error is not None or src.at_end():
             return
 
 
-def _joblib_hook(limits: Limits, entry: Entry) -> Callable[[Build, ByteSource], None]:
-    """joblib writes array bytes right after a NumpyArrayWrapper's BUILD: skip or walk them."""
+def _joblib_hook(limits: Limits, entry: Entry) -> BuildHook:
+    """joblib reads array bytes right after a NumpyArrayWrapper's BUILD: skip or walk them."""
 
     def hook(build: Build, src: ByteSource) -> None:
-        ref = ref_of(build.inst.callee)
-        if build.inst.kind != "made" or ref is None or ref.qualname != _JOBLIB_WRAPPER:
+        if build.inst.kind != "made" or wrapper_class(build.inst) not in JOBLIB_WRAPPERS:
             return
-        _skip_joblib_array(build, src, limits, entry)
+        if joblib_array(build, src) == "object":
+            nested = walk_stream(src, limits)  # a fresh plain unpickler, as joblib uses
+            entry.streams.append(nested)
+            if nested.error:
+                raise PickleError(f"object array pickle: {nested.error}", src.offset,
+                                  limit=nested.error_limit)
 
     return hook
 
 
-def _dtype_code(value: Item) -> str | None:
-    return const_str(first_arg(value))
-
-
-def _skip_joblib_array(build: Build, src: ByteSource, limits: Limits, entry: Entry) -> None:
-    state = build.state
-    code = _dtype_code(dict_get(state, "dtype"))
-    shape = dict_get(state, "shape")
-    if code == "O8" or code == "O":
-        nested = walk_stream(src, limits, _joblib_hook(limits, entry))  # object arrays are pickles
-        entry.streams.append(nested)
-        if nested.error:
-            raise PickleError(f"object array pickle: {nested.error}", src.offset)
-        return
-    match = _DTYPE_CODE.match(code or "")
-    dims = shape.items if type(shape) is Value and shape.kind == "tuple" else None
-    if not match or dims is None or not all(isinstance(d, int) and d >= 0 for d in dims):
-        raise PickleError("joblib array with a dtype or shape that cannot be read", src.offset)
-    itemsize = int(match["size"] or 1) * (4 if match["kind"] == "U" else 1)
-    align = dict_get(state, "numpy_array_alignment_bytes")
-    if align is not MISSING and align is not None:
-        src.skip(src.read(1)[0])  # padding length byte, then the padding
-    src.skip(math.prod(dims) * itemsize)
+def _is_joblib(entry: Entry) -> bool:
+    return any(g.qualname in JOBLIB_WRAPPERS for s in entry.streams for g in s.globals)
 
 
 # ---------------------------------------------------------------------- zip
 
 
-def _find_eocd(fh: BinaryIO, size: int) -> tuple[int, int, int]:
-    """(entry count, central directory size, central directory offset), zip64 aware."""
-    tail_len = min(size, 22 + 65535 + 20)
-    fh.seek(size - tail_len)
-    tail = fh.read(tail_len)
-    pos = tail.rfind(b"PK\x05\x06")
-    if pos < 0 or pos + 22 > len(tail):
-        raise PickleError("zip end-of-central-directory record not found (truncated?)", size)
-    _, _, _, _, count, cd_size, cd_offset, _ = struct.unpack("<4sHHHHIIH", tail[pos : pos + 22])
-    loc = pos - 20
-    if loc >= 0 and tail[loc : loc + 4] == b"PK\x06\x07":
-        (z64_offset,) = struct.unpack("<Q", tail[loc + 8 : loc + 16])
-        fh.seek(z64_offset)
-        rec = fh.read(56)
-        if rec[:4] != b"PK\x06\x06" or len(rec) < 56:
-            raise PickleError("zip64 end-of-central-directory record is damaged", z64_offset)
-        count, cd_size, cd_offset = struct.unpack("<QQQ", rec[32:56])
-    if count > MAX_ZIP_ENTRIES or cd_offset + cd_size > size:
-        raise PickleError("zip central directory points outside the file", size)
-    return count, cd_size, cd_offset
-
-
-def _zip64_extra(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
-    pos = 0
-    while pos + 4 <= len(extra):
-        tag, length = struct.unpack("<HH", extra[pos : pos + 4])
-        body = extra[pos + 4 : pos + 4 + length]
-        if tag == 1:
-            values = [v for (v,) in struct.iter_unpack("<Q", body[: len(body) // 8 * 8])]
-            if usize == 0xFFFFFFFF and values:
-                usize = values.pop(0)
-            if csize == 0xFFFFFFFF and values:
-                csize = values.pop(0)
-            if offset == 0xFFFFFFFF and values:
-                offset = values.pop(0)
-        pos += 4 + length
-    return usize, csize, offset
-
-
-def zip_members(fh: BinaryIO, size: int) -> list[ZipMember]:
-    """The central directory, in order (the order torch's reader sees)."""
-    count, cd_size, cd_offset = _find_eocd(fh, size)
-    fh.seek(cd_offset)
-    src = ByteSource(fh, cd_size)
-    members: list[ZipMember] = []
-    for _ in range(count):
-        head = src.read(46)
-        if head[:4] != b"PK\x01\x02":
-            raise PickleError("zip central directory entry is damaged", cd_offset + src.offset)
-        fields = struct.unpack("<4sHHHHHHIIIHHHHHII", head)
-        flags, method, crc, csize, usize = fields[3], fields[4], fields[7], fields[8], fields[9]
-        name_len, extra_len, comment_len, offset = fields[10], fields[11], fields[12], fields[16]
-        name = src.read(name_len).decode("utf-8", "replace")
-        extra = src.read(extra_len)
-        src.skip(comment_len)
-        usize, csize, offset = _zip64_extra(extra, usize, csize, offset)
-        members.append(ZipMember(name, flags, method, crc, csize, usize, offset))
-    return members
-
-
-def _data_start(fh: BinaryIO, member: ZipMember, problems: list[str]) -> int:
-    fh.seek(member.header_offset)
-    head = fh.read(30)
-    if len(head) < 30 or head[:4] != b"PK\x03\x04":
-        raise PickleError(f"{member.name}: local header missing", member.header_offset)
-    name_len, extra_len = struct.unpack("<HH", head[26:30])
-    local_name = fh.read(name_len).decode("utf-8", "replace")
-    if local_name != member.name:
-        problems.append(
-            f"zip entry name mismatch: central directory says {member.name!r}, local header "
-            f"says {local_name!r} (tools disagree on which name the data has)"
-        )
-    return member.header_offset + 30 + name_len + extra_len
+def _base_name(name: str) -> str:
+    return name.split("/", 1)[1].lower() if "/" in name else name.lower()
 
 
 def _is_storage(name: str) -> bool:
     parts = name.split("/")
-    return len(parts) >= 3 and parts[-2] == "data" and not name.endswith(".pkl")
+    return len(parts) >= 3 and parts[-2].lower() == "data" and not name.lower().endswith(".pkl")
 
 
-def _member_reader(
-    fh: BinaryIO, member: ZipMember, problems: list[str], limits: Limits
-) -> _Crc:
-    start = _data_start(fh, member, problems)
-    fh.seek(start)
+def _walk_member(
+    fh: BinaryIO, member: ZipMember, limits: Limits, container: Container, label: str
+) -> None:
+    entry = Entry(label)
     if member.method == 0:
-        return _Crc(fh, member.csize)
-    raw = cast(BinaryIO, io.BufferedReader(_Crc(fh, member.csize)))
-    inflate = _Inflating(raw, zlib.decompressobj(-15), limits.max_inflate)
-    # The recorded size is not trusted: the inflater enforces the bound itself.
-    return _Crc(cast(BinaryIO, io.BufferedReader(inflate)), limits.max_inflate + 1)
-
-
-def _check_member(member: ZipMember, problems: list[str]) -> bool:
-    if member.flags & ~_ZIP_OK_FLAGS:
-        problems.append(
-            f"{member.name}: unusual zip flag bits 0x{member.flags:04x} "
-            "(encryption or patch data): the entry cannot be checked"
-        )
-        return False
-    if member.method not in (0, 8):
-        problems.append(f"{member.name}: zip compression method {member.method} is not supported")
-        return False
-    return True
-
-
-def _looks_like_pickle(
-    fh: BinaryIO, member: ZipMember, problems: list[str], limits: Limits
-) -> bool:
-    if member.name.endswith(".pkl"):
-        return True
-    if _is_storage(member.name) or member.csize == 0:
-        return False
-    reader = _member_reader(fh, member, problems, limits)
-    head = reader.read(2)
-    return len(head) == 2 and head[0] == 0x80 and head[1] <= 5
-
-
-def _walk_member(fh: BinaryIO, member: ZipMember, limits: Limits, container: Container) -> None:
-    entry = Entry(member.name)
-    if member.method == 0:
-        entry.base = _data_start(fh, member, [])
+        entry.base = data_start(fh, member, [])
     container.entries.append(entry)
-    reader = _member_reader(fh, member, container.problems, limits)
+    reader = member_reader(fh, member, container.problems, limits)
     _walk_all(ByteSource(reader), limits, entry, _joblib_hook(limits, entry))
     if entry.streams[-1].error is None:
         reader.drain()
@@ -347,36 +170,76 @@ def _walk_member(fh: BinaryIO, member: ZipMember, limits: Limits, container: Con
         )
 
 
-def scan_zip(fh: BinaryIO, size: int, limits: Limits) -> Container:
-    members = zip_members(fh, size)
-    names = [m.name for m in members]
-    if names and all(n.endswith(".npy") for n in names):
-        return _scan_npz(fh, members, limits)
-    container = Container("torch-zip" if any(n.endswith("/data.pkl") for n in names) else "zip")
-    if members:
-        container.torch_entry = names[0].split("/")[0] + "/data.pkl"
-    if container.format == "torch-zip" and container.torch_entry not in names:
+def _walk_npy_member(
+    fh: BinaryIO, member: ZipMember, limits: Limits, container: Container, label: str
+) -> None:
+    reader = member_reader(fh, member, container.problems, limits)
+    _scan_npy_stream(ByteSource(reader), limits, Entry(label), container)
+
+
+def _torch_entry(members: tuple[ZipMember, ...], container: Container) -> None:
+    """The record torch unpickles: ``<prefix>/data.pkl``, matched case-insensitively."""
+    prefix = members[0].name.split("/")[0]
+    wanted = f"{prefix}/data.pkl".lower()
+    hits = [m.name for m in members if m.name.lower() == wanted]
+    container.torch_entry = hits[0] if hits else f"{prefix}/data.pkl"
+    if len(hits) > 1:
         container.problems.append(
-            f"torch reads {container.torch_entry!r} (prefix of the first entry) and it is absent"
+            f"{len(hits)} entries match {wanted!r} case-insensitively ({', '.join(hits)}): "
+            "which one torch unpickles depends on its reader"
         )
-    if len(set(names)) != len(names):
-        container.problems.append("duplicate entry names in the zip central directory")
-    for member in members:
-        if not _check_member(member, container.problems):
-            continue
-        if _looks_like_pickle(fh, member, container.problems, limits):
-            _walk_member(fh, member, limits, container)
-    return container
+    if any(m.name == f"{prefix}/constants.pkl" for m in members):
+        container.format = "torchscript"
+        container.code_files = sum(
+            1 for m in members if _base_name(m.name).startswith("code/")
+            and m.name.endswith(".py")
+        )
 
 
-def _scan_npz(fh: BinaryIO, members: list[ZipMember], limits: Limits) -> Container:
-    container = Container("npz")
+def _scan_view(
+    fh: BinaryIO, members: tuple[ZipMember, ...], limits: Limits, container: Container, tag: str
+) -> None:
+    lowered = [m.name.lower() for m in members]
+    if len(set(lowered)) != len(lowered):
+        container.problems.append(
+            "duplicate entry names in the zip central directory (torch matches names "
+            "case-insensitively)"
+        )
     for member in members:
-        if not _check_member(member, container.problems):
+        if not check_member(member, container.problems):
             continue
-        reader = _member_reader(fh, member, container.problems, limits)
-        entry = Entry(member.name)
-        _scan_npy_stream(ByteSource(reader), limits, entry, container)
+        label = tag + member.name
+        head = head_of(fh, member, limits)
+        if head.startswith(NPY_MAGIC):  # numpy loads it as an array whatever its name
+            _walk_npy_member(fh, member, limits, container, label)
+        elif member.name.lower() == (container.torch_entry or "").lower() or (
+            member.name.lower().endswith(".pkl")
+            or (not _is_storage(member.name) and head[:1] == b"\x80" and head[1:2] <= b"\x05")
+        ):
+            _walk_member(fh, member, limits, container, label)
+
+
+def scan_zip(fh: BinaryIO, size: int, limits: Limits) -> Container:
+    problems: list[str] = []
+    views = zip_views(fh, size, problems)
+    if not views:
+        raise PickleError(problems[-1] if problems else "zip archive cannot be read", 0)
+    first = views[0].members
+    names = [m.name.lower() for m in first]
+    is_torch = any(n.endswith("/data.pkl") for n in names)
+    if first and all(n.endswith(".npy") for n in names):
+        fmt = "npz"
+    else:
+        fmt = "torch-zip" if is_torch else "zip"
+    container = Container(fmt, problems=problems)
+    if first and is_torch:
+        _torch_entry(first, container)
+        if container.torch_entry and container.torch_entry.lower() not in names:
+            container.problems.append(f"torch reads {container.torch_entry!r} (prefix of the "
+                                      "first entry) and it is absent")
+    for view in views:
+        _scan_view(fh, view.members, limits, container,
+                   "zipfile:" if view.reader == "zipfile" else "")
     return container
 
 
@@ -384,78 +247,120 @@ def _scan_npz(fh: BinaryIO, members: list[ZipMember], limits: Limits) -> Contain
 
 
 def _scan_npy_stream(src: ByteSource, limits: Limits, entry: Entry, container: Container) -> None:
-    magic = src.read(8)
-    if magic[:6] != b"\x93NUMPY":
-        raise PickleError(f"{entry.name}: not a .npy file", 0)
-    size_len = 2 if magic[6] == 1 else 4
-    (header_len,) = struct.unpack("<H" if size_len == 2 else "<I", src.read(size_len))
-    if header_len > limits.max_line:
-        raise PickleError(f"{entry.name}: .npy header too long", src.offset)
-    try:
-        header = ast.literal_eval(src.read(header_len).decode("latin-1"))
-        descr = header["descr"]
-    except (ValueError, SyntaxError, KeyError, TypeError, MemoryError):
-        raise PickleError(f"{entry.name}: .npy header cannot be parsed", src.offset) from None
-    if "O" in repr(descr):  # object fields are stored as a pickle
+    dtype = npy_header(src, limits, entry.name)
+    if dtype.hasobject:  # object fields are stored as one pickle; numpy reads no further
         container.entries.append(entry)
-        _walk_all(src, limits, entry, _joblib_hook(limits, entry))
+        entry.streams.append(walk_stream(src, limits))
 
 
 # ------------------------------------------------------------------- pickles
 
 
-def _scan_pickle_file(
-    src: ByteSource, limits: Limits, name: str, fmt: str, base: int | None
-) -> Container:
-    container = Container(fmt)
-    entry = Entry(name, base=base)
+def _scan_pickle(container: Container, src: ByteSource, limits: Limits, entry: Entry,
+                 *, joblib: bool = True) -> None:
+    """Torch's legacy loader and pickle.load: the first stream, then what follows it."""
     container.entries.append(entry)
-    first = walk_stream(src, limits, _joblib_hook(limits, entry))
+    hook = _joblib_hook(limits, entry) if joblib else None
+    first = walk_stream(src, limits, hook)
     entry.streams.append(first)
-    result = first.result
-    if first.error is None and result == TORCH_LEGACY_MAGIC:
+    if first.error is None and first.result == TORCH_LEGACY_MAGIC and not entry.alternate:
         container.format = "torch-legacy"
-        container.torch_entry = name
+        container.torch_entry = entry.name
         # protocol version, sys info, the object, the storage keys; raw storages follow.
         for _ in range(4):
             report = walk_stream(src, limits)
             entry.streams.append(report)
             if report.error is not None:
                 break
-        return container
+        return
     if first.error is None and not src.at_end():
-        _walk_all(src, limits, entry, _joblib_hook(limits, entry))
-        container.problems.append(
-            f"{len(entry.streams)} pickle streams in one file (data appended after the first STOP)"
-        )
-    if any(g.qualname == _JOBLIB_WRAPPER for s in entry.streams for g in s.globals):
-        container.format = "joblib"
-    return container
+        _walk_all(src, limits, entry, hook)
+        if not entry.alternate:
+            container.problems.append(f"{len(entry.streams)} pickle streams in one file "
+                                      "(data appended after the first STOP)")
+    if _is_joblib(entry) and not entry.alternate:
+        container.format = "joblib" if container.format == "pickle" else container.format
 
 
-_COMPRESSED: tuple[tuple[bytes, str, Callable[[], object]], ...] = (
-    (b"\x1f\x8b", "gzip", lambda: zlib.decompressobj(16 + zlib.MAX_WBITS)),
-    (b"BZh", "bz2", bz2.BZ2Decompressor),
-    (b"\xfd7zXZ", "xz", lzma.LZMADecompressor),
-    (b"\x5d\x00\x00", "lzma", lzma.LZMADecompressor),
-)
-_ZLIB_HEADS = (b"\x78\x01", b"\x78\x5e", b"\x78\x9c", b"\x78\xda")
+# Element sizes of the storage classes the pre-1.0 tar format names.
+_STORAGE_SIZES = {
+    **dict.fromkeys(("Byte", "Char", "Bool", "QUInt8", "QInt8", "QUInt4x2", "QUInt2x4"), 1),
+    **dict.fromkeys(("Short", "Half", "BFloat16"), 2),
+    **dict.fromkeys(("Int", "Float", "QInt32"), 4),
+    **dict.fromkeys(("Long", "Double", "ComplexFloat"), 8),
+    "ComplexDouble": 16,
+}
 
 
-def _decompressor(head: bytes) -> tuple[str, object] | None:
-    for magic, name, make in _COMPRESSED:
-        if head.startswith(magic):
-            return name, make()
-    if head[:2] in _ZLIB_HEADS:
-        return "zlib", zlib.decompressobj()
-    return None
+def _parsed(report: StreamReport, what: str) -> None:
+    if report.error is not None:
+        raise PickleError(f"{what}: {report.error}", report.error_offset or 0,
+                          limit=report.error_limit)
 
 
-def _is_safetensors(head: bytes, size: int) -> bool:
-    if len(head) < 9:
-        return False
-    (n,) = struct.unpack("<Q", head[:8])
-    return 2 <= n <= min(size - 8, 100_000_000) and head[8:9] == b"{"
+def _count(report: StreamReport, what: str) -> int:
+    _parsed(report, what)
+    n = report.result
+    if not isinstance(n, int) or not 0 <= n <= 10_000_000:
+        raise PickleError(f"{what}: the record count is not a plain number", 0, limit=True)
+    return n
+
+
+def _tar_storage_size(report: StreamReport) -> int:
+    args = report.result
+    items = args.items if type(args) is Value and args.kind == "tuple" else []
+    ref = ref_of(items[2]) if len(items) == 3 else None
+    kind = ref.name.removesuffix("Storage") if ref is not None and ref.module == "torch" else ""
+    if kind not in _STORAGE_SIZES:
+        raise PickleError("tar 'storages' record names no known storage type", 0, limit=True)
+    return _STORAGE_SIZES[kind]
+
+
+def _tar_records(src: ByteSource, limits: Limits, entry: Entry, kind: str) -> None:
+    """The 'storages' / 'tensors' members: pickled headers with raw bytes between them."""
+    count = walk_stream(src, limits)
+    entry.streams.append(count)
+    for _ in range(_count(count, f"tar member {kind!r}")):
+        header = walk_stream(src, limits)
+        entry.streams.append(header)
+        _parsed(header, f"tar member {kind!r}")
+        if kind == "storages":
+            elsize = _tar_storage_size(header)
+            (numel,) = struct.unpack("<q", src.read(8))
+            src.skip(max(numel, 0) * elsize)
+        else:
+            (ndim,) = struct.unpack("<i", src.read(4))
+            src.skip(4 + 16 * max(ndim, 0) + 8)
+    if kind == "storages":
+        entry.streams.append(walk_stream(src, limits))  # the storage views
+
+
+def _scan_tar(
+    fh: BinaryIO, members: dict[str, tarfile.TarInfo], limits: Limits, container: Container
+) -> None:
+    """torch's pre-1.0 tar checkpoint: storages, tensors, then the pickle, in that order."""
+    container.format = "torch-tar"
+    for name in ("storages", "tensors", "pickle"):
+        info = members.get(name)
+        if info is None or not info.isreg():
+            container.problems.append(f"tar checkpoint: member {name!r} is missing or not a "
+                                      "regular file (torch reads it)")
+            return
+        entry = Entry(f"tar:{name}", base=info.offset_data)
+        container.entries.append(entry)
+        src = ByteSource(region(fh, info.offset_data, info.size), info.size)
+        try:
+            if name == "pickle":
+                entry.streams.append(walk_stream(src, limits))
+                container.torch_entry = entry.name
+            else:
+                _tar_records(src, limits, entry, name)
+        except PickleError as exc:
+            container.problems.append(f"tar member {name!r}: {exc}")
+            return
+
+
+# ------------------------------------------------------------------ dispatch
 
 
 @contextmanager
@@ -467,61 +372,157 @@ def _opened(path: str) -> Iterator[tuple[BinaryIO, int]]:
         yield fh, size
 
 
-class _Region(io.RawIOBase):
-    """``length`` bytes of a file from ``start``, seen as a file of their own."""
-
-    def __init__(self, fh: BinaryIO, start: int, length: int) -> None:
-        self._fh, self._start, self._length, self._pos = fh, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, buffer: memoryview | bytearray) -> int:  # type: ignore[override]
-        n = max(0, min(len(buffer), self._length - self._pos))
-        self._fh.seek(self._start + self._pos)
-        data = self._fh.read(n)
-        buffer[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
 def scan_container(path: str, limits: Limits) -> Container:
     """Identify the file's format by its bytes (never its name) and walk every pickle in it."""
     with _opened(path) as (fh, size):
-        return _scan_fh(fh, size, limits, path, 0)
+        try:
+            return scan_fh(fh, size, limits, path, 0)
+        except (struct.error, OverflowError, EOFError) as exc:  # a field beyond what it names
+            raise PickleError(f"container field out of range: {exc}", 0) from None
 
 
-def _scan_fh(fh: BinaryIO, size: int, limits: Limits, name: str, depth: int) -> Container:
-    head = fh.read(16)
+def _text_format(head: bytes) -> str | None:
+    if _sniff.lfs_pointer(head):
+        return "git-lfs-pointer"
+    if _sniff.html_page(head):
+        return "html"
+    if _sniff.onnx_model(head):
+        return "onnx"
+    return None
+
+
+def _raw_reading(fh: BinaryIO, size: int, limits: Limits, container: Container,
+                 name: str, alternate: bool) -> Entry:
     fh.seek(0)
-    if head.startswith(b"PK\x03\x04") or head.startswith(b"PK\x05\x06"):
+    entry = Entry(name if not alternate else f"{name} (read as a pickle)", base=0,
+                  alternate=alternate)
+    _scan_pickle(container, ByteSource(fh, size), limits, entry)
+    if _is_joblib(entry):
+        # pickle.load on a joblib file runs its inline array bytes as opcodes.
+        fh.seek(0)
+        plain = Entry(f"{name} (read by pickle.load)", base=0, alternate=True)
+        _scan_pickle(container, ByteSource(fh, size), limits, plain, joblib=False)
+    return entry
+
+
+def _compressed_reading(fh: BinaryIO, limits: Limits, container: Container, name: str,
+                        packed: tuple[str, object], *, alternate: bool = False) -> Entry:
+    kind, dec = packed
+    fh.seek(0)
+    raw = io.BufferedReader(Inflating(fh, dec, limits.max_inflate))
+    entry = Entry(f"{name} ({kind}-decompressed)", alternate=alternate)
+    _scan_pickle(container, ByteSource(raw), limits, entry)
+    if alternate:
+        return entry
+    if _is_joblib(entry):
+        container.format = f"joblib+{kind}"
+    elif entry.streams[-1].error is None:
+        container.format = f"pickle+{kind}"
+    return entry
+
+
+def _readings(fh: BinaryIO, size: int, head: bytes, limits: Limits, name: str) -> Container:
+    """Every reading of a file that is not a zip or .npy (several may apply at once)."""
+    fmt = _text_format(head)
+    if fmt is not None:
+        container = Container(fmt)
+        _raw_reading(fh, size, limits, container, name, alternate=True)
+        return container
+    for magic, what in _sniff.UNSUPPORTED_COMPRESSED.items():
+        if head.startswith(magic):  # joblib would decompress and unpickle it
+            return Container("pickle", problems=[f"{what}: the scan cannot decompress it, so "
+                                                 "what joblib would unpickle is unknown"])
+    header = _sniff.safetensors_header(head, size)
+    tar = _sniff.tar_members(fh) if header is None else None
+    packed = _sniff.compressed(head)
+    primary = header is None and tar is None and packed is None
+    container = Container("safetensors" if header is not None else "pickle")
+    decompressed = None
+    if header is not None:
+        _check_safetensors(fh, header, limits, container)
+    elif tar is not None:
+        _scan_tar(fh, tar, limits, container)
+    elif packed is not None:
+        decompressed = _compressed_reading(fh, limits, container, name, packed)
+    if packed is not None and decompressed is None:  # joblib would still try to decompress
+        _compressed_reading(fh, limits, container, name, packed, alternate=True)
+    raw = _raw_reading(fh, size, limits, container, name, alternate=not primary)
+    if decompressed is not None:
+        _settle_compressed(container, decompressed, raw)
+    elif primary:
+        _not_a_pickle(container, raw, head)
+    return container
+
+
+def _not_a_pickle(container: Container, entry: Entry, head: bytes) -> None:
+    """A file every unpickler rejects before resolving anything is not a pickle at all."""
+    first = entry.streams[0]
+    if first.error is None or first.globals or first.calls or first.error_limit:
+        return
+    if _sniff.text_file(head):
+        container.format = "text"
+    elif first.ops <= 2:
+        container.format = "data"
+    else:
+        return
+    entry.alternate = True
+    if container.format == "data":
+        container.problems.append(f"not a pickle: {first.error} at offset {first.error_offset}")
+
+
+def _settle_compressed(container: Container, decompressed: Entry, raw: Entry) -> None:
+    """Compressed magic: the decompressed and the raw reading are both real; one must parse."""
+    if decompressed.streams[-1].error is None:
+        raw.alternate = True
+        return
+    if raw.streams[-1].error is None:
+        decompressed.alternate = True
+        container.format = "joblib" if _is_joblib(raw) else "pickle"
+        return
+    raw.alternate = True  # both failed: the decompressed reading's error is the verdict
+
+
+def _check_safetensors(fh: BinaryIO, length: int, limits: Limits, container: Container) -> None:
+    if length > limits.max_header:
+        problem = (f"safetensors header of {length} bytes is over the {limits.max_header}-byte "
+                   "bound: refused before any reader parses it")
+        container.problems.append(problem)
+        container.bounds.append(problem)
+        return
+    import json
+
+    fh.seek(8)
+    try:
+        header = json.loads(fh.read(length))
+    except RecursionError:
+        problem = "safetensors header nests too deep for any JSON reader"
+        container.problems.append(problem)
+        container.bounds.append(problem)
+        return
+    except ValueError:
+        container.problems.append("safetensors header is not valid JSON")
+        return
+    if not isinstance(header, dict):
+        container.problems.append("safetensors header is not a JSON object")
+
+
+def scan_fh(fh: BinaryIO, size: int, limits: Limits, name: str, depth: int) -> Container:
+    head = fh.read(_sniff.HEAD_BYTES)
+    fh.seek(0)
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
         container = scan_zip(fh, size, limits)
-    elif head.startswith(b"\x93NUMPY"):
+    elif head.startswith(NPY_MAGIC):
         container = Container("npy")
         _scan_npy_stream(ByteSource(fh, size), limits, Entry(name), container)
     elif head.startswith(b"7z\xbc\xaf\x27\x1c"):
         raise PickleError("7z archive: unpack it and scan the files inside", 0)
-    elif _is_safetensors(head, size):
-        container = Container("safetensors")
-    elif (packed := _decompressor(head)) is not None:
-        kind, decompressor = packed
-        raw = io.BufferedReader(_Inflating(fh, decompressor, limits.max_inflate))
-        container = _scan_pickle_file(ByteSource(raw), limits, name, f"pickle+{kind}", None)
     else:
-        container = _scan_pickle_file(ByteSource(fh, size), limits, name, "pickle", 0)
+        container = _readings(fh, size, head, limits, name)
     _scan_nested(fh, container, limits, depth)
     return container
+
+
+# ------------------------------------------------------------------ nested
 
 
 _NESTED_LOADER = "torch.storage._load_from_bytes"
@@ -529,31 +530,37 @@ MAX_NESTING = 3
 
 
 def _scan_nested(fh: BinaryIO, container: Container, limits: Limits, depth: int) -> None:
-    """Scan archives that pickle.dumps(tensor) embeds as bytes (loaded with a full unpickler)."""
+    """Every call of a nested loader gets its own bytes scanned; escapes are recorded."""
     for entry in container.entries:
         for report in entry.streams:
+            called: dict[int, int] = {}
             for offset, via, made in report.calls:
                 ref = ref_of(made.callee)
-                if via != "REDUCE" or ref is None or ref.qualname != _NESTED_LOADER:
+                if ref is None or ref.qualname != _NESTED_LOADER:
                     continue
-                inner = _open_nested(fh, entry, first_arg(made), limits, depth)
-                container.nested.append(Nested(entry.name, ref, offset, inner))
+                called[id(made.callee)] = called.get(id(made.callee), 0) + 1
+                inner = _open_nested(fh, entry, via, first_arg(made), limits, depth)
+                container.nested.append(Nested(entry.name, ref, offset, via, inner))
+            for key, (value, pushes) in report.watched.items():
+                extra = pushes - called.get(key, 0)
+                if extra > 0 and value.ref is not None:
+                    container.escaped.append((entry.name, value.ref, extra))
 
 
 def _open_nested(
-    fh: BinaryIO, entry: Entry, arg: Item, limits: Limits, depth: int
+    fh: BinaryIO, entry: Entry, via: str, arg: Item, limits: Limits, depth: int
 ) -> Container | None:
-    if depth >= MAX_NESTING:
+    if depth >= MAX_NESTING or via not in ("REDUCE", "OBJ", "INST"):
         return None
     if isinstance(arg, bytes):
-        region: BinaryIO = io.BytesIO(arg)
+        data: BinaryIO = io.BytesIO(arg)
         size = len(arg)
     elif type(arg) is Value and arg.kind == "blob" and entry.base is not None:
         start, size = arg.const
-        region = cast(BinaryIO, io.BufferedReader(_Region(fh, entry.base + start, size)))
+        data = region(fh, entry.base + start, size)
     else:
         return None
     try:
-        return _scan_fh(region, size, limits, "nested", depth + 1)
+        return scan_fh(data, size, limits, "nested", depth + 1)
     except PickleError as exc:
         return Container("unknown", problems=[f"nested archive: {exc}"])

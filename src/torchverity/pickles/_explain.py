@@ -26,6 +26,7 @@ class Explanation:
     fix: str
     command: str
     evidence: str = ""
+    count: int = 1  # occurrences of this cause in the text (one block for all of them)
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class _Rule:
 
 
 def _rule(key: str, pattern: str, cause: str, fix: str, command: str) -> _Rule:
-    return _Rule(key, re.compile(pattern, re.IGNORECASE), cause, fix, command)
+    return _Rule(key, re.compile(pattern, re.IGNORECASE | re.MULTILINE), cause, fix, command)
 
 
 # Order matters: the first rules are the most specific, and a message that
@@ -61,9 +62,67 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity scan {file}",
     ),
     _rule(
+        "git-lfs-pointer",
+        r"Unsupported operand 118\b|invalid load key, 'v'|"
+        r"version https://git-lfs\.github\.com/spec",
+        "the file is a Git LFS pointer (a small text file starting 'version https://git-lfs'), "
+        "not the weights: the repository was cloned or downloaded without LFS (byte 118 is 'v').",
+        "fetch the real file: 'git lfs pull' in the clone, or download it again with "
+        "huggingface-cli / hf_hub_download; then verify it.",
+        "torchverity scan {file}",
+    ),
+    _rule(
+        "html-page",
+        r"Unsupported operand 60\b|invalid load key, '<'",
+        "the file is an HTML page (an error, login or redirect page saved under the weights "
+        "name), not a checkpoint (byte 60 is '<').",
+        "download it again with a valid URL and token (huggingface-cli download, or the 'resolve' "
+        "URL rather than the 'blob' page); then verify it.",
+        "torchverity scan {file}",
+    ),
+    _rule(
+        "torchscript-weights-only",
+        r"Cannot use ``weights_only=True`` with TorchScript archives|"
+        r"received a zip file that looks like a TorchScript archive",
+        "the file is a TorchScript archive (torch.jit.save): it holds code, which "
+        "torch.load(weights_only=True) refuses and torch.jit.load runs.",
+        "extract its tensors without running its code (torchverity migrate), or load it with "
+        "torch.jit.load only if you trust where it came from.",
+        "torchverity migrate {file} {file}.safetensors",
+    ),
+    _rule(
+        "transformers-unexpected",
+        r"^(?P<tkey>[\w.\-]+)\s*\|\s*UNEXPECTED\s*\|.*$",
+        "transformers found weights in the file that the model does not have{detail}: another "
+        "task head or architecture, a non-persistent buffer saved by an older version, or a "
+        "prefix ('model.', 'module.').",
+        "compare the file's tensor names with the model's; for a different head they can be "
+        "ignored, otherwise build the model from the config saved with the weights.",
+        "torchverity inspect {file}",
+    ),
+    _rule(
+        "transformers-missing",
+        r"^(?P<tkey>[\w.\-]+)\s*\|\s*MISSING\s*\|.*$",
+        "transformers initialised weights the file does not hold{detail} (they are random): "
+        "another architecture or head, or an incomplete (sharded or interrupted) download.",
+        "check that every shard is present and intact, and that the config matches the file; "
+        "fine-tune if the head is new on purpose.",
+        "torchverity verify {file}",
+    ),
+    _rule(
+        "transformers-mismatch",
+        r"^(?P<tkey>[\w.\-]+)\s*\|\s*MISMATCH\s*\|.*$|"
+        r"You set `ignore_mismatched_sizes` to `False`, thus raising an error",
+        "tensors in the file have other shapes than the model{detail}: the model was built "
+        "with another configuration (vocabulary size, number of labels, width).",
+        "build the model from the config.json saved with the weights; pass "
+        "ignore_mismatched_sizes=True only to re-initialise a head on purpose.",
+        "torchverity inspect {file}",
+    ),
+    _rule(
         "unsupported-opcode",
-        r"Unsupported operand (?P<op>\d+)",
-        "the file was pickled with protocol 4 or later (operand 149 is FRAME), e.g. by "
+        r"Unsupported operand (?!118\b|60\b)(?P<op>\d+)",
+        "the file was pickled with protocol 4 or later{detail} (operand 149 is FRAME), e.g. by "
         "pickle.dump or torch.save(pickle_protocol=4); torch's weights_only unpickler reads "
         "protocol 2 only.",
         "convert it without running its code: torchverity migrate writes a protocol-2 "
@@ -154,7 +213,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _rule(
         "not-a-pickle",
-        r"invalid load key, '(?P<loadkey>[^']*)'",
+        r"invalid load key, '(?!v'|<')(?P<loadkey>[^']*)'",
         "the file is not a checkpoint: often a Git LFS pointer (load key 'v'), an HTML error "
         "page from a download (load key '<'), or a corrupted file.",
         "run 'git lfs pull' or download the file again, then verify it.",
@@ -173,35 +232,71 @@ _RULES: tuple[_Rule, ...] = (
 )
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+_DETAILS_SHOWN = 5
+# Lines that report an error: an exception name with its message, or an error prefix.
+_ERROR_LINE = re.compile(
+    r"^.*\b\w*(?:Error|Exception)\b:.*$|^\s*(?:error|fatal)\b[:\s].*$", re.MULTILINE | re.I)
+
+
+def strip_ansi(text: str) -> str:
+    """The text without terminal colour and cursor escapes (torch and transformers emit them)."""
+    return _ANSI.sub("", text)
+
+
+def _matches(text: str) -> list[tuple[_Rule, re.Match[str]]]:
+    found = [(rule, m) for rule in _RULES for m in rule.pattern.finditer(text)]
+    return sorted(found, key=lambda item: item[1].start())
+
+
 def explain_text(text: str) -> list[Explanation]:
-    """Every known failure in ``text`` (a message or a whole log), in order of appearance."""
-    found: list[tuple[int, Explanation]] = []
-    seen: set[tuple[str, str]] = set()
-    for rule in _RULES:
-        for match in rule.pattern.finditer(text):
-            evidence = match.group(0).strip()
-            if (rule.key, evidence) in seen:
-                continue
-            seen.add((rule.key, evidence))
-            found.append((match.start(), _render(rule, match)))
-    found.sort(key=lambda item: item[0])
-    return [explanation for _, explanation in found]
+    """Every known failure in ``text`` (a message or a whole log), one block per cause, in
+    order of first appearance."""
+    grouped: dict[str, list[re.Match[str]]] = {}
+    rules: dict[str, _Rule] = {}
+    for rule, match in _matches(strip_ansi(text)):
+        grouped.setdefault(rule.key, []).append(match)
+        rules[rule.key] = rule
+    return [_render(rules[key], matches) for key, matches in grouped.items()]
 
 
-def _render(rule: _Rule, match: re.Match[str]) -> Explanation:
-    groups = match.groupdict()
-    if groups.get("key"):
-        key, ckpt, model = groups["key"], groups["ckpt"], groups["model"]
-        detail = f": {key} is {ckpt} in the file, {model} in the model"
+def unexplained(text: str) -> list[str]:
+    """Error reports in ``text`` that no rule explains (each runs to the next error line)."""
+    clean = strip_ansi(text)
+    starts = [m.start() for m in _ERROR_LINE.finditer(clean)]
+    spans = [m.span() for _, m in _matches(clean)]
+    out: list[str] = []
+    for i, start in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else len(clean)
+        if not any(start <= s < end or s <= start < e for s, e in spans):
+            out.append(clean[start:end].strip().splitlines()[0][:200])
+    return out
+
+
+def _detail(matches: list[re.Match[str]]) -> str:
+    first = matches[0].groupdict()
+    if first.get("key"):
+        pairs = [f"{m['key']} is {m['ckpt']} in the file, {m['model']} in the model"
+                 for m in matches if m["key"]]
     else:
-        named = [v for v in groups.values() if v]
-        detail = f" ({', '.join(named)})" if named else ""
+        pairs = list(dict.fromkeys(v for m in matches for v in m.groupdict().values() if v))
+    if not pairs:
+        return ""
+    more = f" and {len(pairs) - _DETAILS_SHOWN} more" if len(pairs) > _DETAILS_SHOWN else ""
+    shown = "; ".join(pairs[:_DETAILS_SHOWN])
+    return f": {shown}{more}" if first.get("key") else f" ({', '.join(pairs[:_DETAILS_SHOWN])}" \
+        f"{more})"
+
+
+def _render(rule: _Rule, matches: list[re.Match[str]]) -> Explanation:
+    detail = _detail(matches)
     return Explanation(
         key=rule.key,
         cause=rule.cause.replace("{detail}", detail),
         fix=rule.fix,
         command=rule.command.replace("{file}", "FILE"),
-        evidence=match.group(0).strip(),
+        evidence=matches[0].group(0).strip(),
+        count=len(matches),
     )
 
 

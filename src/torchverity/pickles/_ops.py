@@ -15,214 +15,35 @@ limit is reported as an error (the file cannot be checked), never ignored.
 
 from __future__ import annotations
 
-import io
 import pickletools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
+
+from torchverity.pickles._source import ByteSource as ByteSource
+from torchverity.pickles._source import Limits as Limits
+from torchverity.pickles._source import PickleError as PickleError
+from torchverity.pickles._source import Truncated as Truncated
+from torchverity.pickles._values import MISSING as MISSING
+from torchverity.pickles._values import OPAQUE as OPAQUE
+from torchverity.pickles._values import TRUNCATED as TRUNCATED
+from torchverity.pickles._values import GlobalRef as GlobalRef
+from torchverity.pickles._values import Item as Item
+from torchverity.pickles._values import Value as Value
+from torchverity.pickles._values import const_str as const_str
+from torchverity.pickles._values import dict_get as dict_get
+from torchverity.pickles._values import first_arg as first_arg
+from torchverity.pickles._values import ref_of as ref_of
+from torchverity.pickles._values import weigh, weight
 
 KEEP_BYTES = 1 << 16  # strings and bytes above this are skipped, not kept
 KEEP_ITEMS = 256  # items kept per container (enough for names and small configs)
 _MAX_NOTED = 100  # gadget-shaped events kept per stream (one is enough for the verdict)
 # Calls whose arguments the containers inspect: archives embedded by pickle.dumps(tensor).
 WATCHED_CALLS = frozenset({"torch.storage._load_from_bytes"})
-_CHUNK = 1 << 20
 
 _OPS: dict[int, pickletools.OpcodeInfo] = {ord(op.code): op for op in pickletools.opcodes}
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Hard bounds on the work one pickle stream may cause."""
-
-    max_ops: int = 20_000_000
-    max_memo: int = 5_000_000
-    max_stack: int = 1_000_000
-    max_line: int = 1 << 16
-    max_expansion: int = 100_000_000  # items an object graph may expand to (billion laughs)
-    max_inflate: int = 1 << 30  # decompressed bytes per compressed stream (zip bombs)
-
-
-class PickleError(Exception):
-    """The stream cannot be parsed (or exceeds a limit); ``offset`` locates it."""
-
-    def __init__(self, message: str, offset: int) -> None:
-        super().__init__(message)
-        self.offset = offset
-
-
-class Truncated(PickleError):
-    """The stream ended before STOP."""
-
-
-class Readable(Protocol):
-    """What ByteSource needs from the stream under it (files and our readers fit)."""
-
-    def read(self, n: int = -1, /) -> bytes: ...
-
-    def seekable(self) -> bool: ...
-
-    def seek(self, offset: int, whence: int = 0, /) -> int: ...
-
-
-class ByteSource:
-    """Sequential reads over ``length`` bytes of a binary stream, with cheap skips."""
-
-    def __init__(self, raw: Readable, length: int | None = None) -> None:
-        self._raw = raw
-        self._remaining = length  # bytes not yet pulled from raw (None: until EOF)
-        self._buf = b""
-        self._end = 0  # len(self._buf), kept to spare a call per read
-        self._pos = 0
-        self.offset = 0  # bytes consumed from this source
-
-    def _fill(self, need: int) -> bool:
-        while len(self._buf) - self._pos < need:
-            want = max(_CHUNK, need)
-            if self._remaining is not None:
-                want = min(want, self._remaining)
-            chunk = self._raw.read(want) if want > 0 else b""
-            if not chunk:
-                return False
-            if self._remaining is not None:
-                self._remaining -= len(chunk)
-            self._buf = self._buf[self._pos :] + chunk
-            self._end = len(self._buf)
-            self._pos = 0
-        return True
-
-    def at_end(self) -> bool:
-        return not self._fill(1)
-
-    def read(self, n: int) -> bytes:
-        pos = self._pos
-        if pos + n > self._end:
-            if not self._fill(n):
-                raise Truncated(f"stream ends inside a {n}-byte field", self.offset)
-            pos = self._pos
-        self._pos = pos + n
-        self.offset += n
-        return self._buf[pos : pos + n]
-
-    def readline(self, limit: int) -> bytes:
-        while True:
-            end = self._buf.find(b"\n", self._pos)
-            if end >= 0:
-                line = self._buf[self._pos : end]
-                if len(line) > limit:
-                    break
-                self.offset += end + 1 - self._pos
-                self._pos = end + 1
-                return line
-            have = len(self._buf) - self._pos
-            if have > limit:
-                break
-            if not self._fill(have + 1):
-                raise Truncated("stream ends inside a text field", self.offset)
-        raise PickleError(f"text field longer than {limit} bytes", self.offset)
-
-    def skip(self, n: int) -> None:
-        """Skip ``n`` bytes without keeping them (seeks on files: big payloads cost nothing)."""
-        have = len(self._buf) - self._pos
-        if n <= have:
-            self._pos += n
-            self.offset += n
-            return
-        rest = n - have
-        self._buf, self._pos, self._end = b"", 0, 0
-        if self._remaining is not None and rest > self._remaining:
-            raise Truncated(f"stream ends inside a {n}-byte payload", self.offset)
-        if self._raw.seekable():
-            self._raw.seek(rest, io.SEEK_CUR)
-        else:
-            while rest:
-                chunk = self._raw.read(min(rest, _CHUNK))
-                if not chunk:
-                    raise Truncated(f"stream ends inside a {n}-byte payload", self.offset)
-                rest -= len(chunk)
-            rest = n - have
-        if self._remaining is not None:
-            self._remaining -= rest
-        self.offset += n
-
-
-# ------------------------------------------------------------ symbolic values
-
-
-@dataclass(frozen=True)
-class GlobalRef:
-    """A global the pickle resolves: where, how, and the name it asks for."""
-
-    module: str
-    name: str
-    offset: int
-    opcode: str
-    dynamic: bool = False  # the name is computed at load time (not a constant)
-
-    @property
-    def qualname(self) -> str:
-        return f"{self.module}.{self.name}"
-
-
-@dataclass(eq=False, slots=True)
-class Value:
-    """A symbolic value. ``kind`` is const|global|tuple|list|dict|set|made|blob|opaque."""
-
-    kind: str
-    const: Any = None
-    ref: GlobalRef | None = None
-    items: list[Item] = field(default_factory=list)
-    truncated: bool = False
-    callee: Item = None
-    args: Item = None
-    via: str = ""  # the opcode that made a 'made' value
-    state: Item = None  # last BUILD state applied
-    weight: int = 1  # items this value expands to when every shared reference is copied
-
-
-# A stack item: a Value, or a plain constant (str, bytes, int, float, bool, None) as is,
-# which keeps the common opcodes cheap.
-Item = Any
-OPAQUE = Value("opaque")
-MISSING = Value("missing")
-
-
-def weight(item: Item) -> int:
-    return item.weight if type(item) is Value else 1
-
-
-def _weigh(items: list[Item]) -> int:
-    total = len(items)
-    for item in items:
-        if type(item) is Value:
-            total += item.weight - 1
-    return total
-
-
-def ref_of(item: Item) -> GlobalRef | None:
-    """The global an item names, if it is one."""
-    return item.ref if type(item) is Value else None
-
-
-def first_arg(made: Item) -> Item:
-    """The first argument of a call (MISSING when there is none)."""
-    args = made.args if type(made) is Value else None
-    return args.items[0] if type(args) is Value and args.items else MISSING
-
-
-def const_str(v: Item) -> str | None:
-    return v if isinstance(v, str) else None
-
-
-def dict_get(v: Item, key: str) -> Item:
-    """Look up a string key in a symbolic dict; MISSING when absent."""
-    if type(v) is not Value or v.kind != "dict":
-        return MISSING
-    for k, val in zip(v.items[0::2], v.items[1::2], strict=False):
-        if k == key:
-            return val
-    return MISSING
 
 
 @dataclass(frozen=True)
@@ -244,6 +65,10 @@ class StreamReport:
     builds: list[Build] = field(default_factory=list)
     # Calls of WATCHED_CALLS globals: (offset, opcode, made); other calls are not kept.
     calls: list[tuple[int, str, Value]] = field(default_factory=list)
+    # Each WATCHED_CALLS global value -> times it was pushed (GLOBAL, memo GET, DUP). A push
+    # that did not end as the callee of a recorded call let the loader escape (passed as an
+    # argument, a state, a result): it may then be called on bytes that are not in the file.
+    watched: dict[int, list[Any]] = field(default_factory=dict)
     opcodes: dict[str, int] = field(default_factory=dict)  # opcode name -> first offset
     persistent_ids: dict[str, int] = field(default_factory=dict)  # id kind -> first offset
     # Gadget shapes no ordinary pickle has (capped lists of (offset, detail)): a call of an
@@ -254,6 +79,7 @@ class StreamReport:
     odd_targets: list[tuple[int, str, Value]] = field(default_factory=list)
     error: str | None = None
     error_offset: int | None = None
+    error_limit: bool = False  # the error is a bound of ours, not a failure of the loader
     result: Item = None
     ops: int = 0
 
@@ -279,25 +105,40 @@ class Walker:
     # -- stack helpers
     def push(self, v: Item) -> None:
         if len(self.stack) >= self.limits.max_stack:
-            raise PickleError(f"stack deeper than {self.limits.max_stack}", self._op_offset)
+            raise PickleError(f"stack deeper than {self.limits.max_stack}", self._op_offset,
+                              limit=True)
         self.stack.append(v)
 
     def _check_weight(self, w: int) -> int:
         if w > self.limits.max_expansion:
             raise PickleError(
                 f"object graph expands to more than {self.limits.max_expansion} items through "
-                "shared references (memo expansion bomb)", self._op_offset,
+                "shared references (memo expansion bomb)", self._op_offset, limit=True,
             )
         return w
 
+    def _check_depth(self, depth: int) -> int:
+        if depth > self.limits.max_depth:
+            raise PickleError(
+                f"containers nested deeper than {self.limits.max_depth} levels (recursive "
+                "readers of the loaded object would fail with RecursionError)", self._op_offset,
+                limit=True,
+            )
+        return depth
+
     def container(self, kind: str, items: list[Item]) -> Value:
-        w = self._check_weight(1 + _weigh(items))
+        weight_, depth = weigh(items)
+        w = self._check_weight(1 + weight_)
+        d = self._check_depth(depth + 1)
         if len(items) > KEEP_ITEMS:
-            return Value(kind, items=items[:KEEP_ITEMS], truncated=True, weight=w)
-        return Value(kind, items=items, weight=w)
+            return Value(kind, items=items[:KEEP_ITEMS], truncated=True, weight=w, depth=d)
+        return Value(kind, items=items, weight=w, depth=d)
 
     def extend(self, target: Value, items: list[Item]) -> None:
-        target.weight = self._check_weight(target.weight + _weigh(items))
+        weight_, depth = weigh(items)
+        target.weight = self._check_weight(target.weight + weight_)
+        if depth >= target.depth:
+            target.depth = self._check_depth(depth + 1)
         room = KEEP_ITEMS - len(target.items)
         if room > 0:
             target.items.extend(items[:room])
@@ -326,13 +167,16 @@ class Walker:
         if key < 0:
             raise PickleError("negative memo key", self._op_offset)
         if len(self.memo) >= self.limits.max_memo and key not in self.memo:
-            raise PickleError(f"memo larger than {self.limits.max_memo} entries", self._op_offset)
+            raise PickleError(f"memo larger than {self.limits.max_memo} entries",
+                              self._op_offset, limit=True)
         self.memo[key] = self.top()
 
     def get(self, key: int) -> None:
         value = self.memo.get(key, MISSING)
         if value is MISSING:
             raise PickleError(f"memo key {key} was never stored", self._op_offset)
+        if self.report.watched:
+            self.pushed_again(value)
         self.push(value)
 
     # -- argument readers (bounded)
@@ -358,11 +202,21 @@ class Walker:
     def _global(self, module: str, name: str, opcode: str, dynamic: bool = False) -> Value:
         ref = GlobalRef(module, name, self._op_offset, opcode, dynamic)
         self.report.globals.append(ref)
-        return Value("global", ref=ref)
+        value = Value("global", ref=ref)
+        if ref.qualname in WATCHED_CALLS:
+            self.report.watched[id(value)] = [value, 1]
+        return value
+
+    def pushed_again(self, value: Item) -> None:
+        """Count a memo GET or DUP of a watched loader."""
+        entry = self.report.watched.get(id(value))
+        if entry is not None:
+            entry[1] += 1
 
     def _made(self, via: str, callee: Item, args: Item) -> Value:
         w = self._check_weight(1 + weight(args))
-        made = Value("made", callee=callee, args=args, via=via, weight=w)
+        d = args.depth if type(args) is Value else 0
+        made = Value("made", callee=callee, args=args, via=via, weight=w, depth=d)
         ref = callee.ref if type(callee) is Value else None
         if ref is None and len(self.report.computed_calls) < _MAX_NOTED:
             self.report.computed_calls.append((self._op_offset, via))
@@ -376,6 +230,7 @@ class Walker:
             self._loop()
         except PickleError as exc:
             self.report.error, self.report.error_offset = str(exc), exc.offset
+            self.report.error_limit = exc.limit
         return self.report
 
     def _loop(self) -> None:
@@ -399,7 +254,7 @@ class Walker:
                     first_seen[code] = offset
                 ops += 1
                 if ops > max_ops:
-                    raise PickleError(f"more than {max_ops} opcodes", offset)
+                    raise PickleError(f"more than {max_ops} opcodes", offset, limit=True)
                 if handler is _stop:
                     report.result = self.pop()
                     return
@@ -555,6 +410,8 @@ def _build(w: Walker) -> None:
     if inst.ref is not None and len(w.report.global_builds) < _MAX_NOTED:
         w.report.global_builds.append((w._op_offset, inst.ref))
     inst.state = state
+    if type(state) is Value and state.depth >= inst.depth:
+        inst.depth = w._check_depth(state.depth + 1)
     event = Build(w._op_offset, inst, state)
     w.report.builds.append(event)
     if w.on_build is not None:
@@ -578,8 +435,9 @@ def _binpersid(w: Walker) -> None:
 
 
 def _mark(w: Walker) -> None:
-    if len(w.marks) >= w.limits.max_stack:
-        raise PickleError(f"more than {w.limits.max_stack} nested MARKs", w._op_offset)
+    if len(w.marks) >= w.limits.max_depth:  # each open MARK is a container being built
+        raise PickleError(f"more than {w.limits.max_depth} nested MARKs", w._op_offset,
+                          limit=True)
     w.marks.append(len(w.stack))
 
 
@@ -688,7 +546,7 @@ def _binput(w: Walker) -> None:
     key = w.src.read(1)[0]
     memo, stack = w.memo, w.stack
     if key not in memo and len(memo) >= w.limits.max_memo:
-        raise PickleError(f"memo larger than {w.limits.max_memo} entries", w._op_offset)
+        raise PickleError(f"memo larger than {w.limits.max_memo} entries", w._op_offset, limit=True)
     if len(stack) <= (w.marks[-1] if w.marks else 0):
         raise PickleError("stack underflow", w._op_offset)
     memo[key] = stack[-1]
@@ -698,6 +556,15 @@ def _binget(w: Walker) -> None:
     value = w.memo.get(w.src.read(1)[0], MISSING)
     if value is MISSING:
         raise PickleError("memo key was never stored", w._op_offset)
+    if w.report.watched:
+        w.pushed_again(value)
+    w.push(value)
+
+
+def _dup(w: Walker) -> None:
+    value = w.top()
+    if w.report.watched:
+        w.pushed_again(value)
     w.push(value)
 
 
@@ -707,7 +574,7 @@ def _push(const: Any) -> Callable[[Walker], None]:
 
 _HANDLERS: dict[str, Callable[[Walker], None]] = {
     "PROTO": _proto,
-    "FRAME": lambda w: w.src.skip(8),
+    "FRAME": lambda w: w.src.start_frame(struct.unpack("<Q", w.src.read(8))[0]),
     "NONE": _push(None),
     "NEWTRUE": _push(True),
     "NEWFALSE": _push(False),
@@ -750,7 +617,7 @@ _HANDLERS: dict[str, Callable[[Walker], None]] = {
     "MARK": _mark,
     "POP": _pop,
     "POP_MARK": _pop_mark,
-    "DUP": lambda w: w.push(w.top()),
+    "DUP": _dup,
     "PUT": _memo_text("put"),
     "BINPUT": _binput,
     "LONG_BINPUT": _memo_bin("<I", "put"),

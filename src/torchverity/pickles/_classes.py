@@ -1,0 +1,271 @@
+"""Which globals a pickle may name, by allowlist: torch's, known data classes, the rest.
+
+Classes: ``torch`` (this torch's weights_only allowlist), ``benign`` (data classes
+of widely used libraries, with their own reason), ``dangerous`` (runs commands,
+touches files or the network, imports, evaluates: named with why), ``unknown``
+(anything else: a class or function whose code would run, to be reviewed).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from functools import lru_cache
+
+from torchverity.pickles._ops import GlobalRef
+
+SAFE, NEEDS_ALLOWLIST, NEEDS_REVIEW, UNSAFE, MALFORMED = (
+    "safe", "needs-allowlist", "needs-review", "unsafe", "malformed")
+TORCH, BENIGN, DANGEROUS, UNKNOWN = "torch", "benign", "dangerous", "unknown"
+NESTED_LOADER = "torch.storage._load_from_bytes"
+
+# Opcodes torch's weights_only unpickler implements (protocol 2 and below).
+_WEIGHTS_ONLY_OPCODES = frozenset((
+    "GLOBAL", "NEWOBJ", "REDUCE", "BUILD", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "MARK",
+    "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "NONE", "NEWFALSE", "NEWTRUE", "EMPTY_TUPLE",
+    "EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET", "BININT", "BININT1", "BININT2", "BINFLOAT",
+    "BINUNICODE", "SHORT_BINSTRING", "BINPERSID", "BINGET", "LONG_BINGET", "BINPUT",
+    "LONG_BINPUT", "LONG1", "PROTO", "STOP",
+))
+_TORCH_BLOCKED_MODULES = frozenset({"sys", "os", "posix", "nt"})
+
+_NP_CORE = ("numpy.core", "numpy._core")
+_BENIGN: dict[str, str] = {
+    **{f"{c}.multiarray._reconstruct": "numpy array reconstruction (data only)" for c in _NP_CORE},
+    **{f"{c}.multiarray.scalar": "numpy scalar from raw bytes" for c in _NP_CORE},
+    **{f"{c}.numeric._frombuffer": "numpy array from a buffer" for c in _NP_CORE},
+    "numpy.ndarray": "numpy array type",
+    "numpy.random._pickle.__generator_ctor": "numpy random generator state",
+    "numpy.random._pickle.__randomstate_ctor": "numpy random generator state",
+    "numpy.random._pickle.__bit_generator_ctor": "numpy random generator state",
+    "numpy.random._generator.Generator": "numpy random generator state",
+    "numpy.random.mtrand.RandomState": "numpy random generator state",
+    "numpy.random._pcg64.PCG64": "numpy bit generator state",
+    "numpy.random._pcg64.PCG64DXSM": "numpy bit generator state",
+    "numpy.random._mt19937.MT19937": "numpy bit generator state",
+    "numpy.random._philox.Philox": "numpy bit generator state",
+    "numpy.random._sfc64.SFC64": "numpy bit generator state",
+    "numpy.random.bit_generator.SeedSequence": "numpy seed sequence",
+    "numpy.random.bit_generator.__pyx_unpickle_SeedSequence": "numpy seed sequence state",
+    "numpy.dtype": "numpy dtype",
+    "argparse.Namespace": "plain attribute container (argparse)",
+    "types.SimpleNamespace": "plain attribute container",
+    "collections.defaultdict": "dict with a default factory (the factory is checked too)",
+    "collections.deque": "collection",
+    "collections.Counter": "collection",
+    "collections.OrderedDict": "collection",
+    "copyreg._reconstructor": "protocol 0/1 object rebuild (its class and base are checked too)",
+    "datetime.datetime": "timestamp",
+    "datetime.date": "date",
+    "datetime.time": "time of day",
+    "datetime.timedelta": "duration",
+    "datetime.timezone": "time zone",
+    "decimal.Decimal": "number",
+    "fractions.Fraction": "number",
+    "uuid.UUID": "identifier",
+    "pathlib.PosixPath": "path value (no file access on load)",
+    "pathlib.PurePosixPath": "path value",
+    "pathlib.WindowsPath": "path value (no file access on load)",
+    "pathlib.PureWindowsPath": "path value",
+    "torch.serialization._get_layout": "tensor layout lookup",
+    **{
+        f"builtins.{n}": "builtin data type"
+        for n in ("int", "float", "complex", "bool", "str", "bytes", "bytearray", "tuple",
+                  "list", "dict", "set", "frozenset", "slice", "range", "object")
+    },
+}
+_OMEGACONF = "omegaconf container or node (configuration data; nothing is evaluated on load)"
+_BENIGN_EXTRA: dict[str, str] = {
+    **{f"omegaconf.{n}": _OMEGACONF for n in (
+        "dictconfig.DictConfig", "listconfig.ListConfig", "base.ContainerMetadata",
+        "base.Metadata", "nodes.AnyNode", "nodes.StringNode", "nodes.IntegerNode",
+        "nodes.FloatNode", "nodes.BooleanNode", "nodes.EnumNode", "nodes.BytesNode",
+        "nodes.PathNode", "nodes.InterpolationResultNode")},
+    **{f"typing.{n}": "typing annotation object (a type hint, data only)" for n in (
+        "Any", "Union", "Optional", "List", "Dict", "Tuple", "Set", "FrozenSet", "Sequence",
+        "Mapping", "Callable", "Type", "Literal")},
+    **{f"enum.{n}": "standard enum base class" for n in (
+        "Enum", "IntEnum", "Flag", "IntFlag", "StrEnum")},
+    **{f"pathlib.{n}": "path value (no file access on load)" for n in ("Path", "PurePath")},
+    **{f"pathlib._local.{n}": "path value (no file access on load)" for n in (
+        "Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")},
+    "datetime.tzinfo": "time zone",
+    "argparse.Action": "argparse parser data",
+    # What TorchScript's own pickles call to tag lists; each returns its argument.
+    **{f"torch.jit._pickle.{n}": "TorchScript list/type tag (returns its argument)" for n in (
+        "build_intlist", "build_tensorlist", "build_doublelist", "build_boollist",
+        "build_complexlist", "restore_type_tag")},
+}
+_BENIGN.update(_BENIGN_EXTRA)
+# numpy.dtypes.<X>DType classes are what BUILD mutates after numpy.dtype(...).
+_NUMPY_DTYPE_CLASS = re.compile(r"^numpy\.dtypes\.\w+DType$")
+
+# Modules whose functions run code, load pickles, or touch files, processes or
+# the network. Used to say *why* a global is refused; unknown globals are
+# refused anyway.
+_DANGER_MODULES: dict[str, str] = {
+    "os": "runs commands / touches the file system",
+    "posix": "runs commands / touches the file system",
+    "nt": "runs commands / touches the file system",
+    "sys": "interpreter internals",
+    "subprocess": "runs commands",
+    "pty": "spawns processes",
+    "shutil": "touches the file system",
+    "socket": "network access",
+    "ssl": "network access",
+    "http": "network access",
+    "urllib": "network access",
+    "requests": "network access",
+    "webbrowser": "opens programs",
+    "ctypes": "calls native code",
+    "cffi": "calls native code",
+    "multiprocessing": "spawns processes (e.g. util.spawnv_passfds)",
+    "concurrent": "runs callables",
+    "threading": "runs callables",
+    "asyncio": "runs callables and subprocesses",
+    "signal": "process control",
+    "importlib": "imports arbitrary modules",
+    "pkgutil": "resolves arbitrary names (pkgutil.resolve_name)",
+    "runpy": "runs modules",
+    "code": "evaluates code",
+    "codeop": "compiles code",
+    "timeit": "evaluates code",
+    "profile": "evaluates code",
+    "cProfile": "evaluates code",
+    "pdb": "evaluates code",
+    "bdb": "evaluates code",
+    "trace": "runs code",
+    "pickle": "nested unpickling",
+    "_pickle": "nested unpickling",
+    "cPickle": "nested unpickling",
+    "marshal": "loads code objects",
+    "shelve": "nested unpickling",
+    "dill": "nested unpickling",
+    "cloudpickle": "nested unpickling",
+    "types": "builds functions and code objects",
+    "functools": "calls arbitrary callables (partial, reduce)",
+    "operator": "attribute access and calls (attrgetter, methodcaller)",
+    "pip": "installs and runs packages (pip.main)",
+    "setuptools": "runs build code",
+    "distutils": "runs build code",
+    "site": "interpreter setup",
+    "venv": "creates environments",
+    "ensurepip": "runs pip",
+    "tempfile": "touches the file system",
+    "io": "opens files",
+    "zipfile": "opens files",
+    "tarfile": "opens files",
+    "glob": "reads the file system",
+    "inspect": "interpreter internals",
+    "gc": "interpreter internals",
+    "__builtin__": "builtin functions",
+    "builtins": "builtin functions (eval, exec, getattr, __import__, open)",
+    "torch.hub": "downloads and runs code",
+    "torch.jit": "compiles and runs code",
+    "torch._dynamo": "compiles and runs code",
+    "torch._inductor": "compiles and runs code",
+    "torch.utils.cpp_extension": "compiles and loads native code",
+    "torch.package": "imports packaged code",
+    "torch.fx": "generates and runs code",
+    "torch.distributed": "starts processes and network endpoints",
+    "torch.serialization": "nested checkpoint loading",
+    "torch._C": "native internals",
+    "torch.ops": "native operators",
+    "torch.testing": "runs code",
+    "numpy.load": "nested unpickling",
+    "numpy.lib": "file loading (npyio)",
+    "numpy.testing": "runs code",
+    "numpy.f2py": "compiles code",
+    "numpy.distutils": "runs build code",
+    "joblib": "nested unpickling",
+}
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_TORCH_CLASS_MODULES = ("torch.nn.modules.", "torch.optim.")
+_JOBLIB_BENIGN = {
+    "joblib.numpy_pickle.NumpyArrayWrapper": "joblib array wrapper (raw array bytes)",
+}
+
+
+# ------------------------------------------------------------ classification
+
+
+@lru_cache(maxsize=1)
+def torch_allowlist() -> frozenset[str]:
+    """Names in this torch's weights_only allowlist (what a plain torch.load accepts)."""
+    from torch import _weights_only_unpickler as wo
+
+    return frozenset(wo._get_allowed_globals())
+
+
+def _torch_class_ok(module: str, name: str) -> bool:
+    """A torch module/optimizer/scheduler class, looked up only among already-imported modules."""
+    if not module.startswith(_TORCH_CLASS_MODULES):
+        return False
+    mod = sys.modules.get(module)
+    obj = getattr(mod, name, None) if mod is not None else None
+    if not isinstance(obj, type) or obj.__module__ != module:
+        return False
+    import torch
+
+    bases = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
+    return issubclass(obj, bases)
+
+
+def _danger_reason(module: str, name: str) -> str | None:
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in _DANGER_MODULES:
+            return _DANGER_MODULES[prefix]
+    if f"{module}.{name}" in _DANGER_MODULES:
+        return _DANGER_MODULES[f"{module}.{name}"]
+    return None
+
+
+def _python_name(ref: GlobalRef, protocol: int) -> tuple[str, str]:
+    """The name Python's unpickler imports: protocols 0-2 remap Python 2 names."""
+    import _compat_pickle
+
+    key = (ref.module, ref.name)
+    if protocol >= 3:
+        return key
+    if key in _compat_pickle.NAME_MAPPING:
+        return _compat_pickle.NAME_MAPPING[key]
+    return _compat_pickle.IMPORT_MAPPING.get(ref.module, ref.module), ref.name
+
+
+def classify(ref: GlobalRef, protocol: int = 0) -> tuple[str, str]:
+    """The (category, reason) of one global. Fail-closed: unrecognised means unknown."""
+    module, name = _python_name(ref, protocol)
+    if ref.dynamic:
+        return DANGEROUS, f"name computed at load time by {ref.opcode}: it can resolve anything"
+    if not _MODULE.match(module) or not _NAME.match(name):
+        if "." in name and _NAME.match(name.replace(".", "_")):
+            return DANGEROUS, "dotted attribute path: reaches nested attributes of the module"
+        return DANGEROUS, "not a valid module/attribute name"
+    qual = f"{module}.{name}"
+    if qual in torch_allowlist():
+        return TORCH, "in torch's weights_only allowlist"
+    if qual in _BENIGN:
+        return BENIGN, _BENIGN[qual]
+    if qual in _JOBLIB_BENIGN:
+        return BENIGN, _JOBLIB_BENIGN[qual]
+    if qual == NESTED_LOADER:
+        return DANGEROUS, "runs torch.load(weights_only=False) on its bytes"
+    if module.startswith("__torch__."):
+        return UNKNOWN, "TorchScript class: torch.jit.load compiles and runs the archive's code"
+    danger = _danger_reason(module, name)
+    if danger is not None:
+        return DANGEROUS, danger
+    if _torch_class_ok(module, name):
+        return BENIGN, "torch module/optimizer class (its state is data)"
+    return UNKNOWN, "not known to be benign: custom class or function whose code runs on load"
+
+
+
+
+def importable(name: str) -> bool:
+    """Whether an import of this global could succeed at all (module and name are valid)."""
+    module, _, attr = name.rpartition(".")
+    return bool(_MODULE.match(module) and _NAME.match(attr))

@@ -1,0 +1,222 @@
+"""Flatten an inertly read checkpoint into named tensors plus JSON-ready data.
+
+Used by ``migrate`` (which writes both) and by ``inert_tensors`` (which lets
+inspect and fingerprint list the tensors of a file torch's weights_only loader
+refuses: nothing from the file runs either way).
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchverity.errors import FormatError, UnsafeFileError, UsageError
+from torchverity.pickles._inert import Inert, InertLoader
+from torchverity.pickles._unwrap import NOT_CONFIG, hyper_value
+
+_BYTES_IN_META = 1 << 16
+
+
+def inert_load(path: str | os.PathLike[str], fmt: str) -> tuple[Any, list[str]]:
+    """Unpickle without running anything from the file; returns (object, placeholder names)."""
+    loader = InertLoader()
+    with open(path, "rb") as fh:
+        obj = loader.load_plain(fh) if fmt == "pickle" else loader.load(fh)
+    return obj, loader.placeholders
+
+
+def inert_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The tensors of a torch checkpoint by the names ``migrate`` gives them, read inertly.
+
+    Files the scan finds unsafe or malformed are refused with its reason (a file naming
+    code-running globals is not something to work with, even inertly)."""
+    from pathlib import Path
+
+    from torchverity.pickles._scan import scan_file
+
+    p = Path(path)
+    scan = scan_file(p)
+    if scan.verdict in ("unsafe", "malformed"):
+        error = UnsafeFileError if scan.verdict == "unsafe" else FormatError
+        raise error(f"{p}: not read: the scan found it {scan.verdict} ({scan.reason})", path=p,
+                    hint=f"torchverity scan {p} shows where")
+    obj, _ = inert_load(p, "pickle" if scan.format == "pickle" else "torch")
+    extractor = Extractor()
+    try:
+        extractor.value(obj, "")
+    except RecursionError:
+        raise FormatError(f"{p}: the object nests too deeply to read", path=p) from None
+    return extractor.tensors
+
+
+
+@dataclass
+class Extractor:
+    """Flatten an unpickled object into named tensors plus JSON (tensors by reference)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=dict)  # id(tensor) -> first name
+    skipped: list[str] = field(default_factory=list)
+    _active: set[int] = field(default_factory=set)
+    _alive: list[torch.Tensor] = field(default_factory=list)  # keeps ids in `names` unique
+
+    def tensor(self, t: torch.Tensor, path: str) -> dict[str, str]:
+        known = self.names.get(id(t))
+        if known is not None:
+            return {"$tensor": known}
+        name = path or "tensor"
+        while name in self.tensors:
+            name += "_"
+        self.tensors[name] = t.detach()
+        self.names[id(t)] = name
+        self._alive.append(t)
+        return {"$tensor": name}
+
+    def value(self, obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return self._any_tensor(obj, path)
+        if obj is None or isinstance(obj, (bool, int, str)):
+            return obj
+        if isinstance(obj, float):
+            return obj if math.isfinite(obj) else repr(obj)
+        if id(obj) in self._active:
+            return {"$cycle": path}
+        self._active.add(id(obj))
+        try:
+            return self._compound(obj, path)
+        finally:
+            self._active.discard(id(obj))
+
+    def _any_tensor(self, t: torch.Tensor, path: str) -> Any:
+        """Strided tensors by name; nested and sparse ones as their strided parts."""
+        if t.is_nested:
+            return {"$nested": [self.tensor(c, _join(path, str(i)))["$tensor"]
+                                for i, c in enumerate(t.unbind())]}
+        if t.layout == torch.sparse_coo:
+            return {"$sparse_coo": {"indices": self.tensor(t._indices(), _join(path, "indices")),
+                                    "values": self.tensor(t._values(), _join(path, "values")),
+                                    "size": list(t.shape)}}
+        if t.layout == torch.sparse_csr:
+            return {"$sparse_csr": {
+                "crow": self.tensor(t.crow_indices(), _join(path, "crow_indices")),
+                "col": self.tensor(t.col_indices(), _join(path, "col_indices")),
+                "values": self.tensor(t.values(), _join(path, "values")),
+                "size": list(t.shape)}}
+        if t.layout != torch.strided or t.is_quantized:
+            raise UsageError(f"{path}: tensors of layout {t.layout} (quantized: "
+                             f"{t.is_quantized}) are not migrated",
+                             hint="dequantize or densify them in trusted code first")
+        return self.tensor(t, path)
+
+    def _compound(self, obj: Any, path: str) -> Any:
+        import numpy as np
+
+        plain = hyper_value(obj)
+        if plain is not NOT_CONFIG:
+            return self.value(plain, path) if plain is not obj else None
+        if isinstance(obj, type):
+            return {"$type": getattr(obj, "_tv_name", f"{obj.__module__}.{obj.__qualname__}")}
+        if isinstance(obj, Inert):
+            return self._inert(obj, path)
+        if isinstance(obj, torch.nn.Module):
+            return self._module_real(obj, path)
+        if isinstance(obj, torch.optim.Optimizer):
+            return {"$class": _qualname(obj), **self.mapping(obj.state_dict(), path)}
+        if isinstance(obj, Mapping):
+            return self.mapping(obj, path)
+        if isinstance(obj, (list, tuple)):
+            return [self.value(v, _join(path, str(i))) for i, v in enumerate(obj)]
+        if isinstance(obj, (set, frozenset)):
+            return {"$set": [self.value(v, path) for v in sorted(obj, key=repr)]}
+        if isinstance(obj, np.ndarray):
+            return self._ndarray(obj, path)
+        if isinstance(obj, np.generic):
+            return self.value(obj.item(), path)
+        if isinstance(obj, (bytes, bytearray)):
+            return self._bytes(bytes(obj), path)
+        if isinstance(obj, (torch.device, torch.dtype)):
+            return str(obj)
+        if hasattr(obj, "__dict__") and type(obj).__module__ in ("argparse", "types"):
+            return {"$class": _qualname(obj), **self.mapping(vars(obj), path)}
+        return {"$repr": repr(obj)[:200]}
+
+    def mapping(self, obj: Mapping[Any, Any], path: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, val in obj.items():
+            name = self._key(key)
+            out[name] = self.value(val, _join(path, name))
+        return out
+
+    def _key(self, key: Any) -> str:
+        if isinstance(key, torch.Tensor):
+            return self.names.get(id(key), f"<tensor {tuple(key.shape)}>")
+        return key if isinstance(key, str) else str(key)
+
+    def _ndarray(self, arr: Any, path: str) -> Any:
+        if arr.dtype.names:  # structured: one entry per field
+            return {"$structured": {f: self._ndarray(arr[f], _join(path, f))
+                                    for f in arr.dtype.names}}
+        if arr.dtype.hasobject:
+            return [self.value(v, _join(path, str(i))) for i, v in enumerate(arr.ravel().tolist())]
+        return {"$ndarray": self.tensor(torch.from_numpy(arr.copy()), path)["$tensor"]}
+
+    def _bytes(self, data: bytes, path: str) -> Any:
+        if len(data) > _BYTES_IN_META:
+            self.skipped.append(f"{path}: {len(data)} bytes of raw data (not JSON)")
+            return {"$bytes": len(data)}
+        return {"$base64": base64.b64encode(data).decode("ascii")}
+
+    def _inert(self, obj: Inert, path: str) -> Any:
+        state = obj._tv_state
+        if isinstance(state, Mapping) and "_parameters" in state and "_modules" in state:
+            return self._module_state(obj._tv_name, state, path)
+        out: dict[str, Any] = {"$class": obj._tv_name}
+        if obj._tv_args:
+            out["args"] = self.value(list(obj._tv_args), _join(path, "args"))
+        if isinstance(state, Mapping):
+            out.update(self.mapping(state, path))
+        elif state is not None:
+            out["state"] = self.value(state, path)
+        extra = obj.__dict__
+        if "_tv_items" in extra:
+            out["items"] = self.value(extra["_tv_items"], path)
+        if "_tv_dict" in extra:
+            out["dict"] = self.mapping(extra["_tv_dict"], path)
+        return out
+
+    def _module_state(self, cls_name: str, state: Mapping[str, Any], path: str) -> Any:
+        """A pickled nn.Module: tensors named exactly as ``module.state_dict()`` names them."""
+        transient = state.get("_non_persistent_buffers_set") or set()
+        for kind in ("_parameters", "_buffers"):
+            for name, t in (state.get(kind) or {}).items():
+                if isinstance(t, torch.Tensor) and name not in transient:
+                    self.tensor(t, _join(path, name))
+        config = {
+            k: self.value(v, _join(path, k)) for k, v in state.items()
+            if not k.startswith("_") and k != "training"
+            and isinstance(v, (int, float, str, bool, type(None), tuple, list))
+        }
+        children = {
+            name: self.value(child, _join(path, name))
+            for name, child in (state.get("_modules") or {}).items() if child is not None
+        }
+        return {"$class": cls_name, "config": config, "modules": children}
+
+    def _module_real(self, module: torch.nn.Module, path: str) -> Any:
+        for name, t in module.state_dict(keep_vars=True).items():
+            self.tensor(t, _join(path, name))
+        return {"$class": _qualname(module)}
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _qualname(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"

@@ -1,0 +1,259 @@
+"""Unpickle torch checkpoints without running anything from them, without ``torch.load``.
+
+Only torch's weights_only allowlist and a few data types are resolved for real;
+every other global becomes an inert placeholder class that stores the arguments
+and state the pickle hands it. Storages are rebuilt here from the archive's raw
+records: zip checkpoints (TorchScript archives included: their ``data.pkl`` is
+read like any other, their code is never compiled), the legacy magic-number
+format, plain pickles, and archives nested by ``torch.storage._load_from_bytes``
+(read by this same loader, never by ``torch.load`` or ``torch.jit.load``).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zipfile
+from collections.abc import Callable
+from typing import IO, Any, ClassVar
+
+import torch
+
+from torchverity.errors import FormatError, UsageError
+
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_NP_CORE = ("numpy.core", "numpy._core")
+_EXTRA_REAL = {
+    *(f"{c}.multiarray.{n}" for c in _NP_CORE for n in ("_reconstruct", "scalar")),
+    *(f"{c}.numeric._frombuffer" for c in _NP_CORE),
+    "numpy.ndarray", "numpy.dtype", "argparse.Namespace", "types.SimpleNamespace",
+    "collections.OrderedDict", "collections.defaultdict", "collections.Counter",
+    "collections.deque", "copyreg._reconstructor",
+    *(f"builtins.{n}" for n in ("set", "frozenset", "list", "dict", "tuple", "int", "float",
+                                "complex", "bytes", "bytearray", "str", "bool", "slice",
+                                "range", "object")),
+}
+# TorchScript's pickles tag lists with these; each returns its argument.
+_TORCHSCRIPT_TAGS = ("build_intlist", "build_tensorlist", "build_doublelist", "build_boollist",
+                     "build_complexlist")
+
+
+class Inert:
+    """Base of the placeholder classes: stores what the pickle gives it, runs nothing."""
+
+    _tv_name: ClassVar[str] = "?"
+    _tv_args: tuple[Any, ...] = ()
+    _tv_state: Any = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Inert:
+        obj = object.__new__(cls)
+        obj._tv_args = args + ((kwargs,) if kwargs else ())
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # REDUCE calls the class: the arguments were kept by __new__
+
+    def __setstate__(self, state: Any) -> None:
+        self._tv_state = state
+
+    def append(self, item: Any) -> None:
+        self.__dict__.setdefault("_tv_items", []).append(item)
+
+    def extend(self, items: Any) -> None:
+        self.__dict__.setdefault("_tv_items", []).extend(items)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.__dict__.setdefault("_tv_dict", {})[key] = value
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Inert:
+        # A payload may call what an earlier call returned: record that call, run nothing.
+        call = type(f"{type(self).__name__}()", (Inert,), {"_tv_name": f"{self._tv_name}(...)"})
+        return call(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<inert {self._tv_name}>"
+
+
+def _resolve_known(name: str) -> Any:
+    import importlib
+
+    module, _, attr = name.rpartition(".")
+    if module.startswith("numpy.core"):
+        module = module.replace("numpy.core", "numpy._core", 1)  # numpy 1.x spelling
+    try:
+        return getattr(importlib.import_module(module), attr, None)
+    except ImportError:
+        return None
+
+
+def _identity(value: Any, *_: Any) -> Any:
+    return value
+
+
+def _real_globals(nested: Callable[[bytes], Any]) -> dict[str, Any]:
+    """Name -> object for everything the inert unpickler resolves for real."""
+    from torch import _weights_only_unpickler as wo
+
+    table: dict[str, Any] = dict(wo._get_allowed_globals())
+    for name in _EXTRA_REAL:
+        obj = _resolve_known(name)
+        if obj is not None:
+            table[name] = obj
+    table.update({f"torch.jit._pickle.{n}": _identity for n in _TORCHSCRIPT_TAGS})
+    table["torch.jit._pickle.restore_type_tag"] = _identity
+    table["torch.storage._load_from_bytes"] = nested
+    return table
+
+
+class InertUnpickler(pickle.Unpickler):
+    """Resolves only ``real``; anything else becomes an inert placeholder class."""
+
+    real: ClassVar[dict[str, Any]] = {}
+    placeholders: ClassVar[dict[str, type]] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        import _compat_pickle
+
+        # Python 2 names (``__builtin__.set``) mean what pickle's own lookup maps them to.
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        qual = f"{module}.{name}"
+        if qual in self.real:
+            return self.real[qual]
+        cls = self.placeholders.get(qual)
+        if cls is None:
+            cls = type(name.rpartition(".")[2] or "Unknown", (Inert,), {
+                "_tv_name": qual, "__module__": "torchverity.migrate.inert",
+            })
+            self.placeholders[qual] = cls
+        return cls
+
+
+def _dtype_of(storage_type: Any) -> torch.dtype:
+    if storage_type is torch.UntypedStorage:
+        return torch.uint8
+    dtype = getattr(storage_type, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise FormatError(f"storage record of an unknown type {storage_type!r}")
+    return dtype
+
+
+def _typed(untyped: torch.UntypedStorage, dtype: torch.dtype) -> Any:
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+class InertLoader:
+    """One migration's inert reader: its own placeholder table, nested archives included."""
+
+    def __init__(self) -> None:
+        self.unpickler: type[InertUnpickler] = type("Unpickler", (InertUnpickler,), {
+            "real": _real_globals(self.load_bytes), "placeholders": {},
+        })
+
+    @property
+    def placeholders(self) -> list[str]:
+        return sorted(self.unpickler.placeholders)
+
+    def _unpickle(self, fh: IO[bytes], persistent: Callable[[Any], Any] | None = None) -> Any:
+        unpickler = self.unpickler(fh)
+        if persistent is not None:
+            unpickler.persistent_load = persistent  # type: ignore[method-assign]
+        return unpickler.load()
+
+    def load_bytes(self, data: bytes) -> Any:
+        """What ``torch.storage._load_from_bytes`` would return, read inertly."""
+        return self.load(io.BytesIO(data))
+
+    def load(self, fh: IO[bytes]) -> Any:
+        head = fh.read(4)
+        fh.seek(0)
+        if head == b"PK\x03\x04":
+            return self._load_zip(fh)
+        return self._load_legacy(fh)
+
+    def load_plain(self, fh: IO[bytes]) -> Any:
+        return self._unpickle(fh)
+
+    def _load_zip(self, fh: IO[bytes]) -> Any:
+        with zipfile.ZipFile(fh) as archive:
+            names = archive.namelist()
+            if not names:
+                raise FormatError("empty zip archive: no checkpoint inside")
+            lookup = {n.lower(): n for n in names}
+            prefix = names[0].split("/")[0]
+
+            def record(name: str) -> bytes | None:
+                real = lookup.get(f"{prefix}/{name}".lower())
+                return archive.read(real) if real is not None else None
+
+            order = record("byteorder")
+            if order not in (None, b"little"):
+                raise UsageError("big-endian checkpoints are not migrated")
+            data = record("data.pkl")
+            if data is None:
+                raise FormatError(f"no {prefix}/data.pkl in the archive")
+            loaded: dict[str, Any] = {}
+
+            def persistent(pid: Any) -> Any:
+                if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] not in ("storage",
+                                                                                  b"storage"):
+                    raise FormatError(f"unsupported persistent id {str(pid)[:60]}")
+                dtype, key = _dtype_of(pid[1]), str(pid[2])
+                if key not in loaded:
+                    raw = record(f"data/{key}")
+                    if raw is None:
+                        raise FormatError(f"tensor record data/{key} is missing")
+                    untyped = torch.frombuffer(bytearray(raw), dtype=torch.uint8) \
+                        .untyped_storage() if raw else torch.UntypedStorage(0)
+                    loaded[key] = _typed(untyped, dtype)
+                return loaded[key]
+
+            return self._unpickle(io.BytesIO(data), persistent)
+
+    def _load_legacy(self, fh: IO[bytes]) -> Any:
+        if self._unpickle(fh) != _LEGACY_MAGIC:
+            raise FormatError("not a torch checkpoint (no legacy magic number)")
+        self._unpickle(fh)  # protocol version
+        self._unpickle(fh)  # sys info
+        roots: dict[Any, Any] = {}
+        views: dict[Any, Any] = {}
+
+        def persistent(pid: Any) -> Any:
+            if isinstance(pid, tuple) and pid and pid[0] == "module":
+                return pid[1]
+            if not isinstance(pid, tuple) or len(pid) != 6 or pid[0] != "storage":
+                raise FormatError(f"unsupported persistent id {str(pid)[:60]}")
+            _, storage_type, root_key, _, numel, view = pid
+            dtype = _dtype_of(storage_type)
+            if root_key not in roots:
+                roots[root_key] = _typed(torch.UntypedStorage(numel * dtype.itemsize), dtype)
+            if view is None:
+                return roots[root_key]
+            view_key, offset, size = view
+            if view_key not in views:
+                base = roots[root_key]._untyped_storage
+                start = offset * dtype.itemsize
+                views[view_key] = _typed(base[start : start + size * dtype.itemsize], dtype)
+            return views[view_key]
+
+        result = self._unpickle(fh, persistent)
+        for key in self._unpickle(fh):
+            _fill(fh, roots[key])
+        return result
+
+
+def _fill(fh: IO[bytes], typed: Any) -> None:
+    """A legacy storage record: element count, then the raw bytes."""
+    (numel,) = struct.unpack("<q", fh.read(8))
+    nbytes = numel * typed.dtype.itemsize
+    untyped = typed._untyped_storage
+    if nbytes != untyped.nbytes():
+        raise FormatError(f"legacy storage record holds {nbytes} bytes, not {untyped.nbytes()}")
+    data = fh.read(nbytes)
+    if len(data) != nbytes:
+        raise FormatError("legacy checkpoint ends inside a storage record")
+    if nbytes:
+        view = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        torch.empty(0, dtype=torch.uint8).set_(untyped).copy_(view)

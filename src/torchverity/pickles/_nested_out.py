@@ -1,0 +1,90 @@
+"""A nested ``.pt`` layout from an inertly read checkpoint: ``{"model": ..., "optimizer": ...}``.
+
+The optimizer part is what ``torch.optim.Optimizer.state_dict()`` returns
+(parameters numbered in the order of their groups), so ``load_state_dict``
+accepts it; it is rebuilt from a whole pickled optimizer (an inert
+placeholder) or taken from a saved optimizer state dict (Lightning's
+``optimizer_states``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from torchverity.errors import UsageError
+from torchverity.pickles._inert import Inert
+
+_MODEL_KEYS = ("state_dict", "model", "model_state_dict", "net", "module")
+_OPT_KEYS = ("optimizer", "optimizer_states", "optimizer_state_dict", "opt")
+
+
+def _state(obj: Any) -> Any:
+    return obj._tv_state if isinstance(obj, Inert) else obj
+
+
+def _model(obj: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not isinstance(obj, Mapping):
+        return dict(tensors)
+    for key in _MODEL_KEYS:
+        if key in obj:
+            prefix = f"{key}."
+            return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    raise UsageError("no model found for a nested output (keys: "
+                     f"{', '.join(map(str, list(obj)[:8]))})",
+                     hint="migrate it to a flat .safetensors/.pt instead (without --nested)")
+
+
+def _optimizer_state(opt: Any) -> dict[str, Any] | None:
+    state = _state(opt)
+    if not isinstance(state, Mapping) or "param_groups" not in state:
+        return None
+    groups = state["param_groups"]
+    if all(isinstance(p, int) for g in groups for p in g.get("params", [])):
+        return {"state": dict(state.get("state", {})), "param_groups": list(groups)}
+    index: dict[int, int] = {}
+    out_groups = []
+    for group in groups:
+        ids = []
+        for p in group.get("params", []):
+            index.setdefault(id(p), len(index))
+            ids.append(index[id(p)])
+        out_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    per_param = state.get("state", {})
+    out_state = {index[id(p)]: dict(v) for p, v in per_param.items() if id(p) in index}
+    return {"state": out_state, "param_groups": out_groups}
+
+
+def _optimizer(obj: Any) -> dict[str, Any] | None:
+    if not isinstance(obj, Mapping):
+        return None
+    for key in _OPT_KEYS:
+        value = obj.get(key)
+        if isinstance(value, (list, tuple)) and value:
+            value = value[0]
+        found = _optimizer_state(value) if value is not None else None
+        if found is not None:
+            return found
+    return None
+
+
+def nested_checkpoint(obj: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": _model(obj, tensors)}
+    opt = _optimizer(obj)
+    if opt is not None:
+        out["optimizer"] = opt
+    return out
+
+
+def same_tree(a: Any, b: Any) -> bool:
+    """Equal structure, and tensors equal bit for bit (dtype and shape included)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
