@@ -62,7 +62,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +71,8 @@ from typing import Any
 import torch
 
 from torchverity.errors import TrainingAnomalyError, UsageError
-from torchverity.training._checksum import PairedSums, balanced_cut, checksums, run_beside
+from torchverity.training._at_rest import AtRest, Pair
+from torchverity.training._checksum import balanced_cut, checksums, run_beside
 from torchverity.training._config import GuardConfig, Reducer
 from torchverity.training._device_rules import DeviceDetectors, DevicePending
 from torchverity.training._events import (
@@ -79,6 +80,7 @@ from torchverity.training._events import (
     DEFAULT_POLICIES,
     KIND_INDEX,
     KINDS,
+    LATCHING,
     POLICIES,
     SKIPPING,
     AnomalyEvent,
@@ -229,7 +231,8 @@ class TrainingGuard:
         self._rng_next = _torch_rng() if self._replaying else None
         self._steps_since_checkpoint = 0
         self._log.write({"event": "start", "step": start_step, "config": self.config,
-                         "policies": self.policies, "parameters": list(self._names)})
+                         "policies": self.policies, "parameters": list(self._names),
+                         "coverage": self._rest.coverage()})
         if self.checkpoint_dir is not None:
             self.save_checkpoint()
 
@@ -300,46 +303,14 @@ class TrainingGuard:
         self._host = HostDetectors(cfg, n, self.policies) if use_host else None
         self._rules = None if use_host else DeviceDetectors(cfg, n, self.policies, dev)
         self._zero = torch.zeros((), dtype=torch.float32, device=dev)  # a missing gradient
-        self._rest_record: torch.Tensor | None = None
         self._step_norms: torch.Tensor | None = None  # check()'s per-parameter norms
-        self._updates = 0  # updates concluded under this guard: the at-rest cadence
-        self._rest_sums: PairedSums | None = None
-        self._copy_sums: PairedSums | None = None
-        self._rest_names: tuple[str, ...] = ()
         self._snapshot = Snapshot()
         self._found_inf: torch.Tensor | None = None
-
-    # ------------------------------------------------------------ tensors covered
-
-    def _state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for p, state in self.optimizer.state.items():
-            name = self._param_names.get(id(p))
-            if name is None:
-                continue
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.device == self._device:
-                    yield f"optimizer.{name}.{key}", value
-
-    def _covered_tensors(self, with_state: bool) -> list[torch.Tensor]:
-        """The tensors of :meth:`_covered` without their names: the per-step path."""
-        tensors = list(self._params)
-        if with_state:
-            dev, known = self._device, self._param_names
-            for p, state in self.optimizer.state.items():
-                if id(p) in known:
-                    tensors.extend(v for v in state.values()
-                                   if isinstance(v, torch.Tensor) and v.device == dev)
-        return tensors
-
-    def _covered(self, with_state: bool) -> tuple[tuple[str, ...], list[torch.Tensor]]:
-        """Parameters, then (``with_state``) optimizer-state tensors on the guard's device."""
-        names: list[str] = list(self._names)
-        tensors: list[torch.Tensor] = list(self._params)
-        if with_state:
-            for name, value in self._state_items():
-                names.append(name)
-                tensors.append(value)
-        return tuple(names), tensors
+        self._rest = AtRest(cfg, self.optimizer, self._params, self._names,
+                            reducer=self.reducer, policies=self.policies, pool=self._pool,
+                            split=self._split,
+                            defer=self._helper.submit if self._defer and self._helper else None)
+        self._applied: torch.Tensor | bool = True  # the last update's decision
 
     # ------------------------------------------------------------ per-step API
 
@@ -378,18 +349,67 @@ class TrainingGuard:
         (not run at all) when the parameters are on the CPU, else on the device."""
         if not self._host_skip:
             self.before_update()
-            result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
+            result = self._update(closure)
             self.after_update()
             return result
         if self._prepare(host=True):
-            result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        elif closure is not None:  # the optimizer would have evaluated it once at least
-            with torch.enable_grad():
-                result = closure()
+            result = self._update(closure)
         else:
+            self._found(self._rest.skipped())
             result = None
+            if closure is not None:  # the optimizer would have evaluated it once at least
+                with torch.enable_grad():
+                    result = closure()
         self.after_update()
         return result
+
+    def _update(self, closure: Callable[[], Any] | None) -> Any:
+        """The optimizer's update; fused, it verifies the window that has just ended."""
+        if self._rest.fused is None:
+            return self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        result = None
+        if closure is not None:  # what the optimizer's own step would do first
+            with torch.enable_grad():
+                result = closure()
+        self._found(self._rest.update())
+        return result
+
+    def _found(self, sums: Pair | None) -> None:
+        """The at-rest verification of this step's window, into the pending flags (and, when
+        the update was already decided, into its decision: the latch holds what follows)."""
+        pending = self._pending
+        if sums is None or pending is None:
+            return
+        self._fill_rest(pending, sums)
+        latch = self.policies["weights_changed"] in LATCHING
+        wc = KIND_INDEX["weights_changed"]
+        if isinstance(pending, HostPending):
+            if pending.decision is not None and pending.flags[wc] > 0:
+                flags = list(pending.decision[0])
+                flags[wc] = 1.0
+                pending.decision = (flags, True, pending.decision[2])
+                if latch and self._host is not None:
+                    self._host.latched = True
+        elif pending.decision is not None:
+            old, _, applied = pending.decision
+            new = old.clone()
+            new[wc] = torch.maximum(old[wc], pending.rest_vec.any().float())
+            hit = new > 0
+            if latch:
+                self._device_rules().latched.logical_or_(hit[wc])
+            pending.decision = (new, hit, applied)
+
+    def _fill_rest(self, pending: DevicePending | HostPending, sums: Pair) -> None:
+        now, record, names = sums
+        wc = KIND_INDEX["weights_changed"]
+        if isinstance(pending, HostPending):
+            pending.rest = [float(a != b) for a, b in zip(now.tolist(), record.tolist(),
+                                                          strict=True)]
+            pending.rest_names = names
+            pending.flags[wc] = float(any(pending.rest))
+        else:
+            pending.rest_vec, pending.rest_names = (now != record).any(dim=1), names
+            pending.parts[wc] = pending.rest_vec.any()
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """One whole guarded step with ``step_fn``: zero_grad, forward, backward, check, step."""
@@ -430,14 +450,13 @@ class TrainingGuard:
         undo = self._needs_backup and not host
         if undo:
             # An undo must restore the optimizer state too.
-            self._snapshot.take(self._covered_tensors(with_state=True))
+            self._snapshot.take(self._rest.covered_tensors(with_state=True))
             pending.undo = True
-        sums = self._verify_at_rest(use_copy=undo)
-        if isinstance(pending, HostPending):
-            return self._prepare_host(pending, sums, host)
+        sums = self._rest.before(self._snapshot, use_copy=undo)
         if sums is not None:
-            pending.rest_vec, pending.rest_names = (sums[0] != sums[1]).any(dim=1), self._rest_names
-            pending.parts[KIND_INDEX["weights_changed"]] = pending.rest_vec.any()
+            self._fill_rest(pending, sums)
+        if isinstance(pending, HostPending):
+            return self._prepare_host(pending, host)
         if host:
             pending.decision = self._decide(pending)
             return bool(pending.decision[2])
@@ -446,15 +465,9 @@ class TrainingGuard:
             self._hand_found_inf((~pending.decision[2]).float())
         return True
 
-    def _prepare_host(self, pending: HostPending,
-                      sums: tuple[torch.Tensor, torch.Tensor] | None, host: bool) -> bool:
+    def _prepare_host(self, pending: HostPending, host: bool) -> bool:
         """:meth:`_prepare` after the at-rest sums, with the rules on floats."""
         assert self._host is not None
-        if sums is not None:
-            now, record = sums[0].tolist(), sums[1].tolist()
-            pending.rest = [float(a != b) for a, b in zip(now, record, strict=True)]
-            pending.rest_names = self._rest_names
-            pending.flags[KIND_INDEX["weights_changed"]] = float(any(pending.rest))
         if not (host or self._fused_skip):
             return True  # decided after the update (update ratios), undone from the copy
         pending.decision = self._host.decide(pending.flags, self.reducer)
@@ -486,10 +499,13 @@ class TrainingGuard:
         self._steps_since_checkpoint += 1
         if self._replaying:
             self._rng_next = _torch_rng()
-        due = len(self._rows) + 1 >= self.config.check_every
+        # A change at rest is known on the host at once on the CPU: act on it before the
+        # next forward pass instead of at the next scheduled read.
+        due = len(self._rows) + 1 >= self.config.check_every or (
+            host_row is not None and host_row[KIND_INDEX["weights_changed"]] > 0)
         # The record is complete before step() returns: a bit that changes afterwards,
         # however soon, is a change against it (with a helper, half of it ran there).
-        self._record_at_rest()
+        self._rest.after(self._applied, pending.undo)
         if host_row is not None:
             self._rows.append(_Row(step, host_row, pending.rest_names))
         elif book is not None:
@@ -517,6 +533,7 @@ class TrainingGuard:
             self._take_back_found_inf()
         if pending.undo:
             self._select(applied)
+        self._applied = applied
         accept = applied & ~hit.any()
         return functools.partial(self._bookkeep, pending=pending, flags=flags, applied=applied,
                                  accept=accept, ratio=ratio, ratio_vec=ratio_vec)
@@ -537,6 +554,7 @@ class TrainingGuard:
         flags, hit, applied = pending.decision
         if pending.undo:
             self._select(applied)
+        self._applied = applied
         return host.conclude(pending, applied, hit, flags, ratio, ratio_hit)
 
     def _bookkeep(self, step: int, pending: DevicePending, flags: torch.Tensor,
@@ -602,66 +620,10 @@ class TrainingGuard:
         """The helper's pool for the half of a verification that runs beside this thread."""
         return self._helper.pool if self._helper is not None and self._split else None
 
-    def _verify_at_rest(self, use_copy: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(checksums now, record)`` of the tensors named by ``_rest_names``; None when
-        there is no record to verify (this window is not covered)."""
-        record, self._rest_record = self._rest_record, None
-        sums = self._rest_sums
-        if record is None or sums is None:
-            return None
-        # Right after the undo copy, the copy holds the same bits as the live tensors and
-        # is still in cache: summing it instead saves a read from memory.
-        copied = self._snapshot.copies_of(sums.tensors) if use_copy else None
-        if copied is not None:
-            if self._copy_sums is None or not self._copy_sums.matches(copied):
-                self._copy_sums = PairedSums(copied, weighted=sums.weighted,
-                                             split=self._split)
-            now = self._copy_sums(self._pool())
-        else:
-            now = sums(self._pool())
-        return now, record
-
-    def _record_at_rest(self) -> None:
-        """After an update: record the checksums if the window up to the next update is one
-        the cadence verifies. One window in ``rest_every``, counted from the guard's first
-        update: those ending at updates ``rest_every``, ``2 * rest_every``, ... So with a
-        check interval that divides ``rest_every`` each verified window ends at a flag read,
-        and a change in it is reported at that very read."""
-        cfg = self.config
-        self._updates += 1
-        if not cfg.at_rest or (self._updates + 1) % cfg.rest_every:
-            return
-        if self._defer and self._helper is not None:
-            # Opt-in: the whole pass on the helper, beside the next forward and backward
-            # (waited for by the next check()). A bit that changes before the helper has
-            # summed its word is part of the record: that stretch is not covered.
-            self._rest_record = None
-            self._helper.submit(functools.partial(self._deferred_record, self._current_sums()))
-        else:
-            self._rest_record = self._rest_checksums()
-
-    def _deferred_record(self, sums: PairedSums) -> None:
-        self._rest_record = sums()
-
-    def _current_sums(self) -> PairedSums:
-        """The checksum plan of the covered tensors; re-listed when they changed."""
-        with_state = self.config.optimizer_state
-        sums = self._rest_sums
-        if sums is None or not sums.matches(self._covered_tensors(with_state)):
-            self._rest_names, tensors = self._covered(with_state)
-            sums = self._rest_sums = PairedSums(tensors, weighted=self.config.rest_weighted,
-                                                split=self._split)
-        return sums
-
-    def _rest_checksums(self) -> torch.Tensor:
-        """Checksums of the covered tensors as they are now."""
-        return self._current_sums()(self._pool())
-
     def refresh(self) -> None:
         """Re-record the at-rest checksums after changing parameters outside ``step()``."""
         self._join()
-        if self.config.at_rest:
-            self._rest_record = self._rest_checksums()
+        self._rest.refresh()
 
     @torch.no_grad()
     def _ratios(self) -> torch.Tensor:
@@ -677,7 +639,7 @@ class TrainingGuard:
         """Keep the update where ``applied`` (a device flag, or known on the host), else
         restore the copy."""
         self._snapshot.keep_if(applied)
-        current = self._covered_tensors(with_state=True)
+        current = self._rest.covered_tensors(with_state=True)
         if self._snapshot.same(current) or applied is True:
             return
         # State the optimizer created during this step had no copy: reset it to
@@ -905,10 +867,8 @@ class TrainingGuard:
         if self.checkpoint_dir is None or every is None or self._steps_since_checkpoint < every:
             return
         self._join()
-        if self._rest_record is not None and self._rest_sums is not None:
-            changed = (self._rest_sums() != self._rest_record).any(dim=1)
-            if bool(changed.any()):  # corrupted since the last update: never checkpoint it
-                return
+        if self._rest.changed():  # corrupted since the last update: never checkpoint it
+            return
         self.save_checkpoint()
 
     def rollback(self, step: int | None = None) -> Path:

@@ -1,0 +1,110 @@
+"""The at-rest check folded into the optimizer's own pass over its tensors.
+
+An optimizer reads every parameter and state tensor and writes them back once per
+update. Compiled together with that update (``torch.compile``: C++ kernels on the
+CPU, Triton on a GPU), a word sum of each tensor as the update reads it verifies
+the window that has just ended, and a word sum of what it writes records the next
+one: full coverage without two extra passes over memory.
+
+The update itself is the optimizer's own ``step()`` traced by ``torch.compile``, so
+it computes bit for bit what ``torch.compile(optimizer.step)`` computes; the sums
+only add reads the compiler can fuse into the same loops. Step-dependent scalars
+must reach the compiled function as tensors, or every change recompiles it: Adam's
+step counters already are, and each group's ``lr`` is turned into a 0-dim tensor
+(torch's own recipe for compiled optimizers under an LR scheduler, which then fills
+the tensor in place).
+
+The word sum of a tensor is the sum, in int64, of its elements read as signed
+integers of their own width (8-byte elements as two 32-bit words): a single-bit
+flip moves one integer by a power of two, and the exact sum with it, in any dtype.
+:func:`word_sums` computes the same values eagerly, for a window verified outside
+an update (a skipped update, a checkpoint's certification).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+_SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def word_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """0-dim int64: the tensor's elements read as signed integers, summed exactly."""
+    t = tensor.detach()
+    kind = _INT_OF_SIZE.get(t.element_size())
+    words = t.view(kind) if kind is not None else t.reshape(-1).view(torch.int32)
+    return words.sum(dtype=torch.int64)
+
+
+def word_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``[n]`` int64 word sums, one per tensor (the values the fused update computes)."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([word_sum(t) for t in tensors])
+
+
+def _update_with_sums(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    before = word_sums(tensors)
+    optimizer.step()
+    return before, word_sums(tensors)
+
+
+def unsupported(optimizer: torch.optim.Optimizer, reducer: object,
+                policies: dict[str, str], update_ratio: bool) -> str | None:
+    """Why this guard cannot fuse the at-rest check into the update; None when it can."""
+    if type(optimizer) not in _SUPPORTED:
+        return f"{type(optimizer).__name__} has no fused verification (SGD, Adam, AdamW do)"
+    for group in optimizer.param_groups:
+        if group.get("fused"):
+            return "fused=True optimizers run their own kernel"
+        if group.get("differentiable"):
+            return "differentiable=True optimizers are not compiled"
+    if reducer is not None:
+        return "with a reducer the at-rest flag is combined across ranks before the update"
+    if policies.get("weights_changed") == "skip":
+        return "weights_changed='skip' needs the verification before the update"
+    if update_ratio:
+        return "update_ratio=True keeps a copy of every tensor before the update"
+    if not hasattr(torch, "compile"):
+        return "torch.compile is not available"
+    return None
+
+
+def tensor_lrs(optimizer: torch.optim.Optimizer) -> None:
+    """Each group's float ``lr`` as a 0-dim tensor, where the optimizer allows it."""
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            continue
+        if group.get("foreach") and not group.get("capturable"):
+            continue  # torch refuses a tensor lr there; a changed lr recompiles instead
+        device = group["params"][0].device if group["params"] else None
+        group["lr"] = torch.tensor(lr, dtype=torch.float32, device=device if (
+            device is not None and group.get("capturable")) else None)
+
+
+class FusedUpdate:
+    """``optimizer.step()`` compiled with the word sums of ``tensors`` before and after."""
+
+    _made = 0
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        # A code object of its own: torch.compile keeps at most a few compiled versions
+        # per code object and runs the rest eagerly, and each optimizer needs one.
+        FusedUpdate._made += 1
+        code = _update_with_sums.__code__.replace(co_name=f"_update_with_sums_{self._made}")
+        fn = types.FunctionType(code, _update_with_sums.__globals__, code.co_name)
+        self._fn: Callable[..., Any] = torch.compile(fn, dynamic=False)
+
+    def __call__(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sums as the update read the tensors, sums as it wrote them)``."""
+        with torch.no_grad():
+            before, after = self._fn(self.optimizer, tensors)
+        return before, after
