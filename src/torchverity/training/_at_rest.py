@@ -186,6 +186,14 @@ class AtRest:
         self.fused = None
         self.record, self._fused_tensors = None, []
 
+    def to_two_passes(self, reason: str) -> Pair | None:
+        """From the fused check to two passes, for good: the window under way is verified
+        now (its record is a fused one), the next one recorded after the update."""
+        pair = self.now()
+        self.reason, self.fused = reason, None
+        self.record, self._fused_tensors, self._after = None, [], None
+        return pair
+
     def skipped(self) -> Pair | None:
         """Fused, the update not run: verify the window now, in a pass of its own."""
         if self.fused is None or self.record is None:

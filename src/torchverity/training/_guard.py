@@ -217,7 +217,7 @@ class TrainingGuard:
         self.policies = self._resolve_policies(policy, policies, checkpoint_dir)
         self._check_policy_needs(checkpoint_dir)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.global_step = start_step
+        self.global_step = self._start_step = start_step
         self.rank = _rank()
         self.events: list[AnomalyEvent] = []
         self.checkpoints: list[Path] = []
@@ -348,7 +348,7 @@ class TrainingGuard:
         """Run ``optimizer.step()`` under the guard; a flagged update is skipped, on the host
         (not run at all) when the parameters are on the CPU, else on the device."""
         if not self._host_skip:
-            self.before_update()
+            self._prepare(host=False)
             result = self._update(closure)
             self.after_update()
             return result
@@ -434,8 +434,18 @@ class TrainingGuard:
     def before_update(self) -> None:
         """Verify the at-rest checksums; copy parameters and optimizer state so a flagged
         update can be undone on the device (or hand the decision to a fused optimizer).
-        For callers that run ``optimizer.step()`` themselves (trainer integrations)."""
+        For callers that run ``optimizer.step()`` themselves (trainer integrations): the
+        at-rest check cannot ride on an update it does not run, so it takes two passes."""
+        if self._rest.fused is not None:
+            self._found_early(self._rest.to_two_passes(
+                "the caller runs optimizer.step() itself (before_update/after_update)"))
+            self._log.write({"event": "coverage", "step": self.global_step,
+                             "coverage": self._rest.coverage()})
         self._prepare(host=False)
+
+    def _found_early(self, sums: Pair | None) -> None:
+        if sums is not None and self._pending is not None:
+            self._fill_rest(self._pending, sums)
 
     @torch.no_grad()
     def _prepare(self, host: bool) -> bool:
@@ -499,10 +509,11 @@ class TrainingGuard:
         self._steps_since_checkpoint += 1
         if self._replaying:
             self._rng_next = _torch_rng()
-        # A change at rest is known on the host at once on the CPU: act on it before the
-        # next forward pass instead of at the next scheduled read.
-        due = len(self._rows) + 1 >= self.config.check_every or (
-            host_row is not None and host_row[KIND_INDEX["weights_changed"]] > 0)
+        # With the rules on floats a change at rest is known on the host at once: a policy
+        # that acts on it (stop, rollback, ...) does so before the next forward pass.
+        due = (step + 1 - self._start_step) % self.config.check_every == 0 or (
+            host_row is not None and host_row[KIND_INDEX["weights_changed"]] > 0
+            and self.policies["weights_changed"] in SKIPPING)
         # The record is complete before step() returns: a bit that changes afterwards,
         # however soon, is a change against it (with a helper, half of it ran there).
         self._rest.after(self._applied, pending.undo)
