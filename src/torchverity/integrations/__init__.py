@@ -7,11 +7,101 @@ Both run the same detectors and policies as :class:`torchverity.TrainingGuard`
 and record every checkpoint the trainer saves: a ``FILE.sha256`` sidecar and
 a ``FILE.meta.json`` with the content fingerprint, exactly what
 ``torchverity.save`` writes, so ``torchverity verify`` and ``torchverity.load``
-check those files like their own.
+check those files like their own. The records are written after the guard has
+verified the weights being saved at rest; meta.json carries that certification
+(uncertified while an anomaly is unresolved). The guard's own state (rolling
+windows, counters) travels in the trainer's checkpoints and is restored on resume.
 
 This module imports neither Lightning nor transformers.
 """
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_file, write_sidecar
+from torchverity.errors import FormatError, UsageError
+
+if TYPE_CHECKING:
+    from torchverity.training import GuardSummary, TrainingGuard
+
+log = logging.getLogger("torchverity.integrations")
+
+
+class GuardCallbackBase:
+    """What both trainer callbacks hold; ``framework`` names the trainer in messages."""
+
+    framework = "trainer"
+
+    def __init__(self, *, log: str | Path | None = None, record_checkpoints: bool = True,
+                 **guard_options: Any) -> None:
+        if "step_fn" in guard_options:
+            raise UsageError(f"the {self.framework} callback does not replay steps",
+                             hint="use TrainingGuard in a plain loop for replay audits")
+        super().__init__()
+        self.log_path = log
+        self.record_checkpoints = record_checkpoints
+        self.guard_options = guard_options
+        self.guard: TrainingGuard | None = None
+        self.summary: GuardSummary | None = None
+        self.checkpoints: list[CheckpointRecord] = []
+        self._restored: dict[str, Any] | None = None  # guard state from a resumed checkpoint
+
+    def certification(self) -> dict[str, Any] | None:
+        """The guard's at-rest verification of the weights as they are now (being saved)."""
+        return self.guard.certify() if self.guard is not None else None
+
+    def _start_guard(self, guard: TrainingGuard) -> None:
+        self.guard = guard
+        if self._restored is not None:
+            guard.load_state_dict(self._restored)
+            self._restored = None
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """What was recorded next to a checkpoint file written by a trainer."""
+
+    path: str
+    algo: str
+    digest: str
+    fingerprint: str | None
+    sidecar: str
+    meta: str | None
+
+
+def record_checkpoint_file(
+    path: str | os.PathLike[str], content: Any = None, *, source: str,
+    user: dict[str, Any] | None = None, algo: str = DEFAULT_ALGO,
+    certification: dict[str, Any] | None = None,
+) -> CheckpointRecord:
+    """Write the sidecar and, when ``content`` (the object saved) is given, the meta.json.
+
+    ``content`` must be what loading the file returns, so that
+    ``torchverity.load`` can compare fingerprints; objects that cannot be
+    fingerprinted (custom classes in hyperparameters) get the sidecar only.
+    """
+    from torchverity.checkpoint import meta_path_for, meta_record
+    from torchverity.fingerprint import fingerprint
+
+    p = Path(path)
+    digest = digest_file(p, algo)
+    sidecar = write_sidecar(p, digest)
+    if content is None:
+        return CheckpointRecord(str(p), algo, digest.hexdigest, None, str(sidecar), None)
+    try:
+        fp = fingerprint(content, mode="exact")
+    except FormatError as exc:
+        log.warning("%s: sidecar written, no meta.json: %s", p, exc.message)
+        return CheckpointRecord(str(p), algo, digest.hexdigest, None, str(sidecar), None)
+    file_format = "safetensors" if p.suffix == ".safetensors" else "pt"
+    record = meta_record(p, file_format, algo, digest.hexdigest, digest.size, fp, None, None,
+                         {"source": source, **(user or {})}, certification)
+    meta = meta_path_for(p)
+    atomic_write_text(meta, json.dumps(record, indent=2) + "\n")
+    return CheckpointRecord(str(p), algo, digest.hexdigest, fp.root, str(sidecar), str(meta))
