@@ -32,16 +32,18 @@ from torchverity.training._checksum import (
 
 
 @pytest.mark.parametrize(
-    ("name", "how"), [("0.weight", {"bit": 30}), ("2.bias", {"value": math.nan})]
+    ("name", "how"),
+    [("0.weight", {"index": 7, "bit": 30}), ("2.bias", {"index": 0, "value": math.nan}),
+     ("2.weight", {"index": 7, "bit": 0})],  # the drill of docs/training.md, at step 50
 )
-def test_faults_in_parameters_stop_the_run_within_one_interval_naming_the_tensor(
+def test_faults_in_parameters_stop_the_run_at_the_next_update_naming_the_tensor(
     name: str, how: dict[str, float]
 ) -> None:
+    """Default settings (every window verified, ``weights_changed`` stops)."""
     with pytest.raises(TrainingAnomalyError) as info:
-        train(60, lambda inj: inj.parameter(name, step=45, index=0, **how), check_every=10,
-              rest_every=1, close=False)
+        train(60, lambda inj: inj.parameter(name, step=50, **how), close=False)
     err = info.value
-    assert (err.step, err.kind, err.suspects) == (45, "weights_changed", [name])
+    assert (err.step, err.kind, err.suspects) == (50, "weights_changed", [name])
     assert err.hint == "pass log='events.jsonl' to TrainingGuard to keep events"
 
 
