@@ -47,7 +47,6 @@ import torch
 
 from torchverity.errors import UsageError
 from torchverity.training._at_rest import AtRest
-from torchverity.training._checksum import balanced_cut, run_beside
 from torchverity.training._config import GuardConfig, Reducer
 from torchverity.training._device_rules import DeviceDetectors, DevicePending
 from torchverity.training._events import (
@@ -63,6 +62,7 @@ from torchverity.training._events import (
 )
 from torchverity.training._helper import Helper
 from torchverity.training._host_rules import HostDetectors, HostPending
+from torchverity.training._norms import GradNorms
 from torchverity.training._policy import (
     check_policy_needs,
     resolve_actions,
@@ -142,7 +142,6 @@ class TrainingGuard:
         self._names = tuple(n for n, _ in named)
         self._params: list[torch.Tensor] = [p for _, p in named]
         self._device = self._params[0].device
-        self._norm_cut = balanced_cut([p.numel() * p.element_size() for p in self._params])
 
     def _setup_device_state(self) -> None:
         cfg, dev, n = self.config, self._device, len(self._params)
@@ -174,8 +173,9 @@ class TrainingGuard:
         self._rest = AtRest(cfg, self.optimizer, self._params, self._names,
                             reducer=self.reducer, policies=self.policies, pool=self._pool,
                             split=self._split, defer=defer)
+        self._norms = GradNorms(self._params)
         self._replay = Replayer(cfg, self.optimizer, self._params, self._names, self.step_fn,
-                                self._grad_norms, replaying)
+                                lambda: self._norms.stacked(self._pool()), replaying)
 
     @property
     def _snapshot(self) -> Snapshot:
@@ -283,45 +283,12 @@ class TrainingGuard:
                              "coverage": self._rest.coverage()})
         self._prepare(host=False)
 
-    @torch.no_grad()
     def _prepare(self, host: bool) -> bool:
-        """Before the update: at-rest verification, then the undo copy, the fused optimizer's
-        ``found_inf``, or (``host``) the decision read on the host. Returns whether the
-        update should run; only the host path ever returns False."""
-        pending = self._pending
-        if pending is None:
+        if self._pending is None:
             raise UsageError("TrainingGuard.step() called before check(loss)",
                              hint="call guard.check(loss) after loss.backward()")
         self._join()
-        undo = self._needs_backup and not host
-        if undo:
-            # An undo must restore the optimizer state too.
-            self._upd.snapshot.take(self._rest.covered_tensors(with_state=True))
-            pending.undo = True
-        sums = self._rest.before(self._upd.snapshot, use_copy=undo)
-        if sums is not None:
-            self._upd.fill_rest(pending, sums)
-        if isinstance(pending, HostPending):
-            return self._prepare_host(pending, host)
-        if host:
-            pending.decision = self._device_rules().decide(pending, self.reducer)
-            return bool(pending.decision[2])
-        if self._fused_skip:
-            pending.decision = self._device_rules().decide(pending, self.reducer)
-            self._upd.hand_found_inf((~pending.decision[2]).float())
-        return True
-
-    def _prepare_host(self, pending: HostPending, host: bool) -> bool:
-        """:meth:`_prepare` after the at-rest sums, with the rules on floats."""
-        assert self._host is not None
-        if not (host or self._fused_skip):
-            return True  # decided after the update (update ratios), undone from the copy
-        pending.decision = self._host.decide(pending.flags, self.reducer)
-        applied = pending.decision[2]
-        if not host:
-            self._upd.hand_found_inf(
-                torch.full((), 0.0 if applied else 1.0, device=self._device))
-        return applied
+        return self._upd.prepare(self._pending, host)
 
     def after_update(self) -> None:
         """Decide on the device whether the update stands, record checksums, maybe read flags."""
@@ -386,34 +353,13 @@ class TrainingGuard:
         """This step's flags: on floats (one read of the norms and the loss) or the device."""
         self._join()  # the previous step's statistics and flag row
         if self._host is None:
-            gvec = self._step_norms = self._grad_norms()
+            gvec = self._step_norms = self._norms.stacked(self._pool())
             return self._device_rules().detect(loss, gvec, replay_vec)
-        stacked = torch.stack([*self._norm_list(), loss])
+        stacked = torch.stack([*self._norms.norms(self._pool()), loss])
         self._step_norms = stacked[:-1]
         values = stacked.tolist()
         replay = replay_vec.tolist() if replay_vec is not None else None
         return self._host.detect(values[-1], values[:-1], replay)
-
-    def _grad_norms(self) -> torch.Tensor:
-        return torch.stack(self._norm_list())
-
-    def _norm_list(self) -> list[torch.Tensor]:
-        """Per-parameter gradient norms (float32, 0-dim; zero for a missing gradient)."""
-        grads = [p.grad for p in self._params]
-        present = [g for g in grads if g is not None]
-        if len(present) == len(grads):
-            cut = self._norm_cut
-            if self._helper is None or not self._split or cut == len(grads):
-                return list(torch._foreach_norm(present, 2, dtype=torch.float32))
-            # Per tensor the same norms whichever list computes them; half on the helper.
-            first, second = run_beside(
-                self._helper.pool,
-                lambda: torch._foreach_norm(present[:cut], 2, dtype=torch.float32),
-                lambda: torch._foreach_norm(present[cut:], 2, dtype=torch.float32))
-            return [*first, *second]
-        zero = torch.zeros((), dtype=torch.float32, device=self._device)  # a missing gradient
-        norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else [])
-        return [next(norms) if g is not None else zero for g in grads]
 
     def _remember(self, batch: Any, pending: DevicePending | HostPending) -> None:
         if isinstance(pending, HostPending):  # the float32 values, exactly
@@ -445,25 +391,14 @@ class TrainingGuard:
             return []
         events: list[AnomalyEvent] = []
         for r, values in zip(rows, row_values(rows), strict=True):
-            events.extend(self._read_row(r, values))
+            ctx = parse_row(values, self._names, r.rest_names)
+            self._log.write({"event": "metrics", "step": r.step, "loss": ctx.loss,
+                             "grad_norm": ctx.gnorm, "applied": ctx.applied})
+            self._tally.skipped += not ctx.applied
+            events.extend(ctx.events(r.step, self.policies, self.rank))
         self._act(events)
         self._replay.history.clear()
         self._log.flush()
-        return events
-
-    def _read_row(self, r: Row, values: list[float]) -> list[AnomalyEvent]:
-        ctx = parse_row(values, self._names, r.rest_names)
-        self._log.write({"event": "metrics", "step": r.step, "loss": ctx.loss,
-                         "grad_norm": ctx.gnorm, "applied": ctx.applied})
-        if not ctx.applied:
-            self._tally.skipped += 1
-        events = []
-        for kind, flag in zip(KINDS, ctx.flags, strict=True):
-            if flag > 0:
-                policy = self.policies[kind]
-                values_, thresholds, suspects = ctx.describe(kind)
-                events.append(AnomalyEvent(r.step, kind, policy, ACTIONS[policy], values_,
-                                           thresholds, suspects, self.rank))
         return events
 
     def _act(self, events: list[AnomalyEvent]) -> None:

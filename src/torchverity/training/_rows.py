@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from torchverity.training._events import KINDS
+from torchverity.training._events import ACTIONS, KINDS, AnomalyEvent
 
 N_SCALARS = 5  # loss, grad_norm, loss threshold, grad-norm threshold, applied
 T = TypeVar("T")
@@ -120,6 +120,17 @@ class RowContext:
             hit = tuple(n for n, f in zip(self.rest_names, self.rest, strict=True) if f > 0)
             return base, {}, hit
         return base, {}, self._named(self.replay)
+
+    def events(self, step: int, policies: dict[str, str], rank: int) -> list[AnomalyEvent]:
+        """One event per kind flagged in this row, with its policy's action."""
+        events = []
+        for kind, flag in zip(KINDS, self.flags, strict=True):
+            if flag > 0:
+                policy = policies[kind]
+                values, thresholds, suspects = self.describe(kind)
+                events.append(AnomalyEvent(step, kind, policy, ACTIONS[policy], values,
+                                           thresholds, suspects, rank))
+        return events
 
 
 def parse_row(values: list[float], names: tuple[str, ...], rest_names: tuple[str, ...]

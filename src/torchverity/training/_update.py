@@ -73,6 +73,44 @@ class Update:
                 g._device_rules().latched.logical_or_(hit[_WC])
             pending.decision = (new, hit, applied)
 
+    # ------------------------------------------------------------ before the update
+
+    @torch.no_grad()
+    def prepare(self, pending: Pending, host: bool) -> bool:
+        """Before the update: at-rest verification, then the undo copy, the fused optimizer's
+        ``found_inf``, or (``host``) the decision read on the host. Returns whether the
+        update should run; only the host path ever returns False."""
+        g = self.guard
+        undo = g._needs_backup and not host
+        if undo:
+            # An undo must restore the optimizer state too.
+            self.snapshot.take(g._rest.covered_tensors(with_state=True))
+            pending.undo = True
+        sums = g._rest.before(self.snapshot, use_copy=undo)
+        if sums is not None:
+            self.fill_rest(pending, sums)
+        if isinstance(pending, HostPending):
+            return self._prepare_host(pending, host)
+        if host:
+            pending.decision = g._device_rules().decide(pending, g.reducer)
+            return bool(pending.decision[2])
+        if g._fused_skip:
+            pending.decision = g._device_rules().decide(pending, g.reducer)
+            self.hand_found_inf((~pending.decision[2]).float())
+        return True
+
+    def _prepare_host(self, pending: HostPending, host: bool) -> bool:
+        """:meth:`prepare` after the at-rest sums, with the rules on floats."""
+        g = self.guard
+        assert g._host is not None
+        if not (host or g._fused_skip):
+            return True  # decided after the update (update ratios), undone from the copy
+        pending.decision = g._host.decide(pending.flags, g.reducer)
+        applied = pending.decision[2]
+        if not host:
+            self.hand_found_inf(torch.full((), 0.0 if applied else 1.0, device=g._device))
+        return applied
+
     # ------------------------------------------------------------ fused optimizers
 
     def hand_found_inf(self, found_inf: torch.Tensor) -> None:
