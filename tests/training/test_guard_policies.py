@@ -359,3 +359,53 @@ def test_helper_thread_gives_the_same_events_log_and_bits(opt_name: str, tmp_pat
     assert records(tmp_path / "True.jsonl") == records(tmp_path / "False.jsonl")
     for a, b in zip(helper.model.parameters(), alone.model.parameters(), strict=True):
         assert bits(a) == bits(b)
+
+
+# ------------------------------------------------------------ certified checkpoints, guard state
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b) or (a != a and b != b)  # NaN values in anomaly events
+
+
+def test_guard_state_round_trips_through_a_checkpoint_file(tmp_path: Path) -> None:
+    import torchverity
+
+    run = train(40, lambda inj: inj.gradient("0.bias", step=21, value=math.nan), plain=True,
+                close=False, update_ratio=True, policies={"nonfinite_grad": "record"})
+    state = run.guard.state_dict()
+    torchverity.save(state, tmp_path / "guard.pt")
+    model, opt = make_model()
+    fresh = make_guard(model, opt, update_ratio=True)
+    fresh.load_state_dict(torchverity.load(tmp_path / "guard.pt", sidecar="require"))
+    assert _same(fresh.state_dict(), state)
+    assert fresh.summary() == run.guard.summary()
+    # The NaN update let stand at 21 (and the NaN gradients after it) stay unresolved.
+    assert state["unresolved"][0]["step"] == 21 and state["tally"]["anomalies"]
+
+
+def test_a_checkpoint_of_weights_changed_at_rest_is_uncertified_and_never_rolled_back_to(
+        tmp_path: Path) -> None:
+    from torchverity.checkpoint import read_meta
+
+    model, opt = make_model()
+    guard = make_guard(model, opt, checkpoint_dir=tmp_path, policies={"weights_changed": "record"})
+    start = guard.checkpoints[0]
+    assert read_meta(start)["certification"]["certified"]
+    for step in range(5):
+        step_once(guard, model, step)
+    faults.flip_bit(model[2].weight, 3, 0)  # at rest, after the last update
+    cert = guard.certify()
+    assert (cert["certified"], cert["verified"]["at_rest"], cert["changed"]) == (
+        False, "failed", ["2.weight"])
+    doubtful = guard.save_checkpoint()
+    assert read_meta(doubtful)["certification"] == {**cert, "step": 5}
+    guard.rollback()  # to the certified start, not to the newest file
+    records = [r for r in guard._recovery.certified]
+    assert records == [start] and bits(model[2].weight) == bits(make_model()[0][2].weight)
