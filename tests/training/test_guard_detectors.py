@@ -22,7 +22,7 @@ from guard_helpers import (
 )
 
 from torchverity import faults
-from torchverity._console import dumps
+from torchverity.cli._output import dumps
 from torchverity.errors import UsageError
 from torchverity.training import AnomalyWarning, TrainingGuard
 

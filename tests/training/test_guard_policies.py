@@ -26,7 +26,7 @@ from guard_helpers import (
 )
 
 from torchverity import faults
-from torchverity._console import dumps
+from torchverity.cli._output import dumps
 from torchverity.errors import TrainingAnomalyError, UsageError
 from torchverity.training import AnomalyWarning, TrainingGuard
 
@@ -211,7 +211,7 @@ def test_fused_optimizer_skips_exactly_without_copies(stats: str) -> None:
 
 
 def test_undo_copy_restores_every_dtype_and_layout_bit_for_bit() -> None:
-    from torchverity.fingerprint import byte_view
+    from torchverity._tensors import byte_view
     from torchverity.training._snapshot import Snapshot
 
     gen = torch.Generator().manual_seed(5)
@@ -392,7 +392,7 @@ def test_guard_state_round_trips_through_a_checkpoint_file(tmp_path: Path) -> No
 
 def test_a_checkpoint_of_weights_changed_at_rest_is_uncertified_and_never_rolled_back_to(
         tmp_path: Path) -> None:
-    from torchverity.checkpoint import read_meta
+    from torchverity.checkpoint._meta import read_meta
 
     model, opt = make_model()
     guard = make_guard(model, opt, checkpoint_dir=tmp_path, policies={"weights_changed": "record"})

@@ -96,7 +96,7 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
         if folder.is_dir():
             certification = self.certification()
             if self.guard is not None:
-                from torchverity.checkpoint import save
+                from torchverity.checkpoint._save import save
 
                 save(self.guard.state_dict(), folder / GUARD_STATE)
             self.checkpoints.extend(record_checkpoint_folder(folder, state.global_step,
@@ -111,7 +111,7 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
 
 def _guard_state(args: Any, step: int) -> dict[str, Any] | None:
     """The guard state saved with the checkpoint training resumes from, if any."""
-    from torchverity.checkpoint import load
+    from torchverity.checkpoint._load import load
 
     resume = getattr(args, "resume_from_checkpoint", None)
     folder = Path(resume) if isinstance(resume, str) else Path(args.output_dir) / (
@@ -125,7 +125,7 @@ def record_checkpoint_folder(folder: Path, step: int | None = None,
                              ) -> list[CheckpointRecord]:
     """Sidecars for the weight files, meta.json for safetensors (with the guard's
     certification), a manifest for the folder."""
-    from torchverity._safetensors import read_header, read_tensors
+    from torchverity.checkpoint._safetensors import read_header, read_tensors
     from torchverity.manifest import write_manifest
 
     records = []

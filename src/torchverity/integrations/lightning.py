@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from torchverity.errors import UsageError, require_extra
-from torchverity.integrations import (
+from torchverity.integrations._common import (
     GuardCallbackBase,
     record_checkpoint_file,
 )

@@ -122,7 +122,7 @@ class Recovery:
     def save(self) -> Path:
         """Save model, optimizer, guard statistics and RNG states with ``torchverity.save``,
         with the certification in its meta.json."""
-        from torchverity.checkpoint import save
+        from torchverity.checkpoint._save import save
         from torchverity.determinism import capture_rng
 
         g = self.guard
@@ -175,7 +175,7 @@ class Recovery:
 
     def rollback(self, step: int | None) -> Path:
         """Reload the newest certified checkpoint (verified by ``torchverity.load``)."""
-        from torchverity.checkpoint import load
+        from torchverity.checkpoint._load import load
         from torchverity.determinism import RngState, restore_rng
 
         g = self.guard
