@@ -23,11 +23,13 @@ an update (a skipped update, a checkpoint's certification).
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.optim.optimizer as _optim
 
 _SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
@@ -48,11 +50,25 @@ def word_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([word_sum(t) for t in tensors])
 
 
-def _update_with_sums(optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]
+def _update_with_sums(step: Callable[[torch.optim.Optimizer], Any],
+                      optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     before = word_sums(tensors)
-    optimizer.step()
+    step(optimizer)
     return before, word_sums(tensors)
+
+
+def _own_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], Any]:
+    """The optimizer's update itself. torch wraps ``step`` to run step hooks and to set
+    grad mode between two forced graph breaks; traced through those, the sums would be
+    compiled apart from the update, as passes of their own. Under ``no_grad`` and with
+    no step hook registered the wrappers do nothing else, so the update traced without
+    them is the same update."""
+    hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+             _optim._global_optimizer_pre_hooks, _optim._global_optimizer_post_hooks)
+    if any(hooks):
+        return lambda opt: opt.step()  # the hooks must run: the sums in passes of their own
+    return inspect.unwrap(type(optimizer).step)
 
 
 def unsupported(optimizer: torch.optim.Optimizer, reducer: object,
@@ -106,5 +122,7 @@ class FusedUpdate:
     def __call__(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(sums as the update read the tensors, sums as it wrote them)``."""
         with torch.no_grad():
-            before, after = self._fn(self.optimizer, tensors)
+            before, after = self._fn(_own_step(self.optimizer), self.optimizer, tensors)
+        # What the LR scheduler's wrapper of ``step`` would have noted (it warns otherwise).
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return before, after
