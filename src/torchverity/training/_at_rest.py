@@ -41,11 +41,13 @@ class AtRest:
     def __init__(self, config: GuardConfig, optimizer: torch.optim.Optimizer,
                  params: list[torch.Tensor], names: tuple[str, ...], *, reducer: object,
                  policies: dict[str, str], pool: Callable[[], ThreadPoolExecutor | None],
-                 split: bool, defer: Callable[[Callable[[], None]], None] | None) -> None:
+                 split: bool, defer: Callable[[Callable[[], None]], None] | None,
+                 said: Callable[[], None] = lambda: None) -> None:
         self.config, self.optimizer = config, optimizer
         self._params, self._param_names = params, dict(zip(map(id, params), names, strict=True))
         self._names, self._device = names, params[0].device
         self._pool, self._split, self._defer = pool, split, defer
+        self._said = said  # writes the coverage to the event log when it changes
         self.record: torch.Tensor | None = None
         self.names: tuple[str, ...] = ()
         self._sums: PairedSums | None = None
@@ -149,9 +151,9 @@ class AtRest:
         try:
             before, after = self.fused(tensors)
         except Exception as exc:  # compiling raises before anything runs: step eagerly
+            if pair is None and self.record is not None:  # verify the window in a pass
+                pair = word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names
             self._give_up(exc)
-            if pair is None:  # the window was not verified yet: verify it now
-                pair = self.skipped()
             self.optimizer.step()
             return pair
         if pair is None and self.record is not None:
@@ -185,6 +187,7 @@ class AtRest:
         self.reason = f"torch.compile failed: {type(exc).__name__}"
         self.fused = None
         self.record, self._fused_tensors = None, []
+        self._said()
 
     def to_two_passes(self, reason: str) -> Pair | None:
         """From the fused check to two passes, for good: the window under way is verified
@@ -192,6 +195,7 @@ class AtRest:
         pair = self.now()
         self.reason, self.fused = reason, None
         self.record, self._fused_tensors, self._after = None, [], None
+        self._said()
         return pair
 
     def skipped(self) -> Pair | None:

@@ -172,17 +172,18 @@ class TrainingGuard:
         defer = self._helper.submit if cfg.defer_record and self._helper else None
         self._rest = AtRest(cfg, self.optimizer, self._params, self._names,
                             reducer=self.reducer, policies=self.policies, pool=self._pool,
-                            split=self._split, defer=defer)
+                            split=self._split, defer=defer, said=self._say_coverage)
         self._norms = GradNorms(self._params)
         self._replay = Replayer(cfg, self.optimizer, self._params, self._names, self.step_fn,
                                 lambda: self._norms.stacked(self._pool()), replaying)
 
+    def _say_coverage(self) -> None:
+        self._log.write({"event": "coverage", "step": self.global_step,
+                         "coverage": self._rest.coverage()})
+
     @property
     def _snapshot(self) -> Snapshot:
         return self._upd.snapshot
-
-    def _snapshot_reset(self) -> None:
-        self._upd.snapshot = Snapshot()
 
     @property
     def checkpoints(self) -> list[Path]:
@@ -279,8 +280,6 @@ class TrainingGuard:
                 "the caller runs optimizer.step() itself (before_update/after_update)")
             if sums is not None and self._pending is not None:
                 self._upd.fill_rest(self._pending, sums)
-            self._log.write({"event": "coverage", "step": self.global_step,
-                             "coverage": self._rest.coverage()})
         self._prepare(host=False)
 
     def _prepare(self, host: bool) -> bool:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchverity.errors import UsageError
 from torchverity.training._events import AnomalyEvent, Tally
+from torchverity.training._snapshot import Snapshot
 
 if TYPE_CHECKING:
     from torchverity.training._guard import TrainingGuard
@@ -190,7 +191,7 @@ class Recovery:
         self.load_rules_state(state["guard"])
         restore_rng(RngState.from_state(state["rng"]))
         self.unresolved.clear()
-        g._snapshot_reset()
+        g._upd.snapshot = Snapshot()
         g.refresh()
         g._tally.rollbacks += 1
         g._log.write({"event": "rollback", "step": g.global_step, "anomaly_step": step,
