@@ -104,7 +104,7 @@ def train(
         if between is not None:
             between(step, model, opt)
         if plain:
-            losses.append(float(step_once(guard, model, step)))
+            losses.append(float(step_once(guard, model, step).detach()))
         else:
             x, y = batch_at(step, dtype)
             if poison:
