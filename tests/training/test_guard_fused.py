@@ -250,3 +250,25 @@ def test_word_sum_moves_with_every_single_bit_flip_in_every_float_dtype(
             assert word_sum(t) != record, (index, bit)
             faults.flip_bit(t, index, bit)
     assert word_sum(t) == record
+
+
+def test_a_machine_without_a_compiler_falls_back_says_so_once_and_still_catches_flips(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._inductor.config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))  # no C++ compiler here
+    model, opt = make_model(lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
+    log = tmp_path / "events.jsonl"
+    guard = TrainingGuard(model, opt, log=log, check_every=1,
+                          policies={"weights_changed": "record"})
+    for step in range(6):
+        if step == 3:
+            faults.flip_bit(model[0].weight, 2, 1)
+        step_once(guard, model, step)
+    guard.close()
+    said = [json.loads(x)["coverage"] for x in log.read_text().splitlines() if '"coverage"' in x]
+    assert [c["verification"] for c in said] == ["fused into the update", "two passes"]
+    assert said[1]["fallback_reason"].startswith("torch.compile failed")
+    assert [(e.step, e.kind, e.suspects) for e in guard.events] == [
+        (3, "weights_changed", ("0.weight",))]
+    assert float(opt.state[model[0].weight]["momentum_buffer"].abs().sum()) > 0  # it stepped
