@@ -32,10 +32,16 @@ class VerifyResult:
     algo: str
     entries: tuple[VerifyEntry, ...]
     record: str
+    certification: dict[str, Any] | None = None  # a training guard's, from meta.json
 
     @property
     def ok(self) -> bool:
         return all(e.status == "ok" for e in self.entries)
+
+    @property
+    def certified(self) -> bool | None:
+        """Whether a training guard certified the weights when saved (None: no record)."""
+        return None if self.certification is None else bool(self.certification["certified"])
 
     @property
     def counts(self) -> dict[str, int]:
@@ -54,6 +60,9 @@ class VerifyResult:
             "record": self.record,
             "ok": self.ok,
             "counts": self.counts,
+            # Only for files a training guard recorded: other records keep their shape.
+            **({"certified": self.certified, "certification": self.certification}
+               if self.certification is not None else {}),
             "entries": [
                 {k: v for k, v in vars(e).items() if v not in (None, ())} for e in self.entries
             ],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from torchverity._verify_results import (
     STATUSES,
@@ -58,7 +59,8 @@ def verify_file(
         status: Status = "ok" if actual.hexdigest == expected else "mismatched"
         entry = VerifyEntry(p.name, status, expected, actual.hexdigest, actual_size=actual.size,
                             tensors=_damaged_tensors(p) if status == "mismatched" else ())
-    return VerifyResult(os.fspath(p), "file", algo, (entry,), os.fspath(sidecar))
+    return VerifyResult(os.fspath(p), "file", algo, (entry,), os.fspath(sidecar),
+                        _certification([p]))
 
 
 def verify_directory(
@@ -105,8 +107,25 @@ def verify_directory(
     ]
     entries.sort(key=lambda e: e.path.encode())
     return VerifyResult(
-        os.fspath(root), "directory", manifest.algo, tuple(entries), os.fspath(record)
+        os.fspath(root), "directory", manifest.algo, tuple(entries), os.fspath(record),
+        _certification([root / e.path for e in entries if e.status != "extra"]),
     )
+
+
+def _certification(paths: list[Path]) -> dict[str, Any] | None:
+    """The training guard's certification in the meta.json of any of ``paths`` (the
+    uncertified one first: one doubtful file makes the whole doubtful)."""
+    from torchverity.checkpoint._meta import meta_path_for, read_meta
+
+    found = []
+    for path in paths:
+        meta_file = meta_path_for(path)
+        if meta_file.is_file():
+            record = read_meta(meta_file).get("certification")
+            if isinstance(record, dict) and "certified" in record:
+                found.append(record)
+    found.sort(key=lambda c: bool(c["certified"]))
+    return found[0] if found else None
 
 
 def _size(size: int) -> int | None:

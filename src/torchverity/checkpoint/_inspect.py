@@ -229,4 +229,5 @@ def _meta_summary(meta_file: Path) -> dict[str, Any]:
         "digest": (meta.get("digest") or {}).get("hex"),
         "fingerprint_root": (meta.get("fingerprint") or {}).get("root"),
         "fingerprint_algo": (meta.get("fingerprint") or {}).get("algo"),
+        "certification": meta.get("certification"),
     }

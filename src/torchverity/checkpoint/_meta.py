@@ -98,9 +98,11 @@ def _git_commit(cwd: str) -> str | None:
 
 
 def meta_record(target: Path, fmt: str, algo: str, digest: str, size: int, fp: Fingerprint,
-                 seed: int | None, data: dict[str, Any] | None, user: Any) -> dict[str, Any]:
-    """The ``FILE.meta.json`` document (docs/formats/checkpoint.md); its only writer."""
-    return {
+                 seed: int | None, data: dict[str, Any] | None, user: Any,
+                 certification: Any = None) -> dict[str, Any]:
+    """The ``FILE.meta.json`` document (docs/formats/checkpoint.md); its only writer.
+    ``certification``: a training guard's at-rest verification of what was saved."""
+    record = {
         "format": META_FORMAT,
         "version": META_VERSION,
         "file": target.name,
@@ -114,6 +116,9 @@ def meta_record(target: Path, fmt: str, algo: str, digest: str, size: int, fp: F
         "fingerprint": fp.to_dict(),
         "user": user,
     }
+    if certification is not None:
+        record["certification"] = certification
+    return record
 
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -36,6 +36,7 @@ def save(
     all_ranks: bool = False,
     shard_bytes: int | None = None,
     shard_format: str = "safetensors",
+    certification: Mapping[str, Any] | None = None,
 ) -> SaveReport:
     """Atomically save ``obj`` (.pt, or .safetensors for flat tensor maps) with sidecar and meta.
 
@@ -44,7 +45,8 @@ def save(
     folder (its manifest root). Under torch.distributed only rank 0 writes
     unless ``all_ranks=True`` (then give each rank its own path). With
     ``shard_bytes`` ``path`` is a folder that receives Hugging Face style
-    shards (``shard_format`` safetensors or pt) and an index.
+    shards (``shard_format`` safetensors or pt) and an index. ``certification`` is a
+    training guard's at-rest verification of what is saved (single files).
     """
     target = Path(path)
     check_algo(algo)
@@ -56,4 +58,5 @@ def save(
 
         return save_sharded(obj, target, shard_bytes=shard_bytes, shard_format=shard_format,
                             meta=meta, seed=seed, data=data, algo=algo)
-    return save_file(obj, target, user_meta=user_meta, seed=seed, data=data, algo=algo)
+    return save_file(obj, target, user_meta=user_meta, seed=seed, data=data, algo=algo,
+                     certification=_json_ready(certification, "certification"))

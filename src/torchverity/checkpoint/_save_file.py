@@ -36,7 +36,8 @@ log = logging.getLogger("torchverity.checkpoint")
 
 
 def save_file(obj: Any, target: Path, *, user_meta: Any, seed: int | None,
-              data: str | os.PathLike[str] | None, algo: str) -> SaveReport:
+              data: str | os.PathLike[str] | None, algo: str,
+              certification: Any = None) -> SaveReport:
     """Write one checkpoint file (``.safetensors`` for flat tensor maps, else ``.pt``)."""
     fmt = "safetensors" if target.suffix == ".safetensors" else "pt"
     payload = st.check_writable(obj, target) if fmt == "safetensors" else obj
@@ -68,7 +69,7 @@ def save_file(obj: Any, target: Path, *, user_meta: Any, seed: int | None,
         writer.finish()
         digest, fp = hasher.hexdigest(), fp_future.result()
         record = meta_record(target, fmt, algo, digest, writer.size, fp, seed, data_record,
-                              user_meta)
+                              user_meta, certification)
         staged.companions[sidecar] = format_sidecar_line(digest, target.name)
         staged.companions[meta_file] = json.dumps(record, indent=2) + "\n"
         # A sidecar of another algorithm describes the file being replaced.

@@ -91,6 +91,11 @@ def _print_meta(meta: dict[str, Any], out: Output) -> None:
     out.line(f"  meta.json   {', '.join(parts)}")
     if meta.get("user") is not None:
         out.line(f"  user meta   {json.dumps(meta['user'], sort_keys=True)}")
+    cert = meta.get("certification")
+    if cert is not None:
+        verdict = ("certified" if cert["certified"]
+                   else "UNCERTIFIED (saved while the guard had doubts)")
+        out.line(f"  guard       {verdict} at step {cert.get('step')}")
 
 
 def _size(n: int) -> str:

@@ -31,7 +31,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     for path in args.paths:
         with out.progress(None, f"verifying {path}") as advance:
             results.append(verify_path(path, progress=advance, exclude=args.exclude))
-    ok = all(r.ok for r in results)
+    # A file intact on disk but saved while the guard had doubts about its weights fails.
+    ok = all(r.ok and r.certified is not False for r in results)
     if out.json_mode:
         out.data({"ok": ok, "results": results})
     else:
@@ -49,8 +50,28 @@ def _print_result(result: Any, out: Output) -> None:
     rows = [(e.status, e.path, e.expected or "-", e.actual or "-") for e in result.problems]
     if rows:
         out.table(("status", "path", "expected", "actual"), rows)
+    cert = result.certification
+    if cert is not None:
+        out.line(_certification_line(result.target, cert))
     for e in result.problems:
         if e.tensors:
             out.line(f"{e.path}: damaged tensors (from its meta.json): {', '.join(e.tensors)}")
     for step in advice(result):
         out.info(f"{result.target}: {step}")
+
+
+def _certification_line(target: str, cert: dict[str, Any]) -> str:
+    verified = cert.get("verified") or {}
+    if cert["certified"]:
+        return (f"{target}: certified by the training guard at step {cert.get('step')} "
+                f"(at rest: {verified.get('tensors')} tensors verified)")
+    why = []
+    if cert.get("changed"):
+        why.append(f"changed at rest: {', '.join(cert['changed'])}")
+    for u in cert.get("unresolved") or []:
+        why.append(f"unresolved {u['kind']} at step {u['step']}"
+                   + (f" in {', '.join(u['suspects'])}" if u.get("suspects") else ""))
+    if verified.get("at_rest") == "unavailable":
+        why.append("no at-rest verification was possible")
+    return (f"{target}: UNCERTIFIED: saved at step {cert.get('step')} while the training guard "
+            f"had doubts ({'; '.join(why) or 'see meta.json'}); restore a certified checkpoint")

@@ -41,7 +41,7 @@ def _train(ctx: DemoContext, name: str, drill: bool) -> tuple[float, GuardSummar
 
     guard = TrainingGuard(model, opt, step_fn=step_fn, log=ctx.workdir / f"{name}.jsonl",
                           checkpoint_dir=ctx.workdir / f"{name}-ckpt", checkpoint_every=50,
-                          check_every=5, rest_every=1, policies=POLICIES)  # every window
+                          check_every=5, policies=POLICIES)
     injector = faults.FaultInjector(model)
     if drill:
         exp = faults.exponent_bit(torch.float32)

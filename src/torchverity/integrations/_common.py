@@ -35,6 +35,17 @@ class GuardCallbackBase:
         self.guard: TrainingGuard | None = None
         self.summary: GuardSummary | None = None
         self.checkpoints: list[CheckpointRecord] = []
+        self._restored: dict[str, Any] | None = None  # guard state from a resumed checkpoint
+
+    def certification(self) -> dict[str, Any] | None:
+        """The guard's at-rest verification of the weights as they are now (being saved)."""
+        return self.guard.certify() if self.guard is not None else None
+
+    def _start_guard(self, guard: TrainingGuard) -> None:
+        self.guard = guard
+        if self._restored is not None:
+            guard.load_state_dict(self._restored)
+            self._restored = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,7 @@ class CheckpointRecord:
 def record_checkpoint_file(
     path: str | os.PathLike[str], content: Any = None, *, source: str,
     user: dict[str, Any] | None = None, algo: str = DEFAULT_ALGO,
+    certification: dict[str, Any] | None = None,
 ) -> CheckpointRecord:
     """Write the sidecar and, when ``content`` (the object saved) is given, the meta.json.
 
@@ -74,7 +86,7 @@ def record_checkpoint_file(
         return CheckpointRecord(str(p), algo, digest.hexdigest, None, str(sidecar), None)
     file_format = "safetensors" if p.suffix == ".safetensors" else "pt"
     record = meta_record(p, file_format, algo, digest.hexdigest, digest.size, fp, None, None,
-                         {"source": source, **(user or {})})
+                         {"source": source, **(user or {})}, certification)
     meta = meta_path_for(p)
     atomic_write_text(meta, json.dumps(record, indent=2) + "\n")
     return CheckpointRecord(str(p), algo, digest.hexdigest, fp.root, str(sidecar), str(meta))

@@ -12,9 +12,12 @@ records the at-rest checksums. Note that the Trainer clips gradients before
 and Inf still show), and that with ``logging_nan_inf_filter=True`` (its
 default) the Trainer itself reads the loss on the host every step.
 
-On every save, each weight file of ``checkpoint-N/`` gets a sidecar, the
-safetensors model file a meta.json with its fingerprint, and the folder a
-``torchverity.manifest.json``, so ``torchverity verify checkpoint-N`` checks it.
+On every save, once the guard has verified the weights at rest, each weight file of
+``checkpoint-N/`` gets a sidecar, the safetensors model file a meta.json with its
+fingerprint and the guard's certification, the guard's state goes to
+``torchverity_guard.pt`` (restored when training resumes from that folder), and the
+folder gets a ``torchverity.manifest.json``, so ``torchverity verify checkpoint-N``
+checks it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ _TrainerCallback: Any = require_extra(
 __all__ = ["GuardCallback"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+GUARD_STATE = "torchverity_guard.pt"
 
 
 class GuardCallback(GuardCallbackBase, _TrainerCallback):
@@ -55,8 +59,10 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, **kwargs: Any) -> None:
-        self.guard = TrainingGuard(model, optimizer, log=self.log_path,
-                                   start_step=state.global_step, **self.guard_options)
+        if state.global_step:
+            self._restored = _guard_state(args, state.global_step)
+        self._start_guard(TrainingGuard(model, optimizer, log=self.log_path,
+                                        start_step=state.global_step, **self.guard_options))
         self._hook = model.register_forward_hook(self._capture_loss)
 
     def _capture_loss(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
@@ -88,7 +94,13 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
             return
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir():
-            self.checkpoints.extend(record_checkpoint_folder(folder, state.global_step))
+            certification = self.certification()
+            if self.guard is not None:
+                from torchverity.checkpoint._save import save
+
+                save(self.guard.state_dict(), folder / GUARD_STATE)
+            self.checkpoints.extend(record_checkpoint_folder(folder, state.global_step,
+                                                             certification))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hook is not None:
@@ -97,16 +109,32 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
             self.summary = self.guard.close()
 
 
-def record_checkpoint_folder(folder: Path, step: int | None = None) -> list[CheckpointRecord]:
-    """Sidecars for the weight files, meta.json for safetensors, a manifest for the folder."""
+def _guard_state(args: Any, step: int) -> dict[str, Any] | None:
+    """The guard state saved with the checkpoint training resumes from, if any."""
+    from torchverity.checkpoint._load import load
+
+    resume = getattr(args, "resume_from_checkpoint", None)
+    folder = Path(resume) if isinstance(resume, str) else Path(args.output_dir) / (
+        f"checkpoint-{step}")
+    path = folder / GUARD_STATE
+    return load(path, sidecar="require") if path.is_file() else None
+
+
+def record_checkpoint_folder(folder: Path, step: int | None = None,
+                             certification: dict[str, Any] | None = None
+                             ) -> list[CheckpointRecord]:
+    """Sidecars for the weight files, meta.json for safetensors (with the guard's
+    certification), a manifest for the folder."""
     from torchverity.checkpoint._safetensors import read_header, read_tensors
     from torchverity.manifest import write_manifest
 
     records = []
-    for path in sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES):
+    for path in sorted(p for p in folder.iterdir()
+                       if p.suffix in _WEIGHT_SUFFIXES and p.name != GUARD_STATE):
         # safetensors holds only tensors: reading it back runs no code.
         content = read_tensors(path, read_header(path)) if path.suffix == ".safetensors" else None
         records.append(record_checkpoint_file(path, content, source="hf",
-                                              user={"global_step": step}))
+                                              user={"global_step": step},
+                                              certification=certification))
     write_manifest(folder)
     return records

@@ -7,9 +7,11 @@ Hooks used: ``on_before_backward`` (keeps the loss tensor), then
 ``on_before_optimizer_step`` (flags computed on the device, parameters copied
 so the update can be undone) and ``on_train_batch_end`` (decision, at-rest
 checksums, host read every ``check_every`` steps). The trainer's
-``CheckpointIO`` is wrapped so every file it saves gets a sidecar and a
-meta.json with the fingerprint of the saved dictionary. Replay needs a step
-function and is not offered here; use the plain-loop guard for it.
+``CheckpointIO`` is wrapped so every file it saves gets, once the guard has
+verified the weights at rest, a sidecar and a meta.json with the fingerprint of
+the saved dictionary and the guard's certification. The guard's state is the
+callback's ``state_dict`` (saved in every checkpoint, restored on resume). Replay
+needs a step function and is not offered here; use the plain-loop guard for it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import torch
 
 from torchverity.errors import UsageError, require_extra
 from torchverity.integrations._common import (
-    CheckpointRecord,
     GuardCallbackBase,
     record_checkpoint_file,
 )
@@ -39,16 +40,19 @@ _CheckpointIO: Any = _plugins.CheckpointIO
 class _RecordingIO(_CheckpointIO):
     """Delegates to the trainer's CheckpointIO, then records what was written."""
 
-    def __init__(self, inner: Any, records: list[CheckpointRecord]) -> None:
+    def __init__(self, inner: Any, callback: GuardCallback) -> None:
         self.inner = inner
-        self.records = records
+        self.callback = callback
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any = None) -> None:
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        # The dictionary shares the live tensors' storage: verifying them at rest now
+        # verifies what was just written.
+        certification = self.callback.certification()
         user = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
-        self.records.append(record_checkpoint_file(path, checkpoint, source="lightning",
-                                                   user=user))
+        self.callback.checkpoints.append(record_checkpoint_file(
+            path, checkpoint, source="lightning", user=user, certification=certification))
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> Any:
         return self.inner.load_checkpoint(path, *args, **kwargs)
@@ -76,7 +80,7 @@ class GuardCallback(GuardCallbackBase, _Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         io = trainer.strategy.checkpoint_io
         if self.record_checkpoints and stage == "fit" and not isinstance(io, _RecordingIO):
-            trainer.strategy.checkpoint_io = _RecordingIO(io, self.checkpoints)
+            trainer.strategy.checkpoint_io = _RecordingIO(io, self)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
@@ -86,8 +90,8 @@ class GuardCallback(GuardCallbackBase, _Callback):
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             # AMP's GradScaler drives the optimizer's found_inf itself.
             options.setdefault("fused_skip", False)
-        self.guard = TrainingGuard(pl_module, trainer.optimizers[0], log=self.log_path,
-                                   start_step=trainer.global_step, **options)
+        self._start_guard(TrainingGuard(pl_module, trainer.optimizers[0], log=self.log_path,
+                                        start_step=trainer.global_step, **options))
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._loss = loss.detach()
@@ -108,3 +112,9 @@ class GuardCallback(GuardCallbackBase, _Callback):
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.guard is not None:
             self.summary = self.guard.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"guard": self.guard.state_dict()} if self.guard is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = state_dict.get("guard")

@@ -16,7 +16,7 @@ are taken, both with native int32 wrap-around arithmetic:
 The weighting of all tensors up to 2**20 words is one fused ``_foreach_mul``;
 no tensor is copied (except 2-byte-aligned odd cases). Both the record and
 the verification are computed here; the values are not comparable with
-:func:`torchverity.fingerprint.device_checksum`. No host-device synchronisation.
+:func:`torchverity.checkpoint.device_checksum`. No host-device synchronisation.
 
 :class:`WordSums` serves the per-step check: the word views of a fixed list of
 tensors are built once, and the small tensors (biases, norms, optimizer step

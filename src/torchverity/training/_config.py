@@ -31,9 +31,10 @@ class GuardConfig:
     per_layer: bool = False
     update_ratio: bool = False
     at_rest: bool = True
-    rest_every: int = 10  # one update window in rest_every verified at rest; 1: every window
+    rest_every: int = 1  # every update window verified at rest; N: one window in N (opt-down)
     rest_weighted: bool = False
     optimizer_state: bool = True
+    fused: bool | None = None  # at-rest check inside the compiled update; None: where it can
     fused_skip: bool = True
     host_skip: bool | None = None
     overlap: bool = False

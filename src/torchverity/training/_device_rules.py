@@ -11,12 +11,14 @@ same rules on floats when the parameters are on the CPU (``stats="auto"``);
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from torchverity.training._config import GuardConfig, Reducer
 from torchverity.training._events import KINDS, LATCHING, SKIPPING
+from torchverity.training._rows import build_row
 from torchverity.training._stats import RollingStats
 
 
@@ -126,11 +128,22 @@ class DeviceDetectors:
             if stats is not None:
                 stats.push(values, accept)
                 self._threshold(stats)
-        return torch.cat([flags, pending.metrics[:2], pending.thresholds, applied.view(1),
-                          pending.gvec, pending.layer_vec, ratio, ratio_vec, pending.replay_vec,
-                          pending.rest_vec])
+        return build_row(_cat, flags=flags, loss_gnorm=pending.metrics[:2],
+                         thresholds=pending.thresholds, applied=applied.view(1),
+                         gvec=pending.gvec, layer=pending.layer_vec, ratio=ratio,
+                         ratio_hit=ratio_vec, replay=pending.replay_vec, rest=pending.rest_vec)
 
     def reset_rules(self, prev_loss: torch.Tensor) -> None:
         """After a rollback: the restored loss, no jump streak."""
         self.prev_loss.copy_(prev_loss)
         self._consec.zero_()
+
+    def prev_loss_tensor(self) -> torch.Tensor:
+        return self.prev_loss.clone()
+
+    def clear_latch(self) -> None:
+        self.latched.zero_()
+
+
+def _cat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(list(parts))  # promotes the bool pieces to float

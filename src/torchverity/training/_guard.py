@@ -14,72 +14,45 @@ Three lines in a plain loop::
 With clipping, ``guard.clip_grad_norm_(max_norm)`` between ``check`` and ``step`` clips
 with the norms ``check`` took (torch's result, bit for bit; one read of the gradients).
 
-What it detects, every step, with statistics and flags kept on the device (when the
-parameters are on the CPU, ``stats="auto"`` runs the same rules on Python floats
-instead: one read of the gradient norms and the loss per step, see
-:mod:`torchverity.training._host_rules`; the device rules are
-:mod:`torchverity.training._device_rules`):
-
-* ``nonfinite_loss`` / ``nonfinite_grad``: NaN or Inf, the gradient named by parameter;
-* ``loss_spike`` / ``grad_norm_spike``: value above ``mean + sigma * std`` of a rolling
-  window of accepted steps (OLMo's defaults: 6 sigma, 128 steps, 64 before it is armed);
-* ``loss_jump``: the relative-change rule ``|Δloss| / |prev| > rel_change`` for
-  ``rel_patience`` steps in a row;
-* ``layer_grad_spike`` / ``update_ratio_spike`` (opt-in): the same rolling rule per
-  parameter, on gradient norms and on ``|Δp| / |p|``;
-* ``weights_changed``: a device checksum of every parameter and optimizer-state tensor
-  is taken right after an update and compared before the next one: any bit that
-  changed in between is caught and the tensor named, however small the change. One
-  update window in ``rest_every`` (default 10) is verified, whatever ``check_every``;
-  ``rest_every=1`` verifies every window;
-* ``replay_mismatch``: with ``replay_every=K`` (and a ``step_fn``) every K-th step is
-  run twice from the same RNG state and must give the same loss and gradients.
+Every step, with statistics and flags kept on the device (on floats when the parameters
+are on the CPU: :mod:`~torchverity.training._host_rules`, else
+:mod:`~torchverity.training._device_rules`), it detects NaN/Inf, loss and gradient-norm
+spikes, relative loss jumps, optionally per-layer and update-ratio spikes and replay
+mismatches, and ``weights_changed``: any bit of a parameter or optimizer-state tensor
+that changed between two updates, in every window by default
+(:mod:`~torchverity.training._at_rest`; for SGD, Adam and AdamW inside the compiled
+update itself, :mod:`~torchverity.training._fused`).
 
 The host reads the flags every ``check_every`` steps (one transfer); the interval changes
-when an anomaly is reported, never what is detected. When every
-guarded parameter lives on the CPU (``host_skip=None``, the default, decides at
-construction), ``step()`` reads the step's skip decision on the host, which on a
-CPU tensor is a memory read and not a device sync, and does not call
-``optimizer.step()`` for a skipped update: no copy, exact for every optimizer.
-On an accelerator (or with ``host_skip=False``) a step is skipped on the device
-(a fused optimizer's ``found_inf``, otherwise parameters and optimizer state
-restored from a copy taken before the update) so ``step()`` is always called.
-With ``overlap=True`` (CPU parameters, a core to spare) a helper thread sums half of
-the bytes of each memory-bound pass and keeps the books beside the next forward pass.
-With ``defer_record=True`` (CPU parameters) the at-rest record is summed by the helper
-beside the next forward pass: a bit that changes before the helper read it is not
-covered.
-Policies per kind:
-``record``, ``warn``, ``skip``, ``stop`` (raise :class:`TrainingAnomalyError`),
-``rollback`` (reload the last checkpoint verified by torchverity and go on) and
-``replay`` (re-run the anomalous step to classify it as ``transient`` or
-``reproducible``).
+when an anomaly is reported, never what is detected. On the CPU a skipped update is
+simply not run; on an accelerator it is skipped on the device (a fused optimizer's
+``found_inf``, else a copy restored: :mod:`~torchverity.training._update`). Policies per
+kind (:mod:`~torchverity.training._policy`): ``record``, ``warn``, ``skip``, ``stop``
+(raise :class:`TrainingAnomalyError`), ``rollback`` (reload the last certified
+checkpoint, :mod:`~torchverity.training._recovery`) and ``replay`` (re-run the step to
+classify it, :mod:`~torchverity.training._replay`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchverity.errors import TrainingAnomalyError, UsageError
-from torchverity.training._checksum import PairedSums, balanced_cut, checksums, run_beside
+from torchverity.errors import UsageError
+from torchverity.training._at_rest import AtRest
 from torchverity.training._config import GuardConfig, Reducer
 from torchverity.training._device_rules import DeviceDetectors, DevicePending
 from torchverity.training._events import (
     ACTIONS,
-    DEFAULT_POLICIES,
     KIND_INDEX,
     KINDS,
-    POLICIES,
     SKIPPING,
     AnomalyEvent,
     AnomalyWarning,
@@ -87,29 +60,20 @@ from torchverity.training._events import (
     GuardSummary,
     Tally,
 )
+from torchverity.training._helper import Helper
 from torchverity.training._host_rules import HostDetectors, HostPending
+from torchverity.training._norms import GradNorms
+from torchverity.training._policy import (
+    check_policy_needs,
+    resolve_actions,
+    resolve_policies,
+    stop_error,
+)
+from torchverity.training._recovery import Recovery
+from torchverity.training._replay import Replayer, torch_rng
+from torchverity.training._rows import Row, Rules, parse_row, row_values
 from torchverity.training._snapshot import Snapshot
-
-
-@dataclass(frozen=True)
-class _Row:
-    step: int
-    row: torch.Tensor | list[float]  # device path: a tensor read at the flush; host: floats
-    rest_names: tuple[str, ...]
-
-
-@dataclass
-class _History:
-    """What a replay of one step needs: its batch, RNG state and original results."""
-
-    batch: Any
-    rng: tuple[torch.Tensor, tuple[torch.Tensor, ...]]
-    grad_sums: torch.Tensor
-    loss: torch.Tensor
-    grad_norms: torch.Tensor
-
-
-_N_SCALARS = 5  # loss, grad_norm, loss threshold, grad-norm threshold, applied
+from torchverity.training._update import Update
 
 
 def _scalar(loss: torch.Tensor) -> torch.Tensor:
@@ -118,69 +82,6 @@ def _scalar(loss: torch.Tensor) -> torch.Tensor:
     if loss.dim() == 0 and loss.dtype == torch.float32:
         return loss  # already the value: no op to dispatch
     return loss.float().mean()
-
-
-def _row_values(rows: list[_Row]) -> list[list[float]]:
-    """Each row's values: device rows read in one transfer, host rows as they are."""
-    tensors = [r.row for r in rows if isinstance(r.row, torch.Tensor)]
-    flat = torch.cat(tensors).cpu().tolist() if tensors else []
-    out, offset = [], 0
-    for r in rows:
-        if isinstance(r.row, torch.Tensor):
-            size = r.row.numel()
-            out.append(flat[offset: offset + size])
-            offset += size
-        else:
-            out.append(r.row)
-    return out
-
-
-def _torch_rng() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()
-    return torch.get_rng_state(), cuda
-
-
-def _set_torch_rng(state: tuple[torch.Tensor, tuple[torch.Tensor, ...]]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1]:
-        torch.cuda.set_rng_state_all(list(state[1]))
-
-
-class _Helper:
-    """One background thread for guard work that may run beside the training thread.
-
-    Opt-in (``overlap=True``), for CPU parameters with a core to spare; on an
-    accelerator the work is already asynchronous. It sums half of the bytes of each
-    memory-bound pass (gradient norms, at-rest verification and record) beside the
-    training thread, each pass complete before the guard goes on (the verification
-    before the update starts, the record before ``step()`` returns), and takes the
-    step's bookkeeping (device rules: statistics, flag row), which touches no guarded
-    tensor, beside the next forward pass. With ``defer_record=True`` (alone or with
-    ``overlap``) it also takes the whole at-rest record beside the next forward pass.
-    Jobs run in submission order; :meth:`join` waits for all of them and re-raises the
-    first failure.
-    """
-
-    def __init__(self) -> None:
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="torchverity-guard")
-        self._jobs: list[Future[None]] = []
-
-    def submit(self, fn: Callable[[], None]) -> None:
-        self._jobs.append(self.pool.submit(_no_grad_call, fn))
-
-    def join(self) -> None:
-        jobs, self._jobs = self._jobs, []
-        for job in jobs:
-            job.result()
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True)
-
-
-def _no_grad_call(fn: Callable[[], None]) -> None:
-    # Grad mode is per thread, and a new thread starts with it on.
-    with torch.no_grad():
-        fn()
 
 
 def _rank() -> int:
@@ -212,57 +113,27 @@ class TrainingGuard:
             raise UsageError(f"TrainingGuard got unknown options: {', '.join(unknown)}") from None
         self.config.validate()
         self.model, self.optimizer, self.step_fn, self.reducer = model, optimizer, step_fn, reducer
-        self.policies = self._resolve_policies(policy, policies, checkpoint_dir)
-        self._check_policy_needs(checkpoint_dir)
+        self.policies = resolve_policies(policy, policies, checkpoint_dir)
+        check_policy_needs(self.policies, checkpoint_dir, step_fn, self.config.replay_every)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.global_step = start_step
+        self.global_step = self._start_step = start_step
         self.rank = _rank()
         self.events: list[AnomalyEvent] = []
-        self.checkpoints: list[Path] = []
         self._tally = Tally()
         self._log = EventLog(log, self.rank)
         self._setup_params()
         self._setup_device_state()
-        self._rows: list[_Row] = []
+        self._rows: list[Row] = []
         self._pending: DevicePending | HostPending | None = None
-        self._history: dict[int, _History] = {}
-        self._rng_next = _torch_rng() if self._replaying else None
-        self._steps_since_checkpoint = 0
+        self._recovery = Recovery(self, self.checkpoint_dir)
         self._log.write({"event": "start", "step": start_step, "config": self.config,
-                         "policies": self.policies, "parameters": list(self._names)})
+                         "policies": self.policies, "parameters": list(self._names),
+                         "coverage": self._rest.coverage()})
         if self.checkpoint_dir is not None:
+            # The starting point, recorded and saved at the same instant: a checkpoint that
+            # rollback can always go back to.
+            self._rest.refresh()
             self.save_checkpoint()
-
-    # ------------------------------------------------------------ setup
-
-    @staticmethod
-    def _resolve_policies(policy: str | None, policies: Mapping[str, str] | None,
-                          checkpoint_dir: str | Path | None) -> dict[str, str]:
-        resolved = dict(DEFAULT_POLICIES)
-        if checkpoint_dir is not None:
-            resolved["weights_changed"] = "rollback"
-        if policy is not None:
-            resolved = dict.fromkeys(KINDS, policy)
-        resolved.update(policies or {})
-        for kind, pol in resolved.items():
-            if kind not in KIND_INDEX:
-                raise UsageError(f"unknown anomaly kind '{kind}'",
-                                 hint=f"kinds: {', '.join(KINDS)}")
-            if pol not in POLICIES:
-                raise UsageError(f"unknown policy '{pol}' for {kind}",
-                                 hint=f"policies: {', '.join(POLICIES)}")
-        return resolved
-
-    def _check_policy_needs(self, checkpoint_dir: str | Path | None) -> None:
-        used = set(self.policies.values())
-        if "rollback" in used and checkpoint_dir is None:
-            raise UsageError(
-                "policy 'rollback' needs checkpoint_dir= (where verified checkpoints go)")
-        if ("replay" in used or self.config.replay_every) and self.step_fn is None:
-            raise UsageError(
-                "replay needs step_fn=: a function that runs forward on a batch, returns the loss",
-                hint="then call guard.train_step(batch), or guard.check(loss, batch=batch)",
-            )
 
     def _setup_params(self) -> None:
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -271,12 +142,10 @@ class TrainingGuard:
         self._names = tuple(n for n, _ in named)
         self._params: list[torch.Tensor] = [p for _, p in named]
         self._device = self._params[0].device
-        self._param_names = {id(p): n for n, p in named}
-        self._norm_cut = balanced_cut([p.numel() * p.element_size() for p in self._params])
 
     def _setup_device_state(self) -> None:
         cfg, dev, n = self.config, self._device, len(self._params)
-        self._replaying = "replay" in self.policies.values() or cfg.replay_every is not None
+        replaying = "replay" in self.policies.values() or cfg.replay_every is not None
         skipping = [self.policies[k] in SKIPPING for k in KINDS]
         # Fused optimizers skip an update themselves when handed a device-side
         # ``found_inf`` (AMP's mechanism): exact, and no copy of anything. The
@@ -291,55 +160,35 @@ class TrainingGuard:
         host = on_cpu if cfg.host_skip is None else cfg.host_skip
         self._host_skip = host and any(skipping) and not cfg.update_ratio
         # A second thread on the CPU; an accelerator already runs the work asynchronously.
-        self._helper = _Helper() if (cfg.overlap or cfg.defer_record) and on_cpu else None
+        self._helper = Helper() if (cfg.overlap or cfg.defer_record) and on_cpu else None
         self._split = cfg.overlap and on_cpu  # halves of each pass on the helper
-        self._defer = cfg.defer_record and on_cpu
         # On the CPU the rules run on floats: no sync to avoid, and a hundred tiny torch
         # ops per step cost more than the Python arithmetic they stand for.
         use_host = on_cpu if cfg.stats == "auto" else cfg.stats == "host"
         self._host = HostDetectors(cfg, n, self.policies) if use_host else None
         self._rules = None if use_host else DeviceDetectors(cfg, n, self.policies, dev)
-        self._zero = torch.zeros((), dtype=torch.float32, device=dev)  # a missing gradient
-        self._rest_record: torch.Tensor | None = None
         self._step_norms: torch.Tensor | None = None  # check()'s per-parameter norms
-        self._updates = 0  # updates concluded under this guard: the at-rest cadence
-        self._rest_sums: PairedSums | None = None
-        self._copy_sums: PairedSums | None = None
-        self._rest_names: tuple[str, ...] = ()
-        self._snapshot = Snapshot()
-        self._found_inf: torch.Tensor | None = None
+        self._upd = Update(self)
+        defer = self._helper.submit if cfg.defer_record and self._helper else None
+        self._rest = AtRest(cfg, self.optimizer, self._params, self._names,
+                            reducer=self.reducer, policies=self.policies, pool=self._pool,
+                            split=self._split, defer=defer, said=self._say_coverage)
+        self._norms = GradNorms(self._params)
+        self._replay = Replayer(cfg, self.optimizer, self._params, self._names, self.step_fn,
+                                lambda: self._norms.stacked(self._pool()), replaying)
 
-    # ------------------------------------------------------------ tensors covered
+    def _say_coverage(self) -> None:
+        self._log.write({"event": "coverage", "step": self.global_step,
+                         "coverage": self._rest.coverage()})
 
-    def _state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for p, state in self.optimizer.state.items():
-            name = self._param_names.get(id(p))
-            if name is None:
-                continue
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.device == self._device:
-                    yield f"optimizer.{name}.{key}", value
+    @property
+    def _snapshot(self) -> Snapshot:
+        return self._upd.snapshot
 
-    def _covered_tensors(self, with_state: bool) -> list[torch.Tensor]:
-        """The tensors of :meth:`_covered` without their names: the per-step path."""
-        tensors = list(self._params)
-        if with_state:
-            dev, known = self._device, self._param_names
-            for p, state in self.optimizer.state.items():
-                if id(p) in known:
-                    tensors.extend(v for v in state.values()
-                                   if isinstance(v, torch.Tensor) and v.device == dev)
-        return tensors
-
-    def _covered(self, with_state: bool) -> tuple[tuple[str, ...], list[torch.Tensor]]:
-        """Parameters, then (``with_state``) optimizer-state tensors on the guard's device."""
-        names: list[str] = list(self._names)
-        tensors: list[torch.Tensor] = list(self._params)
-        if with_state:
-            for name, value in self._state_items():
-                names.append(name)
-                tensors.append(value)
-        return tuple(names), tensors
+    @property
+    def checkpoints(self) -> list[Path]:
+        """The guard's checkpoints still on disk, oldest first."""
+        return self._recovery.checkpoints
 
     # ------------------------------------------------------------ per-step API
 
@@ -349,7 +198,7 @@ class TrainingGuard:
             raise UsageError("TrainingGuard.check() called twice in one step",
                              hint="call guard.step() after each check()")
         self._pending = self._detect_step(_scalar(loss), None)
-        if self._replaying and batch is not None:
+        if self._replay.enabled and batch is not None:
             self._remember(batch, self._pending)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -377,18 +226,28 @@ class TrainingGuard:
         """Run ``optimizer.step()`` under the guard; a flagged update is skipped, on the host
         (not run at all) when the parameters are on the CPU, else on the device."""
         if not self._host_skip:
-            self.before_update()
-            result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-            self.after_update()
-            return result
-        if self._prepare(host=True):
-            result = self.optimizer.step() if closure is None else self.optimizer.step(closure)
-        elif closure is not None:  # the optimizer would have evaluated it once at least
+            self._prepare(host=False)
+            result = self._run_update(closure)
+        elif self._prepare(host=True):
+            result = self._run_update(closure)
+        else:
+            self._upd.found(self._pending, self._rest.skipped())
+            result = None
+            if closure is not None:  # the optimizer would have evaluated it once at least
+                with torch.enable_grad():
+                    result = closure()
+        self.after_update()
+        return result
+
+    def _run_update(self, closure: Callable[[], Any] | None) -> Any:
+        """The optimizer's update; fused, it verifies the window that has just ended."""
+        if self._rest.fused is None:
+            return self.optimizer.step() if closure is None else self.optimizer.step(closure)
+        result = None
+        if closure is not None:  # what the optimizer's own step would do first
             with torch.enable_grad():
                 result = closure()
-        else:
-            result = None
-        self.after_update()
+        self._upd.found(self._pending, self._rest.update())
         return result
 
     def train_step(self, batch: Any) -> torch.Tensor:
@@ -396,7 +255,7 @@ class TrainingGuard:
         if self.step_fn is None:
             raise UsageError("train_step() needs step_fn= given to TrainingGuard")
         self._join()
-        self._rng_next = _torch_rng()
+        self._replay.rng_next = torch_rng()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.step_fn(batch)
         loss.backward()
@@ -404,9 +263,9 @@ class TrainingGuard:
         every = self.config.replay_every
         replay_vec = None
         if every is not None and self.global_step % every == 0:
-            replay_vec = self._audit(batch, loss_d)
+            replay_vec = self._replay.audit(batch, loss_d)
         self._pending = self._detect_step(loss_d, replay_vec)
-        if self._replaying:
+        if self._replay.enabled:
             self._remember(batch, self._pending)
         self.step()
         return loss.detach()
@@ -414,64 +273,21 @@ class TrainingGuard:
     def before_update(self) -> None:
         """Verify the at-rest checksums; copy parameters and optimizer state so a flagged
         update can be undone on the device (or hand the decision to a fused optimizer).
-        For callers that run ``optimizer.step()`` themselves (trainer integrations)."""
+        For callers that run ``optimizer.step()`` themselves (trainer integrations): the
+        at-rest check cannot ride on an update it does not run, so it takes two passes."""
+        if self._rest.fused is not None:
+            sums = self._rest.to_two_passes(
+                "the caller runs optimizer.step() itself (before_update/after_update)")
+            if sums is not None and self._pending is not None:
+                self._upd.fill_rest(self._pending, sums)
         self._prepare(host=False)
 
-    @torch.no_grad()
     def _prepare(self, host: bool) -> bool:
-        """Before the update: at-rest verification, then the undo copy, the fused optimizer's
-        ``found_inf``, or (``host``) the decision read on the host. Returns whether the
-        update should run; only the host path ever returns False."""
-        pending = self._pending
-        if pending is None:
+        if self._pending is None:
             raise UsageError("TrainingGuard.step() called before check(loss)",
                              hint="call guard.check(loss) after loss.backward()")
         self._join()
-        undo = self._needs_backup and not host
-        if undo:
-            # An undo must restore the optimizer state too.
-            self._snapshot.take(self._covered_tensors(with_state=True))
-            pending.undo = True
-        sums = self._verify_at_rest(use_copy=undo)
-        if isinstance(pending, HostPending):
-            return self._prepare_host(pending, sums, host)
-        if sums is not None:
-            pending.rest_vec, pending.rest_names = (sums[0] != sums[1]).any(dim=1), self._rest_names
-            pending.parts[KIND_INDEX["weights_changed"]] = pending.rest_vec.any()
-        if host:
-            pending.decision = self._decide(pending)
-            return bool(pending.decision[2])
-        if self._fused_skip:
-            pending.decision = self._decide(pending)
-            self._hand_found_inf((~pending.decision[2]).float())
-        return True
-
-    def _prepare_host(self, pending: HostPending,
-                      sums: tuple[torch.Tensor, torch.Tensor] | None, host: bool) -> bool:
-        """:meth:`_prepare` after the at-rest sums, with the rules on floats."""
-        assert self._host is not None
-        if sums is not None:
-            now, record = sums[0].tolist(), sums[1].tolist()
-            pending.rest = [float(a != b) for a, b in zip(now, record, strict=True)]
-            pending.rest_names = self._rest_names
-            pending.flags[KIND_INDEX["weights_changed"]] = float(any(pending.rest))
-        if not (host or self._fused_skip):
-            return True  # decided after the update (update ratios), undone from the copy
-        pending.decision = self._host.decide(pending.flags, self.reducer)
-        applied = pending.decision[2]
-        if not host:
-            self._hand_found_inf(torch.full((), 0.0 if applied else 1.0, device=self._device))
-        return applied
-
-    def _hand_found_inf(self, found_inf: torch.Tensor) -> None:
-        # The attribute torch's fused optimizers read (GradScaler sets it too).
-        self._found_inf = found_inf
-        self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-
-    def _take_back_found_inf(self) -> None:
-        found_inf, self._found_inf = self._found_inf, None
-        if found_inf is not None and getattr(self.optimizer, "found_inf", None) is found_inf:
-            del self.optimizer.found_inf  # type: ignore[attr-defined]
+        return self._upd.prepare(self._pending, host)
 
     def after_update(self) -> None:
         """Decide on the device whether the update stands, record checksums, maybe read flags."""
@@ -479,72 +295,39 @@ class TrainingGuard:
         self._step_norms = None
         assert pending is not None
         if isinstance(pending, HostPending):
-            host_row, book = self._conclude_host(pending), None
+            host_row, book = self._upd.conclude_host(pending), None
         else:
-            host_row, book = None, self._conclude_device(pending)
+            host_row, book = None, self._upd.conclude_device(pending)
         step, self.global_step = self.global_step, self.global_step + 1
-        self._steps_since_checkpoint += 1
-        if self._replaying:
-            self._rng_next = _torch_rng()
-        due = len(self._rows) + 1 >= self.config.check_every
+        self._recovery.since_checkpoint += 1
+        if self._replay.enabled:
+            self._replay.rng_next = torch_rng()
+        # With the rules on floats a change at rest is known on the host at once: a policy
+        # that acts on it (stop, rollback, ...) does so before the next forward pass.
+        due = (step + 1 - self._start_step) % self.config.check_every == 0 or (
+            host_row is not None and host_row[KIND_INDEX["weights_changed"]] > 0
+            and self.policies["weights_changed"] in SKIPPING)
         # The record is complete before step() returns: a bit that changes afterwards,
         # however soon, is a change against it (with a helper, half of it ran there).
-        self._record_at_rest()
+        self._rest.after(self._upd.applied, pending.undo)
         if host_row is not None:
-            self._rows.append(_Row(step, host_row, pending.rest_names))
+            self._rows.append(Row(step, host_row, pending.rest_names))
         elif book is not None:
+            assert isinstance(pending, DevicePending)
+            keep = functools.partial(self._bookkeep, step, pending, book)
             if self._helper is None or not self._split or due:  # a flush reads the row now
-                book(step)
+                keep()
             else:  # touches no guarded tensor: runs beside the next forward pass
-                self._helper.submit(functools.partial(book, step))
+                self._helper.submit(keep)
         if due:
             self._read_flags()
 
-    def _conclude_device(self, pending: DevicePending) -> Callable[[int], None]:
-        """After the update, on the device: decide if not yet decided, undo; the bookkeeping
-        (statistics and the step's row) is returned, to run now or beside the next step."""
-        rules = self._device_rules()
-        if rules.ratio_stats is None:
-            ratio, ratio_vec = rules.zeros_n, rules.false_n
-        else:
-            ratio = self._ratios()
-            ratio_vec = rules.ratio_flags(ratio)
-        if pending.decision is None:
-            pending.parts[KIND_INDEX["update_ratio_spike"]] = ratio_vec.any()
-            flags, hit, applied = self._decide(pending)
-        else:
-            flags, hit, applied = pending.decision
-            self._take_back_found_inf()
-        if pending.undo:
-            self._select(applied)
-        accept = applied & ~hit.any()
-        return functools.partial(self._bookkeep, pending=pending, flags=flags, applied=applied,
-                                 accept=accept, ratio=ratio, ratio_vec=ratio_vec)
-
-    def _conclude_host(self, pending: HostPending) -> list[float]:
-        """After the update, on floats: decide if not yet decided, undo, push; the row."""
-        host, n = self._host, len(self._params)
-        assert host is not None
-        ratio, ratio_hit = [0.0] * n, [0.0] * n
-        if host.ratio_stats is not None:
-            ratio = self._ratios().tolist()
-            ratio_hit = host.ratio_flags(ratio)
-        if pending.decision is None:
-            pending.flags[KIND_INDEX["update_ratio_spike"]] = float(any(ratio_hit))
-            pending.decision = host.decide(pending.flags, self.reducer)
-        else:
-            self._take_back_found_inf()
-        flags, hit, applied = pending.decision
-        if pending.undo:
-            self._select(applied)
-        return host.conclude(pending, applied, hit, flags, ratio, ratio_hit)
-
-    def _bookkeep(self, step: int, pending: DevicePending, flags: torch.Tensor,
-                  applied: torch.Tensor, accept: torch.Tensor, ratio: torch.Tensor,
-                  ratio_vec: torch.Tensor) -> None:
+    def _bookkeep(self, step: int, pending: DevicePending, book: dict[str, torch.Tensor]
+                  ) -> None:
         """After the update: rolling statistics, and the step's row for the next flush."""
-        row = self._device_rules().conclude(pending, flags, applied, accept, ratio, ratio_vec)
-        self._rows.append(_Row(step, row, pending.rest_names))
+        row = self._device_rules().conclude(pending, book["flags"], book["applied"],
+                                            book["accept"], book["ratio"], book["ratio_vec"])
+        self._rows.append(Row(step, row, pending.rest_names))
 
     def _join(self) -> None:
         """Wait for the helper thread's work: call before reading or changing guard state."""
@@ -559,9 +342,8 @@ class TrainingGuard:
         assert self._rules is not None, "the rules run on floats on this guard"
         return self._rules
 
-    def _decide(self, pending: DevicePending) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Combine the flags (across ranks with the reducer) and decide: ``applied`` or not."""
-        return self._device_rules().decide(pending, self.reducer)
+    def _engine(self) -> Rules:
+        return self._host if self._host is not None else self._device_rules()
 
     # ------------------------------------------------------------ detectors
 
@@ -570,196 +352,30 @@ class TrainingGuard:
         """This step's flags: on floats (one read of the norms and the loss) or the device."""
         self._join()  # the previous step's statistics and flag row
         if self._host is None:
-            gvec = self._step_norms = self._grad_norms()
+            gvec = self._step_norms = self._norms.stacked(self._pool())
             return self._device_rules().detect(loss, gvec, replay_vec)
-        stacked = torch.stack([*self._norm_list(), loss])
+        stacked = torch.stack([*self._norms.norms(self._pool()), loss])
         self._step_norms = stacked[:-1]
         values = stacked.tolist()
         replay = replay_vec.tolist() if replay_vec is not None else None
         return self._host.detect(values[-1], values[:-1], replay)
 
-    def _grad_norms(self) -> torch.Tensor:
-        return torch.stack(self._norm_list())
-
-    def _norm_list(self) -> list[torch.Tensor]:
-        """Per-parameter gradient norms (float32, 0-dim; zero for a missing gradient)."""
-        grads = [p.grad for p in self._params]
-        present = [g for g in grads if g is not None]
-        if len(present) == len(grads):
-            cut = self._norm_cut
-            if self._helper is None or not self._split or cut == len(grads):
-                return list(torch._foreach_norm(present, 2, dtype=torch.float32))
-            # Per tensor the same norms whichever list computes them; half on the helper.
-            first, second = run_beside(
-                self._helper.pool,
-                lambda: torch._foreach_norm(present[:cut], 2, dtype=torch.float32),
-                lambda: torch._foreach_norm(present[cut:], 2, dtype=torch.float32))
-            return [*first, *second]
-        norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else [])
-        return [next(norms) if g is not None else self._zero for g in grads]
-
-    def _pool(self) -> ThreadPoolExecutor | None:
-        """The helper's pool for the half of a verification that runs beside this thread."""
-        return self._helper.pool if self._helper is not None and self._split else None
-
-    def _verify_at_rest(self, use_copy: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(checksums now, record)`` of the tensors named by ``_rest_names``; None when
-        there is no record to verify (this window is not covered)."""
-        record, self._rest_record = self._rest_record, None
-        sums = self._rest_sums
-        if record is None or sums is None:
-            return None
-        # Right after the undo copy, the copy holds the same bits as the live tensors and
-        # is still in cache: summing it instead saves a read from memory.
-        copied = self._snapshot.copies_of(sums.tensors) if use_copy else None
-        if copied is not None:
-            if self._copy_sums is None or not self._copy_sums.matches(copied):
-                self._copy_sums = PairedSums(copied, weighted=sums.weighted,
-                                             split=self._split)
-            now = self._copy_sums(self._pool())
-        else:
-            now = sums(self._pool())
-        return now, record
-
-    def _record_at_rest(self) -> None:
-        """After an update: record the checksums if the window up to the next update is one
-        the cadence verifies. One window in ``rest_every``, counted from the guard's first
-        update: those ending at updates ``rest_every``, ``2 * rest_every``, ... So with a
-        check interval that divides ``rest_every`` each verified window ends at a flag read,
-        and a change in it is reported at that very read."""
-        cfg = self.config
-        self._updates += 1
-        if not cfg.at_rest or (self._updates + 1) % cfg.rest_every:
-            return
-        if self._defer and self._helper is not None:
-            # Opt-in: the whole pass on the helper, beside the next forward and backward
-            # (waited for by the next check()). A bit that changes before the helper has
-            # summed its word is part of the record: that stretch is not covered.
-            self._rest_record = None
-            self._helper.submit(functools.partial(self._deferred_record, self._current_sums()))
-        else:
-            self._rest_record = self._rest_checksums()
-
-    def _deferred_record(self, sums: PairedSums) -> None:
-        self._rest_record = sums()
-
-    def _current_sums(self) -> PairedSums:
-        """The checksum plan of the covered tensors; re-listed when they changed."""
-        with_state = self.config.optimizer_state
-        sums = self._rest_sums
-        if sums is None or not sums.matches(self._covered_tensors(with_state)):
-            self._rest_names, tensors = self._covered(with_state)
-            sums = self._rest_sums = PairedSums(tensors, weighted=self.config.rest_weighted,
-                                                split=self._split)
-        return sums
-
-    def _rest_checksums(self) -> torch.Tensor:
-        """Checksums of the covered tensors as they are now."""
-        return self._current_sums()(self._pool())
-
-    def refresh(self) -> None:
-        """Re-record the at-rest checksums after changing parameters outside ``step()``."""
-        self._join()
-        if self.config.at_rest:
-            self._rest_record = self._rest_checksums()
-
-    @torch.no_grad()
-    def _ratios(self) -> torch.Tensor:
-        """``|Δp| / |p|`` per parameter, against the copy taken before the update."""
-        before = self._snapshot.copies[: len(self._params)]
-        delta = torch._foreach_sub(self._params, before)
-        dn = torch.stack(torch._foreach_norm(delta, 2, dtype=torch.float32))
-        pn = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
-        return dn / (pn + 1e-12)
-
-    @torch.no_grad()
-    def _select(self, applied: torch.Tensor | bool) -> None:
-        """Keep the update where ``applied`` (a device flag, or known on the host), else
-        restore the copy."""
-        self._snapshot.keep_if(applied)
-        current = self._covered_tensors(with_state=True)
-        if self._snapshot.same(current) or applied is True:
-            return
-        # State the optimizer created during this step had no copy: reset it to
-        # zero on a skip, the initial value of every built-in optimizer's buffers.
-        known = {id(t) for t in self._snapshot.live}
-        for value in current:
-            if id(value) not in known:
-                if isinstance(applied, torch.Tensor):
-                    torch.where(applied, value, torch.zeros((), dtype=value.dtype,
-                                                            device=value.device), out=value)
-                else:
-                    value.zero_()
-
-    # ------------------------------------------------------------ replay
-
     def _remember(self, batch: Any, pending: DevicePending | HostPending) -> None:
-        assert self._rng_next is not None
-        grads = [p.grad if p.grad is not None else self._zero for p in self._params]
         if isinstance(pending, HostPending):  # the float32 values, exactly
             loss, gvec = (torch.tensor(v, dtype=torch.float32) for v in (pending.loss,
                                                                         pending.gvec))
         else:
             loss, gvec = pending.loss, pending.gvec
-        self._history[self.global_step] = _History(batch, self._rng_next, checksums(grads),
-                                                   loss, gvec)
+        self._replay.remember(self.global_step, batch, loss, gvec)
 
-    def _rerun(self, batch: Any, rng: tuple[torch.Tensor, tuple[torch.Tensor, ...]]
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``step_fn`` again from ``rng``; returns (loss, grad checksums); grads are left."""
-        assert self.step_fn is not None
-        saved = _torch_rng()
-        _set_torch_rng(rng)
-        try:
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = self.step_fn(batch)
-            loss.backward()
-        finally:
-            _set_torch_rng(saved)
-        grads = [p.grad if p.grad is not None else self._zero for p in self._params]
-        return loss.detach().float().mean(), checksums(grads)
+    def _pool(self) -> ThreadPoolExecutor | None:
+        """The helper's pool for the half of a verification that runs beside this thread."""
+        return self._helper.pool if self._helper is not None and self._split else None
 
-    def _tolerance(self) -> float:
-        if self.config.replay_tolerance is not None:
-            return self.config.replay_tolerance
-        return 0.0 if torch.are_deterministic_algorithms_enabled() else 1e-6
-
-    def _audit(self, batch: Any, loss: torch.Tensor) -> torch.Tensor:
-        """Device flag per parameter: the replay's gradient differs from the original."""
-        assert self._rng_next is not None
-        grads = [p.grad if p.grad is not None else self._zero for p in self._params]
-        first_sums, first_norms = checksums(grads), self._grad_norms()
-        loss2, sums2 = self._rerun(batch, self._rng_next)
-        tol = self._tolerance()
-        if tol == 0:
-            per_param = (first_sums != sums2).any(dim=1)
-            loss_diff = loss.view(1).view(torch.int32) != loss2.view(1).view(torch.int32)
-        else:
-            norms2 = self._grad_norms()
-            per_param = ~torch.isclose(first_norms, norms2, rtol=tol, atol=0.0, equal_nan=True)
-            loss_diff = ~torch.isclose(loss, loss2, rtol=tol, atol=0.0, equal_nan=True).view(1)
-        return (per_param | loss_diff).float()
-
-    def _replay(self, step: int) -> tuple[str, tuple[str, ...]]:
-        """Re-run a flagged step (parameters are still as they were then) and classify it."""
-        hist = self._history.get(step)
-        if hist is None:
-            return "unavailable", ()
-        loss2, sums2 = self._rerun(hist.batch, hist.rng)
-        norms2 = self._grad_norms()
-        self.optimizer.zero_grad(set_to_none=True)
-        tol = self._tolerance()
-        if tol == 0:
-            a, b = hist.grad_sums.cpu().tolist(), sums2.cpu().tolist()
-            same = [x == y for x, y in zip(a, b, strict=True)]
-        else:
-            close = torch.isclose(hist.grad_norms, norms2, rtol=tol, atol=0.0, equal_nan=True)
-            same = close.cpu().tolist()
-        differing = tuple(n for n, ok in zip(self._names, same, strict=True) if not ok)
-        l1, l2 = float(hist.loss), float(loss2)
-        same_loss = l1 == l2 or (math.isnan(l1) and math.isnan(l2)) or (
-            abs(l1 - l2) <= tol * abs(l1))
-        return ("reproducible" if same_loss and not differing else "transient"), differing
+    def refresh(self) -> None:
+        """Re-record the at-rest checksums after changing parameters outside ``step()``."""
+        self._join()
+        self._rest.refresh()
 
     # ------------------------------------------------------------ host side
 
@@ -773,37 +389,19 @@ class TrainingGuard:
         if not rows:
             return []
         events: list[AnomalyEvent] = []
-        for r, values in zip(rows, _row_values(rows), strict=True):
-            events.extend(self._read_row(r, values))
+        for r, values in zip(rows, row_values(rows), strict=True):
+            ctx = parse_row(values, self._names, r.rest_names)
+            self._log.write({"event": "metrics", "step": r.step, "loss": ctx.loss,
+                             "grad_norm": ctx.gnorm, "applied": ctx.applied})
+            self._tally.skipped += not ctx.applied
+            events.extend(ctx.events(r.step, self.policies, self.rank))
         self._act(events)
-        self._history.clear()
+        self._replay.history.clear()
         self._log.flush()
         return events
 
-    def _read_row(self, r: _Row, values: list[float]) -> list[AnomalyEvent]:
-        k, n = len(KINDS), len(self._params)
-        flags = values[:k]
-        loss, gnorm, loss_thr, gnorm_thr, applied = values[k: k + _N_SCALARS]
-        vec = values[k + _N_SCALARS:]
-        gvec, layer, ratio, ratio_hit, replay = (vec[i * n: (i + 1) * n] for i in range(5))
-        rest = vec[5 * n:]
-        self._log.write({"event": "metrics", "step": r.step, "loss": loss, "grad_norm": gnorm,
-                         "applied": bool(applied)})
-        if not applied:
-            self._tally.skipped += 1
-        ctx = _RowContext(self._names, loss, gnorm, loss_thr, gnorm_thr, gvec, layer, ratio,
-                          ratio_hit, replay, r.rest_names, rest)
-        events = []
-        for kind, flag in zip(KINDS, flags, strict=True):
-            if flag > 0:
-                policy = self.policies[kind]
-                values_, thresholds, suspects = ctx.describe(kind)
-                events.append(AnomalyEvent(r.step, kind, policy, ACTIONS[policy], values_,
-                                           thresholds, suspects, self.rank))
-        return events
-
     def _act(self, events: list[AnomalyEvent]) -> None:
-        events = self._resolve_actions(events)
+        events = resolve_actions(events, self._do_replay)
         for event in events:
             self._tally.anomalies[event.kind] += 1
             self.events.append(event)
@@ -811,133 +409,52 @@ class TrainingGuard:
             if event.policy == "warn":
                 warnings.warn(f"torchverity: training anomaly at {event.describe()}",
                               AnomalyWarning, stacklevel=3)
+        self._recovery.note(events)
         stops = [e for e in events if e.policy == "stop"]
         rollbacks = [e for e in events if e.action == ACTIONS["rollback"]]
         if rollbacks and not stops:
             self.rollback(rollbacks[0].step)
-        if self._host is not None:
-            self._host.latched = False
-        else:
-            self._device_rules().latched.zero_()
+        self._engine().clear_latch()
         if stops:
-            self._stop(stops[0])
-        elif not events:
-            self._maybe_checkpoint()
-
-    def _resolve_actions(self, events: list[AnomalyEvent]) -> list[AnomalyEvent]:
-        """Replay and rollback act once, for the first step that asked; later steps of the
-        same read were held by the latch, so for them the action taken was a skip."""
-        first: dict[str, int] = {}
-        for e in events:
-            if e.policy in ("replay", "rollback"):
-                first.setdefault(e.policy, e.step)
-        verdict = self._do_replay(first["replay"]) if "replay" in first else None
-        resolved = []
-        for e in events:
-            if e.policy in first and e.step != first[e.policy]:
-                e = dataclasses.replace(e, action=ACTIONS["skip"])
-            elif e.policy == "replay":
-                e = dataclasses.replace(e, replay=verdict)
-            resolved.append(e)
-        return resolved
+            self._tally.stopped = True
+            self._log.flush()
+            raise stop_error(stops[0], self._log.path)
+        if not events:
+            self._recovery.maybe_save()
 
     def _do_replay(self, step: int) -> str:
-        verdict, differing = self._replay(step)
+        verdict, differing = self._replay.replay(step)
         self._tally.replays[verdict] += 1
         self._log.write({"event": "replay", "step": step, "classification": verdict,
                          "differing": list(differing)})
         return verdict
 
-    def _stop(self, event: AnomalyEvent) -> None:
-        self._tally.stopped = True
-        self._log.flush()
-        where = f"; replay says {event.replay}" if event.replay else ""
-        hint = (f"see every event with: torchverity report {self._log.path}"
-                if self._log.path else "pass log='events.jsonl' to TrainingGuard to keep events")
-        raise TrainingAnomalyError(
-            f"training anomaly at {event.describe()}{where}",
-            step=event.step, kind=event.kind, values=event.values, thresholds=event.thresholds,
-            suspects=event.suspects, rank=event.rank, hint=hint,
-        )
-
     # ------------------------------------------------------------ checkpoints
 
-    def _guard_state(self) -> dict[str, Any]:
-        # One layout for both paths: a checkpoint loads into either.
-        rules = self._host if self._host is not None else self._device_rules()
-        prev_loss = (torch.tensor(self._host.prev_loss, dtype=torch.float32)
-                     if self._host is not None else self._device_rules().prev_loss.clone())
-        state: dict[str, Any] = {"step": self.global_step, "stats": rules.stats.state_dict(),
-                                 "prev_loss": prev_loss}
-        if rules.ratio_stats is not None:
-            state["ratio_stats"] = rules.ratio_stats.state_dict()
-        return state
+    def certify(self) -> dict[str, Any]:
+        """Verify every covered tensor at rest now and say whether a checkpoint of them can
+        be certified (the record that goes into its meta.json)."""
+        self._join()
+        return self._recovery.certify()
 
     def save_checkpoint(self) -> Path:
-        """Save model, optimizer, guard statistics and RNG states with ``torchverity.save``."""
-        from torchverity.checkpoint._save import save
-        from torchverity.determinism import capture_rng
-
-        self._join()
-        if self.checkpoint_dir is None:
-            raise UsageError("save_checkpoint() needs checkpoint_dir= given to TrainingGuard")
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        path = self.checkpoint_dir / f"guard-step{self.global_step:08d}.pt"
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "guard": self._guard_state(), "rng": capture_rng().to_state()}
-        report = save(state, path, meta={"torchverity_guard_step": self.global_step})
-        self.checkpoints.append(path)
-        self._tally.checkpoints += 1
-        self._steps_since_checkpoint = 0
-        self._log.write({"event": "checkpoint", "step": self.global_step, "path": str(path),
-                         "digest": report.digest, "fingerprint": report.fingerprint})
-        self._prune_checkpoints()
-        return path
-
-    def _prune_checkpoints(self) -> None:
-        while len(self.checkpoints) > self.config.keep_checkpoints:
-            old = self.checkpoints.pop(0)
-            for p in old.parent.glob(old.name + "*"):
-                p.unlink(missing_ok=True)
-
-    def _maybe_checkpoint(self) -> None:
-        every = self.config.checkpoint_every
-        if self.checkpoint_dir is None or every is None or self._steps_since_checkpoint < every:
-            return
-        self._join()
-        if self._rest_record is not None and self._rest_sums is not None:
-            changed = (self._rest_sums() != self._rest_record).any(dim=1)
-            if bool(changed.any()):  # corrupted since the last update: never checkpoint it
-                return
-        self.save_checkpoint()
+        """Save model, optimizer, guard statistics and RNG states with ``torchverity.save``;
+        its meta.json records the certification."""
+        return self._recovery.save()
 
     def rollback(self, step: int | None = None) -> Path:
-        """Reload the newest checkpoint (verified by ``torchverity.load``) and continue."""
-        from torchverity.checkpoint._load import load
-        from torchverity.determinism import RngState, restore_rng
+        """Reload the newest certified checkpoint (verified by ``torchverity.load``)."""
+        return self._recovery.rollback(step)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's own state (rolling windows, rule state, counters), for a trainer's
+        checkpoint; :meth:`load_state_dict` restores it on resume."""
         self._join()
-        if not self.checkpoints:
-            raise UsageError("no checkpoint to roll back to", hint="give checkpoint_dir=")
-        path = self.checkpoints[-1]
-        state = load(path, sidecar="require")
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        rules = self._host if self._host is not None else self._device_rules()
-        rules.stats.load_state_dict(state["guard"]["stats"])
-        if rules.ratio_stats is not None:
-            rules.ratio_stats.load_state_dict(state["guard"]["ratio_stats"])
-        if self._host is not None:
-            self._host.reset_rules(float(state["guard"]["prev_loss"]))
-        else:
-            self._device_rules().reset_rules(state["guard"]["prev_loss"])
-        restore_rng(RngState.from_state(state["rng"]))
-        self._snapshot = Snapshot()
-        self.refresh()
-        self._tally.rollbacks += 1
-        self._log.write({"event": "rollback", "step": self.global_step, "anomaly_step": step,
-                         "checkpoint": str(path), "restored_step": state["guard"]["step"]})
-        return path
+        return self._recovery.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._join()
+        self._recovery.load_state_dict(state)
 
     # ------------------------------------------------------------ end
 
@@ -969,53 +486,3 @@ class TrainingGuard:
         else:
             self._close_helper()
             self._log.close()
-
-
-@dataclass(frozen=True)
-class _RowContext:
-    """Host copy of one step's row, turned into event values and suspects per kind."""
-
-    names: tuple[str, ...]
-    loss: float
-    gnorm: float
-    loss_thr: float
-    gnorm_thr: float
-    gvec: list[float]
-    layer: list[float]
-    ratio: list[float]
-    ratio_hit: list[float]
-    replay: list[float]
-    rest_names: tuple[str, ...]
-    rest: list[float]
-
-    def _named(self, flags: list[float]) -> tuple[str, ...]:
-        return tuple(n for n, f in zip(self.names, flags, strict=True) if f > 0)
-
-    def _top(self, k: int = 3) -> tuple[str, ...]:
-        # NaN norms sort last: the finite largest contributors are the suspects.
-        pairs = zip(self.gvec, self.names, strict=True)
-        ranked = sorted(pairs, key=lambda x: -x[0] if x[0] == x[0] else 0)
-        return tuple(n for _, n in ranked[:k])
-
-    def describe(self, kind: str) -> tuple[dict[str, float], dict[str, float], tuple[str, ...]]:
-        base = {"loss": self.loss, "grad_norm": self.gnorm}
-        if kind == "nonfinite_loss":
-            return base, {}, self._named([0.0 if math.isfinite(g) else 1.0 for g in self.gvec])
-        if kind == "nonfinite_grad":
-            return base, {}, self._named([0.0 if math.isfinite(g) else 1.0 for g in self.gvec])
-        if kind == "loss_spike":
-            return base, {"loss": self.loss_thr}, self._top()
-        if kind == "grad_norm_spike":
-            return base, {"grad_norm": self.gnorm_thr}, self._top()
-        if kind == "loss_jump":
-            return base, {}, ()
-        if kind == "layer_grad_spike":
-            hit = self._named(self.layer)
-            return {f"grad_norm[{n}]": self.gvec[self.names.index(n)] for n in hit}, {}, hit
-        if kind == "update_ratio_spike":
-            hit = self._named(self.ratio_hit)
-            return {f"update_ratio[{n}]": self.ratio[self.names.index(n)] for n in hit}, {}, hit
-        if kind == "weights_changed":
-            hit = tuple(n for n, f in zip(self.rest_names, self.rest, strict=True) if f > 0)
-            return base, {}, hit
-        return base, {}, self._named(self.replay)

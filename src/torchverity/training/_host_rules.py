@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from torchverity.training._config import GuardConfig, Reducer
 from torchverity.training._events import KIND_INDEX, KINDS, LATCHING, SKIPPING
+from torchverity.training._rows import build_row
 
 
 class HostRollingStats:
@@ -184,11 +186,22 @@ class HostDetectors:
         self.stats.push(pending.metrics, accept)
         if self.ratio_stats is not None:
             self.ratio_stats.push(ratio, accept)
-        return [*flags, *pending.metrics[:2], *pending.thresholds, float(applied),
-                *pending.gvec, *pending.layer, *ratio, *ratio_hit, *pending.replay,
-                *pending.rest]
+        return build_row(_joined, flags=flags, loss_gnorm=pending.metrics[:2],
+                         thresholds=pending.thresholds, applied=[float(applied)],
+                         gvec=pending.gvec, layer=pending.layer, ratio=ratio,
+                         ratio_hit=ratio_hit, replay=pending.replay, rest=pending.rest)
 
-    def reset_rules(self, prev_loss: float) -> None:
+    def reset_rules(self, prev_loss: torch.Tensor | float) -> None:
         """After a rollback: the restored loss, no jump streak."""
-        self.prev_loss = prev_loss
+        self.prev_loss = float(prev_loss)
         self.consec = 0
+
+    def prev_loss_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.prev_loss, dtype=torch.float32)
+
+    def clear_latch(self) -> None:
+        self.latched = False
+
+
+def _joined(parts: Sequence[list[float]]) -> list[float]:
+    return [x for part in parts for x in part]

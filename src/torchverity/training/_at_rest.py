@@ -1,0 +1,278 @@
+"""The guard's at-rest check: every bit of every parameter and optimizer-state tensor,
+from the end of one update to the start of the next.
+
+Two ways to take it, chosen once per guard:
+
+* **fused** (SGD, Adam, AdamW; :mod:`torchverity.training._fused`): the update is
+  compiled together with a word sum of each tensor as it is read (the verification of
+  the window that has just ended) and as it is written (the record of the next one);
+* **two passes** (any other optimizer, or no compiler): a record of every tensor after
+  the update and a verification before the next one
+  (:mod:`torchverity.training._checksum`), one window in ``rest_every``.
+
+Either way a verification yields ``(sums now, record, names)``: two ``[n, k]`` tensors
+whose rows differ exactly for the tensors that changed, and the names of those rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from torchverity.errors import UsageError
+from torchverity.training._checksum import PairedSums
+from torchverity.training._config import GuardConfig
+from torchverity.training._fused import FusedUpdate, tensor_lrs, unsupported, word_sums
+from torchverity.training._snapshot import Snapshot
+
+log = logging.getLogger("torchverity.training")
+
+Pair = tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]
+
+
+class AtRest:
+    """Records and verifies the covered tensors; runs the fused update when it can."""
+
+    def __init__(self, config: GuardConfig, optimizer: torch.optim.Optimizer,
+                 params: list[torch.Tensor], names: tuple[str, ...], *, reducer: object,
+                 policies: dict[str, str], pool: Callable[[], ThreadPoolExecutor | None],
+                 split: bool, defer: Callable[[Callable[[], None]], None] | None,
+                 said: Callable[[], None] = lambda: None) -> None:
+        self.config, self.optimizer = config, optimizer
+        self._params, self._param_names = params, dict(zip(map(id, params), names, strict=True))
+        self._names, self._device = names, params[0].device
+        self._pool, self._split, self._defer = pool, split, defer
+        self._said = said  # writes the coverage to the event log when it changes
+        self.record: torch.Tensor | None = None
+        self.names: tuple[str, ...] = ()
+        self._sums: PairedSums | None = None
+        self._copy_sums: PairedSums | None = None
+        self._updates = 0  # updates concluded under this guard: the two-pass cadence
+        self.reason = self._fallback_reason(reducer, policies)
+        self.fused: FusedUpdate | None = None
+        if self.reason is not None and config.fused:
+            raise UsageError(f"TrainingGuard: fused=True, but {self.reason}",
+                             hint="leave fused unset: the guard then verifies in two passes")
+        if self.reason is None:
+            tensor_lrs(optimizer)
+            self.fused = FusedUpdate(optimizer)
+        self._fused_tensors: list[torch.Tensor] = []
+        self._fused_ptrs: list[int] = []
+        self._after: torch.Tensor | None = None  # sums the fused update wrote, until settled
+        self._before: torch.Tensor | None = None  # and those it read
+
+    def _fallback_reason(self, reducer: object, policies: dict[str, str]) -> str | None:
+        cfg = self.config
+        if not cfg.at_rest:
+            return "at_rest=False"
+        if cfg.fused is False:
+            return "fused=False"
+        if cfg.rest_every != 1:
+            return f"rest_every={cfg.rest_every} verifies one window in {cfg.rest_every}"
+        if cfg.defer_record:
+            return "defer_record=True takes the record on a helper thread"
+        return unsupported(self.optimizer, reducer, policies, cfg.update_ratio)
+
+    def coverage(self) -> dict[str, Any]:
+        """What is verified, for the guard's first log event."""
+        cfg = self.config
+        if not cfg.at_rest:
+            return {"windows": "none", "tensors": "none", "verification": None}
+        windows = "every" if cfg.rest_every == 1 else f"1 in {cfg.rest_every}"
+        tensors = "parameters and optimizer state" if cfg.optimizer_state else "parameters"
+        how = "fused into the update" if self.fused is not None else "two passes"
+        return {"windows": windows, "tensors": tensors, "verification": how,
+                "fallback_reason": self.reason if self.fused is None else None}
+
+    # ------------------------------------------------------------ tensors covered
+
+    def _state_items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for p, state in self.optimizer.state.items():
+            name = self._param_names.get(id(p))
+            if name is None:
+                continue
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.device == self._device:
+                    yield f"optimizer.{name}.{key}", value
+
+    def covered_tensors(self, with_state: bool) -> list[torch.Tensor]:
+        """The tensors of :meth:`covered` without their names: the per-step path."""
+        tensors = list(self._params)
+        if with_state:
+            dev, known = self._device, self._param_names
+            for p, state in self.optimizer.state.items():
+                if id(p) in known:
+                    tensors.extend(v for v in state.values()
+                                   if isinstance(v, torch.Tensor) and v.device == dev)
+        return tensors
+
+    def covered(self, with_state: bool) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+        """Parameters, then (``with_state``) optimizer-state tensors on the guard's device."""
+        names: list[str] = list(self._names)
+        tensors: list[torch.Tensor] = list(self._params)
+        if with_state:
+            for name, value in self._state_items():
+                names.append(name)
+                tensors.append(value)
+        return tuple(names), tensors
+
+    # ------------------------------------------------------------ around an update
+
+    def before(self, snapshot: Snapshot, use_copy: bool) -> Pair | None:
+        """Two passes: verify before the update (None when this window is not covered).
+        Fused: nothing yet, the update verifies."""
+        if self.fused is not None:
+            return None
+        record, self.record = self.record, None
+        sums = self._sums
+        if record is None or sums is None:
+            return None
+        # Right after the undo copy, the copy holds the same bits as the live tensors and
+        # is still in cache: summing it instead saves a read from memory.
+        copied = snapshot.copies_of(sums.tensors) if use_copy else None
+        if copied is not None:
+            if self._copy_sums is None or not self._copy_sums.matches(copied):
+                self._copy_sums = PairedSums(copied, weighted=sums.weighted, split=self._split)
+            return self._copy_sums(self._pool()), record, self.names
+        return sums(self._pool()), record, self.names
+
+    def update(self) -> Pair | None:
+        """Run ``optimizer.step()``; fused, with the window's verification in the same pass."""
+        if self.fused is None:
+            self.optimizer.step()
+            return None
+        names, tensors = self.covered(self.config.optimizer_state)
+        pair = self._verify_moved(names, tensors)
+        try:
+            before, after = self.fused(tensors)
+        except Exception as exc:  # compiling raises before anything runs: step eagerly
+            if pair is None and self.record is not None:  # verify the window in a pass
+                pair = word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names
+            self._give_up(exc)
+            self.optimizer.step()
+            return pair
+        if pair is None and self.record is not None:
+            pair = before.unsqueeze(1), self.record, names
+        self._before = before.unsqueeze(1)
+        self._set_fused(names, tensors, after)
+        return pair
+
+    def _verify_moved(self, names: tuple[str, ...], tensors: list[torch.Tensor]) -> Pair | None:
+        """When the covered tensors are not those of the record (state created by the
+        last update, storage moved): verify the recorded ones in a pass of their own."""
+        if self.record is None or self._same(tensors):
+            return None
+        return word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names
+
+    def _same(self, tensors: list[torch.Tensor]) -> bool:
+        return len(tensors) == len(self._fused_tensors) and all(
+            a is b for a, b in zip(tensors, self._fused_tensors, strict=True)
+        ) and [t.data_ptr() for t in tensors] == self._fused_ptrs
+
+    def _set_fused(self, names: tuple[str, ...], tensors: list[torch.Tensor],
+                   after: torch.Tensor) -> None:
+        self.names, self._fused_tensors = names, tensors
+        self._fused_ptrs = [t.data_ptr() for t in tensors]
+        self.record = after.unsqueeze(1)
+        self._after = self.record
+
+    def _give_up(self, exc: Exception) -> None:
+        log.warning("torchverity: the fused at-rest check is not available here (%s: %s); "
+                    "verifying in two passes", type(exc).__name__, exc)
+        self.reason = f"torch.compile failed: {type(exc).__name__}"
+        self.fused = None
+        self.record, self._fused_tensors = None, []
+        self._said()
+
+    def to_two_passes(self, reason: str) -> Pair | None:
+        """From the fused check to two passes, for good: the window under way is verified
+        now (its record is a fused one), the next one recorded after the update."""
+        pair = self.now()
+        self.reason, self.fused = reason, None
+        self.record, self._fused_tensors, self._after = None, [], None
+        self._said()
+        return pair
+
+    def skipped(self) -> Pair | None:
+        """Fused, the update not run: verify the window now, in a pass of its own."""
+        if self.fused is None or self.record is None:
+            return None
+        now = word_sums(self._fused_tensors).unsqueeze(1)
+        pair = now, self.record, self.names
+        self.record = now
+        return pair
+
+    def after(self, applied: torch.Tensor | bool, undone: bool) -> None:
+        """After the update is concluded: record the next window (two passes, on the
+        cadence), or settle the fused record when the update was undone from a copy."""
+        self._updates += 1
+        if self.fused is not None:
+            written, self._after = self._after, None
+            moved = not self._same(self.covered_tensors(self.config.optimizer_state))
+            if moved or self.record is None:
+                self.names, tensors = self.covered(self.config.optimizer_state)
+                self._set_fused(self.names, tensors, word_sums(tensors))
+            elif undone and written is not None and self._before is not None:
+                self.record = torch.where(torch.as_tensor(applied), written, self._before)
+            return
+        cfg = self.config
+        if not cfg.at_rest or (self._updates + 1) % cfg.rest_every:
+            return
+        if self._defer is not None:
+            # Opt-in: the whole pass on the helper, beside the next forward and backward
+            # (waited for by the next check()). A bit that changes before the helper has
+            # summed its word is part of the record: that stretch is not covered.
+            self.record = None
+            self._defer(functools.partial(self._deferred_record, self._current_sums()))
+        else:
+            self.record = self._current_sums()(self._pool())
+
+    def _deferred_record(self, sums: PairedSums) -> None:
+        self.record = sums()
+
+    def _current_sums(self) -> PairedSums:
+        """The checksum plan of the covered tensors; re-listed when they changed."""
+        with_state = self.config.optimizer_state
+        sums = self._sums
+        if sums is None or not sums.matches(self.covered_tensors(with_state)):
+            self.names, tensors = self.covered(with_state)
+            sums = self._sums = PairedSums(tensors, weighted=self.config.rest_weighted,
+                                           split=self._split)
+        return sums
+
+    # ------------------------------------------------------------ outside an update
+
+    def now(self) -> Pair | None:
+        """``(sums now, record)`` without consuming the record; None when nothing is
+        recorded (a certification then has nothing to stand on)."""
+        if self.record is None:
+            return None
+        if self.fused is not None:
+            return word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names
+        if self._sums is None:
+            return None
+        return self._sums(), self.record, self.names
+
+    def changed(self) -> tuple[str, ...] | None:
+        """The covered tensors that changed since the record; None when none is kept."""
+        pair = self.now()
+        if pair is None:
+            return None
+        flags = (pair[0] != pair[1]).any(dim=1).tolist()
+        return tuple(n for n, f in zip(pair[2], flags, strict=True) if f)
+
+    def refresh(self) -> None:
+        """Record again: parameters were changed on purpose outside an update."""
+        if not self.config.at_rest:
+            return
+        if self.fused is not None:
+            self.names, tensors = self.covered(self.config.optimizer_state)
+            self._set_fused(self.names, tensors, word_sums(tensors))
+            self._after = None
+        else:
+            self.record = self._current_sums()(self._pool())

@@ -1,0 +1,39 @@
+"""Per-parameter gradient norms, the detectors' one read of the gradients per step."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from torchverity.training._checksum import balanced_cut, run_beside
+
+
+class GradNorms:
+    """``torch._foreach_norm`` of the guarded parameters' gradients, float32, one list;
+    with a helper thread, half of the bytes are read there."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self._params = params
+        self._cut = balanced_cut([p.numel() * p.element_size() for p in params])
+        self._zero = torch.zeros((), dtype=torch.float32, device=params[0].device)
+
+    def stacked(self, pool: ThreadPoolExecutor | None = None) -> torch.Tensor:
+        return torch.stack(self.norms(pool))
+
+    def norms(self, pool: ThreadPoolExecutor | None = None) -> list[torch.Tensor]:
+        """Per-parameter gradient norms (0-dim; zero for a missing gradient)."""
+        grads = [p.grad for p in self._params]
+        present = [g for g in grads if g is not None]
+        if len(present) == len(grads):
+            cut = self._cut
+            if pool is None or cut == len(grads):
+                return list(torch._foreach_norm(present, 2, dtype=torch.float32))
+            # Per tensor the same norms whichever list computes them; half on the helper.
+            first, second = run_beside(
+                pool,
+                lambda: torch._foreach_norm(present[:cut], 2, dtype=torch.float32),
+                lambda: torch._foreach_norm(present[cut:], 2, dtype=torch.float32))
+            return [*first, *second]
+        norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else [])
+        return [next(norms) if g is not None else self._zero for g in grads]

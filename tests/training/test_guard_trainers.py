@@ -1,0 +1,212 @@
+"""Real Lightning and Hugging Face trainers with a bit flipped in a weight between two updates:
+caught at the next update and named, rolled back to a certified checkpoint; checkpoints saved
+while the flip is unresolved are marked uncertified and ``torchverity verify`` fails them; the
+guard's state is restored when training resumes."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchverity import faults
+from torchverity.cli import main as cli_main
+
+pytest.importorskip("lightning")
+pytest.importorskip("transformers")
+
+FLIP_STEP = 12
+
+
+def _meta(path: Path) -> dict[str, Any]:
+    return json.loads(Path(f"{path}.meta.json").read_text())
+
+
+def _cli(*argv: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = cli_main(list(argv))
+    return code, out.getvalue()
+
+
+# ------------------------------------------------------------ Lightning
+
+
+def _lightning(tmp_path: Path, policy: str, steps: int = 30, flip: bool = True,
+               resume: Path | None = None) -> tuple[Any, Any]:
+    import lightning.pytorch as pl
+
+    from torchverity.integrations.lightning import GuardCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                           torch.nn.Linear(16, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    class Drill(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
+            if flip and trainer.global_step == FLIP_STEP:  # after update 11, before 12
+                faults.flip_bit(module.net[2].weight, 5, 30)
+
+    torch.manual_seed(0)
+    model = Tiny()
+    data = torch.utils.data.TensorDataset(torch.randn(160, 8), torch.randn(160, 1))
+    options: dict[str, Any] = {"policies": {"weights_changed": policy}}
+    if policy == "rollback":
+        options.update(checkpoint_dir=tmp_path / "guard", checkpoint_every=5)
+    guard = GuardCallback(log=tmp_path / "events.jsonl", check_every=5, min_samples=8,
+                          window=64, **options)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5,
+                                        save_top_k=-1)
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Drill(), guard, ckpt], default_root_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8),
+                    ckpt_path=str(resume) if resume else None)
+    return guard, model
+
+
+def test_lightning_flip_is_caught_named_and_rolled_back_to_a_certified_checkpoint(
+        tmp_path: Path) -> None:
+    guard, model = _lightning(tmp_path, "rollback")
+    # An exponent bit: the loss turns non-finite too (those updates are skipped); the
+    # at-rest check names the tensor.
+    assert [(e.step, e.kind, e.action, e.suspects) for e in guard.guard.events
+            if e.kind == "weights_changed"] == [
+        (FLIP_STEP, "weights_changed", "rolled_back", ("net.2.weight",))]
+    assert {e.step for e in guard.guard.events} == {FLIP_STEP}
+    records = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    rollback = next(r for r in records if r["event"] == "rollback")
+    assert rollback["anomaly_step"] == FLIP_STEP and rollback["restored_step"] == 10
+    saved_at = {r["path"]: r["certified"] for r in records if r["event"] == "checkpoint"}
+    assert saved_at[rollback["checkpoint"]] is True  # rollback only goes to certified ones
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    saved = sorted((tmp_path / "ckpt").glob("*.ckpt"))
+    assert len(saved) == 6
+    for path in saved:  # each holds weights the guard verified at rest when it was saved
+        cert = _meta(path)["certification"]
+        assert cert["certified"] and cert["verified"]["at_rest"] == "passed"
+        assert cert["verified"]["tensors"] == 4 + 4 * 3  # parameters, AdamW state
+        state = torch.load(path, weights_only=True)["state_dict"]
+        assert all(torch.isfinite(t).all() for t in state.values())
+    assert _cli("verify", str(saved[-1]))[0] == 0
+
+
+def test_lightning_checkpoints_saved_while_a_flip_is_unresolved_are_uncertified(
+        tmp_path: Path) -> None:
+    guard, _ = _lightning(tmp_path, "record")
+    assert [(e.step, e.kind, e.suspects) for e in guard.guard.events
+            if e.kind == "weights_changed"] == [(FLIP_STEP, "weights_changed", ("net.2.weight",))]
+    saved = sorted((tmp_path / "ckpt").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    certified = [_meta(p)["certification"]["certified"] for p in saved]
+    assert certified == [True, True, False, False, False, False]  # steps 5, 10 | 15 ... 30
+    unresolved = _meta(saved[2])["certification"]["unresolved"]
+    assert unresolved == [{"step": FLIP_STEP, "kind": "weights_changed",
+                           "suspects": ["net.2.weight"]}]
+    code, out = _cli("verify", str(saved[2]))
+    assert code == 1 and "UNCERTIFIED" in out and "net.2.weight" in out
+    code, out = _cli("inspect", str(saved[2]))
+    assert "guard       UNCERTIFIED" in out
+    assert "certified by the training guard at step 5" in _cli("verify", str(saved[0]))[1]
+
+
+def test_lightning_guard_state_is_saved_and_restored_on_resume(tmp_path: Path) -> None:
+    first, _ = _lightning(tmp_path, "record", steps=20, flip=False)
+    stats = first.guard._host.stats
+    assert stats.count == 20
+    last = sorted((tmp_path / "ckpt").glob("*step=20*.ckpt"))[0]
+    assert torch.load(last, weights_only=True)["callbacks"]
+    resumed, _ = _lightning(tmp_path, "record", steps=30, flip=False, resume=last)
+    # 20 accepted steps came back with the checkpoint, 10 more were added.
+    assert resumed.guard._host.stats.count == 30
+    assert resumed.summary.steps == 30 and resumed.guard.events == []
+
+
+# ------------------------------------------------------------ Hugging Face
+
+
+class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 64, (192, 12), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _hf(tmp_path: Path, policy: str) -> Any:
+    import transformers
+
+    from torchverity.integrations.hf import GuardCallback
+
+    class Drill(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                          **kw: Any) -> None:
+            if state.global_step == FLIP_STEP:
+                faults.flip_bit(model.transformer.h[0].mlp.c_fc.weight, 7, 30)
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
+                                     n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=20, per_device_train_batch_size=8,
+        learning_rate=1e-3, logging_strategy="no", save_strategy="steps", save_steps=5,
+        report_to=[], disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0,
+    )
+    options: dict[str, Any] = {"policies": {"weights_changed": policy}}
+    if policy == "rollback":
+        options.update(checkpoint_dir=tmp_path / "guard", checkpoint_every=5)
+    guard = GuardCallback(log=tmp_path / "events.jsonl", check_every=5, min_samples=8,
+                          window=32, **options)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(),
+                                   callbacks=[Drill(), guard])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    return guard
+
+
+@pytest.mark.parametrize("policy", ["rollback", "record"])
+def test_hf_flip_is_caught_named_and_only_clean_checkpoints_are_certified(
+        tmp_path: Path, policy: str) -> None:
+    guard = _hf(tmp_path, policy)
+    name = "transformer.h.0.mlp.c_fc.weight"
+    first = next(e for e in guard.guard.events if e.kind == "weights_changed")
+    action = "rolled_back" if policy == "rollback" else "recorded"
+    assert (first.step, first.kind, first.action, first.suspects) == (
+        FLIP_STEP, "weights_changed", action, (name,))
+    folders = sorted((tmp_path / "out").glob("checkpoint-*"), key=lambda f: int(f.name[11:]))
+    assert [f.name for f in folders] == [f"checkpoint-{s}" for s in (5, 10, 15, 20)]
+    certified = [_meta(f / "model.safetensors")["certification"]["certified"] for f in folders]
+    if policy == "rollback":
+        assert certified == [True] * 4  # the flip never reached a saved checkpoint
+        records = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+        restored = next(r for r in records if r["event"] == "rollback")
+        saved_at = {r["path"]: r["certified"] for r in records if r["event"] == "checkpoint"}
+        assert restored["anomaly_step"] == FLIP_STEP and saved_at[restored["checkpoint"]]
+    else:
+        assert certified == [True, True, False, False]
+        code, out = _cli("verify", str(folders[2]))
+        assert code == 1 and "UNCERTIFIED" in out and name in out
+    assert (folders[-1] / "torchverity_guard.pt").is_file()
+    assert _cli("verify", str(folders[0]))[0] == 0
