@@ -17,6 +17,7 @@ Map of the package (one subpackage per area; the CLI mirrors it)::
       distributed/  cross-replica and gradient checks, cross-rank replay, DCP manifests
       report        summaries and plots of guard event logs
       integrations/ Lightning and Hugging Face callbacks (extras)
+      protect/      one switch that watches every load and save in code you don't own
     Inference
       golden/       consistency_check, golden record/check
       selftest      known-answer and repeat-run tests of a device
@@ -106,6 +107,7 @@ if TYPE_CHECKING:
     from torchverity.golden import consistency_check
     from torchverity.manifest import build_manifest, write_manifest
     from torchverity.pickles import explain, migrate, scan
+    from torchverity.protect import protect, protected, unprotect
     from torchverity.training import TrainingGuard
     from torchverity.verify import verify_directory, verify_file, verify_path
 
@@ -148,6 +150,8 @@ __all__ = [
     "manifest",
     "migrate",
     "pickles",
+    "protect",
+    "protected",
     "report",
     "reproducibility_check",
     "save",
@@ -156,6 +160,7 @@ __all__ = [
     "selftest",
     "serve",
     "training",
+    "unprotect",
     "verify_directory",
     "verify_export",
     "verify_file",

@@ -1,0 +1,143 @@
+"""Which record vouches for a file, and checking a file against it.
+
+The rules are ``torchverity.load``'s: an interrupted save's pending records,
+then the sidecar, then the digest in meta.json. Beyond those, a file listed in
+a torchverity manifest of its folder (or the folder above) is checked against
+that entry, and a file that resolves to a Hugging Face cache blob named by a
+SHA-256 is checked against its name. Looking for records costs a few ``stat``
+calls; a file without one is never read here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchverity._hashing_reader import HashingReader
+from torchverity.checkpoint import (
+    _digest_binds_fingerprint,
+    _digest_mismatch,
+    _expected_digest,
+    _locate_pt_damage,
+    _pending_records,
+    meta_path_for,
+    read_meta,
+)
+from torchverity.digest import FASTER_THAN_COPY, digest_file, new_hasher
+from torchverity.errors import InputError, IntegrityError
+from torchverity.manifest import find_manifest, read_manifest
+
+_BLOB = re.compile(r"^[0-9a-f]{64}$")
+_MANIFEST_LEVELS = 2  # the file's folder and the one above it
+
+
+@dataclass(frozen=True)
+class Record:
+    """What a file must hash to: ``source`` is sidecar, meta, manifest or hf-blob."""
+
+    path: Path
+    algo: str
+    hexdigest: str
+    source: str
+    record: str
+    meta: dict[str, Any] | None = None
+
+    @property
+    def bound(self) -> bool:
+        """Whether meta.json's fingerprint was recorded with this very digest."""
+        return _digest_binds_fingerprint((self.algo, self.hexdigest, self.source), self.meta)
+
+
+def find_record(path: Path) -> Record | None:
+    """The record for ``path``, or None. A record that contradicts itself raises IntegrityError."""
+    if not path.is_file():
+        return None
+    pending = _pending_records(path)
+    if pending is not None:
+        (algo, hexd, source), meta = pending
+        return Record(path, algo, hexd, source, f"{path.name} (pending records)", meta)
+    meta = read_meta(path) if meta_path_for(path).exists() else None
+    expected = _expected_digest(path, meta, "warn")
+    if expected is not None:
+        algo, hexd, source = expected
+        name = f"{path.name}.{algo}" if source == "sidecar" else meta_path_for(path).name
+        return Record(path, algo, hexd, source, name, meta)
+    return _manifest_record(path) or _blob_record(path)
+
+
+def _manifest_record(path: Path) -> Record | None:
+    absolute = Path(os.path.abspath(path))
+    folder = absolute.parent
+    for _ in range(_MANIFEST_LEVELS):
+        try:
+            manifest_file = find_manifest(folder)
+        except InputError:
+            folder = folder.parent
+            continue
+        manifest = read_manifest(manifest_file)
+        rel = absolute.relative_to(folder).as_posix()
+        entry = next((e for e in manifest.entries if e.path == rel), None)
+        if entry is not None:
+            return Record(path, manifest.algo, entry.digest, "manifest", os.fspath(manifest_file))
+        folder = folder.parent
+    return None
+
+
+def _blob_record(path: Path) -> Record | None:
+    if not path.is_symlink():
+        return None
+    real = path.resolve()
+    if real.parent.name == "blobs" and _BLOB.match(real.name):
+        return Record(path, "sha256", real.name, "hf-blob", f"Hugging Face cache blob {real.name}")
+    return None
+
+
+def mismatch(record: Record, actual: str) -> IntegrityError:
+    """The error ``torchverity.load`` raises for this mismatch (tensors named when it can)."""
+    if record.source in ("sidecar", "meta"):
+        expected = (record.algo, record.hexdigest, record.source)
+        return _digest_mismatch(record.path, expected, actual,
+                                _locate_pt_damage(record.path, record.meta))
+    p = record.path
+    return IntegrityError(
+        f"{p}: {record.algo} digest does not match {record.record}: the file changed after it "
+        f"was recorded (expected {record.hexdigest}, got {actual})",
+        path=p, expected=record.hexdigest, actual=actual,
+        hint=f"restore {p.name} from a verified copy; torchverity verify {p.parent} lists "
+             "every changed file",
+    )
+
+
+def check_bytes(record: Record) -> IntegrityError | None:
+    """One digest pass over the file: the mismatch, or None when it matches."""
+    actual = digest_file(record.path, record.algo).hexdigest
+    return None if actual == record.hexdigest else mismatch(record, actual)
+
+
+def load_hashing(record: Record, load: Any) -> tuple[Any, BaseException | None,
+                                                     IntegrityError | None]:
+    """``load(reader)`` while the reader hashes the file: one read, as in ``torchverity.load``.
+
+    Returns the object, the load's own exception (kept as raised) and the
+    mismatch, if any. Only for loaders that run no code from the file.
+    """
+    failure: BaseException | None = None
+    obj: Any = None
+    inline = record.algo in FASTER_THAN_COPY
+    with (contextlib.nullcontext() if inline else
+          ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load")) as pool:
+        reader = HashingReader(record.path, new_hasher(record.algo, threads=True), pool)
+        try:
+            obj = load(reader)
+        except Exception as exc:  # judged by the caller, once the digest says whether it is damage
+            failure = exc
+        finally:
+            actual = reader.hexdigest()
+            reader.close()
+    bad = None if actual == record.hexdigest else mismatch(record, actual)
+    return obj, failure, bad

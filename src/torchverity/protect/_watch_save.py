@@ -1,0 +1,122 @@
+"""Watched writes: ``torch.save`` and ``safetensors.torch.save_file`` to a path.
+
+The real serializer writes into ``torchverity.save``'s machinery: a temp file
+beside the target, every byte hashed on its way to disk, fsync, the sidecar
+and meta.json staged as pending files, then the renames. A process killed at
+any instant leaves the previous checkpoint and its records intact. Saves to
+streams (``BytesIO``, sockets) pass straight through.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from torchverity.protect._session import Session, active
+from torchverity.protect._state import Event, caller_site, inside
+from torchverity.protect._watch_load import MARK
+
+
+def _target(f: Any) -> Path | None:
+    if not isinstance(f, (str, os.PathLike)):
+        return None
+    target = Path(os.fspath(f))
+    # Anything torch would fail on keeps torch's own error.
+    return target if target.parent.is_dir() and not target.is_dir() else None
+
+
+def watch_torch_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        session = active()
+        target = _target(f) if session is not None else None
+        if session is None or target is None:
+            return original(obj, f, *args, **kwargs)
+        with inside():
+            atomic_save(session, obj, target, "pt", "torch.save",
+                        lambda writer: original(obj, writer, *args, **kwargs))
+        return None
+
+    setattr(save, MARK, original)
+    return save
+
+
+def watch_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def save_file(tensors: Any, filename: Any, metadata: Any = None) -> Any:
+        session = active()
+        target = _target(filename) if session is not None else None
+        if session is None or target is None:
+            return original(tensors, filename, metadata)
+        from torchverity import _safetensors as st
+
+        with inside():
+            payload = st.check_writable(tensors, target)
+            atomic_save(session, payload, target, "safetensors", "safetensors.torch.save_file",
+                        lambda writer: st.write_tensors(payload, writer, metadata))
+        return None
+
+    setattr(save_file, MARK, original)
+    return save_file
+
+
+def atomic_save(session: Session, payload: Any, target: Path, fmt: str, api: str,
+                write: Callable[[Any], Any]) -> None:
+    """``write(file)`` into a staged temp file; publish it with its sidecar (and meta.json)."""
+    from torchverity.checkpoint import (
+        _atomic_target,
+        _HashingWriter,
+        _StableMemory,
+        meta_path_for,
+        meta_record,
+    )
+    from torchverity.digest import DEFAULT_ALGO, format_sidecar_line, new_hasher, sidecar_path
+    from torchverity.fingerprint import fingerprint
+
+    hasher = new_hasher(DEFAULT_ALGO)
+    fingerprintable = _fingerprintable(payload)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-hash") as pool, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-fp") as fp_pool, \
+            _atomic_target(target) as staged:
+        fp_future = (fp_pool.submit(fingerprint, payload, mode="exact", workers=1)
+                     if fingerprintable else None)
+        stable = _StableMemory(payload if fingerprintable else {})
+        writer = _HashingWriter(staged.fd, hasher, stable, pool)
+        try:
+            write(writer)
+            writer.flush()
+        except Exception:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+        writer.finish()
+        digest = hasher.hexdigest()
+        staged.companions[sidecar_path(target)] = format_sidecar_line(digest, target.name)
+        meta_file = meta_path_for(target)
+        if fp_future is not None:
+            record = meta_record(target, fmt, DEFAULT_ALGO, digest, writer.size,
+                                 fp_future.result(), None, None, {"saved_by": api})
+            staged.companions[meta_file] = json.dumps(record, indent=2) + "\n"
+        else:
+            # A meta.json left from an earlier save would describe other content.
+            staged.stale = (meta_file,)
+    session.emit(Event("saved", api, f"{api} wrote {target} atomically with its sidecar"
+                       + (" and meta.json" if fp_future is not None else ""), os.fspath(target),
+                       caller_site(), {"sha256": digest, "size": writer.size}), loud=False)
+
+
+def _fingerprintable(payload: Any) -> bool:
+    """Whether meta.json can describe ``payload`` (tensors, containers, plain values)."""
+    from torchverity.checkpoint import _check_fingerprintable
+    from torchverity.errors import FormatError
+
+    try:
+        _check_fingerprintable(payload, Path("checkpoint"))
+    except FormatError:
+        return False
+    return True
