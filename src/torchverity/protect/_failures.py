@@ -12,6 +12,7 @@ one was, and the summary names it.
 from __future__ import annotations
 
 import dis
+import re
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from types import CodeType, TracebackType
 from typing import Any
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_TELLING = re.compile(r"WeightsUnpickler error|Unsupported (global|operand)")
 _KEEP = 200  # failures kept with their exception (and its frames) per session
 
 
@@ -130,8 +133,9 @@ def _chain(exc: BaseException | None) -> Iterable[int]:
 
 
 def describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
+    """``Type: the line of the message that says what failed`` (torch's may start with advice)."""
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    first = next((line for line in lines if _TELLING.search(line)), lines[0] if lines else "")
     if len(first) > 200:
         first = first[:197] + "..."
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
@@ -159,9 +163,7 @@ def handler_line(code: CodeType, lasti: int) -> int | None:
     target = next((e.target for e in entries if e.start <= lasti < e.end), None)
     if target is None:
         return None
-    line = None
-    for offset, lineno in dis.findlinestarts(code):
-        if offset > target:
-            break
-        line = lineno
-    return line
+    # The handler's first instruction (PUSH_EXC_INFO) carries no line of its
+    # own: the ``except`` line starts at the first instruction after it.
+    return next((line for offset, line in dis.findlinestarts(code)
+                 if offset >= target and line is not None), None)
