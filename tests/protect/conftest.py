@@ -34,12 +34,13 @@ def built_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, tree / name)
     shutil.copytree(SRC, tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    code = (f"from setuptools import build_meta as b; "
-            f"print(b.build_wheel({str(out)!r})); print(b.build_editable({str(out)!r}))")
+    code = (f"from setuptools import build_meta as b; w = b.build_wheel({str(out)!r}); "
+            f"e = b.build_editable({str(out)!r}); print('WHEELS', w, e)")
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    wheel, editable = done.stdout.split()[-2:]
+    _, wheel, editable = next(
+        line for line in done.stdout.splitlines() if line.startswith("WHEELS ")).split()
     return {"wheel": out / wheel, "editable": out / editable}
 
 

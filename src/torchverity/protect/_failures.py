@@ -5,8 +5,9 @@ line. Its traceback grows by one entry per frame it unwinds through, so when
 the process ends the first entry is the frame that caught it; that frame's
 exception table gives the line of the ``except`` (or ``with``) that did. An
 exception that reached ``sys.excepthook`` / ``threading.excepthook`` (itself or
-as the cause or context of the one that did) was not swallowed; every other
-one was, and the summary names it.
+as the cause or context of the one that did), or that was being handled when
+``sys.exit`` was called, was not swallowed; every other one was, and the
+summary names it.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class Ledger:
     def __init__(self) -> None:
         self.failures: list[Failure] = []
         self.lock = threading.Lock()
-        self._hooks: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+        self._hooks: tuple[Callable[..., Any], ...] | None = None
+        self.exit_status: Any = None  # what sys.exit was asked for, if it was called
 
     def record(self, exc: BaseException, api: str, path: str | None, where: str | None,
                weights_only: bool | None) -> Failure:
@@ -102,7 +104,7 @@ class Ledger:
                 f.exc = None
 
     def install_hooks(self) -> None:
-        old_sys, old_thread = sys.excepthook, threading.excepthook
+        old_sys, old_thread, old_exit = sys.excepthook, threading.excepthook, sys.exit
 
         def sys_hook(kind: type[BaseException], value: BaseException,
                      tb: TracebackType | None) -> None:
@@ -113,12 +115,18 @@ class Ledger:
             self.mark_escaped(args.exc_value)
             old_thread(args)
 
-        sys.excepthook, threading.excepthook = sys_hook, thread_hook
-        self._hooks = (old_sys, old_thread)
+        def exit_hook(status: Any = None) -> Any:
+            # sys.exit() inside an ``except`` block stops the program because of that error.
+            self.mark_escaped(sys.exc_info()[1])
+            self.exit_status = status
+            return old_exit(status)
+
+        sys.excepthook, threading.excepthook, sys.exit = sys_hook, thread_hook, exit_hook
+        self._hooks = (old_sys, old_thread, old_exit)
 
     def remove_hooks(self) -> None:
         if self._hooks is not None:
-            sys.excepthook, threading.excepthook = self._hooks
+            sys.excepthook, threading.excepthook, sys.exit = self._hooks
             self._hooks = None
 
 

@@ -245,8 +245,10 @@ def _at_exit() -> None:
     session = _session.current()
     if session is None:
         return
-    swallowed = _session.summarize(session, final=True)
-    if session.policy == "refuse" and swallowed:
+    # A program that already asked for a failing status keeps it.
+    failing = session.policy == "refuse" and session.ledger.exit_status in (None, 0)
+    swallowed = _session.summarize(session, final=failing)
+    if failing and swallowed:
         # atexit cannot set the exit status; flush what is buffered and leave with 1.
         import logging
 

@@ -32,12 +32,12 @@ _NAMED_ARGS = ("f", "map_location", "pickle_module", "weights_only", "mmap")
 def source_path(f: Any) -> Path | None:
     """The local file a load reads: a path, or an open file object still at its start."""
     if isinstance(f, (str, os.PathLike)):
-        return Path(os.fspath(f))
+        return Path(os.path.abspath(os.fspath(f)))
     name = getattr(f, "name", None) or getattr(f, "path", None)
     if not isinstance(name, str) or not os.path.isfile(name):
         return None
     try:
-        return Path(name) if f.tell() == 0 else None
+        return Path(os.path.abspath(name)) if f.tell() == 0 else None
     except (AttributeError, OSError, ValueError):
         return None
 
