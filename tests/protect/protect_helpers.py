@@ -23,7 +23,7 @@ def flip_tensor_bit(path: Path, bit: int = 0) -> None:
             name_len, extra_len = (int.from_bytes(fh.read(2), "little") for _ in range(2))
         offset = info.header_offset + 30 + name_len + extra_len
     else:
-        from torchverity._safetensors import read_header
+        from torchverity.checkpoint._safetensors import read_header
 
         offset = next(e.begin for e in read_header(path).entries if e.nbytes)
     data[offset] ^= 1 << bit

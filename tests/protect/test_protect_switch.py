@@ -75,9 +75,12 @@ def test_wrapped_calls_return_what_the_real_ones_return(tmp_path: Path, off_afte
     assert type(result).__name__ == "_IncompatibleKeys" and not result.missing_keys
 
 
-def test_root_package_exports_the_switch() -> None:
-    assert torchverity.protect is protect and torchverity.unprotect is unprotect
-    assert torchverity.protected is protected
+def test_root_package_exports_the_switch(off_after: None) -> None:
+    assert torchverity.unprotect is unprotect and torchverity.protected is protected
+    torchverity.protect("refuse")  # the function, or the package of the same name: both turn on
+    assert is_protected()
+    torchverity.unprotect()
+    assert not is_protected()
 
 
 def test_bad_policy_and_nested_blocks_are_usage_errors(off_after: None) -> None:

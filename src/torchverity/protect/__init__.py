@@ -12,9 +12,27 @@ when the process ends. Importing this package patches nothing.
 
 from __future__ import annotations
 
+import sys
+import types
+from typing import Any
+
 from torchverity.protect._failures import Swallowed
 from torchverity.protect._state import POLICIES, Event, Policy
 from torchverity.protect._switch import is_protected, protect, protected, unprotect
 
 __all__ = ["POLICIES", "Event", "Policy", "Swallowed", "is_protected", "protect", "protected",
            "unprotect"]
+
+
+class _Switch(types.ModuleType):
+    """``torchverity.protect`` names both this package and the function that turns it on.
+
+    Importing a submodule binds the package to that name on ``torchverity``;
+    calling it still turns the switch on.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        protect(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _Switch

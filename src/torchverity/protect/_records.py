@@ -18,15 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchverity._hashing_reader import HashingReader
-from torchverity.checkpoint import (
+from torchverity.checkpoint import meta_path_for, read_meta
+from torchverity.checkpoint._damage import _locate_pt_damage
+from torchverity.checkpoint._hashing_reader import HashingReader
+from torchverity.checkpoint._load_file import (
     _digest_binds_fingerprint,
     _digest_mismatch,
     _expected_digest,
-    _locate_pt_damage,
     _pending_records,
-    meta_path_for,
-    read_meta,
 )
 from torchverity.digest import FASTER_THAN_COPY, digest_file, new_hasher
 from torchverity.errors import InputError, IntegrityError

@@ -185,7 +185,7 @@ def _is_zip(path: Path) -> bool:
 def _check_content(session: Session, api: str, record: Record, obj: Any,
                    where: str | None) -> None:
     """Keys, shapes and dtypes (and tensor hashes unless the digest vouches) against meta.json."""
-    from torchverity.checkpoint import _check_fingerprint
+    from torchverity.checkpoint._load_file import _check_fingerprint
 
     if record.meta is not None:
         try:

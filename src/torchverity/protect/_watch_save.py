@@ -53,7 +53,7 @@ def watch_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
         target = _target(filename) if session is not None else None
         if session is None or target is None:
             return original(tensors, filename, metadata)
-        from torchverity import _safetensors as st
+        import torchverity.checkpoint._safetensors as st
 
         with inside():
             payload = st.check_writable(tensors, target)
@@ -68,20 +68,22 @@ def watch_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
 def atomic_save(session: Session, payload: Any, target: Path, fmt: str, api: str,
                 write: Callable[[Any], Any]) -> None:
     """``write(file)`` into a staged temp file; publish it with its sidecar (and meta.json)."""
-    from torchverity.checkpoint import (
-        _atomic_target,
-        _HashingWriter,
-        _StableMemory,
-        meta_path_for,
-        meta_record,
+    from torchverity.checkpoint import fingerprint, meta_path_for
+    from torchverity.checkpoint._atomic import _atomic_target, _HashingWriter, _StableMemory
+    from torchverity.checkpoint._meta import meta_record
+    from torchverity.digest import (
+        ALGORITHMS,
+        DEFAULT_ALGO,
+        format_sidecar_line,
+        new_hasher,
+        sidecar_path,
     )
-    from torchverity.digest import DEFAULT_ALGO, format_sidecar_line, new_hasher, sidecar_path
-    from torchverity.fingerprint import fingerprint
 
     hasher = new_hasher(DEFAULT_ALGO)
     fingerprintable = _fingerprintable(payload)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-hash") as pool, \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-fp") as fp_pool, \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-sync") as sync_pool, \
             _atomic_target(target) as staged:
         fp_future = (fp_pool.submit(fingerprint, payload, mode="exact", workers=1)
                      if fingerprintable else None)
@@ -94,17 +96,21 @@ def atomic_save(session: Session, payload: Any, target: Path, fmt: str, api: str
             if writer.error is not None:
                 raise writer.error from None
             raise
+        staged.flushing = sync_pool.submit(os.fsync, staged.fd)  # as torchverity.save does
         writer.finish()
         digest = hasher.hexdigest()
         staged.companions[sidecar_path(target)] = format_sidecar_line(digest, target.name)
         meta_file = meta_path_for(target)
+        # Records of another algorithm (and a meta.json this save cannot write)
+        # describe the file being replaced.
+        stale = tuple(sidecar_path(target, a) for a in ALGORITHMS if a != DEFAULT_ALGO)
         if fp_future is not None:
             record = meta_record(target, fmt, DEFAULT_ALGO, digest, writer.size,
                                  fp_future.result(), None, None, {"saved_by": api})
             staged.companions[meta_file] = json.dumps(record, indent=2) + "\n"
         else:
-            # A meta.json left from an earlier save would describe other content.
-            staged.stale = (meta_file,)
+            stale += (meta_file,)
+        staged.stale = stale
     session.emit(Event("saved", api, f"{api} wrote {target} atomically with its sidecar"
                        + (" and meta.json" if fp_future is not None else ""), os.fspath(target),
                        caller_site(), {"sha256": digest, "size": writer.size}), loud=False)
@@ -112,7 +118,7 @@ def atomic_save(session: Session, payload: Any, target: Path, fmt: str, api: str
 
 def _fingerprintable(payload: Any) -> bool:
     """Whether meta.json can describe ``payload`` (tensors, containers, plain values)."""
-    from torchverity.checkpoint import _check_fingerprintable
+    from torchverity.checkpoint._save_file import _check_fingerprintable
     from torchverity.errors import FormatError
 
     try:
