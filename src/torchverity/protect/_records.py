@@ -27,9 +27,10 @@ from torchverity.checkpoint._load_file import (
     _expected_digest,
     _pending_records,
 )
-from torchverity.digest import FASTER_THAN_COPY, digest_file, new_hasher
+from torchverity.checkpoint._meta import META_SUFFIX
+from torchverity.digest import ALGORITHMS, FASTER_THAN_COPY, digest_file, new_hasher
 from torchverity.errors import InputError, IntegrityError
-from torchverity.manifest import find_manifest, read_manifest
+from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, find_manifest, read_manifest
 
 _BLOB = re.compile(r"^[0-9a-f]{64}$")
 _MANIFEST_LEVELS = 2  # the file's folder and the one above it
@@ -52,8 +53,23 @@ class Record:
         return _digest_binds_fingerprint((self.algo, self.hexdigest, self.source), self.meta)
 
 
+def _candidates(path: str) -> list[str]:
+    """Every name a record of ``path`` could have: checked with plain ``stat`` calls."""
+    folder, name = os.path.split(path)
+    up = os.path.dirname(folder)
+    names = [f"{path}.{algo}" for algo in ALGORITHMS]
+    names += [os.path.join(folder, f".{name}.{algo}.pending") for algo in ALGORITHMS]
+    names.append(f"{path}{META_SUFFIX}")
+    names += [os.path.join(d, m) for d in (folder, up) for m in (MANIFEST_NAME, SHA256SUM_NAME)]
+    return names
+
+
 def find_record(path: Path) -> Record | None:
     """The record for ``path``, or None. A record that contradicts itself raises IntegrityError."""
+    text = os.fspath(path)
+    # The common case, a file nobody recorded, costs a dozen stat calls and nothing else.
+    if not os.path.islink(text) and not any(map(os.path.exists, _candidates(text))):
+        return None
     if not path.is_file():
         return None
     pending = _pending_records(path)

@@ -10,8 +10,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -53,14 +51,21 @@ def depth() -> int:
     return int(getattr(_local, "depth", 0))
 
 
-@contextmanager
-def inside() -> Iterator[None]:
+class _Inside:
     """Calls made while one watched call runs (torchverity's own reads) pass straight through."""
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
+
+    def __enter__(self) -> None:
+        _local.depth = getattr(_local, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
         _local.depth -= 1
+
+
+_INSIDE = _Inside()
+
+
+def inside() -> _Inside:
+    return _INSIDE
 
 
 def caller_site() -> str | None:

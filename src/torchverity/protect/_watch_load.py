@@ -27,6 +27,7 @@ from torchverity.protect._state import Event, caller_site, inside
 
 MARK = "__torchverity_protect__"  # set on every wrapper: the function it wraps
 _NAMED_ARGS = ("f", "map_location", "pickle_module", "weights_only", "mmap")
+_PLAIN = frozenset(_NAMED_ARGS)  # calls without extra unpickler arguments
 
 
 def source_path(f: Any) -> Path | None:
@@ -100,21 +101,30 @@ def _verified(session: Session, api: str, record: Record, where: str | None) -> 
 
 
 def watch_torch_load(original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-
     @functools.wraps(original)
     def load(*args: Any, **kwargs: Any) -> Any:
         session = active()
         if session is None:
             return original(*args, **kwargs)
-        try:
-            arguments = signature.bind(*args, **kwargs).arguments
-        except TypeError:  # torch's own error for a bad call
+        arguments = _arguments(args, kwargs)
+        if arguments is None:  # torch's own error for a bad call
             return original(*args, **kwargs)
         return _torch_load(session, original, args, kwargs, arguments)
 
     setattr(load, MARK, original)
     return load
+
+
+def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """torch.load's arguments by name (``inspect.Signature.bind`` costs more than the rest)."""
+    if len(args) > 3 or not (args or "f" in kwargs):
+        return None
+    named = dict(zip(_NAMED_ARGS[:3], args, strict=False))
+    for key, value in kwargs.items():
+        if key in named:
+            return None
+        named[key] = value
+    return named
 
 
 def _torch_load(session: Session, original: Callable[..., Any], args: tuple[Any, ...],
@@ -156,7 +166,7 @@ def _unsafe_load(session: Session, path: Path | None, where: str | None) -> None
 def _torch_load_verified(session: Session, original: Callable[..., Any], args: tuple[Any, ...],
                          kwargs: dict[str, Any], arguments: dict[str, Any], record: Record,
                          safe: bool, where: str | None) -> Any:
-    plain = set(arguments) <= set(_NAMED_ARGS) and not arguments.get("mmap")
+    plain = set(arguments) <= _PLAIN and not arguments.get("mmap")
     if safe and plain and _is_zip(record.path):
         def read(reader: Any) -> Any:
             return original(reader, *args[1:], **{k: v for k, v in kwargs.items() if k != "f"})
