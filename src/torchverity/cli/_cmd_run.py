@@ -73,6 +73,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         out.data(summary)
     else:
         _print(summary, out)
+    if status < 0:  # killed by a signal: the shell's convention
+        return 128 - status
     if status != 0:
         return status
     return EXIT_CHECK_FAILED if args.policy == "refuse" and summary["swallowed"] else 0

@@ -6,6 +6,7 @@ see also go to stderr as one ``torchverity protect:`` line.
 
 from __future__ import annotations
 
+import shlex
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -86,8 +87,8 @@ def _print_box(swallowed: list[Swallowed], policy: str, final: bool) -> None:
             lines.append(f"     the load was called at {s.where}")
     if policy == "refuse" and final:
         lines.append("  policy refuse: the process exits with status 1")
-    lines.append("  next: fix the load (torchverity explain shows the cause of the error), or "
-                 "re-raise it so the run stops")
+    lines.append(f"  next: torchverity explain {shlex.quote(swallowed[0].error)} gives the cause "
+                 "and the fix; re-raise the error in its except block to stop the run")
     lines.append(bar)
     try:
         sys.stderr.write("\n".join(lines) + "\n")

@@ -68,16 +68,9 @@ def watch_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
 def atomic_save(session: Session, payload: Any, target: Path, fmt: str, api: str,
                 write: Callable[[Any], Any]) -> None:
     """``write(file)`` into a staged temp file; publish it with its sidecar (and meta.json)."""
-    from torchverity.checkpoint import fingerprint, meta_path_for
+    from torchverity.checkpoint import fingerprint
     from torchverity.checkpoint._atomic import _atomic_target, _HashingWriter, _StableMemory
-    from torchverity.checkpoint._meta import meta_record
-    from torchverity.digest import (
-        ALGORITHMS,
-        DEFAULT_ALGO,
-        format_sidecar_line,
-        new_hasher,
-        sidecar_path,
-    )
+    from torchverity.digest import DEFAULT_ALGO, new_hasher
 
     hasher = new_hasher(DEFAULT_ALGO)
     fingerprintable = _fingerprintable(payload)
@@ -99,21 +92,32 @@ def atomic_save(session: Session, payload: Any, target: Path, fmt: str, api: str
         staged.flushing = sync_pool.submit(os.fsync, staged.fd)  # as torchverity.save does
         writer.finish()
         digest = hasher.hexdigest()
-        staged.companions[sidecar_path(target)] = format_sidecar_line(digest, target.name)
-        meta_file = meta_path_for(target)
-        # Records of another algorithm (and a meta.json this save cannot write)
-        # describe the file being replaced.
-        stale = tuple(sidecar_path(target, a) for a in ALGORITHMS if a != DEFAULT_ALGO)
-        if fp_future is not None:
-            record = meta_record(target, fmt, DEFAULT_ALGO, digest, writer.size,
-                                 fp_future.result(), None, None, {"saved_by": api})
-            staged.companions[meta_file] = json.dumps(record, indent=2) + "\n"
-        else:
-            stale += (meta_file,)
-        staged.stale = stale
+        _stage_records(staged, target, fmt, api, digest, writer.size,
+                       fp_future.result() if fp_future is not None else None)
     session.emit(Event("saved", api, f"{api} wrote {target} atomically with its sidecar"
                        + (" and meta.json" if fp_future is not None else ""), os.fspath(target),
                        caller_site(), {"sha256": digest, "size": writer.size}), loud=False)
+
+
+def _stage_records(staged: Any, target: Path, fmt: str, api: str, digest: str, size: int,
+                   fp: Any) -> None:
+    """The sidecar, meta.json when ``fp`` describes the content, and what they replace."""
+    from torchverity.checkpoint import meta_path_for
+    from torchverity.checkpoint._meta import meta_record
+    from torchverity.digest import ALGORITHMS, DEFAULT_ALGO, format_sidecar_line, sidecar_path
+
+    staged.companions[sidecar_path(target)] = format_sidecar_line(digest, target.name)
+    meta_file = meta_path_for(target)
+    # Records of another algorithm (and a meta.json this save cannot write)
+    # describe the file being replaced.
+    stale = tuple(sidecar_path(target, a) for a in ALGORITHMS if a != DEFAULT_ALGO)
+    if fp is not None:
+        record = meta_record(target, fmt, DEFAULT_ALGO, digest, size, fp, None, None,
+                             {"saved_by": api})
+        staged.companions[meta_file] = json.dumps(record, indent=2) + "\n"
+    else:
+        stale += (meta_file,)
+    staged.stale = stale
 
 
 def _fingerprintable(payload: Any) -> bool:
