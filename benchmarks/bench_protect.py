@@ -72,7 +72,10 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--tiny-calls", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="64 MiB, 5 rounds")
     args = parser.parse_args()
+    if args.quick:
+        args.size_mib, args.rounds = 64, 5
     WORK.mkdir(parents=True, exist_ok=True)
     recorded, plain = WORK / "protect-recorded.pt", WORK / "protect-plain.pt"
     state = make_state(args.size_mib * MiB)

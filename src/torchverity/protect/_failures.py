@@ -171,7 +171,10 @@ def handler_line(code: CodeType, lasti: int) -> int | None:
     target = next((e.target for e in entries if e.start <= lasti < e.end), None)
     if target is None:
         return None
-    # The handler's first instruction (PUSH_EXC_INFO) carries no line of its
-    # own: the ``except`` line starts at the first instruction after it.
-    return next((line for offset, line in dis.findlinestarts(code)
-                 if offset >= target and line is not None), None)
+    # The handler starts with PUSH_EXC_INFO, which keeps the line of the code it
+    # interrupted; the next instruction has the ``except`` (or ``with``) line.
+    index = target // 2
+    if code.co_code[target] == dis.opmap.get("PUSH_EXC_INFO"):
+        index += 1
+    positions = list(code.co_positions())  # type: ignore[attr-defined]  # Python 3.11+
+    return positions[index][0] if index < len(positions) else None
