@@ -119,3 +119,14 @@ def test_a_save_killed_at_any_rename_leaves_a_verified_checkpoint(
     assert value in (1.0, 2.0)
     with protected("refuse"):
         assert torch.load(path)["w"][0].item() == value
+
+
+def test_a_save_through_a_symbolic_link_writes_into_the_linked_file(tmp_path: Path) -> None:
+    real = tmp_path / "blobs" / "model.pt"
+    real.parent.mkdir()
+    torch.save({"w": torch.zeros(2)}, real)
+    link = tmp_path / "model.pt"
+    link.symlink_to(real)
+    with protected("refuse"):
+        torch.save({"w": torch.ones(2)}, link)
+    assert link.is_symlink() and torch.equal(torch.load(real)["w"], torch.ones(2))

@@ -20,13 +20,13 @@ from torchverity.protect._state import Event, Policy, append_jsonl, depth, say
 class Session:
     policy: Policy
     log_path: Path | None
-    events: list[Event] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # events by kind (the log has them)
     ledger: Ledger = field(default_factory=Ledger)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def emit(self, event: Event, *, loud: bool) -> None:
         with self.lock:
-            self.events.append(event)
+            self.counts[event.kind] = self.counts.get(event.kind, 0) + 1
             if self.log_path is not None:
                 append_jsonl(self.log_path, event)
         if loud:
@@ -65,9 +65,7 @@ def summarize(session: Session, *, final: bool) -> list[Swallowed]:
     for s in swallowed:
         session.emit(Event("swallowed", s.api, s.sentence(), s.path, s.where, s.to_dict()),
                      loud=False)
-    counts: dict[str, int] = {}
-    for e in session.events:
-        counts[e.kind] = counts.get(e.kind, 0) + 1
+    counts = dict(session.counts)
     if swallowed:
         _print_box(swallowed, session.policy, final)
     session.emit(Event("summary", "protect", f"{len(swallowed)} swallowed load failure(s)",

@@ -26,8 +26,10 @@ def _target(f: Any) -> Path | None:
     if not isinstance(f, (str, os.PathLike)):
         return None
     target = Path(os.fspath(f))
-    # Anything torch would fail on keeps torch's own error.
-    return target if target.parent.is_dir() and not target.is_dir() else None
+    # Anything torch would fail on keeps torch's own error; a save through a
+    # symbolic link keeps writing into the file it points to.
+    usable = target.parent.is_dir() and not target.is_dir() and not target.is_symlink()
+    return target if usable else None
 
 
 def watch_torch_save(original: Callable[..., Any]) -> Callable[..., Any]:
