@@ -27,7 +27,7 @@ import torch
 
 import torchverity
 from _common import WORK, table, write_results
-from torchverity.protect import protect, unprotect
+from torchverity.protection import protect, unprotect
 
 MiB = 1 << 20
 PLAIN_LOAD, PLAIN_SAVE = torch.load, torch.save

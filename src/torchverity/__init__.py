@@ -17,7 +17,8 @@ Map of the package (one subpackage per area; the CLI mirrors it)::
       distributed/  cross-replica and gradient checks, cross-rank replay, DCP manifests
       report        summaries and plots of guard event logs
       integrations/ Lightning and Hugging Face callbacks (extras)
-      protect/      one switch that watches every load and save in code you don't own
+      protection/   protect(): one switch that watches every load and save in code
+                    you don't own; torchverity run
     Inference
       golden/       consistency_check, golden record/check
       selftest      known-answer and repeat-run tests of a device
@@ -78,6 +79,7 @@ if TYPE_CHECKING:
         integrations,
         manifest,
         pickles,
+        protection,
         report,
         selftest,
         serve,
@@ -107,7 +109,7 @@ if TYPE_CHECKING:
     from torchverity.golden import consistency_check
     from torchverity.manifest import build_manifest, write_manifest
     from torchverity.pickles import explain, migrate, scan
-    from torchverity.protect import protect, protected, unprotect
+    from torchverity.protection import protect, protected, unprotect
     from torchverity.training import TrainingGuard
     from torchverity.verify import verify_directory, verify_file, verify_path
 
@@ -152,6 +154,7 @@ __all__ = [
     "pickles",
     "protect",
     "protected",
+    "protection",
     "report",
     "reproducibility_check",
     "save",

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED, InputError, UsageError
 
 _KINDS = ("verified", "saved", "mismatch", "refused", "unsafe-load", "fallback", "partial-load",

@@ -35,7 +35,7 @@ def users_loader(path: Path) -> Any:
 def run(ctx: DemoContext) -> None:
     import torch
 
-    from torchverity.protect import protect, protected, unprotect
+    from torchverity.protection import protect, protected, unprotect
 
     old = ctx.workdir / "protect-old.pt"
     torch.save({"model": {"w": torch.ones(4)}, "state": TrainerState()}, old)

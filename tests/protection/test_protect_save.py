@@ -16,7 +16,7 @@ import torch
 from protect_helpers import SRC
 
 import torchverity
-from torchverity.protect import protected
+from torchverity.protection import protected
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -94,7 +94,7 @@ def test_save_file_keeps_its_metadata_and_records_the_file(tmp_path: Path) -> No
 
 SAVER = """
 import sys, torch
-from torchverity.protect import protect
+from torchverity.protection import protect
 protect("refuse")
 torch.save({"w": torch.full((256,), float(sys.argv[2]))}, sys.argv[1])
 """

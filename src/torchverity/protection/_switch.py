@@ -24,11 +24,11 @@ from types import ModuleType
 from typing import Any
 
 from torchverity.errors import CheckFailedError, UsageError
-from torchverity.protect import _session
-from torchverity.protect._failures import Swallowed
-from torchverity.protect._state import POLICIES, Event, Policy
+from torchverity.protection import _session
+from torchverity.protection._failures import Swallowed
+from torchverity.protection._state import POLICIES, Event, Policy
 
-_OWN_PREFIX = "torchverity.protect"
+_OWN_PREFIX = "torchverity.protection"
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def _wrapper_for(original: Any, make: Callable[[Any], Any]) -> Any:
 
 
 def _replace(owner: Any, name: str, make: Callable[[Any], Any]) -> Any:
-    from torchverity.protect._watch_load import MARK
+    from torchverity.protection._watch_load import MARK
 
     original = getattr(owner, name, None)
     if original is None or hasattr(original, MARK):
@@ -64,8 +64,8 @@ def _replace(owner: Any, name: str, make: Callable[[Any], Any]) -> Any:
 
 
 def _patch_torch(torch: ModuleType) -> None:
-    from torchverity.protect import _watch_load as wl
-    from torchverity.protect import _watch_save as ws
+    from torchverity.protection import _watch_load as wl
+    from torchverity.protection import _watch_save as ws
 
     _replace(torch, "load", wl.watch_torch_load)
     _replace(torch.serialization, "load", wl.watch_torch_load)
@@ -75,8 +75,8 @@ def _patch_torch(torch: ModuleType) -> None:
 
 
 def _patch_safetensors(module: ModuleType) -> None:
-    from torchverity.protect import _watch_load as wl
-    from torchverity.protect import _watch_save as ws
+    from torchverity.protection import _watch_load as wl
+    from torchverity.protection import _watch_save as ws
 
     def opener(api: str) -> Callable[[Any], Any]:
         return lambda original: wl.watch_safetensors_open(original, api)

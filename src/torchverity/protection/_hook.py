@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from torchverity.protect._state import POLICIES, say
-from torchverity.protect._switch import protect
+from torchverity.protection._state import POLICIES, say
+from torchverity.protection._switch import protect
 
 ENV = "TORCHVERITY_PROTECT"
 LOG_ENV = "TORCHVERITY_PROTECT_LOG"

@@ -12,8 +12,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchverity.protect._failures import Ledger, Swallowed
-from torchverity.protect._state import Event, Policy, append_jsonl, depth, say
+from torchverity.protection._failures import Ledger, Swallowed
+from torchverity.protection._state import Event, Policy, append_jsonl, depth, say
 
 
 @dataclass

@@ -20,7 +20,7 @@ ROOT = SRC.parent
 def off_after() -> Iterator[None]:
     """Whatever a test turns on is off again after it."""
     yield
-    from torchverity.protect import is_protected, unprotect
+    from torchverity.protection import is_protected, unprotect
 
     if is_protected():
         unprotect()

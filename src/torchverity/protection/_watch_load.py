@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from torchverity.errors import FormatError, IntegrityError, TorchVerityError
-from torchverity.protect._failures import describe
-from torchverity.protect._records import Record, check_bytes, find_record, load_hashing
-from torchverity.protect._session import Session, active
-from torchverity.protect._state import Event, caller_site, inside
+from torchverity.protection._failures import describe
+from torchverity.protection._records import Record, check_bytes, find_record, load_hashing
+from torchverity.protection._session import Session, active
+from torchverity.protection._state import Event, caller_site, inside
 
 MARK = "__torchverity_protect__"  # set on every wrapper: the function it wraps
 _NAMED_ARGS = ("f", "map_location", "pickle_module", "weights_only", "mmap")

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import torchverity  # noqa: E402
 from torchverity.errors import IntegrityError  # noqa: E402
-from torchverity.protect import protected  # noqa: E402
+from torchverity.protection import protected  # noqa: E402
 
 
 class Regressor(L.LightningModule):

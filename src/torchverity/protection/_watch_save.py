@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from torchverity.protect._session import Session, active
-from torchverity.protect._state import Event, caller_site, inside
-from torchverity.protect._watch_load import MARK
+from torchverity.protection._session import Session, active
+from torchverity.protection._state import Event, caller_site, inside
+from torchverity.protection._watch_load import MARK
 
 
 def _target(f: Any) -> Path | None:

@@ -13,7 +13,7 @@ from protect_helpers import run_python
 
 import torchverity
 from torchverity.errors import CheckFailedError, UsageError
-from torchverity.protect import is_protected, protect, protected, unprotect
+from torchverity.protection import is_protected, protect, protected, unprotect
 
 ORIGINALS = {
     "torch.load": torch.load,
@@ -75,12 +75,9 @@ def test_wrapped_calls_return_what_the_real_ones_return(tmp_path: Path, off_afte
     assert type(result).__name__ == "_IncompatibleKeys" and not result.missing_keys
 
 
-def test_root_package_exports_the_switch(off_after: None) -> None:
-    assert torchverity.unprotect is unprotect and torchverity.protected is protected
-    torchverity.protect("refuse")  # the function, or the package of the same name: both turn on
-    assert is_protected()
-    torchverity.unprotect()
-    assert not is_protected()
+def test_root_package_exports_the_switch() -> None:
+    assert torchverity.protect is protect and torchverity.unprotect is unprotect
+    assert torchverity.protected is protected
 
 
 def test_bad_policy_and_nested_blocks_are_usage_errors(off_after: None) -> None:
@@ -105,7 +102,7 @@ def test_importing_torchverity_patches_nothing_and_the_switch_imports_no_torch()
         import torch
         original = torch.load
         import torchverity
-        from torchverity.protect import protect, unprotect
+        from torchverity.protection import protect, unprotect
         for name in torchverity.__all__:
             getattr(torchverity, name)
         assert torch.load is original, "importing torchverity patched torch.load"
@@ -116,7 +113,7 @@ def test_importing_torchverity_patches_nothing_and_the_switch_imports_no_torch()
     assert done.stdout.strip() == "ok"
     done = run_python("""
         import sys
-        from torchverity.protect import protect, unprotect
+        from torchverity.protection import protect, unprotect
         protect()
         assert "torch" not in sys.modules, "protect() imported torch"
         import torch

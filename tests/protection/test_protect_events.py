@@ -13,8 +13,8 @@ from protect_helpers import flip_tensor_bit
 
 import torchverity
 from torchverity.cli._cmd_run import _read_log
-from torchverity.protect import protected
-from torchverity.protect._state import EventKind
+from torchverity.protection import protected
+from torchverity.protection._state import EventKind
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "formats" / "protect.md"
 COMMON = {"time": str, "pid": int, "kind": str, "api": str, "message": str}

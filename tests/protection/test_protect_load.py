@@ -16,7 +16,7 @@ from protect_helpers import flip_tensor_bit
 
 import torchverity
 from torchverity.errors import IntegrityError
-from torchverity.protect import protected
+from torchverity.protection import protected
 
 HERE = os.path.abspath(__file__)
 

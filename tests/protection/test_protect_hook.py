@@ -61,7 +61,7 @@ def test_refuse_from_the_environment_refuses_a_damaged_checkpoint(
 
 def test_an_unknown_value_protects_with_warn_and_says_so(hooked_python: str) -> None:
     done = run_python("""
-        from torchverity.protect import is_protected
+        from torchverity.protection import is_protected
         print(is_protected())
     """, python=hooked_python, env={"TORCHVERITY_PROTECT": "yes"})
     assert done.returncode == 0, done.stderr

@@ -16,7 +16,7 @@ from protect_helpers import flip_tensor_bit  # noqa: E402
 
 import torchverity  # noqa: E402
 from torchverity.errors import IntegrityError  # noqa: E402
-from torchverity.protect import protected  # noqa: E402
+from torchverity.protection import protected  # noqa: E402
 
 
 def _tiny() -> transformers.BertModel:
