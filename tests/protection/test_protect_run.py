@@ -87,3 +87,11 @@ def torch_ones() -> object:
     import torch
 
     return torch.ones(16)
+
+
+def test_a_command_that_does_not_exist_is_an_input_error(tmp_path: Path) -> None:
+    env = {"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "torchverity", "run", "--", "no-such-trainer"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2
+    assert "no-such-trainer: command not found" in done.stderr and "Traceback" not in done.stderr
