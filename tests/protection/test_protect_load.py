@@ -192,3 +192,44 @@ def test_load_state_dict_strict_false_reports_missing_and_unexpected_keys(tmp_pa
 
 
 ORIGINAL_SAVE = torch.save
+
+
+def test_a_truncated_recorded_file_is_refused_as_damage_not_as_a_torch_error(
+        tmp_path: Path) -> None:
+    path = tmp_path / "model.pt"
+    torchverity.save(_state(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(IntegrityError, match="digest does not match"), protected("refuse"):
+        torch.load(path)
+
+
+def test_records_that_contradict_each_other_are_refused(tmp_path: Path) -> None:
+    path, other = tmp_path / "model.pt", tmp_path / "other.pt"
+    torchverity.save(_state(), path)
+    torchverity.save({"w": torch.zeros(2)}, other)
+    shutil.copy(tmp_path / "other.pt.meta.json", tmp_path / "model.pt.meta.json")
+    with pytest.raises(IntegrityError, match=r"meta\.json disagrees with the sidecar"), \
+            protected("refuse"):
+        torch.load(path)
+
+
+@pytest.mark.parametrize(("env", "kwargs", "safe"), [
+    ({}, {}, True),
+    ({}, {"weights_only": False}, False),
+    ({}, {"pickle_module": __import__("pickle")}, False),
+    ({"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, {}, False),
+    ({"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}, {"weights_only": True}, True),
+    ({"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}, {"weights_only": False}, True),
+])
+def test_unsafe_loads_are_judged_as_torch_judges_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
+        kwargs: dict[str, Any], safe: bool) -> None:
+    path = tmp_path / "plain.pt"
+    ORIGINAL_SAVE(_state(), path)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    log = tmp_path / "log.jsonl"
+    with protected("warn", log=log):
+        torch.load(path, **kwargs)
+    assert bool(events(log, "unsafe-load")) is not safe
