@@ -233,3 +233,15 @@ def test_unsafe_loads_are_judged_as_torch_judges_them(
     with protected("warn", log=log):
         torch.load(path, **kwargs)
     assert bool(events(log, "unsafe-load")) is not safe
+
+
+def test_a_repeated_unsafe_call_is_printed_once_and_logged_every_time(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "plain.pt"
+    ORIGINAL_SAVE(_state(), path)
+    log = tmp_path / "log.jsonl"
+    with protected("warn", log=log):
+        for _ in range(3):
+            torch.load(path, weights_only=False)
+    assert capsys.readouterr().err.count("torch.load(weights_only=False)") == 1
+    assert len(events(log, "unsafe-load")) == 3

@@ -23,12 +23,18 @@ class Session:
     counts: dict[str, int] = field(default_factory=dict)  # events by kind (the log has them)
     ledger: Ledger = field(default_factory=Ledger)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    said: set[tuple[str, str | None]] = field(default_factory=set)  # (kind, line) printed
 
-    def emit(self, event: Event, *, loud: bool) -> None:
+    def emit(self, event: Event, *, loud: bool, once: bool = False) -> None:
+        """Log ``event``; print it if ``loud`` (``once``: first time per kind and line only)."""
         with self.lock:
             self.counts[event.kind] = self.counts.get(event.kind, 0) + 1
             if self.log_path is not None:
                 append_jsonl(self.log_path, event)
+            if once:
+                key = (event.kind, event.where)
+                loud = loud and key not in self.said
+                self.said.add(key)
         if loud:
             say(event.message)
 

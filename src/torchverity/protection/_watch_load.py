@@ -160,7 +160,7 @@ def _unsafe_load(session: Session, path: Path | None, where: str | None) -> None
         return
     session.emit(Event("unsafe-load", "torch.load",
                        f"torch.load(weights_only=False) of {target or 'a stream'} at {where}: "
-                       "any code in the file's pickle runs", target, where), loud=True)
+                       "any code in the file's pickle runs", target, where), loud=True, once=True)
 
 
 def _torch_load_verified(session: Session, original: Callable[..., Any], args: tuple[Any, ...],
@@ -279,4 +279,4 @@ def _partial(session: Session, model: str, missing: list[str], unexpected: list[
     session.emit(Event(
         "partial-load", "load_state_dict",
         f"{model}.load_state_dict(strict=False) at {where}: {'; '.join(parts)}", None, where,
-        {"missing_keys": missing, "unexpected_keys": unexpected}), loud=True)
+        {"missing_keys": missing, "unexpected_keys": unexpected}), loud=True, once=True)
