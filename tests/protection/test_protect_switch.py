@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -44,7 +46,9 @@ def test_off_means_the_original_function_objects() -> None:
 
 
 def test_protect_wraps_and_unprotect_restores_the_same_objects(off_after: None) -> None:
+    hooks = (sys.excepthook, threading.excepthook, sys.exit)
     protect()
+    assert sys.excepthook is not hooks[0]
     now = _current()
     assert all(now[name] is not obj for name, obj in ORIGINALS.items())
     assert torch.serialization.load is torch.load  # one wrapper for one function
@@ -54,6 +58,22 @@ def test_protect_wraps_and_unprotect_restores_the_same_objects(off_after: None) 
     assert torch.load.__name__ == "load" and torch.load.__doc__ == ORIGINALS["torch.load"].__doc__
     unprotect()
     assert all(_current()[name] is obj for name, obj in ORIGINALS.items())
+    assert (sys.excepthook, threading.excepthook, sys.exit) == hooks
+
+
+def test_a_hook_the_program_installs_meanwhile_is_kept(off_after: None) -> None:
+    before = sys.excepthook
+
+    def program_hook(*args: object) -> None:
+        before(*args)  # type: ignore[arg-type]
+
+    protect()
+    sys.excepthook = program_hook
+    try:
+        unprotect()
+        assert sys.excepthook is program_hook
+    finally:
+        sys.excepthook = before
 
 
 def test_the_context_manager_restores_even_when_the_block_raises() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _TELLING = re.compile(r"WeightsUnpickler error|Unsupported (global|operand)")
+_Hook = tuple[Any, str, Callable[..., Any], Callable[..., Any]]  # owner, name, ours, previous
 _KEEP = 200  # failures kept with their exception (and its frames) per session
 
 
@@ -67,7 +68,7 @@ class Ledger:
     def __init__(self) -> None:
         self.failures: list[Failure] = []
         self.lock = threading.Lock()
-        self._hooks: tuple[Callable[..., Any], ...] | None = None
+        self._hooks: tuple[_Hook, ...] | None = None
         self.exit_status: Any = None  # what sys.exit was asked for, if it was called
 
     def record(self, exc: BaseException, api: str, path: str | None, where: str | None,
@@ -122,12 +123,16 @@ class Ledger:
             return old_exit(status)
 
         sys.excepthook, threading.excepthook, sys.exit = sys_hook, thread_hook, exit_hook
-        self._hooks = (old_sys, old_thread, old_exit)
+        self._hooks = ((sys, "excepthook", sys_hook, old_sys),
+                       (threading, "excepthook", thread_hook, old_thread),
+                       (sys, "exit", exit_hook, old_exit))
 
     def remove_hooks(self) -> None:
-        if self._hooks is not None:
-            sys.excepthook, threading.excepthook, sys.exit = self._hooks
-            self._hooks = None
+        """Put the previous hooks back, except where the program installed its own since."""
+        for owner, name, mine, old in self._hooks or ():
+            if getattr(owner, name) is mine:
+                setattr(owner, name, old)
+        self._hooks = None
 
 
 def _chain(exc: BaseException | None) -> Iterable[int]:

@@ -189,8 +189,9 @@ def protect(policy: Policy = "warn", *, log: str | os.PathLike[str] | None = Non
     if not _atexit_registered:
         atexit.register(_at_exit)
         _atexit_registered = True
+    argv = list(getattr(sys, "argv", []))  # not set yet when the startup hook runs early
     session.emit(Event("started", "protect", f"protecting this process (policy {policy})",
-                       detail={"policy": policy, "argv": list(sys.argv)}), loud=False)
+                       detail={"policy": policy, "argv": argv}), loud=False)
 
 
 def unprotect() -> list[Swallowed]:
