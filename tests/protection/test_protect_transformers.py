@@ -86,3 +86,25 @@ def test_a_folder_saved_without_the_switch_is_checked_against_its_manifest(
     flip_tensor_bit(folder / "model.safetensors")
     with pytest.raises(IntegrityError, match=r"torchverity\.manifest\.json"), protected("refuse"):
         transformers.BertModel.from_pretrained(folder)
+
+
+def test_from_the_environment_a_later_import_of_transformers_is_watched(
+        saved: Path, tmp_path: Path, hooked_python: str) -> None:
+    from protect_helpers import run_python
+
+    folder = tmp_path / "copy"
+    shutil.copytree(saved, folder)
+    flip_tensor_bit(sorted(folder.glob("*.safetensors"))[0])
+    done = run_python("""
+        import sys
+        assert "safetensors" not in sys.modules and "transformers" not in sys.modules
+        import transformers
+        from torchverity.errors import IntegrityError
+        try:
+            transformers.BertModel.from_pretrained(sys.argv[1])
+        except IntegrityError as exc:
+            print("refused", exc.tensors)
+            sys.exit(3)
+    """, python=hooked_python, env={"TORCHVERITY_PROTECT": "refuse"}, args=(str(folder),))
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout.startswith("refused ['")
