@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import time
@@ -67,6 +68,11 @@ def paired(times: dict[str, list[float]], a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
+VERIFIED, ON_VERIFIED = "torchverity.load (sidecar)", "torch.load, switch on (sidecar)"
+PLAIN, ON_PLAIN = "torch.load, switch off (no record)", "torch.load, switch on (no record)"
+BASELINE = {VERIFIED: VERIFIED, ON_VERIFIED: VERIFIED, PLAIN: PLAIN, ON_PLAIN: PLAIN}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=256)
@@ -76,49 +82,67 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.size_mib, args.rounds = 64, 5
-    WORK.mkdir(parents=True, exist_ok=True)
-    recorded, plain = WORK / "protect-recorded.pt", WORK / "protect-plain.pt"
-    state = make_state(args.size_mib * MiB)
-    torchverity.save(state, recorded)
-    PLAIN_SAVE(state, plain)
-    del state
-    for path in (recorded, plain):  # warm the page cache
-        path.read_bytes()
-    cases = {
-        "torchverity.load (sidecar)": (lambda: torchverity.load(recorded), False),
-        "torch.load, switch on (sidecar)": (lambda: torch.load(recorded), True),
-        "torch.load, switch off (no record)": (lambda: PLAIN_LOAD(plain), False),
-        "torch.load, switch on (no record)": (lambda: torch.load(plain), True),
-    }
-    times = run_rounds(cases, args.rounds)
-    base = {"torchverity.load (sidecar)": "torchverity.load (sidecar)",
-            "torch.load, switch on (sidecar)": "torchverity.load (sidecar)",
-            "torch.load, switch off (no record)": "torch.load, switch off (no record)",
-            "torch.load, switch on (no record)": "torch.load, switch off (no record)"}
-    rows = [(name, f"{min(t):.3f}", f"{statistics.median(t):.3f}",
-             f"{paired(times, name, base[name]):.3f}x", base[name])
-            for name, t in times.items()]
-    verified = paired(times, "torch.load, switch on (sidecar)", "torchverity.load (sidecar)")
-    unrecorded = paired(times, "torch.load, switch on (no record)",
-                        "torch.load, switch off (no record)")
+    recorded, plain = _files(args.size_mib)
+    times = run_rounds({
+        VERIFIED: (lambda: torchverity.load(recorded), False),
+        ON_VERIFIED: (lambda: torch.load(recorded), True),
+        PLAIN: (lambda: PLAIN_LOAD(plain), False),
+        ON_PLAIN: (lambda: torch.load(plain), True),
+    }, args.rounds)
+    load = _load_average()
     tiny = WORK / "protect-tiny.pt"
     PLAIN_SAVE({"w": torch.ones(16)}, tiny)
-    per_call = tiny_calls(tiny, args.tiny_calls)
     body = (
         f"State: 64 float32 tensors, {args.size_mib} MiB in total, page cache warm, "
         f"{args.rounds} interleaved rounds (order rotated each round).\n\n"
-        + table(("method", "best s", "median s", "ratio (median of paired rounds)",
-                 "baseline"), rows)
-        + f"\nSwitch on, file with a sidecar / torchverity.load: {verified:.3f}x (target <= 1x, "
-        "both read the file once while hashing it). Switch on, file without a record / plain "
-        f"torch.load: {unrecorded:.3f}x (target <= 1.02x).\n\n"
-        "## Bookkeeping per call (64-byte tensor file, no record)\n\n"
-        + table(("method", "best µs per call", "median µs per call"), per_call)
+        + _report(times, load)
+        + "## Bookkeeping per call (64-byte tensor file, no record)\n\n"
+        + table(("method", "best µs per call", "median µs per call"),
+                tiny_calls(tiny, args.tiny_calls))
     )
     print(body)
     command = "python benchmarks/bench_protect.py" + (
         f" --size-mib {args.size_mib}" if args.size_mib != 256 else "")
     write_results("protect", "Protect: the cost of watching loads", command, body)
+
+
+def _files(size_mib: int) -> tuple[Path, Path]:
+    """The same state saved with records (torchverity.save) and without (torch.save)."""
+    WORK.mkdir(parents=True, exist_ok=True)
+    recorded, plain = WORK / "protect-recorded.pt", WORK / "protect-plain.pt"
+    state = make_state(size_mib * MiB)
+    torchverity.save(state, recorded)
+    PLAIN_SAVE(state, plain)
+    del state
+    for path in (recorded, plain):  # warm the page cache
+        path.read_bytes()
+    return recorded, plain
+
+
+def _report(times: dict[str, list[float]], load: str) -> str:
+    def best(name: str) -> float:
+        return min(times[name]) / min(times[BASELINE[name]])
+
+    rows = [(name, f"{min(t):.3f}", f"{statistics.median(t):.3f}", f"{best(name):.3f}x",
+             f"{paired(times, name, BASELINE[name]):.3f}x", BASELINE[name])
+            for name, t in times.items()]
+    return (
+        table(("method", "best s", "median s", "ratio of best times",
+               "ratio (median of paired rounds)", "baseline"), rows)
+        + f"\nSwitch on, file with a sidecar / torchverity.load: {best(ON_VERIFIED):.3f}x best, "
+        f"{paired(times, ON_VERIFIED, VERIFIED):.3f}x paired median (target <= 1x: both read "
+        "the file once while hashing it). Switch on, file without a record / plain torch.load: "
+        f"{best(ON_PLAIN):.3f}x best, {paired(times, ON_PLAIN, PLAIN):.3f}x paired median "
+        f"(target <= 1.02x). Load average {load} during the run (2 cores shared with other "
+        "jobs): the best times are the least disturbed.\n\n"
+    )
+
+
+def _load_average() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "unknown"
 
 
 def tiny_calls(path: Path, calls: int) -> list[tuple[str, str]]:
