@@ -245,3 +245,29 @@ def test_a_repeated_unsafe_call_is_printed_once_and_logged_every_time(
             torch.load(path, weights_only=False)
     assert capsys.readouterr().err.count("torch.load(weights_only=False)") == 1
     assert len(events(log, "unsafe-load")) == 3
+
+
+@pytest.mark.parametrize("record", ["sidecar", "manifest above"])
+def test_a_record_created_after_a_file_was_found_without_one_is_used(
+        tmp_path: Path, record: str) -> None:
+    folder = tmp_path / "run" / "ckpt"
+    folder.mkdir(parents=True)
+    path = folder / "model.pt"
+    ORIGINAL_SAVE(_state(), path)
+    for settled in (folder, folder.parent):  # folders untouched for a while: the lookup is cached
+        os.utime(settled, ns=(1_000_000_000, 1_000_000_000))
+    log = tmp_path / "log.jsonl"
+    with protected("refuse", log=log):
+        torch.load(path)
+        torch.load(path)  # answered from the cache
+    assert events(log, "verified") == []
+    from torchverity.protection._records import _negative
+
+    assert str(path) in _negative  # the lookup really was cached
+    if record == "sidecar":
+        torchverity.write_sidecar(path, torchverity.digest_file(path))
+    else:
+        torchverity.write_manifest(folder.parent)
+    flip_tensor_bit(path)
+    with pytest.raises(IntegrityError), protected("refuse"):
+        torch.load(path)

@@ -5,7 +5,8 @@ then the sidecar, then the digest in meta.json. Beyond those, a file listed in
 a torchverity manifest of its folder (or the folder above) is checked against
 that entry, and a file that resolves to a Hugging Face cache blob named by a
 SHA-256 is checked against its name. Looking for records costs a few ``stat``
-calls; a file without one is never read here.
+calls (two for a file already found without any); a file without one is never
+read here.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +36,9 @@ from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, find_manifest, r
 
 _BLOB = re.compile(r"^[0-9a-f]{64}$")
 _MANIFEST_LEVELS = 2  # the file's folder and the one above it
+_SETTLED_NS = 1_000_000_000
+_NEGATIVE_MAX = 100_000
+_negative: dict[str, tuple[int, int]] = {}  # path -> its two folders' mtimes when it had none
 
 
 @dataclass(frozen=True)
@@ -64,11 +69,32 @@ def _candidates(path: str) -> list[str]:
     return names
 
 
+def _unrecorded(path: str) -> bool:
+    """Whether no record can exist for ``path``: a dozen ``stat`` calls, or two when cached.
+
+    A negative answer is remembered with the modification times of the two folders a
+    record could be in; creating any record there changes one of them. Folders changed
+    in the last second are looked at afresh (their times may not have ticked yet).
+    """
+    folder = os.path.dirname(path)
+    try:
+        key = (os.stat(folder).st_mtime_ns, os.stat(os.path.dirname(folder)).st_mtime_ns)
+    except OSError:
+        return False
+    if _negative.get(path) == key:
+        return True
+    if os.path.islink(path) or any(map(os.path.exists, _candidates(path))):
+        return False
+    if time.time_ns() - max(key) > _SETTLED_NS:
+        if len(_negative) >= _NEGATIVE_MAX:
+            _negative.clear()
+        _negative[path] = key
+    return True
+
+
 def find_record(path: Path) -> Record | None:
     """The record for ``path``, or None. A record that contradicts itself raises IntegrityError."""
-    text = os.fspath(path)
-    # The common case, a file nobody recorded, costs a dozen stat calls and nothing else.
-    if not os.path.islink(text) and not any(map(os.path.exists, _candidates(text))):
+    if _unrecorded(os.fspath(path)):
         return None
     if not path.is_file():
         return None
