@@ -33,7 +33,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="refuse: a file that does not match its record raises, and a swallowed "
                         "load failure fails the run; warn (default): both are reported")
     p.add_argument("--log", type=Path, metavar="FILE",
-                   help="keep the JSONL event log of every protected process here")
+                   help="keep the JSONL event log of every protected process here (replaced)")
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ...",
                    help="run a Python module and its arguments with this interpreter "
                         "(like python -m)")
