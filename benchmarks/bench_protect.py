@@ -81,7 +81,7 @@ BASELINE = {VERIFIED: VERIFIED, ON_VERIFIED: VERIFIED, PLAIN: PLAIN, ON_PLAIN: P
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--tiny-calls", type=int, default=300)
     parser.add_argument("--quick", action="store_true", help="64 MiB, 5 rounds")
     args = parser.parse_args()
