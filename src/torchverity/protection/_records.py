@@ -30,6 +30,7 @@ from torchverity.checkpoint._load_file import (
     _pending_records,
 )
 from torchverity.checkpoint._meta import META_SUFFIX
+from torchverity.checkpoint._results import ExpectedDigest
 from torchverity.digest import ALGORITHMS, FASTER_THAN_COPY, digest_file, new_hasher
 from torchverity.errors import InputError, IntegrityError
 from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, find_manifest, read_manifest
@@ -53,9 +54,18 @@ class Record:
     meta: dict[str, Any] | None = None
 
     @property
+    def expected(self) -> ExpectedDigest | None:
+        """As ``torchverity.load`` names it (for records it reads: sidecar and meta)."""
+        if self.source == "sidecar":
+            return ExpectedDigest(self.algo, self.hexdigest, "sidecar")
+        if self.source == "meta":
+            return ExpectedDigest(self.algo, self.hexdigest, "meta")
+        return None
+
+    @property
     def bound(self) -> bool:
         """Whether meta.json's fingerprint was recorded with this very digest."""
-        return _digest_binds_fingerprint((self.algo, self.hexdigest, self.source), self.meta)
+        return _digest_binds_fingerprint(self.expected, self.meta)
 
 
 def _candidates(path: str) -> list[str]:
@@ -100,14 +110,15 @@ def find_record(path: Path) -> Record | None:
         return None
     pending = _pending_records(path)
     if pending is not None:
-        (algo, hexd, source), meta = pending
-        return Record(path, algo, hexd, source, f"{path.name} (pending records)", meta)
+        found, meta = pending
+        return Record(path, found.algo, found.hex, found.source,
+                      f"{path.name} (pending records)", meta)
     meta = read_meta(path) if meta_path_for(path).exists() else None
     expected = _expected_digest(path, meta, "warn")
     if expected is not None:
-        algo, hexd, source = expected
-        name = f"{path.name}.{algo}" if source == "sidecar" else meta_path_for(path).name
-        return Record(path, algo, hexd, source, name, meta)
+        name = (f"{path.name}.{expected.algo}" if expected.source == "sidecar"
+                else meta_path_for(path).name)
+        return Record(path, expected.algo, expected.hex, expected.source, name, meta)
     return _manifest_record(path) or _blob_record(path)
 
 
@@ -140,9 +151,8 @@ def _blob_record(path: Path) -> Record | None:
 
 def mismatch(record: Record, actual: str) -> IntegrityError:
     """The error ``torchverity.load`` raises for this mismatch (tensors named when it can)."""
-    if record.source in ("sidecar", "meta"):
-        expected = (record.algo, record.hexdigest, record.source)
-        return _digest_mismatch(record.path, expected, actual,
+    if record.expected is not None:
+        return _digest_mismatch(record.path, record.expected, actual,
                                 _locate_pt_damage(record.path, record.meta))
     p = record.path
     return IntegrityError(
