@@ -12,8 +12,6 @@ imports neither.
 from __future__ import annotations
 
 import atexit
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -118,11 +116,15 @@ def _rebind_imported_names() -> None:
                 _patches.append(_Patch(module, name, original))
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Patches a watched library right after its first import."""
+class _AfterImport:
+    """A ``sys.meta_path`` finder that patches a watched library right after its first import.
+
+    Finders and loaders are duck-typed: not subclassing ``importlib.abc`` keeps its
+    imports (pathlib, importlib.resources) off the interpreter-start hook.
+    """
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
-                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+                  target: ModuleType | None = None) -> Any:
         patcher = _PATCHERS.get(fullname)
         if patcher is None:
             return None
@@ -135,16 +137,16 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         else:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchingLoader(spec.loader, patcher)
+            spec.loader = _PatchingLoader(spec.loader, patcher)  # type: ignore[assignment]  # duck-typed
         return spec
 
 
-class _PatchingLoader(importlib.abc.Loader):
+class _PatchingLoader:
     def __init__(self, loader: Any, patcher: Callable[[ModuleType], None]) -> None:
         self._loader = loader
         self._patcher = patcher
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+    def create_module(self, spec: Any) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
