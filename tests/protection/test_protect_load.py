@@ -271,3 +271,18 @@ def test_a_record_created_after_a_file_was_found_without_one_is_used(
     flip_tensor_bit(path)
     with pytest.raises(IntegrityError), protected("refuse"):
         torch.load(path)
+
+
+def test_mmap_and_legacy_loads_are_checked_before_torch_reads_them(tmp_path: Path) -> None:
+    mapped, legacy = tmp_path / "mapped.pt", tmp_path / "legacy.pt"
+    torchverity.save(_state(), mapped)
+    ORIGINAL_SAVE(_state(), legacy, _use_new_zipfile_serialization=False)
+    torchverity.write_sidecar(legacy, torchverity.digest_file(legacy))
+    log = tmp_path / "log.jsonl"
+    with protected("refuse", log=log):
+        assert torch.equal(torch.load(mapped, mmap=True)["w"], _state()["w"])
+        assert torch.equal(torch.load(legacy)["w"], _state()["w"])
+    assert len(events(log, "verified")) == 2
+    flip_tensor_bit(mapped)
+    with pytest.raises(IntegrityError), protected("refuse"):
+        torch.load(mapped, mmap=True)
