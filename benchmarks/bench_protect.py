@@ -107,7 +107,8 @@ def main() -> None:
     )
     print(body)
     command = "python benchmarks/bench_protect.py" + (
-        f" --size-mib {args.size_mib}" if args.size_mib != 256 else "")
+        f" --size-mib {args.size_mib}" if args.size_mib != 256 else "") + (
+        f" --rounds {args.rounds}" if args.rounds != 15 else "")
     write_results("protect", "Protect: the cost of watching loads", command, body)
 
 
