@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED, InputError, UsageError
 
@@ -19,9 +20,8 @@ _KINDS = ("verified", "saved", "mismatch", "refused", "unsafe-load", "fallback",
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "run",
-        parents=[common],
+    p = add_command(
+        subparsers, common, "run", _run,
         help="run a command with every checkpoint load and save verified",
         description="Run COMMAND (or python -m MODULE) with TORCHVERITY_PROTECT set: every "
         "Python process it starts verifies the checkpoints it loads against their records, "
@@ -39,7 +39,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                         "(like python -m)")
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="the command and its arguments, after --")
-    p.set_defaults(func=_run)
 
 
 def _command(args: argparse.Namespace) -> list[str]:

@@ -115,10 +115,11 @@ def find_record(path: Path) -> Record | None:
                       f"{path.name} (pending records)", meta)
     meta = read_meta(path) if meta_path_for(path).exists() else None
     expected = _expected_digest(path, meta, "warn")
-    if expected is not None:
+    if expected is not None and expected.source != "manifest":
         name = (f"{path.name}.{expected.algo}" if expected.source == "sidecar"
                 else meta_path_for(path).name)
         return Record(path, expected.algo, expected.hex, expected.source, name, meta)
+    # A manifest entry: found again here to name the manifest (and to look one folder up).
     return _manifest_record(path) or _blob_record(path)
 
 
