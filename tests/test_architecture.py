@@ -20,6 +20,7 @@ BOTTOM = frozenset({
 PACKAGES = ("torchverity", "torchverity.checkpoint", "torchverity.pickles",
             "torchverity.training", "torchverity.distributed", "torchverity.golden",
             "torchverity.serve", "torchverity.batch", "torchverity.integrations",
+            "torchverity.protection",
             "torchverity.integrations.lightning", "torchverity.integrations.hf")
 
 

@@ -17,6 +17,8 @@ Map of the package (one subpackage per area; the CLI mirrors it)::
       distributed/  cross-replica and gradient checks, cross-rank replay, DCP manifests
       report        summaries and plots of guard event logs
       integrations/ Lightning and Hugging Face callbacks (extras)
+      protection/   protect(): one switch that watches every load and save in code
+                    you don't own; torchverity run
     Inference
       golden/       consistency_check, golden record/check
       selftest      known-answer and repeat-run tests of a device
@@ -77,6 +79,7 @@ if TYPE_CHECKING:
         integrations,
         manifest,
         pickles,
+        protection,
         report,
         selftest,
         serve,
@@ -106,6 +109,7 @@ if TYPE_CHECKING:
     from torchverity.golden import consistency_check
     from torchverity.manifest import build_manifest, write_manifest
     from torchverity.pickles import explain, migrate, scan
+    from torchverity.protection import protect, protected, unprotect
     from torchverity.training import TrainingGuard
     from torchverity.verify import verify_directory, verify_file, verify_path
 
@@ -148,6 +152,9 @@ __all__ = [
     "manifest",
     "migrate",
     "pickles",
+    "protect",
+    "protected",
+    "protection",
     "report",
     "reproducibility_check",
     "save",
@@ -156,6 +163,7 @@ __all__ = [
     "selftest",
     "serve",
     "training",
+    "unprotect",
     "verify_directory",
     "verify_export",
     "verify_file",

@@ -52,6 +52,7 @@ from torchverity.digest import (
 )
 from torchverity.errors import (
     FormatError,
+    InputError,
     IntegrityError,
 )
 
@@ -116,7 +117,29 @@ def _pending_records(p: Path) -> tuple[ExpectedDigest, dict[str, Any] | None] | 
             return None  # a save that died before its rename: the old records stand
         mp = pending_name(meta_path_for(p))
         return ExpectedDigest(algo, hexd, "sidecar"), _read_meta_file(mp) if mp.is_file() else None
-    return None
+    return _pending_meta(p)
+
+
+def _pending_meta(p: Path) -> tuple[ExpectedDigest, dict[str, Any]] | None:
+    """A save killed between its sidecar's rename and meta.json's: the published sidecar and
+    the pending meta.json record the same digest, and belong together (no extra pass)."""
+    mp = pending_name(meta_path_for(p))
+    if not mp.is_file():
+        return None
+    try:
+        meta = _read_meta_file(mp)
+    except (InputError, FormatError):  # a torn pending file: the published records stand
+        return None
+    recorded = meta.get("digest")
+    if not isinstance(recorded, dict) or recorded.get("algo") not in ALGORITHMS:
+        return None
+    algo = str(recorded["algo"])
+    if not sidecar_path(p, algo).is_file():
+        return None
+    hexd = _first_word(sidecar_path(p, algo))
+    if hexd is None or hexd != recorded.get("hex"):
+        return None  # a later save that died before its rename: the old records stand
+    return ExpectedDigest(algo, hexd, "sidecar"), meta
 
 
 def _first_word(path: Path) -> str | None:
