@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from torchverity._tensors import iter_leaves
+from torchverity.checkpoint._records import pending_name
 from torchverity.digest import (
     fsync_path,
 )
@@ -215,11 +216,6 @@ def _temp_prefix(final: Path) -> str:
 
 def _temp_name(final: Path) -> Path:
     return final.with_name(f"{_temp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def pending_name(final: Path) -> Path:
-    """Where a companion waits until the checkpoint is renamed (found by load after a crash)."""
-    return final.with_name(f".{final.name}.pending")
 
 
 def _sync_together(fd: int, companions: dict[Path, str]) -> None:
