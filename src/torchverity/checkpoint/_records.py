@@ -137,10 +137,12 @@ def resolve_records(p: Path) -> Records:
         meta, mp = read_meta_file(meta_path_for(p)), meta_path_for(p)
     wanted = recorded_digest(meta)
     # The sidecar of the algorithm meta.json used; another one may describe a file replaced.
-    algo = wanted[0] if wanted is not None and wanted[0] in sidecars else next(iter(sidecars), None)
-    if algo is None:
+    chosen: str | None = next(iter(sidecars), None)
+    if wanted is not None and wanted[0] in sidecars:
+        chosen = wanted[0]
+    if chosen is None:
         return Records(None, None, None, meta, mp)
-    return Records(sidecar_path(p, algo), algo, sidecars[algo], meta, mp)
+    return Records(sidecar_path(p, chosen), chosen, sidecars[chosen], meta, mp)
 
 
 def _matching_pending_sidecar(p: Path) -> tuple[str, str, Path] | None:
@@ -177,3 +179,18 @@ def _first_word(path: Path) -> str | None:
     except (OSError, UnicodeDecodeError):
         return None
     return words[0].lower() if words else None
+
+
+def settle(p: Path) -> None:
+    """Finish the renames of a save killed after renaming ``p``, before a new save starts.
+
+    A new save rewrites the pending names; were the file still described by
+    them, it would be left with the records of the save before it.
+    """
+    if not p.is_file():
+        return
+    records = resolve_records(p)
+    if records.pending and records.sidecar is not None and records.algo is not None:
+        os.replace(records.sidecar, sidecar_path(p, records.algo))
+    if records.meta_file is not None and records.meta_file == pending_name(meta_path_for(p)):
+        os.replace(records.meta_file, meta_path_for(p))
