@@ -185,7 +185,8 @@ def _atomic_target(target: Path) -> Iterator[_Staged]:
         if staged.fd >= 0:
             os.close(staged.fd)
         for tmp, _ in temps:
-            tmp.unlink(missing_ok=True)
+            with suppress(OSError):  # a read-only folder refuses even this; nothing to remove
+                tmp.unlink(missing_ok=True)
 
 
 def _settle_quietly(target: Path) -> None:

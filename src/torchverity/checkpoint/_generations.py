@@ -110,9 +110,10 @@ def retire(folder: Path, old: set[str], new: Path) -> None:
 def _remove(folder: Path, doomed: Callable[[str], bool]) -> None:
     for path in _entries(folder):
         owner = _owner(path.name)
-        if owner is None or not doomed(owner):
+        if owner is None:
             continue
-        if _ANY_TEMP.search(path.name) and not _dead_temp(path.name):
+        temp = _ANY_TEMP.search(path.name) is not None
+        if (temp and not _dead_temp(path.name)) or (not temp and not doomed(owner)):
             continue
         with contextlib.suppress(FileNotFoundError, IsADirectoryError):
             path.unlink()
