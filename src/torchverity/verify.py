@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from torchverity._generation_pointer import has_pointer, live_generation
 from torchverity._verify_results import (
     STATUSES,
     Status,
@@ -144,10 +145,12 @@ def verify_path(
     exclude: Sequence[str] = (),
 ) -> VerifyResult:
     """A folder is checked against its manifest (or its files' sidecars), anything else
-    against its sidecar (or its folder's manifest)."""
+    against its sidecar (or its folder's manifest). A folder kept in generations (a
+    distributed checkpoint) is checked as the generation its pointer names."""
     p = Path(path)
     if p.is_dir():
-        return verify_directory(p, progress=progress, exclude=exclude)
+        live = live_generation(p) if has_pointer(p) else p
+        return verify_directory(live, progress=progress, exclude=exclude)
     if not p.exists() and find_sidecar(p) is None:
         raise InputError(f"{p}: no such file or directory", path=p)
     return verify_file(p, progress=progress)

@@ -81,7 +81,7 @@ def _owner(name: str) -> str | None:
     return None
 
 
-def _dead_temp(name: str) -> bool:
+def dead_temp(name: str) -> bool:
     """A temp file of this host whose writer is no longer running (other hosts' are kept)."""
     from torchverity.checkpoint._atomic import _alive
 
@@ -113,7 +113,7 @@ def _remove(folder: Path, doomed: Callable[[str], bool]) -> None:
         if owner is None:
             continue
         temp = _ANY_TEMP.search(path.name) is not None
-        if (temp and not _dead_temp(path.name)) or (not temp and not doomed(owner)):
+        if (temp and not dead_temp(path.name)) or (not temp and not doomed(owner)):
             continue
         with contextlib.suppress(FileNotFoundError, IsADirectoryError):
             path.unlink()
