@@ -187,13 +187,14 @@ def save_dcp(
     ``path`` still holds the previous checkpoint, whole and verified.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     c = open_comm(group, timeout, "save_dcp")
     top = Path(path)
     root = generations.begin(c, top)  # this save's own folder beside the live checkpoint
     try:
         saved = dcp.save(state_dict, checkpoint_id=root, process_group=group)
-    except Exception as exc:  # every rank gets DCP's collective failure
+    except (Exception, CheckpointException) as exc:  # every rank gets DCP's collective failure
         raise generations.failed(c, top, root, exc) from None
     written = _written_files(saved)
     fingerprints = all_gather_json(c, _shard_fingerprint(state_dict),

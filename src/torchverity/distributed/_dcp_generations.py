@@ -113,8 +113,9 @@ def _reason(exc: BaseException) -> str:
     seen: list[BaseException] = [exc]
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict):
+        # DCP keeps each rank's failure as (exception, traceback summary)
         seen += [inner for f in failures.values()
-                 if isinstance(inner := getattr(f, "exc", f), BaseException)]
+                 if isinstance(inner := f[0] if isinstance(f, tuple) else f, BaseException)]
     for item in list(seen):
         seen += [x for x in (item.__cause__, item.__context__) if x is not None]
     for item in seen:
