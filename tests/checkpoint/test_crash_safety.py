@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 import torch
-from crash_harness import count_renames, kill_after, kill_at_rename, need_strace
 
 import torchverity
+from crash_harness import count_renames, kill_after, kill_at_rename, need_strace
 from torchverity.errors import CheckpointWriteError
 from torchverity.verify import verify_path
 

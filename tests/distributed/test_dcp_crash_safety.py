@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from crash_harness import count_renames, kill_after, kill_at_rename, need_strace, run_child
 
 VALUES = {"A": 1.0, "B": 100.0, "C": 1000.0}
@@ -116,7 +117,8 @@ def test_every_rename_window_of_save_dcp(tmp_path: Path) -> None:
         held.append(_after_kill(root))
     # Only the pointer's rename (the last) switches the folder to the new save.
     assert held == ["A"] * renames, held
-    assert kill_at_rename(_save(root := _prepared(tmp_path), "B"), renames + 1) == "finished"
+    root = _prepared(tmp_path)
+    assert kill_at_rename(_save(root, "B"), renames + 1) == "finished"
     assert _inspect(root)["held"] == "B"
 
 
