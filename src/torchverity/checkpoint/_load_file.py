@@ -80,6 +80,7 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
         obj, digest = _load_pt(p, fmt, expected, meta, map_location, full_pickle, mmap)
         fp = None
     fp_root = _check_fingerprint(p, obj, meta, fp, bound)
+    _check_meta_size(p, meta)
     if fp_root is None and policy == "warn":
         notes.append(f"{p}: no meta.json: the content fingerprint was not verified")
     report = LoadReport(
@@ -106,6 +107,16 @@ def current_expectation(p: Path, policy: SidecarPolicy
     meta = records.meta
     expected = _expected_digest(p, meta, policy, records) if p.is_file() else None
     return expected, meta, False
+
+
+def _check_meta_size(p: Path, meta: Mapping[str, Any] | None) -> None:
+    """A meta.json that records another size describes another file (forged or misplaced)."""
+    if meta is not None and meta["size"] != p.stat().st_size:
+        raise IntegrityError(
+            f"{p}: meta.json records {meta['size']} bytes, the file has {p.stat().st_size}: "
+            "the record belongs to another file", path=p,
+            hint=f"restore {p.name}.meta.json with its checkpoint; torchverity inspect {p}",
+        )
 
 
 def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPolicy,

@@ -77,21 +77,40 @@ def read_meta_file(mp: Path) -> dict[str, Any]:
         raise FormatError(f"{mp}: not a torchverity meta.json (no format '{META_FORMAT}')",
                           path=mp, hint="move the foreign file away; torchverity.save writes "
                                         "its own NAME.meta.json")
-    if data.get("version") != META_VERSION:
+    if type(data.get("version")) is not int or data["version"] != META_VERSION:
         raise FormatError(f"{mp}: meta.json version {data.get('version')!r} is not supported",
                           path=mp, hint="upgrade torchverity")
-    _check_digest_field(data, mp)
+    _check_fields(data, mp)
     return data
 
 
-def _check_digest_field(data: dict[str, Any], mp: Path) -> None:
-    recorded = data.get("digest")
-    if recorded is None:
-        return
-    ok = (isinstance(recorded, dict) and recorded.get("algo") in ALGORITHMS
-          and isinstance(recorded.get("hex"), str))
-    if not ok:
+# Field -> (accepted types, may be null); "user" is the caller's own JSON, anything goes.
+_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "file": ((str,), False), "file_format": ((str,), False), "size": ((int,), False),
+    "digest": ((dict,), False), "created": ((str,), False), "environment": ((dict,), False),
+    "seed": ((int,), True), "data": ((dict,), True), "fingerprint": ((dict,), False),
+}
+_FILE_FORMATS = ("pt", "safetensors", "sharded")
+
+
+def _check_fields(data: dict[str, Any], mp: Path) -> None:
+    """Every field present with its documented type (docs/formats/checkpoint.md)."""
+    for key, (types, nullable) in _FIELDS.items():
+        if key not in data:
+            raise FormatError(f"{mp}: meta.json has no '{key}' field", path=mp, hint=_META_HINT)
+        value = data[key]
+        if value is None and nullable:
+            continue
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise FormatError(f"{mp}: meta.json's '{key}' is {json.dumps(value)[:60]}, not "
+                              f"{' or '.join(t.__name__ for t in types)}", path=mp,
+                              hint=_META_HINT)
+    recorded = data["digest"]
+    if recorded.get("algo") not in ALGORITHMS or not isinstance(recorded.get("hex"), str):
         raise FormatError(f"{mp}: meta.json's 'digest' is not {{algo, hex}} of a known algorithm",
+                          path=mp, hint=_META_HINT)
+    if data["size"] < 0 or data["file_format"] not in _FILE_FORMATS or not data["file"]:
+        raise FormatError(f"{mp}: meta.json's file, file_format or size is not valid",
                           path=mp, hint=_META_HINT)
 
 
