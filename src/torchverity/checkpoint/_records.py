@@ -87,7 +87,7 @@ def read_meta_file(mp: Path) -> dict[str, Any]:
 # Field -> (accepted types, may be null); "user" is the caller's own JSON, anything goes.
 _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
     "file": ((str,), False), "file_format": ((str,), False), "size": ((int,), False),
-    "digest": ((dict,), False), "created": ((str,), False), "environment": ((dict,), False),
+    "created": ((str,), False), "environment": ((dict,), False),
     "seed": ((int,), True), "data": ((dict,), True), "fingerprint": ((dict,), False),
 }
 _FILE_FORMATS = ("pt", "safetensors", "sharded")
@@ -105,8 +105,10 @@ def _check_fields(data: dict[str, Any], mp: Path) -> None:
             raise FormatError(f"{mp}: meta.json's '{key}' is {json.dumps(value)[:60]}, not "
                               f"{' or '.join(t.__name__ for t in types)}", path=mp,
                               hint=_META_HINT)
-    recorded = data["digest"]
-    if recorded.get("algo") not in ALGORITHMS or not isinstance(recorded.get("hex"), str):
+    recorded = data.get("digest")  # absent: the record is not bound to the file's bytes
+    if recorded is not None and (not isinstance(recorded, dict)
+                                 or recorded.get("algo") not in ALGORITHMS
+                                 or not isinstance(recorded.get("hex"), str)):
         raise FormatError(f"{mp}: meta.json's 'digest' is not {{algo, hex}} of a known algorithm",
                           path=mp, hint=_META_HINT)
     if data["size"] < 0 or data["file_format"] not in _FILE_FORMATS or not data["file"]:
