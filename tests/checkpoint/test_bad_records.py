@@ -237,3 +237,46 @@ def test_every_bad_sidecar_is_refused(tmp_path: Path, run_cli: Callable[..., Any
         assert _verdict(lambda: torchverity.load(path, sidecar="require")) != "accepted", label
         assert _cli_code(run_cli, "verify", str(path)) in (1, 2), label
         _apply(side, good)
+
+
+# ------------------------------------------------------------------ golden files
+
+
+def test_every_bad_golden_file_is_refused(tmp_path: Path) -> None:
+    from torchverity.golden import check, record
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).eval()
+    path = tmp_path / "golden.json"
+    record(model, torch.ones(2, 4), path)
+    good = path.read_bytes()
+    assert check(model, path).ok
+    doc = json.loads(good)
+    accepted = []
+    for label, data in _json_mutations(doc, keep=frozenset({"created"})):
+        _apply(path, data)
+        if _verdict(lambda: check(model, path)) == "accepted":
+            accepted.append(label)
+        _apply(path, good)
+    # The environment is informational (recorded on another machine, the check says so);
+    # a record may hold no weights fingerprint.
+    informational = ("environment", "missing environment", "missing model", "model=null")
+    assert not [a for a in accepted if not a.startswith(informational)], accepted
+
+
+# ------------------------------------------------------------------ events.jsonl
+
+
+def test_every_bad_event_log_line_is_refused(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    log = tmp_path / "events.jsonl"
+    good = b'{"event": "metrics", "step": 1, "loss": 0.5}\n{"event": "finished"}\n'
+    log.write_bytes(good)
+    assert _cli_code(run_cli, "report", str(log)) == 0
+    lines = [b"\xff\xfe\x80 not utf-8", DEEP.encode(), b"[1, 2]", b'{"event": 3}',
+             b'{"step": 1}', b'"text"', b"{not json"]
+    for bad in lines:
+        log.write_bytes(good + bad + b"\n" + good)
+        assert _cli_code(run_cli, "report", str(log)) == 2, bad[:20]
+    shutil.rmtree(log, ignore_errors=True) if log.is_dir() else log.unlink()
+    log.mkdir()
+    assert _cli_code(run_cli, "report", str(log)) == 2
