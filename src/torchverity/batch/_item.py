@@ -23,7 +23,6 @@ from typing import Any, Literal, get_args
 
 from torchverity.batch._inputs import InputChanged, file_digest, read_verified
 from torchverity.batch._journal import CHANGED, COMMITTED, FAILED, WorkItem
-from torchverity.batch._paths import DATA_DIR
 
 TMP_SUFFIX = ".tvtmp"
 
