@@ -199,3 +199,19 @@ def test_a_read_only_folder_is_a_write_error(tmp_path: Path, name: str, sharded:
             assert not caught.value.previous_intact and "no checkpoint was created" in str(
                 caught.value)
         assert _loaded(disk / name) == "A"
+
+
+def test_the_documented_shard_names_are_the_ones_written(tmp_path: Path) -> None:
+    """docs/formats/checkpoint.md: HF names first, then ``.gN.`` and ``generation: N``."""
+    doc = (Path(__file__).parents[2] / "docs/formats/checkpoint.md").read_text()
+    assert "model-00001-of-00003.gN.safetensors" in doc and '"generation": N' in doc
+    folder = tmp_path / "sharded"
+    for generation in (1, 2, 3):
+        torchverity.save(A, folder, shard_bytes=16000)
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        tag = f".g{generation}" if generation > 1 else ""
+        assert sorted(set(index["weight_map"].values())) == [
+            f"model-0000{i}-of-00003{tag}.safetensors" for i in (1, 2, 3)]
+        assert index["metadata"].get("generation", 1) == generation
+        assert sorted(p.name for p in folder.glob("model-*.safetensors")) == sorted(
+            set(index["weight_map"].values()))

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,11 +43,15 @@ def _in_group(store: Path, body: Callable[[], None]) -> Callable[[], None]:
     return action
 
 
+def _store() -> Path:
+    """A fresh rendezvous file outside the checkpoint's disk (which may be full or read-only)."""
+    return Path(tempfile.gettempdir()) / f"tv-dcp-store-{os.getpid()}-{time.monotonic_ns()}"
+
+
 def _save(root: Path, which: str, size: int = 4000) -> Callable[[], None]:
     import torchverity.distributed as tvd
 
-    store = root.parent / f"store-{time.monotonic_ns()}"
-    return _in_group(store, lambda: tvd.save_dcp(_state(VALUES[which], size), root) and None)
+    return _in_group(_store(), lambda: tvd.save_dcp(_state(VALUES[which], size), root) and None)
 
 
 def _inspect(root: Path) -> dict[str, Any]:
@@ -53,7 +59,7 @@ def _inspect(root: Path) -> dict[str, Any]:
     import torchverity.distributed as tvd
     from torchverity.verify import verify_path
 
-    out = root.parent / f"seen-{time.monotonic_ns()}.json"
+    out = _store().with_suffix(".json")
 
     def body() -> None:
         target = _state(0.0)
@@ -69,19 +75,22 @@ def _inspect(root: Path) -> dict[str, Any]:
         out.write_text(json.dumps({"held": held[0] if whole else "a mix",
                                    "verify_rc": 0 if verify_path(root).ok else 1}))
 
-    assert run_child(_in_group(root.parent / f"store-{time.monotonic_ns()}", body)) == "finished"
+    assert run_child(_in_group(_store(), body)) == "finished"
     return dict(json.loads(out.read_text()))
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _warm(tmp_path_factory: pytest.TempPathFactory) -> None:
+def _warm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """One save and load in this process first: DCP's lazy imports then happen once,
-    not in every forked child."""
+    not in every forked child. Afterwards, the rendezvous files killed children left."""
     import torchverity.distributed as tvd
 
     work = tmp_path_factory.mktemp("warm")
     _in_group(work / "store", lambda: tvd.load_dcp(
         _state(0.0), work / "dcp") if tvd.save_dcp(_state(1.0), work / "dcp") else None)()
+    yield
+    for left in Path(tempfile.gettempdir()).glob(f"tv-dcp-store-{os.getpid()}-*"):
+        left.unlink(missing_ok=True)
 
 
 def _prepared(tmp_path: Path) -> Path:
@@ -181,3 +190,39 @@ def test_a_disk_that_fills_mid_save_dcp_leaves_the_previous_checkpoint(tmp_path:
         assert _inspect(root) == {"held": "A", "verify_rc": 0}
         assert run_child(_save(root, "B")) == "finished"  # the failed save gave its space back
         assert _inspect(root)["held"] == "B"
+
+
+def test_a_read_only_folder_is_a_write_error_for_save_dcp(tmp_path: Path) -> None:
+    import torchverity.distributed as tvd
+
+    with _tmpfs(tmp_path / "disk", "1m") as disk:
+        root = disk / "dcp"
+        assert run_child(_save(root, "A")) == "finished"
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        out = tmp_path / "error.json"
+
+        def body() -> None:
+            try:
+                tvd.save_dcp(_state(2.0), root)
+                out.write_text(json.dumps({"error": None}))
+            except Exception as exc:
+                out.write_text(json.dumps({"error": type(exc).__name__, "message": str(exc),
+                                           "intact": getattr(exc, "previous_intact", None)}))
+
+        assert run_child(_in_group(tmp_path / "store-ro", body)) == "finished"
+        failure = json.loads(out.read_text())
+        assert failure["error"] == "CheckpointWriteError" and failure["intact"], failure
+        assert "read-only" in failure["message"]
+        assert _inspect(root)["held"] == "A"
+
+
+def test_the_documented_pointer_is_the_one_written(tmp_path: Path) -> None:
+    """docs/formats/distributed.md's pointer example has exactly the written fields."""
+    doc = (Path(__file__).parents[2] / "docs/formats/distributed.md").read_text()
+    block = doc.split("### `torchverity.current.json`", 1)[1].split("```json", 1)[1]
+    documented = json.loads(block.split("```", 1)[0])
+    root = _prepared(tmp_path)
+    written = json.loads((root / "torchverity.current.json").read_text())
+    assert set(documented) == set(written)
+    assert documented["format"] == written["format"] and documented["version"] == written["version"]
+    assert (root / written["current"] / "torchverity.manifest.json").is_file()

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 pytest.importorskip("fastapi")
-import uvicorn  # noqa: E402
+import uvicorn
 
-from torchverity.serve import create_app  # noqa: E402
-from torchverity.serve._timeouts import timed_protocol  # noqa: E402
+from torchverity.serve import create_app
+from torchverity.serve._timeouts import timed_protocol
 
 TIMEOUT_S = 0.5
 
