@@ -1,5 +1,6 @@
 """A client that stalls mid-headers or mid-body gets 408 problem+json and is disconnected
-within the read timeout, on a real uvicorn server; a prompt client is served as before."""
+within the read timeout, a request that is not HTTP gets 400 problem+json, on a real
+uvicorn server; a prompt client is served as before."""
 
 from __future__ import annotations
 
@@ -59,9 +60,9 @@ def _complete(data: bytes) -> bool:
     return bool(length) and len(body) >= length[0]
 
 
-def _problem(data: bytes) -> dict[str, object]:
+def _problem(data: bytes, status: bytes = b"408") -> dict[str, object]:
     head, _, body = data.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 408"), head
+    assert head.startswith(b"HTTP/1.1 " + status), head
     assert b"application/problem+json" in head
     return dict(json.loads(body))
 
@@ -82,3 +83,15 @@ def test_a_stalled_body_gets_408(port: int) -> None:
 def test_a_prompt_client_is_served(port: int) -> None:
     data, _ = _exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"")
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"NOT HTTP AT ALL\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n",
+    b"POST /predict HTTP/1.1\r\nHost: x\r\ncontent-length: -5\r\n\r\n",
+])
+def test_a_malformed_request_gets_400_problem_json(port: int, request_bytes: bytes) -> None:
+    data, _ = _exchange(port, request_bytes)
+    problem = _problem(data, b"400")
+    assert problem["status"] == 400
+    assert problem["type"] == "urn:torchverity:problem:malformed-request"

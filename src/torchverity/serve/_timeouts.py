@@ -5,7 +5,8 @@ keep-alive connections).
 
 :class:`TimedH11Protocol` is uvicorn's h11 protocol with two timers: one from the
 connection's start (or the end of the previous response) until the request's headers are
-complete, one that restarts with every piece of body until the body is complete.
+complete, one that restarts with every piece of body until the body is complete. A
+request that is not valid HTTP/1.1 is answered 400 as problem+json too, not plain text.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torchverity.serve._problem import _OWN, PROBLEM_MEDIA_TYPE, Problem
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT = _OWN + "request-timeout"
+BAD_REQUEST = _OWN + "malformed-request"
 
 
 def timed_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
@@ -42,6 +44,15 @@ def timed_protocol(header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
                 self._arm(body_timeout, "its request body")  # restarts with every piece
             else:
                 self._cancel()
+
+        def send_400_response(self, msg: str) -> None:
+            """A request h11 cannot parse: answered as problem+json like every other error."""
+            self._cancel()
+            body = Problem(400, BAD_REQUEST, "Malformed HTTP request", msg).body()
+            head = (f"HTTP/1.1 400 Bad Request\r\ncontent-type: {PROBLEM_MEDIA_TYPE}\r\n"
+                    f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
+            self.transport.write(head.encode("ascii") + body)
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
