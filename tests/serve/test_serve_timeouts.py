@@ -16,8 +16,7 @@ import torch
 pytest.importorskip("fastapi")
 import uvicorn
 
-from torchverity.serve import create_app
-from torchverity.serve._timeouts import timed_protocol
+from torchverity.serve import create_app, timed_protocol
 
 TIMEOUT_S = 0.5
 

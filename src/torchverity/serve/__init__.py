@@ -26,7 +26,26 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torchverity._lazy import attach
+# Public name -> submodule. Every submodule imports on a base install; the
+# serve extra is required (MissingExtraError) when create_app or Client is used.
+_PUBLIC: dict[str, str] = {
+    "create_app": "_app",
+    "build_model": "_app",
+    "FINGERPRINT_HEADER": "_rechecks",
+    "Client": "_client",
+    "ContentDigestMiddleware": "_digest_fields",
+    "DeferredDigest": "_digest_fields",
+    "DEFERRED_DIGEST": "_digest_fields",
+    "parse_digest_field": "_digest_fields",
+    "verify_digest": "_digest_fields",
+    "format_digest": "_digest_fields",
+    "choose_algorithm": "_digest_fields",
+    "Problem": "_problem",
+    "ProblemError": "_problem",
+    "TensorSpec": "_spec",
+    "parse_spec": "_spec",
+    "timed_protocol": "_timeouts",
+}
 
 # Every submodule imports on a base install; the serve extra is required
 # (MissingExtraError) when create_app or Client is used.
