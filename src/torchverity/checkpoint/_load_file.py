@@ -39,7 +39,7 @@ from torchverity.checkpoint._meta import (
 )
 from torchverity.checkpoint._read import _count_tensors, _load_failure, _torch_load
 from torchverity.checkpoint._records import Records, resolve_records
-from torchverity.checkpoint._results import LoadReport, SidecarPolicy
+from torchverity.checkpoint._results import ExpectedDigest, LoadReport, SidecarPolicy
 from torchverity.digest import (
     FASTER_THAN_COPY,
     digest_file,
@@ -94,7 +94,7 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
 
 
 def current_expectation(p: Path, policy: SidecarPolicy
-                        ) -> tuple[tuple[str, str, str] | None, dict[str, Any] | None, bool]:
+                        ) -> tuple[ExpectedDigest | None, dict[str, Any] | None, bool]:
     """``(expected digest, meta.json, pending)`` for ``p``, as :func:`resolve_records` reads them.
 
     A pending sidecar costs one extra digest pass, and only when it exists.
@@ -103,7 +103,7 @@ def current_expectation(p: Path, policy: SidecarPolicy
         return None, read_meta(p) if meta_path_for(p).exists() else None, False
     records = resolve_records(p)
     if records.pending and records.algo and records.hexdigest:
-        return (records.algo, records.hexdigest, "sidecar"), records.meta, True
+        return ExpectedDigest(records.algo, records.hexdigest, "sidecar"), records.meta, True
     meta = records.meta
     expected = _expected_digest(p, meta, policy, records) if p.is_file() else None
     return expected, meta, False
@@ -120,7 +120,7 @@ def _check_meta_size(p: Path, meta: Mapping[str, Any] | None) -> None:
 
 
 def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPolicy,
-                     records: Records | None = None) -> tuple[str, str, str] | None:
+                     records: Records | None = None) -> ExpectedDigest | None:
     """``(algo, hex, source)`` to check the file against, or None."""
     recorded = meta.get("digest") if meta else None
     if records is None and policy != "ignore":
@@ -152,7 +152,7 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPol
     return None
 
 
-def _digest_mismatch(p: Path, expected: tuple[str, str, str], actual: str,
+def _digest_mismatch(p: Path, expected: ExpectedDigest, actual: str,
                      damaged: list[str]) -> IntegrityError:
     algo, want, source = expected.algo, expected.hex, expected.source
     where = (f"damaged tensor{'s' if len(damaged) > 1 else ''}: {', '.join(damaged[:10])}"

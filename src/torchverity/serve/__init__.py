@@ -26,26 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-# Public name -> submodule. Every submodule imports on a base install; the
-# serve extra is required (MissingExtraError) when create_app or Client is used.
-_PUBLIC: dict[str, str] = {
-    "create_app": "_app",
-    "build_model": "_app",
-    "FINGERPRINT_HEADER": "_rechecks",
-    "Client": "_client",
-    "ContentDigestMiddleware": "_digest_fields",
-    "DeferredDigest": "_digest_fields",
-    "DEFERRED_DIGEST": "_digest_fields",
-    "parse_digest_field": "_digest_fields",
-    "verify_digest": "_digest_fields",
-    "format_digest": "_digest_fields",
-    "choose_algorithm": "_digest_fields",
-    "Problem": "_problem",
-    "ProblemError": "_problem",
-    "TensorSpec": "_spec",
-    "parse_spec": "_spec",
-    "timed_protocol": "_timeouts",
-}
+from torchverity._lazy import attach
 
 # Every submodule imports on a base install; the serve extra is required
 # (MissingExtraError) when create_app or Client is used.
@@ -66,6 +47,7 @@ if TYPE_CHECKING:
     from torchverity.serve._problem import Problem, ProblemError
     from torchverity.serve._rechecks import FINGERPRINT_HEADER
     from torchverity.serve._spec import TensorSpec, parse_spec
+    from torchverity.serve._timeouts import timed_protocol
 
 __all__ = [
     "DEFERRED_DIGEST",
@@ -82,6 +64,7 @@ __all__ = [
     "format_digest",
     "parse_digest_field",
     "parse_spec",
+    "timed_protocol",
     "verify_digest",
 ]
 __getattr__, __dir__ = attach(__name__, __file__)
