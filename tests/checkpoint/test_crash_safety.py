@@ -215,3 +215,11 @@ def test_the_documented_shard_names_are_the_ones_written(tmp_path: Path) -> None
         assert index["metadata"].get("generation", 1) == generation
         assert sorted(p.name for p in folder.glob("model-*.safetensors")) == sorted(
             set(index["weight_map"].values()))
+
+
+def test_a_save_replaces_a_folder_whose_index_is_damaged(tmp_path: Path) -> None:
+    folder = tmp_path / "sharded"
+    torchverity.save(A, folder, shard_bytes=16000)
+    (folder / "model.safetensors.index.json").write_text("{torn")
+    torchverity.save(B, folder, shard_bytes=16000)
+    assert _loaded(folder) == "B"

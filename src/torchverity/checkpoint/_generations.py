@@ -58,11 +58,14 @@ def generation_of(index: Path | None) -> int:
     return gen if isinstance(gen, int) and not isinstance(gen, bool) and gen > 0 else 1
 
 
-def referenced(index: Path | None) -> set[str]:
-    """The shard files an index names (none when it is unreadable: nothing is swept then)."""
+def referenced(index: Path | None) -> set[str] | None:
+    """The shard files an index names; None when it cannot be read (then nothing is swept)."""
     if index is None:
         return set()
-    return set(read_index(index).values())
+    try:
+        return set(read_index(index).values())
+    except TorchVerityError:
+        return None
 
 
 def _owner(name: str) -> str | None:
@@ -94,14 +97,17 @@ def sweep(folder: Path, live: Path | None) -> set[str]:
 
     Returns the names the live checkpoint is made of (its index and shards).
     """
-    keep = referenced(live) | ({live.name} if live is not None else set())
+    names = referenced(live)
+    if names is None:  # a damaged index: keep everything, the new index replaces it
+        return set()
+    keep = names | ({live.name} if live is not None else set())
     _remove(folder, lambda owner: owner not in keep)
     return keep
 
 
 def retire(folder: Path, old: set[str], new: Path) -> None:
     """After the switch: remove the replaced checkpoint's files that the new one does not use."""
-    gone = old - referenced(new) - {new.name}
+    gone = old - (referenced(new) or set()) - {new.name}
     # The old index first: a folder never has an index naming shards it lacks.
     _remove(folder, lambda owner: owner in gone and owner in INDEX_NAMES.values())
     _remove(folder, lambda owner: owner in gone)
