@@ -280,3 +280,25 @@ def test_every_bad_event_log_line_is_refused(tmp_path: Path, run_cli: Callable[.
     shutil.rmtree(log, ignore_errors=True) if log.is_dir() else log.unlink()
     log.mkdir()
     assert _cli_code(run_cli, "report", str(log)) == 2
+
+
+# ------------------------------------------------------------------ inspect on sharded folders
+
+
+def test_inspect_fails_on_a_missing_or_extra_shard(tmp_path: Path,
+                                                   run_cli: Callable[..., Any]) -> None:
+    folder = tmp_path / "sharded"
+    torchverity.save(STATE, folder, shard_bytes=64)
+    torchverity.save(STATE, folder, shard_bytes=64)  # generation 2
+    assert _cli_code(run_cli, "inspect", str(folder)) == 0
+    (folder / "model-00001-of-00002.g3.safetensors").write_bytes(b"left by a killed save")
+    assert _cli_code(run_cli, "inspect", str(folder)) == 0  # not this save's shard
+    extra = folder / "model-00003-of-00002.g2.safetensors"
+    extra.write_bytes(b"x")
+    result = run_cli("inspect", str(folder))
+    assert result.code == 1 and "does not name" in result.err
+    extra.unlink()
+    shard = folder / "model-00002-of-00002.g2.safetensors"
+    shard.rename(tmp_path / "away")
+    result = run_cli("inspect", str(folder))
+    assert result.code != 0 and "internal error" not in result.err

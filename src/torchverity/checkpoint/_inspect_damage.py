@@ -5,12 +5,16 @@ disagrees with the file's size or digest, a header that cannot be read, a missin
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from torchverity.checkpoint._records import recorded_digest, resolve_records
 from torchverity.digest import digest_file
 from torchverity.errors import TorchVerityError
+
+_SHARD_PARTS = re.compile(r"(?P<stem>model|pytorch_model)-\d{5}-of-(?P<count>\d{5})"
+                          r"(?P<rest>(?:\.g\d+)?\.(?:safetensors|bin))")
 
 
 def problems(result: Any) -> list[str]:
@@ -24,8 +28,27 @@ def problems(result: Any) -> list[str]:
     if missing:
         found.append(f"the index names {len(missing)} shard(s) that do not exist: "
                      f"{', '.join(missing[:5])}")
+    extra = _extra_shards(p, set(result.shards)) if result.shards else []
+    if extra:
+        found.append(f"the folder holds {len(extra)} shard(s) of this save that the index does "
+                     f"not name: {', '.join(extra[:5])}")
     found += _meta_problems(record, result)
     return found
+
+
+def _extra_shards(folder: Path, listed: set[str]) -> list[str]:
+    """Shard files named as this save's shards (same count, generation and suffix) but unlisted.
+
+    Shards of another generation (what a killed save left) are not this checkpoint's.
+    """
+    family = {_family(name) for name in listed}
+    return sorted(p.name for p in folder.iterdir()
+                  if p.name not in listed and _family(p.name) in family and p.is_file())
+
+
+def _family(name: str) -> str | None:
+    match = _SHARD_PARTS.fullmatch(name)
+    return None if match is None else f"{match['stem']}|{match['count']}|{match['rest']}"
 
 
 def _index_name(result: Any) -> str:
