@@ -117,6 +117,24 @@ def test_a_forged_self_consistent_meta_json_is_refused(tmp_path: Path) -> None:
         torchverity.load(path, sidecar="require")
 
 
+def test_a_meta_json_whose_other_algorithm_digest_lies_is_refused(tmp_path: Path) -> None:
+    """Fingerprint and size true, the digest (blake3, beside a sha256 sidecar) of other bytes."""
+    from torchverity.errors import IntegrityError
+
+    path = _saved(tmp_path, "model.pt")
+    meta_file = path.with_name("model.pt.meta.json")
+    meta = json.loads(meta_file.read_text())
+    meta["digest"] = {"algo": "blake3", "hex": "ab" * 32}
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(IntegrityError, match="made for other bytes"):
+        torchverity.load(path, sidecar="require")
+    import blake3
+
+    meta["digest"]["hex"] = blake3.blake3(path.read_bytes()).hexdigest()
+    meta_file.write_text(json.dumps(meta))
+    torchverity.load(path, sidecar="require")  # the truth in another algorithm is accepted
+
+
 # ------------------------------------------------------------------ safetensors headers
 
 

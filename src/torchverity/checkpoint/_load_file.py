@@ -38,7 +38,7 @@ from torchverity.checkpoint._meta import (
     read_meta,
 )
 from torchverity.checkpoint._read import _count_tensors, _load_failure, _torch_load
-from torchverity.checkpoint._records import Records, resolve_records
+from torchverity.checkpoint._records import Records, recorded_digest, resolve_records
 from torchverity.checkpoint._results import ExpectedDigest, LoadReport, SidecarPolicy
 from torchverity.digest import (
     FASTER_THAN_COPY,
@@ -81,6 +81,7 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
         fp = None
     fp_root = _check_fingerprint(p, obj, meta, fp, bound)
     _check_meta_size(p, meta)
+    _check_meta_digest(p, meta, expected)
     if fp_root is None and policy == "warn":
         notes.append(f"{p}: no meta.json: the content fingerprint was not verified")
     report = LoadReport(
@@ -107,6 +108,22 @@ def current_expectation(p: Path, policy: SidecarPolicy
     meta = records.meta
     expected = _expected_digest(p, meta, policy, records) if p.is_file() else None
     return expected, meta, False
+
+
+def _check_meta_digest(p: Path, meta: Mapping[str, Any] | None,
+                       expected: ExpectedDigest | None) -> None:
+    """meta.json's digest in another algorithm than the sidecar's: checked too (one more
+    pass, only then), so a record made for other bytes is never taken for this file's."""
+    recorded = recorded_digest(meta)
+    if recorded is None or expected is None or recorded[0] == expected.algo:
+        return
+    actual = digest_file(p, recorded[0]).hexdigest
+    if actual != recorded[1]:
+        raise IntegrityError(
+            f"{p}: meta.json records {recorded[0]} {recorded[1]}, the file's is {actual}: "
+            "the record was made for other bytes", path=p, expected=recorded[1], actual=actual,
+            hint=f"restore {p.name}.meta.json with its checkpoint; torchverity inspect {p}",
+        )
 
 
 def _check_meta_size(p: Path, meta: Mapping[str, Any] | None) -> None:

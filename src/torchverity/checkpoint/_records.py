@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,7 +117,7 @@ def _check_fields(data: dict[str, Any], mp: Path) -> None:
                           path=mp, hint=_META_HINT)
 
 
-def recorded_digest(meta: dict[str, Any] | None) -> tuple[str, str] | None:
+def recorded_digest(meta: Mapping[str, Any] | None) -> tuple[str, str] | None:
     """``(algo, hex)`` that meta.json records for its file, or None."""
     recorded = meta.get("digest") if meta else None
     if isinstance(recorded, dict) and isinstance(recorded.get("hex"), str):
