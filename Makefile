@@ -27,10 +27,16 @@ $(VENV)/.dev: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m pip install --quiet -e '.[dev,all]'
 	touch $@ $(VENV)/.demo
 
-demo: $(VENV)/.demo
+# The crash tests kill saves at each rename with strace; without it they skip, saying so.
+$(VENV)/.strace: | $(BIN)/python
+	command -v strace >/dev/null || (apt-get update -qq && apt-get install -y -qq strace) \
+		|| echo "strace could not be installed: the rename-window crash tests will skip"
+	touch $@
+
+demo: $(VENV)/.base
 	$(BIN)/torchverity demo
 
-test: $(VENV)/.dev
+test: $(VENV)/.dev $(VENV)/.strace
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)

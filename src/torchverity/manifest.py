@@ -201,9 +201,11 @@ def _parse_json(p: Path, text: str) -> Manifest:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise _bad(p, f"not JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise _bad(p, "nested too deeply to be a manifest") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
         raise _bad(p, f"'format' is not '{FORMAT_NAME}'")
-    if data.get("version") != FORMAT_VERSION:
+    if type(data.get("version")) is not int or data["version"] != FORMAT_VERSION:
         raise _bad(p, f"unsupported version {data.get('version')!r}")
     algo = data.get("algorithm")
     if algo not in ALGORITHMS:

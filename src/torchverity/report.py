@@ -56,24 +56,33 @@ def iter_events(path: str | Path) -> Iterator[dict[str, Any]]:
             yield record
 
 
+def _parse_event(line: str) -> dict[str, Any]:
+    try:
+        record = json.loads(line)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(record, dict) or not isinstance(record.get("event"), str):
+        raise ValueError("not an event object")
+    return record
+
+
 def _records(p: Path) -> Iterator[tuple[dict[str, Any] | None, bool]]:
     try:
-        fh = p.open("r", encoding="utf-8")
+        fh = p.open("rb")
     except FileNotFoundError:
         raise InputError(f"{p}: no such file", path=p,
                          hint="pass the log= path given to TrainingGuard") from None
     except OSError as exc:
         raise InputError(f"{p}: cannot read: {exc.strerror}", path=p) from None
     with fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
+        for number, raw in enumerate(fh, 1):
+            if not raw.strip():
                 continue
             try:
-                record = json.loads(line)
-                if not isinstance(record, dict) or "event" not in record:
-                    raise ValueError("not an event object")
+                line = raw.decode("utf-8")  # UnicodeDecodeError is a ValueError
+                record = _parse_event(line)
             except ValueError as exc:
-                if not line.endswith("\n"):  # the writer died mid-line: the run crashed
+                if not raw.endswith(b"\n"):  # the writer died mid-line: the run crashed
                     yield None, True
                     return
                 raise FormatError(f"{p}:{number}: not a torchverity event line ({exc})", path=p,

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from torchverity._generation_pointer import has_pointer, live_generation
 from torchverity._verify_results import (
     STATUSES,
     Status,
@@ -21,7 +22,7 @@ from torchverity._verify_results import (
     _damaged_tensors,
 )
 from torchverity._verify_sidecars import excluded, verify_by_manifest, verify_sidecars
-from torchverity.digest import digest_file, digest_files, find_sidecar, read_sidecar, sidecar_path
+from torchverity.digest import digest_file, digest_files, find_sidecar, sidecar_path
 from torchverity.errors import InputError
 from torchverity.manifest import (
     MANIFEST_FILES,
@@ -38,20 +39,27 @@ __all__ = ["STATUSES", "Status", "VerifyEntry", "VerifyResult", "verify_director
 def verify_file(
     path: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None
 ) -> VerifyResult:
-    """Check a file against its sidecar (``FILE.sha256`` or ``FILE.blake3``)."""
+    """Check a file against its sidecar (``FILE.sha256`` or ``FILE.blake3``).
+
+    The sidecar is chosen as ``torchverity.load`` chooses it: the one of the
+    algorithm meta.json records, or the pending one of a save killed right
+    after renaming the file, when the file matches it.
+    """
+    from torchverity.checkpoint._records import resolve_records
+
     p = Path(path)
-    sidecar = find_sidecar(p)
+    records = resolve_records(p)
+    sidecar, algo, expected = records.sidecar, records.algo, records.hexdigest
     listed = verify_by_manifest(p, progress) if sidecar is None else None
     if listed is not None:
         return listed
-    if sidecar is None:
+    if sidecar is None or algo is None or expected is None:
         raise InputError(
             f"{p}: no sidecar ({sidecar_path(p).name} or {sidecar_path(p, 'blake3').name})",
             path=p,
             hint=f"record one from a trusted copy: torchverity hash --write {p} (or list it "
                  f"in a manifest of its folder: torchverity manifest {p.parent})",
         )
-    algo, expected, _name = read_sidecar(sidecar)
     if not p.exists():
         entry = VerifyEntry(p.name, "missing", expected=expected)
     else:
@@ -137,10 +145,12 @@ def verify_path(
     exclude: Sequence[str] = (),
 ) -> VerifyResult:
     """A folder is checked against its manifest (or its files' sidecars), anything else
-    against its sidecar (or its folder's manifest)."""
+    against its sidecar (or its folder's manifest). A folder kept in generations (a
+    distributed checkpoint) is checked as the generation its pointer names."""
     p = Path(path)
     if p.is_dir():
-        return verify_directory(p, progress=progress, exclude=exclude)
+        live = live_generation(p) if has_pointer(p) else p
+        return verify_directory(live, progress=progress, exclude=exclude)
     if not p.exists() and find_sidecar(p) is None:
         raise InputError(f"{p}: no such file or directory", path=p)
     return verify_file(p, progress=progress)

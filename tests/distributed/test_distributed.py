@@ -559,6 +559,13 @@ def _state(model: Any) -> dict[str, Any]:
     return {"model": model.state_dict()}
 
 
+def _live(folder: Path) -> Path:
+    """The generation folder holding a distributed checkpoint's files now."""
+    from torchverity._generation_pointer import live_generation
+
+    return live_generation(folder)
+
+
 def _zeros_like_state(model: Any) -> dict[str, Any]:
     import torch
 
@@ -595,7 +602,7 @@ def _dcp_shard_flip(rank: int, model: Any, work: Path, cli: Callable[..., int]) 
     tvd.save_dcp(_state(model), folder)
     dist.barrier()
     if rank == 0:
-        shard = folder / "__1_0.distcp"
+        shard = _live(folder) / "__1_0.distcp"
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0x10
         shard.write_bytes(bytes(data))
@@ -625,9 +632,10 @@ def _dcp_symlink(rank: int, model: Any, work: Path) -> dict[str, Any]:
     dist.barrier()
     if rank == 0:
         outside = work / "outside.distcp"
-        shutil.copy(folder / "__1_0.distcp", outside)
-        (folder / "__1_0.distcp").unlink()
-        (folder / "__1_0.distcp").symlink_to(outside)
+        shard = _live(folder) / "__1_0.distcp"
+        shutil.copy(shard, outside)
+        shard.unlink()
+        shard.symlink_to(outside)
     dist.barrier()
     try:
         tvd.load_dcp(_zeros_like_state(model), folder)
@@ -656,7 +664,7 @@ def _dcp_evil_metadata(rank: int, model: Any, work: Path) -> dict[str, Any]:
     tvd.save_dcp(_state(model), folder)
     dist.barrier()
     if rank == 0:
-        (folder / ".metadata").write_bytes(pickle.dumps(_Evil(str(sentinel))))
+        (_live(folder) / ".metadata").write_bytes(pickle.dumps(_Evil(str(sentinel))))
     dist.barrier()
     rec: dict[str, Any] = {}
     try:

@@ -67,6 +67,7 @@ class RayEngine:
                  workers: int, address: str | None = None, *, fsync: bool = True) -> None:
         self._ray = require_extra("ray", extra="ray", feature="the Ray engine (--engine ray)")
         self._owns = not self._ray.is_initialized()
+        self._reaper: Any = None
         if self._owns:
             self._init(address, workers)
         self.backlog = 2 * workers  # one item computing and one waiting per actor
@@ -83,16 +84,18 @@ class RayEngine:
 
     def _init(self, address: str | None, workers: int) -> None:
         import logging
+        import os
 
         options: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
         if address:
             options["address"] = address
-        else:
-            import os
-
-            if not os.environ.get("RAY_ADDRESS"):
-                options["num_cpus"] = workers
+        elif not os.environ.get("RAY_ADDRESS"):
+            options["num_cpus"] = workers
         self._ray.init(**options)
+        if not address and not os.environ.get("RAY_ADDRESS"):
+            from torchverity.batch._ray_reaper import start_reaper
+
+            self._reaper = start_reaper()  # the cluster is ours: it dies with this driver
 
     def _start_actors(self, count: int) -> list[Any]:
         """Start actors and wait until each has built its model (in parallel)."""
@@ -174,6 +177,10 @@ class RayEngine:
             self._ray.kill(actor)
         if self._owns:
             self._ray.shutdown()
+        if self._reaper is not None:
+            from torchverity.batch._ray_reaper import stop_reaper
+
+            stop_reaper(self._reaper)
 
 
 def _cause(exc: Exception) -> str:

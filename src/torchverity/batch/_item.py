@@ -25,7 +25,6 @@ from torchverity.batch._inputs import InputChanged, file_digest, read_verified
 from torchverity.batch._journal import CHANGED, COMMITTED, FAILED, WorkItem
 
 TMP_SUFFIX = ".tvtmp"
-DATA_DIR = "data"
 
 
 @dataclass(frozen=True)

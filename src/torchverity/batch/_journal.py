@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from torchverity.batch._inputs import JOURNAL_NAME, InputRecord
+from torchverity.batch._paths import check_outputs
 from torchverity.digest import fsync_path
 from torchverity.errors import BatchError, FormatError
 
@@ -179,6 +180,7 @@ class Journal:
         else:
             journal = cls(path, _connect(path, out))
         journal._check()
+        check_outputs(path, out, (row[0] for row in journal._query("SELECT output FROM items")))
         return journal
 
     def _check(self) -> None:

@@ -39,7 +39,6 @@ from typing import Any, Protocol, runtime_checkable
 from torchverity.batch._bag import BAG_INFO_TXT, BAGIT_TXT, write_bag
 from torchverity.batch._inputs import list_inputs, manifest_lines, manifest_root
 from torchverity.batch._item import (
-    DATA_DIR,
     DURABILITY,
     TMP_SUFFIX,
     Durability,
@@ -63,6 +62,7 @@ from torchverity.batch._journal import (
     WorkItem,
 )
 from torchverity.batch._model import ModelFactory
+from torchverity.batch._paths import DATA_DIR
 from torchverity.digest import atomic_write_text
 from torchverity.errors import BatchError, IntegrityError, UsageError
 from torchverity.manifest import SHA256SUM_NAME, ManifestEntry

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from torchverity.batch._bag import write_bag
 from torchverity.batch._changes import input_changes, inputs_of
-from torchverity.batch._item import DATA_DIR
 from torchverity.batch._journal import CHANGED, COMMITTED, ItemRow, Journal
+from torchverity.batch._paths import DATA_DIR
 from torchverity.batch._run import stored_digests
 from torchverity.errors import TorchVerityError
 from torchverity.manifest import SHA256SUM_NAME, ManifestEntry, read_manifest

@@ -13,7 +13,7 @@ import socket
 import stat
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,12 +21,14 @@ from typing import Any
 import torch
 
 from torchverity._tensors import iter_leaves
+from torchverity.checkpoint._records import pending_name, settle
 from torchverity.digest import (
     fsync_path,
 )
 from torchverity.errors import (
     CheckpointWriteError,
     InputError,
+    TorchVerityError,
 )
 
 _SMALL_WRITE = 1 << 20  # torch.save makes many tiny writes; batch them
@@ -147,7 +149,7 @@ def _atomic_target(target: Path) -> Iterator[_Staged]:
     ``.NAME.pending`` files *before* the checkpoint is renamed, then renamed
     after it. A crash between those renames leaves the new checkpoint with its
     records still pending; ``load`` finds them because they match the file's
-    digest (see :func:`_pending_records`).
+    digest (see :func:`torchverity.checkpoint._records.resolve_records`).
     """
     folder = target.parent
     if not folder.is_dir():
@@ -156,10 +158,11 @@ def _atomic_target(target: Path) -> Iterator[_Staged]:
     old_mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
     if old_mode is not None:
         _drop_cached_pages(target)
-    _sweep_stale_temps(target)
     temps: list[tuple[Path, Path]] = [(_temp_name(target), target)]
     staged = _Staged(-1, {})
     try:
+        _sweep_stale_temps(target)
+        _settle_quietly(target)
         staged.fd = os.open(temps[0][0], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         yield staged
         if old_mode is not None:
@@ -182,7 +185,17 @@ def _atomic_target(target: Path) -> Iterator[_Staged]:
         if staged.fd >= 0:
             os.close(staged.fd)
         for tmp, _ in temps:
-            tmp.unlink(missing_ok=True)
+            with suppress(OSError):  # a read-only folder refuses even this; nothing to remove
+                tmp.unlink(missing_ok=True)
+
+
+def _settle_quietly(target: Path) -> None:
+    """Publish the pending records of a killed save that describe the file at ``target``.
+
+    Damaged old records are left for this save to replace.
+    """
+    with suppress(TorchVerityError):
+        settle(target)
 
 
 def _drop_cached_pages(path: Path) -> None:
@@ -215,11 +228,6 @@ def _temp_prefix(final: Path) -> str:
 
 def _temp_name(final: Path) -> Path:
     return final.with_name(f"{_temp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def pending_name(final: Path) -> Path:
-    """Where a companion waits until the checkpoint is renamed (found by load after a crash)."""
-    return final.with_name(f".{final.name}.pending")
 
 
 def _sync_together(fd: int, companions: dict[Path, str]) -> None:

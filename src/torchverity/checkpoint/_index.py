@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path, PurePosixPath
 
+from torchverity.checkpoint._records import parse_json, read_text_record
 from torchverity.errors import FormatError, InputError
 
 INDEX_NAMES = {"safetensors": "model.safetensors.index.json", "pt": "pytorch_model.bin.index.json"}
@@ -27,11 +27,12 @@ def find_index(folder: Path) -> Path:
 
 def read_index(index: Path) -> dict[str, str]:
     """The ``weight_map`` (tensor -> shard file), with every shard path kept inside the folder."""
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{index}: not a valid index: {exc}", path=index,
-                          hint="restore the index from the source of the shards") from None
+    hint = "restore the index from the source of the shards"
+    data = parse_json(read_text_record(index, "the index", hint), index, "the index", hint)
+    metadata = data.get("metadata") if isinstance(data, dict) else None
+    if metadata is not None and not isinstance(metadata, dict):
+        raise FormatError(f"{index}: 'metadata' is {type(metadata).__name__}, not an object",
+                          path=index, hint=hint)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise FormatError(f"{index}: no 'weight_map' of tensor names to shard files",

@@ -18,7 +18,6 @@ import torch
 import torchverity.checkpoint._safetensors as st
 from torchverity._formats import FileFormat, download_kind, file_format
 from torchverity._tensors import dtype_name
-from torchverity.checkpoint._atomic import pending_name
 from torchverity.checkpoint._damage import _locate_pt_damage
 from torchverity.checkpoint._fingerprint import (
     EXACT,
@@ -35,24 +34,19 @@ from torchverity.checkpoint._hashing_reader import HashingReader
 from torchverity.checkpoint._meta import (
     META_SUFFIX,
     _meta_fingerprint,
-    _read_meta_file,
     meta_path_for,
     read_meta,
 )
 from torchverity.checkpoint._read import _count_tensors, _load_failure, _torch_load
+from torchverity.checkpoint._records import Records, recorded_digest, resolve_records
 from torchverity.checkpoint._results import ExpectedDigest, LoadReport, SidecarPolicy
 from torchverity.digest import (
-    ALGORITHMS,
     FASTER_THAN_COPY,
     digest_file,
-    find_sidecar,
     new_hasher,
-    read_sidecar,
-    sidecar_path,
 )
 from torchverity.errors import (
     FormatError,
-    InputError,
     IntegrityError,
 )
 
@@ -62,15 +56,10 @@ log = logging.getLogger("torchverity.checkpoint")
 def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: str | None,
                mmap: bool, recheck_tensors: bool = False) -> tuple[Any, LoadReport]:
     notes = []
-    expected: ExpectedDigest | None
-    pending = _pending_records(p) if policy != "ignore" else None
-    if pending is not None:
-        expected, meta = pending
+    expected, meta, pending = current_expectation(p, policy)
+    if pending:
         notes.append(f"{p}: its save was interrupted after the file was renamed; verified "
                      "against the pending records (the next save replaces them)")
-    else:
-        meta = read_meta(p) if meta_path_for(p).exists() else None
-        expected = _expected_digest(p, meta, policy) if p.is_file() else None
     try:
         fmt = file_format(p)
     except FormatError:
@@ -91,6 +80,8 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
         obj, digest = _load_pt(p, fmt, expected, meta, map_location, full_pickle, mmap)
         fp = None
     fp_root = _check_fingerprint(p, obj, meta, fp, bound)
+    _check_meta_size(p, meta)
+    _check_meta_digest(p, meta, expected)
     if fp_root is None and policy == "warn":
         notes.append(f"{p}: no meta.json: the content fingerprint was not verified")
     report = LoadReport(
@@ -103,60 +94,57 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
     return obj, report
 
 
-def _pending_records(p: Path) -> tuple[ExpectedDigest, dict[str, Any] | None] | None:
-    """The records of an interrupted save, if they describe the file now at ``p``.
+def current_expectation(p: Path, policy: SidecarPolicy
+                        ) -> tuple[ExpectedDigest | None, dict[str, Any] | None, bool]:
+    """``(expected digest, meta.json, pending)`` for ``p``, as :func:`resolve_records` reads them.
 
-    Costs one extra digest pass, and only when ``.NAME.<algo>.pending`` exists.
+    A pending sidecar costs one extra digest pass, and only when it exists.
     """
-    for algo in ALGORITHMS:
-        side = pending_name(sidecar_path(p, algo))
-        if not side.is_file() or not p.is_file():
-            continue
-        hexd = _first_word(side)
-        if hexd is None or digest_file(p, algo).hexdigest != hexd:
-            return None  # a save that died before its rename: the old records stand
-        mp = pending_name(meta_path_for(p))
-        return ExpectedDigest(algo, hexd, "sidecar"), _read_meta_file(mp) if mp.is_file() else None
-    return _pending_meta(p)
+    if policy == "ignore":
+        return None, read_meta(p) if meta_path_for(p).exists() else None, False
+    records = resolve_records(p)
+    if records.pending and records.algo and records.hexdigest:
+        return ExpectedDigest(records.algo, records.hexdigest, "sidecar"), records.meta, True
+    meta = records.meta
+    expected = _expected_digest(p, meta, policy, records) if p.is_file() else None
+    return expected, meta, False
 
 
-def _pending_meta(p: Path) -> tuple[ExpectedDigest, dict[str, Any]] | None:
-    """A save killed between its sidecar's rename and meta.json's: the published sidecar and
-    the pending meta.json record the same digest, and belong together (no extra pass)."""
-    mp = pending_name(meta_path_for(p))
-    if not mp.is_file():
-        return None
-    try:
-        meta = _read_meta_file(mp)
-    except (InputError, FormatError):  # a torn pending file: the published records stand
-        return None
-    recorded = meta.get("digest")
-    if not isinstance(recorded, dict) or recorded.get("algo") not in ALGORITHMS:
-        return None
-    algo = str(recorded["algo"])
-    if not sidecar_path(p, algo).is_file():
-        return None
-    hexd = _first_word(sidecar_path(p, algo))
-    if hexd is None or hexd != recorded.get("hex"):
-        return None  # a later save that died before its rename: the old records stand
-    return ExpectedDigest(algo, hexd, "sidecar"), meta
+def _check_meta_digest(p: Path, meta: Mapping[str, Any] | None,
+                       expected: ExpectedDigest | None) -> None:
+    """meta.json's digest in another algorithm than the sidecar's: checked too (one more
+    pass, only then), so a record made for other bytes is never taken for this file's."""
+    recorded = recorded_digest(meta)
+    if recorded is None or expected is None or recorded[0] == expected.algo:
+        return
+    actual = digest_file(p, recorded[0]).hexdigest
+    if actual != recorded[1]:
+        raise IntegrityError(
+            f"{p}: meta.json records {recorded[0]} {recorded[1]}, the file's is {actual}: "
+            "the record was made for other bytes", path=p, expected=recorded[1], actual=actual,
+            hint=f"restore {p.name}.meta.json with its checkpoint; torchverity inspect {p}",
+        )
 
 
-def _first_word(path: Path) -> str | None:
-    try:
-        words = path.read_text(encoding="utf-8").split()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return words[0].lower() if words else None
+def _check_meta_size(p: Path, meta: Mapping[str, Any] | None) -> None:
+    """A meta.json that records another size describes another file (forged or misplaced)."""
+    if meta is not None and meta["size"] != p.stat().st_size:
+        raise IntegrityError(
+            f"{p}: meta.json records {meta['size']} bytes, the file has {p.stat().st_size}: "
+            "the record belongs to another file", path=p,
+            hint=f"restore {p.name}.meta.json with its checkpoint; torchverity inspect {p}",
+        )
 
 
-def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
-                     policy: SidecarPolicy) -> ExpectedDigest | None:
-    """The digest to check the file against, or None."""
+def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPolicy,
+                     records: Records | None = None) -> ExpectedDigest | None:
+    """``(algo, hex, source)`` to check the file against, or None."""
     recorded = meta.get("digest") if meta else None
-    side = _sidecar_for(p, recorded) if policy != "ignore" else None
-    if side is not None:
-        algo, hexd, _ = read_sidecar(side)
+    if records is None and policy != "ignore":
+        records = resolve_records(p)
+    side = records.sidecar if records is not None and policy != "ignore" else None
+    if side is not None and records is not None and records.algo and records.hexdigest:
+        algo, hexd = records.algo, records.hexdigest
         if isinstance(recorded, dict) and recorded.get("algo") == algo \
                 and recorded.get("hex") != hexd:
             raise IntegrityError(
@@ -179,14 +167,6 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
     if policy != "ignore" and isinstance(recorded, dict) and "hex" in recorded:
         return ExpectedDigest(str(recorded["algo"]), str(recorded["hex"]), "meta")
     return None
-
-
-def _sidecar_for(p: Path, recorded: Any) -> Path | None:
-    """The sidecar of the algorithm meta.json records, else the first one found."""
-    algo = recorded.get("algo") if isinstance(recorded, dict) else None
-    if algo in ALGORITHMS and sidecar_path(p, algo).is_file():
-        return sidecar_path(p, algo)
-    return find_sidecar(p)
 
 
 def _digest_mismatch(p: Path, expected: ExpectedDigest, actual: str,

@@ -17,6 +17,15 @@ from typing import Any
 from torchverity.checkpoint._fp_record import (
     Fingerprint,
 )
+from torchverity.checkpoint._records import (
+    META_FORMAT,
+    META_SUFFIX,
+    META_VERSION,
+    meta_path_for,
+)
+from torchverity.checkpoint._records import (
+    read_meta_file as _read_meta_file,
+)
 from torchverity.digest import (
     digest_file,
 )
@@ -25,18 +34,6 @@ from torchverity.errors import (
     InputError,
     UsageError,
 )
-
-META_FORMAT = "torchverity-checkpoint-meta"
-
-
-META_VERSION = 1
-
-
-META_SUFFIX = ".meta.json"
-
-
-def meta_path_for(path: str | os.PathLike[str]) -> Path:
-    return Path(f"{os.fspath(path)}{META_SUFFIX}")
 
 
 def _json_ready(value: Any, what: str) -> Any:
@@ -127,29 +124,9 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _read_meta_file(p if p.name.endswith(META_SUFFIX) else meta_path_for(p))
 
 
-def _read_meta_file(mp: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(mp.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{mp}: no such file", path=mp,
-                         hint="torchverity.save writes it next to every checkpoint") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise FormatError(f"{mp}: not valid JSON: {exc}", path=mp,
-                          hint="restore it from the checkpoint's copy, or re-save the "
-                               "checkpoint with torchverity.save") from None
-    if not isinstance(data, dict) or data.get("format") != META_FORMAT:
-        raise FormatError(f"{mp}: not a torchverity meta.json (no format '{META_FORMAT}')",
-                          path=mp, hint="move the foreign file away; torchverity.save writes "
-                                        "its own NAME.meta.json")
-    if data.get("version") != META_VERSION:
-        raise FormatError(f"{mp}: meta.json version {data.get('version')!r} is not supported",
-                          path=mp, hint="upgrade torchverity")
-    return data
-
-
 def _meta_fingerprint(meta: Mapping[str, Any], mp: Path) -> Fingerprint:
     try:
         return Fingerprint.from_dict(meta["fingerprint"])
-    except (KeyError, FormatError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, FormatError) as exc:
         raise FormatError(f"{mp}: fingerprint record is damaged: {exc}", path=mp,
                           hint="restore meta.json, or re-save the checkpoint") from None

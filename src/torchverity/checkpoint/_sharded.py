@@ -4,12 +4,14 @@ The index (``model.safetensors.index.json`` or ``pytorch_model.bin.index.json``)
 maps every tensor name to its shard file. torchverity treats the index like a
 checkpoint file: it gets a sidecar and a meta.json whose fingerprint covers
 every tensor of every shard, and each shard is saved and verified like any
-single file. The index is written last, so a folder is never described by an
-index that names shards not yet written.
+single file. Each save writes its shards under names the live index does not
+use (``_generations.py``) and publishes the index last: its rename is the one
+instant the folder switches from the previous checkpoint to the new one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping
@@ -18,16 +20,17 @@ from typing import Any
 
 import torch
 
+import torchverity.checkpoint._generations as gen
 import torchverity.checkpoint._safetensors as st
-from torchverity.checkpoint._atomic import _atomic_target
+from torchverity.checkpoint._atomic import _atomic_target, _write_error
 from torchverity.checkpoint._fingerprint import EXACT, Fingerprint, TensorDigest, from_entries
 from torchverity.checkpoint._index import INDEX_NAMES, SHARD_STEMS, find_index, read_index
 from torchverity.checkpoint._load_file import (
     _check_digest,
     _check_fingerprint,
     _content_mismatch,
-    _expected_digest,
     _load_file,
+    current_expectation,
 )
 from torchverity.checkpoint._meta import (
     _data_record,
@@ -39,8 +42,14 @@ from torchverity.checkpoint._meta import (
 )
 from torchverity.checkpoint._results import LoadReport, SaveReport, SidecarPolicy
 from torchverity.checkpoint._save_file import save_file
-from torchverity.digest import check_algo, format_sidecar_line, new_hasher, sidecar_path
-from torchverity.errors import FormatError, IntegrityError, UsageError
+from torchverity.digest import (
+    ALGORITHMS,
+    check_algo,
+    format_sidecar_line,
+    new_hasher,
+    sidecar_path,
+)
+from torchverity.errors import CheckpointWriteError, FormatError, IntegrityError, UsageError
 
 
 def save_sharded(
@@ -63,23 +72,69 @@ def save_sharded(
     user_meta = _json_ready(meta, "meta")
     tensors = st.check_writable(obj, folder)
     data_record = _data_record(data, algo) if data is not None else None
-    folder.mkdir(parents=True, exist_ok=True)
+    _make_folder(folder)
+    live = gen.live_index(folder)
+    generation = gen.generation_of(live) + 1
+    written: list[Path] = []
+    try:
+        previous = gen.sweep(folder, live)
+        weight_map, entries = _write_shards(tensors, folder, shard_bytes, shard_format, algo,
+                                            generation, written)
+        index = folder / INDEX_NAMES[shard_format]
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        report = _publish_index(index, gen.index_body(total, generation, weight_map), algo,
+                                from_entries(EXACT, entries), seed, data_record, user_meta)
+    except (CheckpointWriteError, OSError) as exc:
+        _discard(written)
+        raise _folder_write_error(folder, exc, live is not None) from None
+    gen.retire(folder, previous, index)
+    return report
+
+
+def _make_folder(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _folder_write_error(folder, exc, False) from None
+
+
+def _write_shards(tensors: Mapping[str, torch.Tensor], folder: Path, shard_bytes: int,
+                  shard_format: str, algo: str, generation: int, written: list[Path],
+                  ) -> tuple[dict[str, str], list[TensorDigest]]:
+    """Save this generation's shards under names no live index uses."""
     groups = _split(tensors, shard_bytes)
     stem, suffix = SHARD_STEMS[shard_format]
     weight_map: dict[str, str] = {}
     entries: list[TensorDigest] = []
     for i, names in enumerate(groups, 1):
-        shard = f"{stem}-{i:05d}-of-{len(groups):05d}{suffix}"
-        save_file({n: tensors[n] for n in names}, folder / shard, user_meta=None, seed=None,
+        shard = folder / gen.shard_name(stem, suffix, i, len(groups), generation)
+        written.append(shard)
+        save_file({n: tensors[n] for n in names}, shard, user_meta=None, seed=None,
                   data=None, algo=algo)
-        entries.extend(_meta_fingerprint(read_meta(folder / shard), folder / shard).entries)
-        weight_map.update(dict.fromkeys(names, shard))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = folder / INDEX_NAMES[shard_format]
-    body = (json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                       indent=2) + "\n").encode()
-    return _publish_index(index, body, algo, from_entries(EXACT, entries), seed, data_record,
-                          user_meta)
+        entries.extend(_meta_fingerprint(read_meta(shard), shard).entries)
+        weight_map.update(dict.fromkeys(names, shard.name))
+    return weight_map, entries
+
+
+def _discard(written: list[Path]) -> None:
+    """Free what a failed save wrote (no index names it): a full disk gets its space back."""
+    for shard in written:
+        for path in (shard, meta_path_for(shard), *(sidecar_path(shard, a) for a in ALGORITHMS)):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+
+
+def _folder_write_error(folder: Path, exc: Exception, existed: bool) -> CheckpointWriteError:
+    reason = (exc.reason if isinstance(exc, CheckpointWriteError)
+              else _write_error(folder, exc, existed).reason if isinstance(exc, OSError)
+              else str(exc))
+    previous = (f"the previous checkpoint in {folder} is intact and still loads" if existed
+                else f"no checkpoint was created in {folder}")
+    return CheckpointWriteError(
+        f"cannot save the sharded checkpoint {folder}: {reason}; {previous}", path=folder,
+        reason=reason, previous_intact=existed,
+        hint="free space or fix the folder's permissions, then save again",
+    )
 
 
 def _split(tensors: Mapping[str, torch.Tensor], shard_bytes: int) -> list[list[str]]:
@@ -118,8 +173,7 @@ def load_sharded(folder: Path, *, map_location: Any, sidecar: SidecarPolicy,
                  ) -> tuple[dict[str, Any], LoadReport]:
     """Verify the index, every shard, the index's tensor list and the whole fingerprint."""
     index = index or find_index(folder)
-    meta = read_meta(index) if meta_path_for(index).exists() else None
-    expected = _expected_digest(index, meta, sidecar)
+    expected, meta, _pending = current_expectation(index, sidecar)
     digest = _check_digest(index, expected, None)
     weight_map = read_index(index)
     shards = sorted(set(weight_map.values()))

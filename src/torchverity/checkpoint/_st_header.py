@@ -101,6 +101,8 @@ def parse_header(path: Path) -> RawHeader:
         data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as exc:
         raise _bad(path, f"header is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise _bad(path, "header is nested too deeply to be a safetensors header") from None
     if not isinstance(data, dict):
         raise _bad(path, "header is not a JSON object")
     metadata = _metadata(path, data.pop("__metadata__", None))

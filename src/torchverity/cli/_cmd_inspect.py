@@ -30,14 +30,18 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.checkpoint._inspect import inspect
+    from torchverity.checkpoint._inspect_damage import problems
 
     result = inspect(args.path)
+    found = problems(result)
     bad = (result.sidecar.status == "mismatched" or result.fingerprint_matches_meta is False
-           or (result.scan is not None and not result.scan.ok))
+           or (result.scan is not None and not result.scan.ok) or bool(found))
     if out.json_mode:
-        out.data({"ok": not bad, **result.to_dict()})
+        out.data({"ok": not bad, "problems": found, **result.to_dict()})
     else:
         _print(result, args.limit, out)
+    for text in found:
+        out.err.write(f"torchverity: damaged: {text}\n")
     return EXIT_CHECK_FAILED if bad else 0
 
 

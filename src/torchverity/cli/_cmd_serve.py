@@ -80,8 +80,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     out.out.flush()
     if args.check:
         return 0
+    from torchverity.serve import timed_protocol
+
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level))
+                                           log_level=args.log_level, http=timed_protocol()))
     try:
         server.run()
     except SystemExit:  # uvicorn exits when it cannot bind

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import torchverity.distributed._dcp_generations as generations
 from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_files
 from torchverity.distributed._comm import (
     DEFAULT_TIMEOUT_S,
@@ -181,12 +182,21 @@ def save_dcp(
     Call it on every rank. Each rank hashes the files it wrote (in parallel
     across ranks); rank 0 writes ``torchverity.manifest.json`` so that
     ``torchverity verify PATH`` and :func:`load_dcp` can check the folder.
+    The save goes to a new generation folder under ``path`` and is published
+    by one rename of ``path/torchverity.current.json``: killed at any instant,
+    ``path`` still holds the previous checkpoint, whole and verified.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     c = open_comm(group, timeout, "save_dcp")
-    root = Path(path)
-    written = _written_files(dcp.save(state_dict, checkpoint_id=root, process_group=group))
+    top = Path(path)
+    root = generations.begin(c, top)  # this save's own folder beside the live checkpoint
+    try:
+        saved = dcp.save(state_dict, checkpoint_id=root, process_group=group)
+    except (Exception, CheckpointException) as exc:  # every rank gets DCP's collective failure
+        raise generations.failed(c, top, root, exc) from None
+    written = _written_files(saved)
     fingerprints = all_gather_json(c, _shard_fingerprint(state_dict),
                                    "the shard fingerprint exchange")
     error: Exception | None = None
@@ -212,6 +222,7 @@ def save_dcp(
     if c.index == 0:
         try:
             atomic_write_text(root / MANIFEST_NAME, json.dumps(manifest.to_dict(), indent=2) + "\n")
+            generations.publish(top, root)
         except Exception as exc:  # released to every rank below, then re-raised here
             error = exc
     if broadcast_status(c, error is not None, f"the manifest of {root}"):
@@ -273,7 +284,8 @@ def _check_share(c: Comm, root: Path, manifest: Manifest, record: Path) -> list[
             problems.append({"path": f, "status": "mismatched", "rank": c.rank})
     if c.index == 0:
         problems += [{"path": f, "status": "extra", "rank": c.rank}
-                     for f in list_files(root)[0] if f not in expected]
+                     for f in list_files(root)[0]
+                     if f not in expected and not generations.is_temp(f)]
     return problems
 
 
@@ -294,7 +306,7 @@ def load_dcp(
     import torch.distributed.checkpoint as dcp
 
     c = open_comm(group, timeout, "load_dcp")
-    root = Path(path)
+    root = generations.data_folder(Path(path))
     record = root / MANIFEST_NAME
     manifest = read_manifest(record)
     problems = [p for share in all_gather_json(c, _check_share(c, root, manifest, record),
@@ -311,7 +323,7 @@ def load_dcp(
         )
     dcp.load(state_dict, checkpoint_id=root, process_group=group)
     verified = _check_fingerprints(c, root, state_dict)
-    return DcpLoadReport(os.fspath(root), manifest.algo, len(manifest.entries), verified, c.rank)
+    return DcpLoadReport(os.fspath(path), manifest.algo, len(manifest.entries), verified, c.rank)
 
 
 def _check_fingerprints(c: Comm, root: Path, state_dict: dict[str, Any]) -> bool:

@@ -129,14 +129,17 @@ def load_record(path: str | os.PathLike[str]) -> tuple[GoldenRecord, dict[str, t
         ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{p}: not a readable golden file: {exc}", path=p) from None
+    except RecursionError:
+        raise FormatError(f"{p}: not a golden file: nested too deeply", path=p) from None
     if not isinstance(doc, dict) or doc.get("format") != GOLDEN_FORMAT:
         raise FormatError(f"{p}: not a torchverity golden file (no format marker)", path=p)
-    if doc.get("version") != GOLDEN_VERSION:
+    if type(doc.get("version")) is not int or doc["version"] != GOLDEN_VERSION:
         raise FormatError(
             f"{p}: golden file version {doc.get('version')!r} is not supported "
             f"(this torchverity reads version {GOLDEN_VERSION})", path=p,
             hint="record it again with this torchverity version",
         )
+    _check_shape(p, doc)
     try:
         named = {t["name"]: _decode_tensor(t) for t in doc["inputs"]["tensors"]}
         model = Fingerprint.from_dict(doc["model"]) if doc.get("model") else None
@@ -152,6 +155,19 @@ def load_record(path: str | os.PathLike[str]) -> tuple[GoldenRecord, dict[str, t
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise FormatError(f"{p}: malformed golden file: {exc!r}", path=p) from None
     return rec, named
+
+
+def _check_shape(p: Path, doc: dict[str, Any]) -> None:
+    """The containers the record is read from, with their documented types."""
+    inputs, outputs, model = doc.get("inputs"), doc.get("outputs"), doc.get("model")
+    ok = (isinstance(inputs, dict) and isinstance(inputs.get("tensors"), list)
+          and isinstance(outputs, list) and outputs
+          and all(isinstance(o, dict) for o in outputs)
+          and (model is None or isinstance(model, dict)))
+    if not ok:
+        raise FormatError(f"{p}: malformed golden file: 'inputs', 'outputs' (a non-empty "
+                          "list) or 'model' has the wrong shape", path=p,
+                          hint="record it again with torchverity golden record")
 
 
 def _decode_tensor(entry: Mapping[str, Any]) -> torch.Tensor:

@@ -20,14 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchverity.checkpoint import meta_path_for, read_meta
+from torchverity.checkpoint import meta_path_for
 from torchverity.checkpoint._damage import _locate_pt_damage
 from torchverity.checkpoint._hashing_reader import HashingReader
 from torchverity.checkpoint._load_file import (
     _digest_binds_fingerprint,
     _digest_mismatch,
-    _expected_digest,
-    _pending_records,
+    current_expectation,
 )
 from torchverity.checkpoint._meta import META_SUFFIX
 from torchverity.checkpoint._results import ExpectedDigest
@@ -108,13 +107,10 @@ def find_record(path: Path) -> Record | None:
         return None
     if not path.is_file():
         return None
-    pending = _pending_records(path)
-    if pending is not None:
-        found, meta = pending
-        return Record(path, found.algo, found.hex, found.source,
+    expected, meta, pending = current_expectation(path, "warn")
+    if pending and expected is not None:
+        return Record(path, expected.algo, expected.hex, expected.source,
                       f"{path.name} (pending records)", meta)
-    meta = read_meta(path) if meta_path_for(path).exists() else None
-    expected = _expected_digest(path, meta, "warn")
     if expected is not None and expected.source != "manifest":
         name = (f"{path.name}.{expected.algo}" if expected.source == "sidecar"
                 else meta_path_for(path).name)

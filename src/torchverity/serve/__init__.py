@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from torchverity.serve._problem import Problem, ProblemError
     from torchverity.serve._rechecks import FINGERPRINT_HEADER
     from torchverity.serve._spec import TensorSpec, parse_spec
+    from torchverity.serve._timeouts import timed_protocol
 
 __all__ = [
     "DEFERRED_DIGEST",
@@ -63,6 +64,7 @@ __all__ = [
     "format_digest",
     "parse_digest_field",
     "parse_spec",
+    "timed_protocol",
     "verify_digest",
 ]
 __getattr__, __dir__ = attach(__name__, __file__)

@@ -3,9 +3,12 @@
 At start-up the in-memory weights are fingerprinted (the baseline) and the
 golden check runs once. In the background, every ``interval`` seconds, the
 weights are fingerprinted again and compared with the baseline, and the golden
-check reruns. The first failure turns readiness off for good: memory that
-changed under a running model does not heal, so the service keeps refusing
-predictions (503) until it is restarted from verified weights.
+check reruns. A failure turns readiness off: memory that changed under a
+running model does not heal, so a weights or golden-output failure keeps the
+service refusing predictions (503) until it is restarted from verified weights.
+A golden file that cannot be read (damaged or replaced on disk) says nothing
+about the model: readiness returns when the file reads again and the check
+passes. Every failing interval logs one line, without a traceback.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from typing import Literal
 import torch
 
 from torchverity.checkpoint._fingerprint import DEVICE, Fingerprint, fingerprint
-from torchverity.errors import IntegrityError
+from torchverity.errors import IntegrityError, TorchVerityError
 from torchverity.serve._spec import TensorSpec
 from torchverity.serve._weights import WeightsInfo
 
 log = logging.getLogger("torchverity.serve")
 FINGERPRINT_HEADER = "TorchVerity-Fingerprint"
-GoldenStatus = Literal["passed", "failed", "not-configured"]
+_UNREADABLE = "golden file unreadable"
+GoldenStatus = Literal["passed", "failed", "unreadable", "not-configured"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class ServiceState:
     baseline: Fingerprint = field(init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _failure: str | None = field(default=None, init=False)
+    _recoverable: bool = field(default=False, init=False)  # the golden file, not the model
     _golden: GoldenStatus = field(default="not-configured", init=False)
     _checks: int = field(default=0, init=False)
     _last_check: float | None = field(default=None, init=False)
@@ -82,20 +87,33 @@ class ServiceState:
             )
 
     def record_check(self, failure: str | None) -> None:
-        """Count one finished re-check; a failure turns readiness off."""
+        """Count one finished re-check; a failure turns readiness off, a pass after an
+        unreadable golden file turns it back on."""
         with self._lock:
             self._checks += 1
             self._last_check = time.time()
         if failure:
-            self.fail(failure)
+            self.fail(failure, recoverable=failure.startswith(_UNREADABLE))
+        else:
+            self._recover()
 
-    def fail(self, reason: str) -> None:
-        """Turn readiness off (the first reason is kept) and log it."""
+    def fail(self, reason: str, *, recoverable: bool = False) -> None:
+        """Turn readiness off (the first lasting reason is kept) and log one line."""
         with self._lock:
-            if self._failure is not None:
+            first = self._failure is None or (self._recoverable and not recoverable)
+            if first:
+                self._failure, self._recoverable = reason, recoverable
+        if first:
+            log.error("torchverity serve: no longer ready: %s", reason)
+        else:
+            log.error("torchverity serve: still not ready: %s", reason)
+
+    def _recover(self) -> None:
+        with self._lock:
+            if self._failure is None or not self._recoverable:
                 return
-            self._failure = reason
-        log.error("torchverity serve: no longer ready: %s", reason)
+            self._failure, self._recoverable = None, False
+        log.warning("torchverity serve: ready again: the golden file reads and its check passes")
 
     def weights_failure(self) -> str | None:
         """Why the in-memory weights no longer match the verified baseline, or None."""
@@ -113,7 +131,12 @@ class ServiceState:
             return None
         from torchverity.golden import check
 
-        result = check(self.model, self.golden_path)
+        try:
+            result = check(self.model, self.golden_path)
+        except TorchVerityError as exc:
+            with self._lock:
+                self._golden = "unreadable"
+            return f"{_UNREADABLE}: {exc.message}"
         with self._lock:
             self._golden = "passed" if result.ok else "failed"
         if result.ok:
@@ -135,5 +158,4 @@ async def recheck_forever(state: ServiceState, interval: float, model_thread: Ex
                 failure = await loop.run_in_executor(model_thread, state.golden_failure)
             state.record_check(failure)
         except Exception as exc:  # a broken check must not stop the loop silently
-            log.exception("torchverity serve: re-check raised %s", type(exc).__name__)
             state.fail(f"re-check raised {type(exc).__name__}: {exc}")
