@@ -16,17 +16,32 @@ from torchverity.distributed._comm import (
     all_gather,
     all_reduce_max,
     digest_rows,
-    layout_row,
     open_comm,
     row_bytes,
 )
+from torchverity.distributed._placements import (
+    HEADER_LEN,
+    MAX_MESH_DIMS,
+    Layout,
+    Placed,
+    header_row,
+    layout_digest,
+    layout_from,
+    mesh_dims,
+    place,
+    shard_label,
+)
 from torchverity.distributed._replay import exchange_batch, replay_rows
-from torchverity.errors import ReplicaMismatchError
+from torchverity.errors import ReplicaMismatchError, UsageError
 
 _NO_THIRD_OPINION = (
     "with two replicas the faulty one cannot be named without a third opinion: run "
     "torchverity.distributed.replay_audit with 3 or more ranks, or compare each rank with the "
     "last verified checkpoint"
+)
+_NOTHING_TO_VOTE = (
+    "nothing to vote on for them; audit them with "
+    "torchverity.distributed.sharded_replay_audit and verified sharded checkpoints"
 )
 
 
@@ -35,21 +50,37 @@ _NO_THIRD_OPINION = (
 
 @dataclass(frozen=True)
 class TensorDisagreement:
-    """One tensor whose digest is not the same on every rank.
+    """One tensor (or one shard of it) whose digest is not the same on all its replicas.
 
     ``groups`` lists global ranks that agree with each other, largest group
     first; ``odd_ranks`` are those outside a strict majority (empty when no
-    value holds more than half of the ranks).
+    value holds more than half of the replicas). ``replicas`` are the ranks
+    that hold this piece and were compared; ``shard`` says which shard it is
+    (``"shard (shard=1)"``, the mesh coordinates on the sharded dimensions),
+    empty for a tensor replicated whole.
     """
 
     name: str
     groups: tuple[tuple[int, ...], ...]
     odd_ranks: tuple[int, ...]
+    shard: str = ""
+    replicas: tuple[int, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.shard}" if self.shard else self.name
 
 
 @dataclass(frozen=True)
 class ReplicaCheckResult:
-    """The same outcome on every rank of the group, so all ranks can act alike."""
+    """The same outcome on every rank of the group, so all ranks can act alike.
+
+    ``tensors_checked`` counts the tensors that have a replica on another rank;
+    ``unreplicated`` those held by one rank only (sharded on every mesh
+    dimension, as under pure FSDP), which no vote can cover. ``coordinates``
+    maps each global rank to its mesh coordinates (``replicate=0, shard=1``)
+    when any tensor is a DTensor.
+    """
 
     kind: str
     rank: int
@@ -58,6 +89,8 @@ class ReplicaCheckResult:
     bytes_exchanged: int
     disagreements: tuple[TensorDisagreement, ...]
     step: int | None = None
+    unreplicated: int = 0
+    coordinates: tuple[tuple[int, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -65,7 +98,7 @@ class ReplicaCheckResult:
 
     @property
     def tensors(self) -> list[str]:
-        return [d.name for d in self.disagreements]
+        return list(dict.fromkeys(d.name for d in self.disagreements))
 
     @property
     def odd_ranks(self) -> tuple[int, ...]:
@@ -76,12 +109,22 @@ class ReplicaCheckResult:
         """Every disagreement has a majority, so the odd ranks are known."""
         return bool(self.disagreements) and all(d.odd_ranks for d in self.disagreements)
 
+    def where(self, rank: int) -> str:
+        """``rank 3 (replicate=1, shard=1)``: a global rank with its mesh coordinates."""
+        coords = dict(self.coordinates).get(rank)
+        return f"rank {rank} ({coords})" if coords else f"rank {rank}"
+
+    def _whole_world(self) -> bool:
+        """Every disagreement is over all ranks of plain tensors (DDP): the short message."""
+        return not self.coordinates and all(not d.shard and d.replicas in ((), self.ranks) for d in self.disagreements)
+
     def summary(self) -> str:
         where = f" at step {self.step}" if self.step is not None else ""
-        world = len(self.ranks)
         if self.ok:
-            return (f"{self.kind} agree on all {world} ranks{where}: {self.tensors_checked} "
-                    f"tensors compared, {self.bytes_exchanged} bytes exchanged")
+            return self._ok_summary(where)
+        if not self._whole_world():
+            return self._placed_summary(where)
+        world = len(self.ranks)
         names = _short_list(self.tensors)
         count = f"{len(self.disagreements)} of {self.tensors_checked} tensors"
         if self.attributed:
@@ -93,6 +136,29 @@ class ReplicaCheckResult:
                     f"{count} differ: {names}; {_NO_THIRD_OPINION}")
         return (f"{self.kind} disagree across {world} ranks{where} with no majority: {count} "
                 f"differ: {names}")
+
+    def _ok_summary(self, where: str) -> str:
+        text = (f"{self.kind} agree on all {len(self.ranks)} ranks{where}: "
+                f"{self.tensors_checked} tensors compared, {self.bytes_exchanged} bytes exchanged")
+        if self.unreplicated:
+            text += (f"; {self.unreplicated} sharded tensors have no replica on any other rank "
+                     f"(pure sharding): {_NOTHING_TO_VOTE}")
+        return text
+
+    def _placed_summary(self, where: str) -> str:
+        parts = []
+        for d in self.disagreements[:5]:
+            if d.odd_ranks:
+                odd = ", ".join(self.where(r) for r in d.odd_ranks)
+                parts.append(f"{odd} disagrees with the majority of {len(d.replicas)} replicas "
+                             f"of {d.label} (ranks {', '.join(map(str, d.replicas))})")
+            else:
+                held = ", ".join(self.where(r) for r in d.replicas)
+                parts.append(f"{held} hold different {d.label} with no majority")
+        more = (f" (+{len(self.disagreements) - 5} more)" if len(self.disagreements) > 5 else "")
+        pairs = any(len(d.replicas) == 2 and not d.odd_ranks for d in self.disagreements)
+        tail = f"; {_NO_THIRD_OPINION}" if pairs else ""
+        return (f"{self.kind} differ between replicas{where}: {'; '.join(parts)}{more}{tail}")
 
     def raise_if_failed(self) -> ReplicaCheckResult:
         """Raise :class:`ReplicaMismatchError` on every rank when the ranks disagree."""
@@ -125,28 +191,68 @@ def _short_list(names: Sequence[str], limit: int = 5) -> str:
 
 def _compare(c: Comm, kind: str, names: Sequence[str], values: Sequence[Any], mode: HashMode,
              step: int | None, recorded: torch.Tensor | None = None) -> ReplicaCheckResult:
-    """Exchange per-tensor digests (two tiny all_gathers) and vote.
+    """Exchange per-tensor digests (two tiny all_gathers) and vote inside each replica group.
 
     ``recorded`` holds digest rows taken earlier (DDP buckets); they come first
-    and ``names`` starts with their labels.
+    and ``names`` starts with their labels. Each value's DTensor placements
+    decide which ranks hold the same bytes (see ``_placements``).
     """
-    a, b = layout_row(names, [*([None] * _rows(recorded)), *values], mode)
-    header = all_gather(c, torch.tensor([len(names), a, b], dtype=torch.int64),
-                        f"the {kind} layout exchange")
-    _check_layout(c, kind, header, step)
-    rows = digest_rows(values, mode, c.device)
+    placed = [Placed(None, (), "recorded", ())] * _rows(recorded) + [place(v) for v in values]
+    dims = mesh_dims(placed)
+    if len(dims) > MAX_MESH_DIMS:
+        raise UsageError(f"{kind}: the tensors live on {len(dims)} mesh dimensions; a check "
+                         f"tells at most {MAX_MESH_DIMS} apart",
+                         hint="name the mesh dimensions (init_device_mesh(mesh_dim_names=...))")
+    head = header_row(len(names), layout_digest(names, placed, mode), dims)
+    header = all_gather(c, torch.tensor(head, dtype=torch.int64),
+                        f"the {kind} layout exchange").cpu()
+    _check_layout(c, kind, header[:, :4], step)
+    layout = layout_from(c.ranks, dims, header)
+    rows = digest_rows([p.local for p in placed[_rows(recorded):]], mode, c.device)
     if recorded is not None:
         rows = torch.cat([recorded.to(c.device), rows])
     gathered = all_gather(c, rows, f"the {kind} digest exchange").cpu()
+    disagreements, compared = _vote_placed(layout, names, [p.sharded for p in placed], gathered)
     return ReplicaCheckResult(
         kind=kind,
         rank=c.rank,
         ranks=c.ranks,
-        tensors_checked=len(names),
-        bytes_exchanged=row_bytes(len(names), c.world),
-        disagreements=_vote(c.ranks, names, gathered),
+        tensors_checked=compared,
+        bytes_exchanged=row_bytes(len(names), c.world, header=False) + c.world * HEADER_LEN * 8,
+        disagreements=disagreements,
         step=step,
+        unreplicated=len(names) - compared,
+        coordinates=tuple((r, layout.where(i)) for i, r in enumerate(c.ranks))
+        if layout.dims else (),
     )
+
+
+def _vote_placed(layout: Layout, names: Sequence[str], sharded: Sequence[tuple[str, ...]],
+                 gathered: torch.Tensor) -> tuple[tuple[TensorDisagreement, ...], int]:
+    """Vote each tensor inside the groups of ranks that hold the same piece of it.
+
+    Returns the disagreements (in tensor order) and how many tensors had a replica.
+    """
+    by_pattern: dict[tuple[str, ...], list[int]] = {}
+    for i, s in enumerate(sharded):
+        by_pattern.setdefault(s, []).append(i)
+    found: list[tuple[int, int, TensorDisagreement]] = []
+    compared = 0
+    for pattern, indices in by_pattern.items():
+        groups = [g for g in layout.replica_groups(pattern) if len(g) > 1]
+        if not groups:
+            continue
+        compared += len(indices)
+        columns = torch.tensor(indices, dtype=torch.int64)
+        for g in groups:
+            ranks = tuple(layout.ranks[x] for x in g)
+            sub = gathered[torch.tensor(g, dtype=torch.int64)][:, columns]
+            label = shard_label(layout, pattern, g)
+            for position, d in _vote_indexed(ranks, indices, names, sub):
+                found.append((position, g[0], TensorDisagreement(
+                    d.name, d.groups, d.odd_ranks, label, ranks)))
+    found.sort(key=lambda item: (item[0], item[1]))
+    return tuple(d for _, _, d in found), compared
 
 
 def _rows(recorded: torch.Tensor | None) -> int:
@@ -154,14 +260,15 @@ def _rows(recorded: torch.Tensor | None) -> int:
 
 
 def _check_layout(c: Comm, kind: str, header: torch.Tensor, step: int | None) -> None:
-    rows = [tuple(r) for r in header.cpu().tolist()]
+    rows = [tuple(r) for r in header.tolist()]
     if len(set(rows)) == 1:
         return
     groups = _groups(c.ranks, rows)
     odd = _odd(groups, c.world)
     raise ReplicaMismatchError(
-        f"ranks {list(c.ranks)} do not hold the same set of {kind} (names, dtypes or shapes "
-        f"differ; groups that agree: {[list(g) for g in groups]}), so they cannot be compared",
+        f"ranks {list(c.ranks)} do not hold the same set of {kind} (names, dtypes, shapes or "
+        f"placements differ; groups that agree: {[list(g) for g in groups]}), so they cannot "
+        "be compared",
         kind=f"{kind}-layout", ranks=odd, step=step, rank=c.rank,
         hint="build the model and optimizer identically on every rank and call the check at the "
         "same point (after optimizer.step()) on all of them",
@@ -192,6 +299,14 @@ def _vote(ranks: Sequence[int], names: Sequence[str],
     return tuple(out)
 
 
+def _vote_indexed(ranks: Sequence[int], indices: Sequence[int], names: Sequence[str],
+                  gathered: torch.Tensor) -> list[tuple[int, TensorDisagreement]]:
+    """:func:`_vote` over the columns ``indices`` of ``names``, each result with its position."""
+    found = _vote(ranks, [names[i] for i in indices], gathered)
+    position = {names[i]: i for i in indices}
+    return [(position[d.name], d) for d in found]
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside DDP/DataParallel wrappers, so names carry no ``module.`` prefix."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -207,13 +322,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 _PLAIN = (bool, int, float, str, tuple, type(None))
 
 
-def _local(value: Any) -> Any:
-    """A tensor's bytes on this rank: a DTensor (FSDP2, HSDP) contributes its local shard."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return (value.to_local() if hasattr(value, "to_local") else value).detach()
-
-
 def _replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                    buffers: bool) -> tuple[list[str], list[Any]]:
     module = _unwrap(model)
@@ -224,14 +332,14 @@ def _replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         if name in skip:
             continue
         names.append(name)
-        values.append(_local(value))
+        values.append(value)
     if optimizer is not None:
         param_names = {id(p): n for n, p in module.named_parameters()}
         for position, (p, state) in enumerate(optimizer.state.items()):
             pname = param_names.get(id(p), f"state{position}")  # a tensor outside the model
             for key, value in state.items():
                 names.append(f"optimizer.{pname}.{key}")
-                values.append(_local(value))
+                values.append(value)
         for i, group in enumerate(optimizer.param_groups):
             for key, value in group.items():
                 if key != "params" and isinstance(value, _PLAIN):
