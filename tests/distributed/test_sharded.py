@@ -92,8 +92,19 @@ def _spawn(scenario: str, world: int, out: Path, *extra: str) -> list[dict[str, 
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _two_nodes("mesh", tmp_path_factory.mktemp("mesh"))
+def mesh_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("mesh")
+
+
+@pytest.fixture(scope="module")
+def mesh(mesh_dir: Path) -> list[dict[str, Any]]:
+    return _two_nodes("mesh", mesh_dir)
+
+
+@pytest.fixture(scope="module")
+def reshard(mesh: list[dict[str, Any]], mesh_dir: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn("reshard", 2, tmp_path_factory.mktemp("reshard"), str(mesh_dir))
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +212,26 @@ def test_sharded_replay_names_the_rank_whose_forward_is_perturbed(
     assert "loss" in replay["tensors"] and "(root) gradient contribution" in replay["tensors"]
     assert "rank 1 computes results no other rank reproduces" in replay["summary"]
     assert _same(mesh, "fsdp", "grads_restored") is True
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_checkpoint_is_verified_per_shard_and_whole(mesh: list[dict[str, Any]]) -> None:
+    saved = _same(mesh, "hsdp", "dcp")
+    assert {f"__{r}_0.distcp" for r in range(4)} <= set(saved["files"])
+    assert saved["fingerprints_verified"] is True and saved["full_tensors_verified"] is True
+
+
+@pytest.mark.timeout(300)
+def test_resharded_load_4_to_2_ranks_is_verified_against_full_tensors(
+    reshard: list[dict[str, Any]],
+) -> None:
+    for r in reshard:
+        assert r["full_tensors_verified"] is True and r["fingerprints_verified"] is False
+        assert r["equal_to_saved_full_tensors"] is True
+    tampered = _same(reshard, "tampered")
+    assert tampered["error"] == "IntegrityError"
+    assert "1 full tensor(s) loaded from the distributed checkpoint differ" in tampered["message"]
+    assert tampered["tensors"] == ["model.2.weight"]
 
 
 # ------------------------------------------------------------------ healing, 6 ranks
@@ -404,6 +435,25 @@ def _replay_record(res: Any) -> dict[str, Any]:
             "failed": len(res.failed), "summary": res.summary()}
 
 
+def _hsdp_dcp(model: Any, opt: Any, rank: int, out: Path) -> dict[str, Any]:
+    """Save the HSDP state (and its full tensors, for the resharded load), then load it back."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import torchverity.distributed as tvd
+
+    msd, osd = get_state_dict(model, opt)
+    manifest = tvd.save_dcp({"model": msd, "optim": osd}, out / "hsdp_ckpt")
+    full = {k: v.full_tensor() for k, v in msd.items()}
+    if rank == 0:
+        torch.save(full, out / "hsdp_full.pt")
+    msd, osd = get_state_dict(model, opt)
+    report = tvd.load_dcp({"model": msd, "optim": osd}, out / "hsdp_ckpt")
+    return {"files": sorted(e.path for e in manifest.entries),
+            "fingerprints_verified": report.fingerprints_verified,
+            "full_tensors_verified": report.full_tensors_verified}
+
+
 def scenario_mesh(rank: int, out: Path) -> dict[str, Any]:
     record: dict[str, Any] = {"node": int(os.environ["GROUP_RANK"]),
                               "group_rank": rank // 2, "local_rank": int(os.environ["LOCAL_RANK"])}
@@ -412,8 +462,49 @@ def scenario_mesh(rank: int, out: Path) -> dict[str, Any]:
         rec = {"clean": _clean_run(model, opt, data), **_faults(layout, model, opt, data, rank)}
         if layout == "fsdp":
             rec.update(_sharded_replay(model, opt, rank))
+        if layout == "hsdp":
+            rec["dcp"] = _hsdp_dcp(model, opt, rank, out)
         record[layout] = rec
     return record
+
+
+def scenario_reshard(rank: int, out: Path, ckpt: Path) -> dict[str, Any]:
+    """Load the 4-rank HSDP checkpoint into FSDP2 on 2 ranks."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torchverity.distributed as tvd
+    from torchverity.distributed._checkpoint import check_full_tensors
+    from torchverity.distributed._comm import open_comm
+    from torchverity.errors import IntegrityError
+
+    model = _mlp()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    report = tvd.load_dcp(state, ckpt / "hsdp_ckpt")
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    full = torch.load(ckpt / "hsdp_full.pt", weights_only=True)
+    out_rec: dict[str, Any] = {
+        "fingerprints_verified": report.fingerprints_verified,
+        "full_tensors_verified": report.full_tensors_verified,
+        "equal_to_saved_full_tensors": all(torch.equal(p.full_tensor(), full[n])
+                                           for n, p in model.named_parameters()),
+    }
+    if rank == 1:  # memory corrupts one element of one loaded shard after the files verified
+        _flip(state["model"]["2.weight"], index=0, bit=4)
+    try:
+        check_full_tensors(open_comm(None, 60, "test"), ckpt / "hsdp_ckpt", state)
+        out_rec["tampered"] = {"error": None}
+    except IntegrityError as exc:
+        out_rec["tampered"] = {"error": type(exc).__name__, "message": exc.message,
+                               "tensors": exc.tensors}
+    return out_rec
 
 
 # ------------------------------------------------------------------ heal
@@ -506,8 +597,8 @@ def scenario_heal(rank: int, out: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------ entry point
 
 
-SCENARIOS: dict[str, Callable[[int, Path], dict[str, Any]]] = {
-    "mesh": scenario_mesh, "heal": scenario_heal,
+SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
+    "mesh": scenario_mesh, "heal": scenario_heal, "reshard": scenario_reshard,
 }
 
 
@@ -516,6 +607,7 @@ def _main(argv: list[str]) -> None:
 
     scenario, out = argv[0], Path(argv[1])
     timeout = datetime.timedelta(seconds=120)
+    extra = [Path(a) for a in argv[5:]]
     if len(argv) > 2:  # spawned directly: rank, world, port
         rank, world, port = int(argv[2]), int(argv[3]), int(argv[4])
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -523,7 +615,7 @@ def _main(argv: list[str]) -> None:
     else:  # under torchrun
         dist.init_process_group("gloo", timeout=timeout)
         rank = dist.get_rank()
-    record = SCENARIOS[scenario](rank, out)
+    record = SCENARIOS[scenario](rank, out, *extra)
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()

@@ -116,7 +116,8 @@ class ReplicaCheckResult:
 
     def _whole_world(self) -> bool:
         """Every disagreement is over all ranks of plain tensors (DDP): the short message."""
-        return not self.coordinates and all(not d.shard and d.replicas in ((), self.ranks) for d in self.disagreements)
+        return not self.coordinates and all(
+            not d.shard and d.replicas in ((), self.ranks) for d in self.disagreements)
 
     def summary(self) -> str:
         where = f" at step {self.step}" if self.step is not None else ""
