@@ -139,7 +139,9 @@ class ReplicaCheckResult:
                 f"differ: {names}")
 
     def _ok_summary(self, where: str) -> str:
-        text = (f"{self.kind} agree on all {len(self.ranks)} ranks{where}: "
+        scope = (f"within every replica group of the {len(self.ranks)} ranks" if self.coordinates
+                 else f"on all {len(self.ranks)} ranks")
+        text = (f"{self.kind} agree {scope}{where}: "
                 f"{self.tensors_checked} tensors compared, {self.bytes_exchanged} bytes exchanged")
         if self.unreplicated:
             text += (f"; {self.unreplicated} sharded tensors have no replica on any other rank "
