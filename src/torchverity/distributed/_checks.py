@@ -145,7 +145,7 @@ class ReplicaCheckResult:
                 f"{self.tensors_checked} tensors compared, {self.bytes_exchanged} bytes exchanged")
         if self.unreplicated:
             text += (f"; {self.unreplicated} sharded tensors have no replica on any other rank "
-                     f"(pure sharding): {_NOTHING_TO_VOTE}")
+                     f"(sharded on every mesh dimension): {_NOTHING_TO_VOTE}")
         return text
 
     def _placed_summary(self, where: str) -> str:
