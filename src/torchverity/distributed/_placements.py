@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from torchverity._tensors import dtype_name
 from torchverity.distributed._comm import HashMode, row_algo
-from torchverity.fingerprint import dtype_name
 
 MAX_MESH_DIMS = 8  # mesh dimension names a check can tell apart (the header has room for these)
 HEADER_LEN = 4 + MAX_MESH_DIMS  # count, layout digest (2), number of dims, coordinates
