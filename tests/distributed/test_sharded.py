@@ -198,7 +198,7 @@ def test_pure_fsdp_says_plainly_nothing_is_replicated(mesh: list[dict[str, Any]]
     param = _same(mesh, "fsdp", "param")
     # Every parameter shard and its two AdamW moments: 6 x 3.
     assert param["ok"] is True and param["unreplicated"] == 18
-    assert "have no replica on any other rank" in param["summary"]
+    assert "18 tensors are held by one rank only" in param["summary"]
     assert "sharded_replay_audit" in param["summary"]
 
 
@@ -246,7 +246,7 @@ def test_heal_from_majority_gives_the_clean_runs_weights_bit_for_bit(
         assert r["clean_alarms"] == []
     repairs = _same(heal, "repairs")
     assert len(repairs) == 1 and repairs[0]["action"] == "repaired"
-    assert repairs[0]["step"] == 7
+    assert repairs[0]["step"] == 3
     before = repairs[0]["before"]
     assert "rank 4 (replicate=2, shard=0) disagrees with the majority of 3 replicas of " \
            "0.weight shard (shard=0) (ranks 0, 2, 4)" in before
@@ -266,6 +266,106 @@ def test_heal_refuses_without_a_clear_majority(heal: list[dict[str, Any]]) -> No
     assert "rank 2 (replicate=1, shard=0), rank 4 (replicate=2, shard=0)" in unclear["message"]
     assert "third opinion" not in unclear["message"]
     assert unclear["rollback"] == "rollback" and unclear["untouched"] is True
+
+
+# ------------------------------------------------------------------ in one process
+
+
+def _hsdp_layout() -> Any:
+    from torchverity.distributed._placements import Layout
+
+    # rank = 2 * replicate + shard, as init_device_mesh("cpu", (2, 2)) lays it out
+    return Layout((0, 1, 2, 3), ("replicate", "shard"), ((0, 0), (0, 1), (1, 0), (1, 1)))
+
+
+def test_replica_groups_follow_the_non_replicated_mesh_dimensions() -> None:
+    from torchverity.distributed._placements import shard_label
+
+    layout = _hsdp_layout()
+    assert layout.replica_groups(()) == ((0, 1, 2, 3),)
+    assert layout.replica_groups(("shard",)) == ((0, 2), (1, 3))
+    assert layout.replica_groups(("replicate",)) == ((0, 1), (2, 3))
+    assert layout.replica_groups(("replicate", "shard")) == ((0,), (1,), (2,), (3,))
+    assert shard_label(layout, ("shard",), (1, 3)) == "shard (shard=1)"
+    assert shard_label(layout, (), (0, 1, 2, 3)) == ""
+    assert layout.where(3) == "replicate=1, shard=1"
+
+
+def test_shards_are_never_compared_with_other_shards() -> None:
+    import torch
+
+    from torchverity.distributed._checks import _vote_placed
+
+    # Tensor "w" is sharded on "shard": ranks 0/2 hold shard 0, ranks 1/3 shard 1 (other bytes).
+    # Tensor "step" is plain: all four ranks hold it.
+    rows = [[[10, 10], [7, 7]], [[20, 20], [7, 7]], [[10, 10], [7, 7]], [[20, 20], [7, 7]]]
+    gathered = torch.tensor(rows)
+    found, compared = _vote_placed(_hsdp_layout(), ["w", "step"], [("shard",), ()], gathered)
+    assert found == () and compared == 2
+    gathered[3, 0] = torch.tensor([21, 20])  # rank 3's copy of shard 1 differs from rank 1's
+    gathered[2, 1] = torch.tensor([8, 7])  # rank 2's step differs from the other three
+    found, _ = _vote_placed(_hsdp_layout(), ["w", "step"], [("shard",), ()], gathered)
+    assert [(d.name, d.shard, d.replicas, d.odd_ranks) for d in found] == [
+        ("w", "shard (shard=1)", (1, 3), ()),
+        ("step", "", (0, 1, 2, 3), (2,)),
+    ]
+
+
+def test_unclear_votes_are_refused_and_pairs_ask_for_a_third_opinion() -> None:
+    from torchverity.distributed._checks import ReplicaCheckResult, TensorDisagreement
+    from torchverity.distributed._repair import _unclear
+
+    coords = ((0, "r=0"), (1, "r=1"), (2, "r=2"))
+    pair = TensorDisagreement("w", ((0,), (1,)), (), "shard (s=0)", (0, 1))
+    three = TensorDisagreement("w", ((0,), (1,), (2,)), (), "shard (s=0)", (0, 1, 2))
+    clear = TensorDisagreement("w", ((0, 1), (2,)), (2,), "shard (s=0)", (0, 1, 2))
+
+    def result(*ds: TensorDisagreement) -> ReplicaCheckResult:
+        return ReplicaCheckResult("parameters", 0, (0, 1, 2), 1, 0, ds, coordinates=coords)
+
+    assert _unclear(result(pair)) == "w shard (s=0) has only 2 replicas"
+    assert _unclear(result(three)) == "no strict majority for w shard (s=0)"
+    assert _unclear(result(clear)) is None
+    assert "third opinion" in result(pair).summary()
+    assert "third opinion" not in result(three).summary()
+    assert result(clear).summary() == (
+        "parameters differ between replicas: rank 2 (r=2) disagrees with the majority of 3 "
+        "replicas of w shard (s=0) (ranks 0, 1, 2)")
+
+
+def test_full_tensor_sums_add_up_from_shards_at_their_global_positions() -> None:
+    import torch
+
+    from torchverity.distributed._fullsums import _partial_sums
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float64):
+        full = (torch.randn(6, 10) * 50).to(dtype)
+        whole = _partial_sums(full, [6, 10], [0, 0])
+        cols = [_partial_sums(full[:, a:b].contiguous(), [6, 10], [0, a])
+                for a, b in ((0, 3), (3, 7), (7, 10))]
+        rows = [_partial_sums(full[a:b].contiguous(), [6, 10], [a, 0]) for a, b in ((0, 4), (4, 6))]
+        assert torch.equal(sum(cols), whole) and torch.equal(sum(rows), whole)
+        flipped = full.clone()
+        flipped.view(-1)[13:14].view(torch.uint8)[0] ^= 1
+        assert not torch.equal(_partial_sums(flipped, [6, 10], [0, 0]), whole)
+    # Two elements swapped between positions give different sums.
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    swapped = t.clone()
+    swapped[0, 0], swapped[2, 3] = t[2, 3], t[0, 0]
+    assert not torch.equal(_partial_sums(t, [3, 4], [0, 0]),
+                           _partial_sums(swapped, [3, 4], [0, 0]))
+
+
+def test_heal_policy_rejects_bad_settings() -> None:
+    import torch
+
+    import torchverity.distributed as tvd
+    from torchverity.errors import UsageError
+
+    with pytest.raises(UsageError, match="every must be >= 1"):
+        tvd.HealPolicy(torch.nn.Linear(2, 2), every=0)
+    with pytest.raises(UsageError, match="on_unclear 'stop' or 'rollback'"):
+        tvd.HealPolicy(torch.nn.Linear(2, 2), on_unclear="retry")  # type: ignore[arg-type]
 
 
 # ================================================================== workers
@@ -546,11 +646,11 @@ def _heal_run(rank: int, faulty: bool) -> tuple[list[str], list[dict[str, Any]],
     model, opt = _hsdp32(rank)
     policy = tvd.HealPolicy(model, opt, every=1)
     alarms = []
-    for step in range(1, 13):
+    for step in range(1, 7):
         opt.zero_grad()
         _loss(model, _batch(100 * rank + step)).backward()
         opt.step()
-        if faulty and step == 7:
+        if faulty and step == 3:
             if rank == 4:
                 _flip(_param(model, "0.weight"), index=2, bit=11)
             if rank == 1:

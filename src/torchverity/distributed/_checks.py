@@ -144,8 +144,8 @@ class ReplicaCheckResult:
         text = (f"{self.kind} agree {scope}{where}: "
                 f"{self.tensors_checked} tensors compared, {self.bytes_exchanged} bytes exchanged")
         if self.unreplicated:
-            text += (f"; {self.unreplicated} sharded tensors have no replica on any other rank "
-                     f"(sharded on every mesh dimension): {_NOTHING_TO_VOTE}")
+            text += (f"; {self.unreplicated} tensors are held by one rank only (sharded on "
+                     f"every mesh dimension): {_NOTHING_TO_VOTE}")
         return text
 
     def _placed_summary(self, where: str) -> str:
