@@ -166,6 +166,9 @@ def test_hsdp_compares_each_shard_inside_its_replicate_group(mesh: list[dict[str
     grad = _same(mesh, "hsdp", "grad")  # after reduce-scatter and the replicate all-reduce
     assert grad["tensors"] == ["2.bias.grad"] and grad["replicas"] == [[1, 3]]
     assert grad["kind"] == "gradients"
+    link = _same(mesh, "hsdp", "grad_link")  # damaged on the reduction path itself
+    assert link["tensors"] == ["2.weight.grad"] and link["replicas"] == [[1, 3]]
+    assert "rank 3 (replicate=1, shard=1)" in link["summary"]
     # Shards on the sharded dimension are never compared with each other.
     assert _same(mesh, "hsdp", "clean", "unreplicated") == 0
 
@@ -505,8 +508,29 @@ def _faults(layout: str, model: Any, opt: Any, data: int, rank: int) -> dict[str
         _flip(_param(model, gname).grad, index=0, bit=5)
     out["grad"] = _record(tvd.GradientCheck(model).check())
     opt.zero_grad()
+    if layout == "hsdp":
+        out["grad_link"] = _damaged_reduction(model, data, rank)
     assert tvd.check_replicas(model, opt).ok
     return out
+
+
+def _damaged_reduction(model: Any, data: int, rank: int) -> dict[str, Any]:
+    """Rank 3 receives a wrong reduced gradient shard from the replicate all-reduce."""
+    import torch
+
+    import torchverity.distributed as tvd
+
+    def damage(reduced: Any) -> None:
+        if rank == 3:  # element 0 of the root unit's shard: 2.weight's first row
+            reduced.view(-1)[:1].view(torch.int32)[0] ^= 1 << 6
+
+    model.set_all_reduce_hook(damage)
+    _loss(model, _batch(950 + data)).backward()
+    model.set_all_reduce_hook(None)
+    record = _record(tvd.GradientCheck(model).check())
+    for p in model.parameters():
+        p.grad = None
+    return record
 
 
 def _sharded_replay(model: Any, opt: Any, rank: int) -> dict[str, Any]:
