@@ -221,7 +221,7 @@ def _compare(c: Comm, kind: str, names: Sequence[str], values: Sequence[Any], mo
         rank=c.rank,
         ranks=c.ranks,
         tensors_checked=compared,
-        bytes_exchanged=row_bytes(len(names), c.world, header=False) + c.world * HEADER_LEN * 8,
+        bytes_exchanged=row_bytes(len(names), c.world) + c.world * HEADER_LEN * 8,
         disagreements=disagreements,
         step=step,
         unreplicated=len(names) - compared,
@@ -556,7 +556,7 @@ def replay_audit(
     return ReplayAuditResult(
         rank=c.rank, ranks=c.ranks, comparisons=comparisons,
         suspects=_replay_suspects(c.ranks, comparisons),
-        bytes_exchanged=batch_bytes + row_bytes(2 * len(names), c.world, header=False),
+        bytes_exchanged=batch_bytes + row_bytes(2 * len(names), c.world),
         step=step,
     )
 

@@ -164,6 +164,6 @@ def sharded_replay_audit(
     return ReplayAuditResult(
         rank=c.rank, ranks=c.ranks, comparisons=comparisons,
         suspects=_replay_suspects(c.ranks, comparisons),
-        bytes_exchanged=batch_bytes + row_bytes(2 * len(names), c.world, header=False),
+        bytes_exchanged=batch_bytes + row_bytes(2 * len(names), c.world),
         step=step,
     )
