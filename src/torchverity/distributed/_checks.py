@@ -363,9 +363,11 @@ def check_replicas(
 ) -> ReplicaCheckResult:
     """Compare this rank's parameters, buffers (and optimizer state) with the other replicas.
 
-    Call it on every rank of ``group`` (the data-parallel replica group; under
-    HSDP the replicate group of each shard) at the same point, e.g. after
-    ``optimizer.step()`` every N steps. Accelerator tensors are digested on
+    Call it on every rank of ``group`` (all ranks by default) at the same
+    point, e.g. after ``optimizer.step()`` every N steps. For DTensors (FSDP2,
+    HSDP, tensor parallel, FSDP+TP) the placements decide which ranks hold the
+    same local shard, and each shard is voted only among those; plain tensors
+    are compared across the whole group. Accelerator tensors are digested on
     their device; CPU tensors through a zero-copy 128-bit BLAKE3
     (``mode="device"`` forces the device sums everywhere). Only 16 bytes per
     tensor per rank are exchanged. Every rank returns the same result; call
@@ -387,6 +389,10 @@ CommHook = Callable[[Any, "dist.GradBucket"], "torch.futures.Future[torch.Tensor
 
 class GradientCheck:
     """Verify that every rank holds the same reduced gradients.
+
+    With FSDP2/HSDP/TP the gradients are DTensors, compared like
+    :func:`check_replicas` compares parameters: each reduced shard among the
+    ranks whose placements say they hold the same one.
 
     Post-backward use (works with DDP and with manual all-reduce)::
 
