@@ -215,6 +215,7 @@ def test_sharded_replay_names_the_rank_whose_forward_is_perturbed(
     assert "loss" in replay["tensors"] and "(root) gradient contribution" in replay["tensors"]
     assert "rank 1 computes results no other rank reproduces" in replay["summary"]
     assert _same(mesh, "fsdp", "grads_restored") is True
+    assert "no FSDP unit reduce-scattered a gradient" in _same(mesh, "fsdp", "no_sync")
 
 
 @pytest.mark.timeout(300)
@@ -437,6 +438,7 @@ def _sharded_replay(model: Any, opt: Any, rank: int) -> dict[str, Any]:
     import torch
 
     import torchverity.distributed as tvd
+    from torchverity.errors import UsageError
 
     opt.zero_grad()
     _loss(model, _batch(700 + rank)).backward()
@@ -450,6 +452,14 @@ def _sharded_replay(model: Any, opt: Any, rank: int) -> dict[str, Any]:
     nudge.remove()
     after = [p.grad.to_local() for p in model.parameters()]
     out["grads_restored"] = all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    opt.zero_grad()
+    model.set_requires_gradient_sync(False)  # inside gradient accumulation nothing is reduced
+    try:
+        tvd.sharded_replay_audit(model, _loss, _batch(800 + rank))
+        out["no_sync"] = None
+    except UsageError as exc:
+        out["no_sync"] = exc.message
+    model.set_requires_gradient_sync(True)
     opt.zero_grad()
     return out
 

@@ -122,6 +122,13 @@ def _replay_one(model: torch.nn.Module, loss_fn: LossFn, batch: Any,
             torch.manual_seed(seed)
             loss = loss_fn(model, batch)
             loss.backward()
+        if not any(rec.slots):
+            raise UsageError(
+                "sharded_replay_audit: no FSDP unit reduce-scattered a gradient during the "
+                "replay (gradient sync is off, e.g. inside gradient accumulation)",
+                hint="call the audit after the optimizer step, with "
+                "model.set_requires_gradient_sync(True)",
+            )
         loss_row = digest_rows([loss.detach()], mode, device)[0]
         return torch.stack([loss_row, *rec.rows(device)])
     finally:
