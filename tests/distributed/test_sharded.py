@@ -70,13 +70,16 @@ def _records(out: Path, world: int) -> list[dict[str, Any]]:
 def _two_nodes(scenario: str, out: Path) -> list[dict[str, Any]]:
     """Two torchrun launchers on one machine, joined by a c10d rendezvous: 2 nodes x 2 ranks."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-           "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"tv-{port}",
-           "--local-addr", "127.0.0.1", "--max-restarts", "0",
-           __file__, scenario, str(out)]
-    procs = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    def cmd(node: int) -> list[str]:
+        # The first launcher hosts the rendezvous store, as the first node of a cluster would.
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"tv-{port}",
+                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
+                "--max-restarts", "0", __file__, scenario, str(out)]
+
+    procs = [subprocess.Popen(cmd(node), env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for node in range(2)]
     _wait(procs, f"torchrun --nnodes 2 ({scenario})")
     return _records(out, 4)
 

@@ -36,11 +36,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launcher(port: int, out: Path) -> list[str]:
+def _launcher(port: int, out: Path, node: int = 0) -> list[str]:
+    # The first launcher hosts the rendezvous store, as the first node of a cluster would.
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES),
             "--nproc-per-node", str(PER_NODE), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"torchverity-demo-{port}",
-            "--local-addr", "127.0.0.1", "--max-restarts", "0", "-m", __name__, str(out)]
+            "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
+            "--max-restarts", "0", "-m", __name__, str(out)]
 
 
 def run(ctx: DemoContext) -> None:
@@ -50,16 +52,16 @@ def run(ctx: DemoContext) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ctx.say(f"launching {NODES} torchrun nodes x {PER_NODE} gloo processes, rendezvous on "
             f"127.0.0.1:{port} (FSDP2 on a 3x2 HSDP mesh, a tiny MLP)")
-    procs = [subprocess.Popen(_launcher(port, out), env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for _ in range(NODES)]
+    procs = [subprocess.Popen(_launcher(port, out, node), env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for node in range(NODES)]
     logs = [_wait(p, procs) for p in procs]
     result_file = out / "result.json"
     if any(p.returncode for p in procs) or not result_file.exists():
         raise DemoFailure(
             "demo: the distributed step failed: "
             f"{_failures(procs, logs, result_file, what='launcher')}",
-            hint=f"rerun the demo; to run the nodes by hand, start twice: "
-                 f"{' '.join(_launcher(port, out)[2:])}",
+            hint=f"rerun the demo; to run the nodes by hand: {' '.join(_launcher(port, out)[2:])} "
+                 "and the same with is_host=0",
         )
     result = json.loads(result_file.read_text())
     ctx.say(f"after 3 steps all replicas agree: {result['clean']}")
