@@ -219,6 +219,10 @@ def test_sharded_replay_names_the_rank_whose_forward_is_perturbed(
     assert "rank 1 computes results no other rank reproduces" in replay["summary"]
     assert _same(mesh, "fsdp", "grads_restored") is True
     assert "no FSDP unit reduce-scattered a gradient" in _same(mesh, "fsdp", "no_sync")
+    # HSDP too: the replay runs through both FSDP units; rank 2's forward is perturbed there.
+    hsdp = _same(mesh, "hsdp", "replay_fault")
+    assert hsdp["suspects"] == [2] and "0 gradient contribution" in hsdp["tensors"]
+    assert _same(mesh, "hsdp", "replay_clean")["ok"] is True
 
 
 @pytest.mark.timeout(300)
@@ -437,7 +441,7 @@ def _damaged_reduction(model: Any, data: int, rank: int) -> dict[str, Any]:
     return record
 
 
-def _sharded_replay(model: Any, opt: Any, rank: int) -> dict[str, Any]:
+def _sharded_replay(model: Any, opt: Any, rank: int, nudged: int) -> dict[str, Any]:
     import torch
 
     import torchverity.distributed as tvd
@@ -449,7 +453,7 @@ def _sharded_replay(model: Any, opt: Any, rank: int) -> dict[str, Any]:
     out = {"replay_clean": _replay_record(
         tvd.sharded_replay_audit(model, _loss, _batch(800 + rank), seed=3))}
     nudge = model[1].register_forward_hook(
-        lambda mod, inp, output: output * 1.001 if rank == 1 else None)
+        lambda mod, inp, output: output * 1.001 if rank == nudged else None)
     out["replay_fault"] = _replay_record(
         tvd.sharded_replay_audit(model, _loss, _batch(800 + rank), seed=3))
     nudge.remove()
@@ -497,8 +501,8 @@ def scenario_mesh(rank: int, out: Path) -> dict[str, Any]:
     for layout in FAULTS:
         model, opt, data = _build(layout, rank)
         rec = {"clean": _clean_run(model, opt, data), **_faults(layout, model, opt, data, rank)}
-        if layout == "fsdp":
-            rec.update(_sharded_replay(model, opt, rank))
+        if layout in ("fsdp", "hsdp"):
+            rec.update(_sharded_replay(model, opt, rank, nudged=1 if layout == "fsdp" else 2))
         if layout == "hsdp":
             rec["dcp"] = _hsdp_dcp(model, opt, rank, out)
         record[layout] = rec
