@@ -107,3 +107,17 @@ def test_heal_policy_rejects_bad_settings() -> None:
         tvd.HealPolicy(torch.nn.Linear(2, 2), every=0)
     with pytest.raises(UsageError, match="on_unclear 'stop' or 'rollback'"):
         tvd.HealPolicy(torch.nn.Linear(2, 2), on_unclear="retry")  # type: ignore[arg-type]
+
+
+def test_a_clear_majority_points_to_the_repair() -> None:
+    from torchverity.distributed._checks import ReplicaCheckResult, TensorDisagreement
+    from torchverity.errors import ReplicaMismatchError
+
+    clear = TensorDisagreement("w", ((0, 1), (2,)), (2,), "", (0, 1, 2))
+    pair = TensorDisagreement("w", ((0,), (1,)), (), "", (0, 1))
+    with pytest.raises(ReplicaMismatchError) as caught:
+        ReplicaCheckResult("parameters", 0, (0, 1, 2), 1, 0, (clear,)).raise_if_failed()
+    assert "repair_replicas(model, optimizer, result)" in str(caught.value.hint)
+    with pytest.raises(ReplicaMismatchError) as caught:
+        ReplicaCheckResult("parameters", 0, (0, 1), 1, 0, (pair,)).raise_if_failed()
+    assert "repair_replicas" not in str(caught.value.hint)

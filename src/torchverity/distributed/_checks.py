@@ -173,9 +173,17 @@ class ReplicaCheckResult:
                 tensors=self.tensors,
                 step=self.step,
                 rank=self.rank,
-                hint=_recovery_hint(self.odd_ranks),
+                hint=self._hint(),
             )
         return self
+
+    def _hint(self) -> str:
+        healable = self.kind == "parameters" and self.attributed and all(
+            len(d.replicas or self.ranks) >= 3 for d in self.disagreements)
+        if not healable:
+            return _recovery_hint(self.odd_ranks)
+        return ("heal in place from the majority with torchverity.distributed.repair_replicas("
+                "model, optimizer, result), or " + _recovery_hint(self.odd_ranks))
 
 
 def _recovery_hint(odd: Sequence[int]) -> str:
