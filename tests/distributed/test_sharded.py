@@ -170,7 +170,9 @@ def test_hsdp_compares_each_shard_inside_its_replicate_group(mesh: list[dict[str
     assert grad["tensors"] == ["2.bias.grad"] and grad["replicas"] == [[1, 3]]
     assert grad["kind"] == "gradients"
     link = _same(mesh, "hsdp", "grad_link")  # damaged on the reduction path itself
-    assert link["tensors"] == ["2.weight.grad"] and link["replicas"] == [[1, 3]]
+    assert link["tensors"] == ["unit (root) (2.weight, 2.bias, 3.weight (+1 more))",
+                               "2.weight.grad"]
+    assert link["replicas"] == [[1, 3], [1, 3]] and link["shards"] == ["shard (shard=1)"] * 2
     assert "rank 3 (replicate=1, shard=1)" in link["summary"]
     # Shards on the sharded dimension are never compared with each other.
     assert _same(mesh, "hsdp", "clean", "unreplicated") == 0
@@ -372,6 +374,8 @@ def _clean_run(model: Any, opt: Any, data: int) -> dict[str, Any]:
     import torchverity.distributed as tvd
 
     grads = tvd.GradientCheck(model)
+    if any(type(m).__name__.startswith("FSDP") for m in model.modules()):
+        grads.fsdp_hook()  # each unit's reduced shard too, on the reduction path
     alarms: list[str] = []
     counts = {"replica_checks": 0, "grad_checks": 0}
     res = None
@@ -428,14 +432,18 @@ def _damaged_reduction(model: Any, data: int, rank: int) -> dict[str, Any]:
 
     import torchverity.distributed as tvd
 
+    # The root unit's flat shard holds 2.weight, 2.bias, 3.weight and 3.bias (unit 0's: 0.*).
+    root = sum(p.to_local().numel() for n, p in model.named_parameters() if n[0] in "23")
+
     def damage(reduced: Any) -> None:
-        if rank == 3:  # element 0 of the root unit's shard: 2.weight's first row
+        if rank == 3 and reduced.numel() == root:  # element 0 is 2.weight's first
             reduced.view(-1)[:1].view(torch.int32)[0] ^= 1 << 6
 
-    model.set_all_reduce_hook(damage)
+    check = tvd.GradientCheck(model)
+    check.fsdp_hook(inner=damage)  # digests each unit's shard on the reduction path
     _loss(model, _batch(950 + data)).backward()
-    model.set_all_reduce_hook(None)
-    record = _record(tvd.GradientCheck(model).check())
+    record = _record(check.check())
+    tvd.GradientCheck(model).fsdp_hook()  # the damage goes, the digests stay
     for p in model.parameters():
         p.grad = None
     return record

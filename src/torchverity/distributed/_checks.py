@@ -200,15 +200,20 @@ def _short_list(names: Sequence[str], limit: int = 5) -> str:
 # ------------------------------------------------------------------ comparing
 
 
+Recorded = Sequence[tuple[torch.Tensor, tuple[str, ...]]]
+
+
 def _compare(c: Comm, kind: str, names: Sequence[str], values: Sequence[Any], mode: HashMode,
-             step: int | None, recorded: torch.Tensor | None = None) -> ReplicaCheckResult:
+             step: int | None, recorded: Recorded = ()) -> ReplicaCheckResult:
     """Exchange per-tensor digests (two tiny all_gathers) and vote inside each replica group.
 
-    ``recorded`` holds digest rows taken earlier (DDP buckets); they come first
-    and ``names`` starts with their labels. Each value's DTensor placements
-    decide which ranks hold the same bytes (see ``_placements``).
+    ``recorded`` holds digest rows taken earlier (DDP buckets, FSDP2 units),
+    each with the mesh dimensions it is sharded on; they come first and
+    ``names`` starts with their labels. Each value's DTensor placements decide
+    which ranks hold the same bytes (see ``_placements``).
     """
-    placed = [Placed(None, (), "recorded", ())] * _rows(recorded) + [place(v) for v in values]
+    placed = [Placed(None, sharded, f"recorded {list(sharded)}", ()) for _, sharded in recorded]
+    placed += [place(v) for v in values]
     dims = mesh_dims(placed)
     if len(dims) > MAX_MESH_DIMS:
         raise UsageError(f"{kind}: the tensors live on {len(dims)} mesh dimensions; a check "
@@ -219,9 +224,9 @@ def _compare(c: Comm, kind: str, names: Sequence[str], values: Sequence[Any], mo
                         f"the {kind} layout exchange").cpu()
     _check_layout(c, kind, header[:, :4], step)
     layout = layout_from(c.ranks, dims, header)
-    rows = digest_rows([p.local for p in placed[_rows(recorded):]], mode, c.device)
-    if recorded is not None:
-        rows = torch.cat([recorded.to(c.device), rows])
+    rows = digest_rows([p.local for p in placed[len(recorded):]], mode, c.device)
+    if recorded:
+        rows = torch.cat([*(row.to(c.device) for row, _ in recorded), rows])
     gathered = all_gather(c, rows, f"the {kind} digest exchange").cpu()
     disagreements, compared = _vote_placed(layout, names, [p.sharded for p in placed], gathered)
     return ReplicaCheckResult(
@@ -264,10 +269,6 @@ def _vote_placed(layout: Layout, names: Sequence[str], sharded: Sequence[tuple[s
                     d.name, d.groups, d.odd_ranks, label, ranks)))
     found.sort(key=lambda item: (item[0], item[1]))
     return tuple(d for _, _, d in found), compared
-
-
-def _rows(recorded: torch.Tensor | None) -> int:
-    return 0 if recorded is None else int(recorded.shape[0])
 
 
 def _check_layout(c: Comm, kind: str, header: torch.Tensor, step: int | None) -> None:
@@ -393,6 +394,7 @@ def check_replicas(
 # ------------------------------------------------------------------ gradients
 
 CommHook = Callable[[Any, "dist.GradBucket"], "torch.futures.Future[torch.Tensor]"]
+_UNIT_OFFSET = 1 << 20  # FSDP unit rows sort after DDP buckets
 
 
 class GradientCheck:
@@ -412,6 +414,7 @@ class GradientCheck:
     is also digested right after its all-reduce, on the communication path, so
     a mismatch names the bucket as well as the parameters. ``comm_hook(inner)``
     wraps any other hook (e.g. fp16 compression) instead of the plain all-reduce.
+    For FSDP2, :meth:`fsdp_hook` does the same for each unit's reduced shard.
     """
 
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None = None, *,
@@ -422,7 +425,7 @@ class GradientCheck:
         self._timeout = timeout
         self._params = [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
         self._param_names = {id(p): n for n, p in self._params}
-        self._buckets: dict[int, tuple[str, torch.Tensor]] = {}
+        self._buckets: dict[int, tuple[str, torch.Tensor, tuple[str, ...]]] = {}
 
     def comm_hook(self, inner: CommHook | None = None) -> CommHook:
         """A DDP communication hook that digests each bucket after ``inner`` reduced it."""
@@ -438,7 +441,8 @@ class GradientCheck:
                 value = fut.value()
                 reduced = value[0] if isinstance(value, (list, tuple)) else value
                 # Digest rows are enqueued on the tensor's device: no host sync here.
-                self._buckets[index] = (label, digest_rows([reduced], self._mode, reduced.device))
+                self._buckets[index] = (label, digest_rows([reduced], self._mode, reduced.device),
+                                        ())
                 return reduced
 
             return reduce(state, bucket).then(record)
@@ -452,14 +456,55 @@ class GradientCheck:
         names = [self._param_names.get(id(p), "?") for p in bucket.parameters()]
         return f"bucket {bucket.index()} ({_short_list(names, 3)})"
 
+    def fsdp_hook(self, inner: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Digest each FSDP2 unit's reduced gradient shard as FSDP hands it over.
+
+        Installs :meth:`FSDPModule.set_all_reduce_hook` on every unit: under
+        HSDP it sees the shard after the replicate all-reduce, under pure FSDP
+        after the reduce-scatter. ``inner`` runs first (an all-reduce hook you
+        already use). A row is compared across the ranks that hold the same
+        shard of every parameter of the unit; mismatches name the unit.
+        """
+        for index, (label, unit, sharded) in enumerate(self._fsdp_units()):
+
+            def hook(reduced: torch.Tensor, index: int = index, label: str = label,
+                     sharded: tuple[str, ...] = sharded) -> None:
+                if inner is not None:
+                    inner(reduced)
+                row = digest_rows([reduced], self._mode, reduced.device)
+                self._buckets[_UNIT_OFFSET + index] = (label, row, sharded)
+
+            unit.set_all_reduce_hook(hook)
+
+    def _fsdp_units(self) -> list[tuple[str, Any, tuple[str, ...]]]:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [(n, m) for n, m in self._module.named_modules() if isinstance(m, FSDPModule)]
+        if not units:
+            raise UsageError("GradientCheck.fsdp_hook: the model has no fully_shard (FSDP2) module",
+                             hint="use comm_hook() for DDP, or check() after backward")
+        owned: dict[str, list[tuple[str, torch.nn.Parameter]]] = {n: [] for n, _ in units}
+        for pname, p in self._params:  # a parameter belongs to its innermost unit
+            holders = [u for u in owned if not u or pname.startswith(f"{u}.")]
+            if holders:
+                owned[max(holders, key=len)].append((pname, p))
+        out = []
+        for name, unit in units:
+            dims: dict[str, None] = {}
+            for _, p in owned[name]:
+                dims.update(dict.fromkeys(place(p).sharded))
+            label = f"unit {name or '(root)'} ({_short_list([n for n, _ in owned[name]], 3)})"
+            out.append((label, unit, tuple(dims)))
+        return out
+
     def check(self, step: int | None = None) -> ReplicaCheckResult:
-        """Compare the gradients (and any recorded buckets) of the last backward pass."""
+        """Compare the gradients (and any recorded buckets or units) of the last backward pass."""
         c = open_comm(self._group, self._timeout, "GradientCheck")
         buckets = [self._buckets[i] for i in sorted(self._buckets)]
         self._buckets.clear()
-        names = [label for label, _ in buckets] + [f"{n}.grad" for n, _ in self._params]
+        names = [label for label, _, _ in buckets] + [f"{n}.grad" for n, _ in self._params]
         values: list[Any] = [p.grad for _, p in self._params]
-        recorded = torch.cat([row.to(c.device) for _, row in buckets]) if buckets else None
+        recorded = [(row, sharded) for _, row, sharded in buckets]
         return _compare(c, "gradients", names, values, self._mode, step, recorded)
 
 
