@@ -9,12 +9,13 @@ on the host, hex digests exchanged with ``all_gather_object``), and one
 interval of 100 steps is check time / (100 x step time).
 
     python benchmarks/bench_distributed.py [--quick]   # --quick: 1M and 10M only
-    python benchmarks/bench_distributed.py --hsdp [--quick]
+    python benchmarks/bench_distributed.py --hsdp [--quick] [--device cuda]
 
-Writes docs/benchmarks/distributed.md. ``--hsdp`` instead runs four processes
-on a 2x2 HSDP mesh (FSDP2, ``(replicate, shard)``) with AdamW and gives the
-same columns for the placement-derived check (each shard compared inside its
-replicate group), written to docs/benchmarks/distributed-hsdp.md.
+Writes docs/benchmarks/distributed.md, then runs four processes on a 2x2
+HSDP mesh (FSDP2, ``(replicate, shard)``) with AdamW: the placement-derived
+check (each shard compared inside its replicate group) next to the FSDP2
+step, written to docs/benchmarks/distributed-hsdp.md. ``--hsdp`` runs only
+the HSDP part (``--device cuda``: over NCCL on 4 GPUs).
 """
 
 from __future__ import annotations
@@ -239,14 +240,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1M and 10M parameters only")
     parser.add_argument("--hsdp", action="store_true",
-                        help="4 processes on a 2x2 HSDP mesh (FSDP2) instead of DDP")
+                        help="only the 4-process 2x2 HSDP mesh (FSDP2) part")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="with --hsdp: cuda runs NCCL on 4 GPUs")
     args = parser.parse_args()
     if args.hsdp:
         _main_hsdp(args.quick, args.device)
         return
-    sizes = ["1M", "10M"] if args.quick else ["1M", "10M", "100M"]
+    _main_ddp(args.quick)
+    _main_hsdp(args.quick, "cpu")
+
+
+def _main_ddp(quick: bool) -> None:
+    sizes = ["1M", "10M"] if quick else ["1M", "10M", "100M"]
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "rows.json")
@@ -255,7 +261,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     text = (
         "# Distributed checks: cost per call (gloo, CPU)\n\n"
-        f"Command: `python benchmarks/bench_distributed.py{' --quick' if args.quick else ''}`. "
+        f"Command: `python benchmarks/bench_distributed.py{' --quick' if quick else ''}`. "
         f"Machine: {os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}, "
         f"{world} gloo processes with 1 thread each, medians of 3-5 calls; load average "
         f"{load:.1f} at the end ({_contention(load)})."
@@ -267,8 +273,8 @@ def main() -> None:
         "baseline copies each parameter to the host and hashes it with SHA-1 (what Megatron-LM "
         "does), then gathers hex strings through pickle; it covers parameters only. "
         "`bytes gathered` is the size of the gathered digests (16 bytes per tensor per rank plus "
-        "a 24-byte header), independent of the model's size. Overhead = `check params + Adam` / "
-        "(100 x step).\n"
+        "a 96-byte header with the mesh coordinates), independent of the model's size. "
+        "Overhead = `check params + Adam` / (100 x step).\n"
     )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(text)
