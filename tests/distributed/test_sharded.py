@@ -51,13 +51,24 @@ def _wait(procs: list[subprocess.Popen[str]], what: str) -> list[str]:
         try:
             logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
         except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
+            _stop(procs)
             pytest.fail(f"{what} hung for {DEADLINE_S} s")
     for p, log in zip(procs, logs, strict=True):
         if p.returncode:
             pytest.fail(f"{what}: a process exited {p.returncode}:\n{log[-4000:]}")
     return logs
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    """SIGTERM first: a torchrun launcher passes it on to its workers; then SIGKILL."""
+    for q in procs:
+        q.terminate()
+    for q in procs:
+        try:
+            q.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            q.kill()
+            q.wait()
 
 
 def _records(out: Path, world: int) -> list[dict[str, Any]]:
