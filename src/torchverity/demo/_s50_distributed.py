@@ -88,8 +88,13 @@ def _wait(proc: subprocess.Popen[str], procs: list[subprocess.Popen[str]]) -> st
     try:
         return proc.communicate(timeout=DEADLINE_S)[0]
     except subprocess.TimeoutExpired:
+        for p in procs:  # SIGTERM first: a torchrun launcher passes it on to its workers
+            p.terminate()
         for p in procs:
-            p.kill()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
         raise DemoFailure(f"demo: the distributed step did not finish in {DEADLINE_S} s",
                           hint="is another process using many cores?") from None
 
