@@ -251,7 +251,7 @@ def test_resharded_load_4_to_2_ranks_is_verified_against_full_tensors(
 ) -> None:
     for r in reshard:
         assert r["full_tensors_verified"] is True and r["fingerprints_verified"] is False
-        assert r["equal_to_saved_full_tensors"] is True
+        assert r["equal_to_saved_full_tensors"] is True and r["uneven_equal"] is True
     tampered = _same(reshard, "tampered")
     assert tampered["error"] == "IntegrityError"
     assert "1 full tensor(s) loaded from the distributed checkpoint differ" in tampered["message"]
@@ -503,15 +503,29 @@ def _hsdp_dcp(model: Any, opt: Any, rank: int, out: Path) -> dict[str, Any]:
     import torchverity.distributed as tvd
 
     msd, osd = get_state_dict(model, opt)
-    manifest = tvd.save_dcp({"model": msd, "optim": osd}, out / "hsdp_ckpt")
+    manifest = tvd.save_dcp({"model": msd, "optim": osd, "extra": {"uneven": _uneven(4, 0)}},
+                            out / "hsdp_ckpt")
     full = {k: v.full_tensor() for k, v in msd.items()}
     if rank == 0:
         torch.save(full, out / "hsdp_full.pt")
     msd, osd = get_state_dict(model, opt)
-    report = tvd.load_dcp({"model": msd, "optim": osd}, out / "hsdp_ckpt")
+    report = tvd.load_dcp({"model": msd, "optim": osd, "extra": {"uneven": _uneven(4, 0, 0.0)}},
+                          out / "hsdp_ckpt")
     return {"files": sorted(e.path for e in manifest.entries),
             "fingerprints_verified": report.fingerprints_verified,
             "full_tensors_verified": report.full_tensors_verified}
+
+
+def _uneven(world: int, dim: int, fill: float | None = None) -> Any:
+    """A 7x3 tensor sharded unevenly over a 1-D mesh of ``world`` ranks along ``dim``."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(21, dtype=torch.float32).reshape(7, 3) if fill is None else \
+        torch.full((7, 3), fill)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("flat",))
+    return distribute_tensor(full, mesh, [Shard(dim)])
 
 
 def scenario_mesh(rank: int, out: Path) -> dict[str, Any]:
@@ -546,7 +560,8 @@ def scenario_reshard(rank: int, out: Path, ckpt: Path) -> dict[str, Any]:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
+    # Saved as 2/2/2/1 rows over 4 ranks; loaded as 2/1 columns over 2.
+    state = {"model": msd, "optim": osd, "extra": {"uneven": _uneven(2, 1, 0.0)}}
     report = tvd.load_dcp(state, ckpt / "hsdp_ckpt")
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     full = torch.load(ckpt / "hsdp_full.pt", weights_only=True)
@@ -555,6 +570,8 @@ def scenario_reshard(rank: int, out: Path, ckpt: Path) -> dict[str, Any]:
         "full_tensors_verified": report.full_tensors_verified,
         "equal_to_saved_full_tensors": all(torch.equal(p.full_tensor(), full[n])
                                            for n, p in model.named_parameters()),
+        "uneven_equal": torch.equal(state["extra"]["uneven"].full_tensor(),
+                                    torch.arange(21, dtype=torch.float32).reshape(7, 3)),
     }
     if rank == 1:  # memory corrupts one element of one loaded shard after the files verified
         _flip(state["model"]["2.weight"], index=0, bit=4)
