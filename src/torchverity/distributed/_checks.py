@@ -40,8 +40,8 @@ _NO_THIRD_OPINION = (
     "last verified checkpoint"
 )
 _NOTHING_TO_VOTE = (
-    "nothing to vote on for them; audit them with "
-    "torchverity.distributed.sharded_replay_audit and verified sharded checkpoints"
+    "nothing to vote on for them; cover them with verified sharded checkpoints and, under "
+    "FSDP2, torchverity.distributed.sharded_replay_audit"
 )
 
 
