@@ -474,7 +474,11 @@ class GradientCheck:
                 row = digest_rows([reduced], self._mode, reduced.device)
                 self._buckets[_UNIT_OFFSET + index] = (label, row, sharded)
 
-            unit.set_all_reduce_hook(hook)
+            try:
+                unit.set_all_reduce_hook(hook)
+            except ValueError as exc:  # several parameter groups in one unit
+                raise UsageError(f"GradientCheck.fsdp_hook: {label}: {exc}",
+                                 hint="use check() after backward for this model") from None
 
     def _fsdp_units(self) -> list[tuple[str, Any, tuple[str, ...]]]:
         from torch.distributed.fsdp import FSDPModule

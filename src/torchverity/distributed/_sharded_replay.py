@@ -83,18 +83,30 @@ def _param_groups(unit: Any) -> list[Any]:
     return list(groups)
 
 
-class _Recording:
-    """Install digesting reduce-scatters on every unit; put the originals back on exit."""
+def _row_groups(units: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Each FSDP parameter group with the name of its row (one group per unit, usually)."""
+    out = []
+    for name, unit in units:
+        groups = _param_groups(unit)
+        for k, group in enumerate(groups):
+            suffix = f" (group {k})" if len(groups) > 1 else ""
+            out.append((f"{name} gradient contribution{suffix}", group))
+    return out
 
-    def __init__(self, units: list[tuple[str, Any]], mode: HashMode) -> None:
-        self.slots: list[list[torch.Tensor | None]] = [[] for _ in units]
-        self._saved = [(g, g._reduce_scatter_comm) for _, u in units for g in _param_groups(u)]
-        self._units = units
+
+class _Recording:
+    """Install digesting reduce-scatters on every FSDP parameter group; restore them on exit."""
+
+    def __init__(self, groups: list[tuple[str, Any]], mode: HashMode) -> None:
+        self.slots: list[list[torch.Tensor | None]] = [[] for _ in groups]
+        self._saved = [(g, g._reduce_scatter_comm) for _, g in groups]
         self._mode = mode
 
     def __enter__(self) -> _Recording:
-        for (_, unit), slot in zip(self._units, self.slots, strict=True):
-            unit.set_custom_reduce_scatter(_DigestingReduceScatter(slot, self._mode))
+        # Set on each group (as FSDPModule.set_custom_reduce_scatter does), which also
+        # covers units with several parameter groups.
+        for (group, _), slot in zip(self._saved, self.slots, strict=True):
+            group._reduce_scatter_comm = _DigestingReduceScatter(slot, self._mode)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -108,7 +120,7 @@ class _Recording:
 
 
 def _replay_one(model: torch.nn.Module, loss_fn: LossFn, batch: Any,
-                units: list[tuple[str, Any]], seed: int, mode: HashMode,
+                groups: list[tuple[str, Any]], seed: int, mode: HashMode,
                 device: torch.device) -> torch.Tensor:
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
@@ -118,7 +130,7 @@ def _replay_one(model: torch.nn.Module, loss_fn: LossFn, batch: Any,
     try:
         for p in params:
             p.grad = None
-        with _Recording(units, mode) as rec, torch.random.fork_rng(devices=cuda):
+        with _Recording(groups, mode) as rec, torch.random.fork_rng(devices=cuda):
             torch.manual_seed(seed)
             loss = loss_fn(model, batch)
             loss.backward()
@@ -161,12 +173,12 @@ def sharded_replay_audit(
     forward and backward passes with their all-gathers and no reduce-scatter.
     """
     c = open_comm(group, timeout, "sharded_replay_audit")
-    units = _fsdp_units(model)
+    groups = _row_groups(_fsdp_units(model))
     neighbour, batch_bytes = exchange_batch(c, batch)
-    own = _replay_one(model, loss_fn, batch, units, seed, mode, c.device)
-    other = _replay_one(model, loss_fn, neighbour, units, seed, mode, c.device)
+    own = _replay_one(model, loss_fn, batch, groups, seed, mode, c.device)
+    other = _replay_one(model, loss_fn, neighbour, groups, seed, mode, c.device)
     gathered = all_gather(c, torch.stack([own, other]), "the sharded replay digest exchange").cpu()
-    names = ["loss", *(f"{name} gradient contribution" for name, _ in units)]
+    names = ["loss", *(name for name, _ in groups)]
     comparisons = _replay_comparisons(c, names, gathered)
     return ReplayAuditResult(
         rank=c.rank, ranks=c.ranks, comparisons=comparisons,
