@@ -229,12 +229,13 @@ def test_sharded_replay_names_the_rank_whose_forward_is_perturbed(
     replay = _same(mesh, "fsdp", "replay_fault")
     assert replay["suspects"] == [1] and replay["failed"] == 2
     assert "loss" in replay["tensors"] and "(root) gradient contribution" in replay["tensors"]
-    assert "rank 1 computes results no other rank reproduces" in replay["summary"]
+    assert "rank 1 (dp=1) computes results no other rank reproduces" in replay["summary"]
     assert _same(mesh, "fsdp", "grads_restored") is True
     assert "no FSDP unit reduce-scattered a gradient" in _same(mesh, "fsdp", "no_sync")
     # HSDP too: the replay runs through both FSDP units; rank 2's forward is perturbed there.
     hsdp = _same(mesh, "hsdp", "replay_fault")
     assert hsdp["suspects"] == [2] and "0 gradient contribution" in hsdp["tensors"]
+    assert "rank 2 (replicate=1, shard=0) computes results" in hsdp["summary"]
     assert _same(mesh, "hsdp", "replay_clean")["ok"] is True
 
 

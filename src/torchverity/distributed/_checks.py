@@ -541,6 +541,7 @@ class ReplayAuditResult:
     suspects: tuple[int, ...]
     bytes_exchanged: int
     step: int | None = None
+    coordinates: tuple[tuple[int, str], ...] = ()  # mesh coordinates by global rank, if any
 
     @property
     def ok(self) -> bool:
@@ -568,7 +569,8 @@ class ReplayAuditResult:
             f"{_short_list(cmp.tensors, 3)} differ" for cmp in self.failed
         )
         if self.suspects:
-            who = ", ".join(map(str, self.suspects))
+            coords = dict(self.coordinates)
+            who = ", ".join(f"{r} ({coords[r]})" if r in coords else str(r) for r in self.suspects)
             return (f"replay audit{where}: rank {who} computes results no other rank reproduces "
                     f"({pairs})")
         if len(self.ranks) == 2:

@@ -134,3 +134,16 @@ def shard_label(layout: Layout, sharded: tuple[str, ...], group: Sequence[int]) 
         return ""
     key = layout.key(group[0], sharded)
     return "shard (" + ", ".join(f"{d}={c}" for d, c in zip(sharded, key, strict=True)) + ")"
+
+
+def rank_coordinates(mesh: Any, ranks: Sequence[int]) -> tuple[tuple[int, str], ...]:
+    """``(rank, "replicate=1, shard=0")`` for each of ``ranks`` found in ``mesh``."""
+    names = mesh_dim_names(mesh)
+    grid = mesh.mesh
+    out = []
+    for r in ranks:
+        hit = (grid == r).nonzero()
+        if len(hit):
+            where = ", ".join(f"{n}={int(c)}" for n, c in zip(names, hit[0].tolist(), strict=True))
+            out.append((r, where))
+    return tuple(out)

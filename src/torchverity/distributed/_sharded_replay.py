@@ -34,6 +34,7 @@ from torchverity.distributed._comm import (
     open_comm,
     row_bytes,
 )
+from torchverity.distributed._placements import is_dtensor, rank_coordinates
 from torchverity.distributed._replay import exchange_batch
 from torchverity.errors import UsageError
 
@@ -180,9 +181,12 @@ def sharded_replay_audit(
     gathered = all_gather(c, torch.stack([own, other]), "the sharded replay digest exchange").cpu()
     names = ["loss", *(name for name, _ in groups)]
     comparisons = _replay_comparisons(c, names, gathered)
+    dtensors: list[Any] = [p for p in model.parameters() if is_dtensor(p)]
+    mesh = dtensors[0].device_mesh if dtensors else None
     return ReplayAuditResult(
         rank=c.rank, ranks=c.ranks, comparisons=comparisons,
         suspects=_replay_suspects(c.ranks, comparisons),
         bytes_exchanged=batch_bytes + row_bytes(2 * len(names), c.world),
         step=step,
+        coordinates=rank_coordinates(mesh, c.ranks) if mesh is not None else (),
     )
