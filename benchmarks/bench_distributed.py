@@ -9,8 +9,13 @@ on the host, hex digests exchanged with ``all_gather_object``), and one
 interval of 100 steps is check time / (100 x step time).
 
     python benchmarks/bench_distributed.py [--quick]   # --quick: 1M and 10M only
+    python benchmarks/bench_distributed.py --hsdp [--quick] [--device cuda]
 
-Writes docs/benchmarks/distributed.md.
+Writes docs/benchmarks/distributed.md, then runs four processes on a 2x2
+HSDP mesh (FSDP2, ``(replicate, shard)``) with AdamW: the placement-derived
+check (each shard compared inside its replicate group) next to the FSDP2
+step, written to docs/benchmarks/distributed-hsdp.md. ``--hsdp`` runs only
+the HSDP part (``--device cuda``: over NCCL on 4 GPUs).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch import nn
 
 SIZES = {"1M": (512, 4), "10M": (1024, 10), "100M": (4096, 6)}  # width, layers
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "distributed.md"
+OUT_HSDP = OUT.with_name("distributed-hsdp.md")
 
 
 def _model(width: int, layers: int) -> nn.Module:
@@ -97,11 +103,56 @@ def _bench_size(label: str, rank: int, repeat: int) -> dict[str, object]:
     return row
 
 
-def _worker(rank: int, world: int, port: int, sizes: list[str], result: str) -> None:
+def _bench_hsdp(label: str, rank: int, repeat: int, device: str = "cpu") -> dict[str, object]:
+    """The placement-derived check on a 2x2 HSDP mesh next to one FSDP2 training step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torchverity.distributed as tvd
+
+    width, layers = SIZES[label]
+    model = _model(width, layers).to(device)
+    mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("replicate", "shard"))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(rank)).to(device)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    small = torch.zeros(512, dtype=torch.int64, device=device)
+    result = tvd.check_replicas(model, opt)
+    return {
+        "model": label,
+        "params": sum(p.numel() for p in _model(width, layers).parameters()),
+        "step_s": _timed(step, repeat),
+        "check_params_s": _timed(lambda: tvd.check_replicas(model), repeat),
+        "check_s": _timed(lambda: tvd.check_replicas(model, opt), repeat),
+        "allreduce_4k_s": _timed(lambda: dist.all_reduce(small), repeat),
+        "bytes": result.bytes_exchanged,
+        "tensors": result.tensors_checked,
+        "ok": result.ok,
+    }
+
+
+def _worker(rank: int, world: int, port: int, sizes: list[str], result: str,
+            hsdp: bool = False, device: str = "cpu") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                            init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
-    rows = [_bench_size(label, rank, 3 if label == "100M" else 5) for label in sizes]
+    if hsdp:
+        rows = [_bench_hsdp(label, rank, 3 if label == "100M" else 5, device) for label in sizes]
+    else:
+        rows = [_bench_size(label, rank, 3 if label == "100M" else 5) for label in sizes]
     if rank == 0:
         Path(result).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -136,6 +187,51 @@ def _table(rows: list[dict[str, object]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _hsdp_table(rows: list[dict[str, object]]) -> str:
+    head = ("| model | params | FSDP2 step (AdamW) | check params | check params + AdamW "
+            "| all_reduce 4 KB | check per step, every call | amortised at 1 check / 100 steps "
+            "| bytes gathered |\n|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        step, check = float(r["step_s"]), float(r["check_s"])  # type: ignore[arg-type]
+        lines.append(
+            f"| {r['model']} | {r['params']:,} | {_ms(r, 'step_s')} | {_ms(r, 'check_params_s')} "
+            f"| {_ms(r, 'check_s')} | {_ms(r, 'allreduce_4k_s')} | {100 * check / step:.1f} % "
+            f"| {100 * check / (100 * step):.2f} % | {r['bytes']:,} ({r['tensors']} tensors) |")
+    return head + "\n".join(lines) + "\n"
+
+
+def _main_hsdp(quick: bool, device: str) -> None:
+    sizes = ["1M", "10M"] if quick else ["1M", "10M", "100M"]
+    world = 4
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "rows.json")
+        mp.spawn(_worker, args=(world, _free_port(), sizes, result, True, device), nprocs=world,
+                 join=True)
+        rows = json.loads(Path(result).read_text())
+    load = os.getloadavg()[0]
+    backend = "NCCL, 4 GPUs" if device == "cuda" else "gloo, CPU"
+    flags = (" --quick" if quick else "") + (" --device cuda" if device == "cuda" else "")
+    text = (
+        f"# Distributed checks on an HSDP mesh: cost per call ({backend})\n\n"
+        f"Command: `python benchmarks/bench_distributed.py --hsdp{flags}`. "
+        f"Machine: {os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}, "
+        f"{world} gloo processes with 1 thread each on a 2x2 mesh (replicate, shard), FSDP2 "
+        f"per layer, medians of 3-5 calls; load average {load:.1f} at the end "
+        f"({_contention(load)}).\n\n" + _hsdp_table(rows) + "\n"
+        "Each rank digests its local shards (BLAKE3-128 on CPU) and the ranks gather 16 bytes "
+        "per tensor plus a 96-byte header with their mesh coordinates; each shard is voted "
+        "inside its replicate group. `bytes gathered` depends on the number of tensors only. "
+        "Amortised = `check params + AdamW` / (100 x step). With 4 processes on a 2-core "
+        "machine every collective waits for descheduled peers, so both columns are slower "
+        "than on one core per rank.\n"
+    )
+    out = OUT_HSDP.with_name("distributed-hsdp-cuda.md") if device == "cuda" else OUT_HSDP
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    sys.stdout.write(text)
+
+
 def _contention(load: float) -> str:
     return "contended: other jobs were running" if load > 1.5 else "quiet"
 
@@ -143,8 +239,20 @@ def _contention(load: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1M and 10M parameters only")
+    parser.add_argument("--hsdp", action="store_true",
+                        help="only the 4-process 2x2 HSDP mesh (FSDP2) part")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="with --hsdp: cuda runs NCCL on 4 GPUs")
     args = parser.parse_args()
-    sizes = ["1M", "10M"] if args.quick else ["1M", "10M", "100M"]
+    if args.hsdp:
+        _main_hsdp(args.quick, args.device)
+        return
+    _main_ddp(args.quick)
+    _main_hsdp(args.quick, "cpu")
+
+
+def _main_ddp(quick: bool) -> None:
+    sizes = ["1M", "10M"] if quick else ["1M", "10M", "100M"]
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "rows.json")
@@ -153,7 +261,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     text = (
         "# Distributed checks: cost per call (gloo, CPU)\n\n"
-        f"Command: `python benchmarks/bench_distributed.py{' --quick' if args.quick else ''}`. "
+        f"Command: `python benchmarks/bench_distributed.py{' --quick' if quick else ''}`. "
         f"Machine: {os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}, "
         f"{world} gloo processes with 1 thread each, medians of 3-5 calls; load average "
         f"{load:.1f} at the end ({_contention(load)})."
@@ -165,8 +273,8 @@ def main() -> None:
         "baseline copies each parameter to the host and hashes it with SHA-1 (what Megatron-LM "
         "does), then gathers hex strings through pickle; it covers parameters only. "
         "`bytes gathered` is the size of the gathered digests (16 bytes per tensor per rank plus "
-        "a 24-byte header), independent of the model's size. Overhead = `check params + Adam` / "
-        "(100 x step).\n"
+        "a 96-byte header with the mesh coordinates), independent of the model's size. "
+        "Overhead = `check params + Adam` / (100 x step).\n"
     )
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(text)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as one short run on a lent accelerator machine (no network there):
-# the tests that need CUDA, and the guard's overhead table on the GPU.
+# the tests that need CUDA, the guard's overhead table on the GPU, and (4+ GPUs) the cost of
+# check_replicas on an HSDP mesh over NCCL.
 #
 # Prepare here (the device image has torch, pytest and xxhash, not blake3):
 #   echo /.whl/ >> .git/info/exclude
@@ -36,4 +37,14 @@ python3 -m pytest -q -p no:cacheprovider -x tests/training/test_guard_policies.p
 timeout 420 python3 benchmarks/bench_guard.py --device cuda --rounds 6 2>&1 \
     | tee "$out/bench-guard-cuda.log" || status=1
 cp docs/benchmarks/guard-cuda.md "$out/" 2>/dev/null || status=1
+# Planned (not run yet): check_replicas on a 2x2 HSDP mesh over NCCL, per call and amortised
+# at 1 check / 100 steps next to the FSDP2 step; needs 4 GPUs (one rank per GPU).
+if python3 -c "import torch, sys; sys.exit(torch.cuda.device_count() < 4)"; then
+    timeout 420 python3 benchmarks/bench_distributed.py --hsdp --quick --device cuda 2>&1 \
+        | tee "$out/bench-distributed-hsdp-cuda.log" || status=1
+    cp docs/benchmarks/distributed-hsdp-cuda.md "$out/" 2>/dev/null || status=1
+else
+    echo "bench_distributed --hsdp --device cuda: skipped, needs 4 GPUs for NCCL" \
+        | tee "$out/bench-distributed-hsdp-cuda.log"
+fi
 exit $status

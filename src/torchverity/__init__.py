@@ -14,7 +14,8 @@ Map of the package (one subpackage per area; the CLI mirrors it)::
       training/     TrainingGuard: NaN/Inf, spikes, weights at rest, replay, policies
       determinism   seed_everything, RNG capture, data-order records, reproducibility
       faults        tensor fault injection for drills and tests
-      distributed/  cross-replica and gradient checks, cross-rank replay, DCP manifests
+      distributed/  replica and gradient checks from DTensor placements (DDP, FSDP2,
+                    HSDP, TP), replays (sharded too), healing, verified DCP
       report        summaries and plots of guard event logs
       integrations/ Lightning and Hugging Face callbacks (extras)
       protection/   protect(): one switch that watches every load and save in code

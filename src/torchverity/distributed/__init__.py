@@ -9,12 +9,20 @@ that silently. These checks make it loud and name the rank:
     Each rank digests its parameters, buffers and optimizer state where they
     live (no tensor leaves the device); the ranks exchange 16 bytes per tensor
     and a majority vote names the odd rank(s) and the tensors that differ.
+    DTensor placements (FSDP2, HSDP, tensor parallel) decide which ranks hold
+    the same shard: only those are compared with each other.
 ``GradientCheck(model)``
     After backward (and, with :meth:`GradientCheck.comm_hook`, right after
     each DDP bucket's all-reduce) the reduced gradients are compared the same way.
 ``replay_audit(model, loss_fn, batch)``
     Each rank recomputes its neighbour's micro-batch; a rank whose loss and
     gradients are not reproduced by the others is named.
+``repair_replicas(model, optimizer)`` / ``HealPolicy``
+    Copy the majority's bytes into the odd replica's tensors in place and
+    check again, so training continues without a restart (3+ replicas).
+``sharded_replay_audit(fsdp_model, loss_fn, batch)``
+    The replay for pure FSDP2, where no two ranks hold the same shard: the
+    ranks compare losses and each unit's gradient contribution.
 ``FlagReducer(group)``
     One ``all_reduce(MAX)`` of a guard's anomaly flags, so all ranks skip,
     stop or roll back together (``TrainingGuard(reducer=FlagReducer())``).
@@ -45,12 +53,17 @@ from torchverity.distributed._checks import (
     replay_audit,
 )
 from torchverity.distributed._comm import DEFAULT_TIMEOUT_S, current_rank
+from torchverity.distributed._repair import HealPolicy, Repair, RepairReport, repair_replicas
+from torchverity.distributed._sharded_replay import sharded_replay_audit
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DcpLoadReport",
     "FlagReducer",
     "GradientCheck",
+    "HealPolicy",
+    "Repair",
+    "RepairReport",
     "ReplayAuditResult",
     "ReplayComparison",
     "ReplicaCheckResult",
@@ -58,7 +71,9 @@ __all__ = [
     "check_replicas",
     "current_rank",
     "load_dcp",
+    "repair_replicas",
     "replay_audit",
     "save_dcp",
     "save_rank0",
+    "sharded_replay_audit",
 ]

@@ -34,6 +34,8 @@ from torchverity.distributed._comm import (
     broadcast_status,
     open_comm,
 )
+from torchverity.distributed._fullsums import ALGO as FULL_ALGO
+from torchverity.distributed._fullsums import full_sums
 from torchverity.errors import FormatError, InputError, IntegrityError, TorchVerityError
 from torchverity.manifest import (
     MANIFEST_NAME,
@@ -59,6 +61,7 @@ class DcpLoadReport:
     files_verified: int
     fingerprints_verified: bool
     rank: int
+    full_tensors_verified: bool = False
 
 
 # ------------------------------------------------------------------ rank-0 save
@@ -199,10 +202,12 @@ def save_dcp(
     written = _written_files(saved)
     fingerprints = all_gather_json(c, _shard_fingerprint(state_dict),
                                    "the shard fingerprint exchange")
+    full = full_sums(c, state_dict)
     error: Exception | None = None
     if c.index == 0:
         record = {"format": SHARDS_FORMAT, "version": SHARDS_VERSION, "world_size": c.world,
-                  "ranks": {str(i): fp for i, fp in enumerate(fingerprints)}}
+                  "ranks": {str(i): fp for i, fp in enumerate(fingerprints)},
+                  "full": {"algo": FULL_ALGO, "tensors": full}}
         atomic_write_text(root / SHARDS_NAME, json.dumps(record, indent=2) + "\n")
     files = sorted({*written, SHARDS_NAME}, key=str.encode)
     shares = all_gather_json(c, _hash_share(c, root, files, algo), "the shard digest exchange")
@@ -323,7 +328,36 @@ def load_dcp(
         )
     dcp.load(state_dict, checkpoint_id=root, process_group=group)
     verified = _check_fingerprints(c, root, state_dict)
-    return DcpLoadReport(os.fspath(path), manifest.algo, len(manifest.entries), verified, c.rank)
+    full = check_full_tensors(c, root, state_dict)
+    return DcpLoadReport(os.fspath(path), manifest.algo, len(manifest.entries), verified, c.rank,
+                         full)
+
+
+def check_full_tensors(c: Comm, root: Path, state_dict: dict[str, Any]) -> bool:
+    """Compare the loaded state's full-tensor sums with those recorded at save.
+
+    Works whatever the sharding at load (resharding from 4 ranks to 2 included):
+    each rank sums its own shards at their global positions. Tensors the
+    loaded state lacks, or whose placement cannot be summed, are skipped; the
+    result is true when at least one tensor was compared and none differed.
+    """
+    recorded = _read_shards(root / SHARDS_NAME)
+    full = (recorded or {}).get("full") or {}
+    expected = full.get("tensors") if full.get("algo") == FULL_ALGO else None
+    if not expected:
+        return False
+    actual = full_sums(c, state_dict)
+    compared = [n for n, v in actual.items() if v is not None and expected.get(n) is not None]
+    differing = [n for n in compared if actual[n] != expected[n]]
+    if differing:
+        raise IntegrityError(
+            f"{root}: {len(differing)} full tensor(s) loaded from the distributed checkpoint "
+            f"differ from the digests recorded at save: {', '.join(differing[:5])}",
+            path=root, tensors=differing,
+            hint="the files verified, so the load path or memory corrupted them: reload, and "
+            "check the devices of the ranks that hold those shards",
+        )
+    return bool(compared)
 
 
 def _check_fingerprints(c: Comm, root: Path, state_dict: dict[str, Any]) -> bool:

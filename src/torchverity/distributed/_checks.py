@@ -16,17 +16,32 @@ from torchverity.distributed._comm import (
     all_gather,
     all_reduce_max,
     digest_rows,
-    layout_row,
     open_comm,
     row_bytes,
 )
+from torchverity.distributed._placements import (
+    HEADER_LEN,
+    MAX_MESH_DIMS,
+    Layout,
+    Placed,
+    header_row,
+    layout_digest,
+    layout_from,
+    mesh_dims,
+    place,
+    shard_label,
+)
 from torchverity.distributed._replay import exchange_batch, replay_rows
-from torchverity.errors import ReplicaMismatchError
+from torchverity.errors import ReplicaMismatchError, UsageError
 
 _NO_THIRD_OPINION = (
     "with two replicas the faulty one cannot be named without a third opinion: run "
     "torchverity.distributed.replay_audit with 3 or more ranks, or compare each rank with the "
     "last verified checkpoint"
+)
+_NOTHING_TO_VOTE = (
+    "nothing to vote on for them; cover them with verified sharded checkpoints and, under "
+    "FSDP2, torchverity.distributed.sharded_replay_audit"
 )
 
 
@@ -35,21 +50,37 @@ _NO_THIRD_OPINION = (
 
 @dataclass(frozen=True)
 class TensorDisagreement:
-    """One tensor whose digest is not the same on every rank.
+    """One tensor (or one shard of it) whose digest is not the same on all its replicas.
 
     ``groups`` lists global ranks that agree with each other, largest group
     first; ``odd_ranks`` are those outside a strict majority (empty when no
-    value holds more than half of the ranks).
+    value holds more than half of the replicas). ``replicas`` are the ranks
+    that hold this piece and were compared; ``shard`` says which shard it is
+    (``"shard (shard=1)"``, the mesh coordinates on the sharded dimensions),
+    empty for a tensor replicated whole.
     """
 
     name: str
     groups: tuple[tuple[int, ...], ...]
     odd_ranks: tuple[int, ...]
+    shard: str = ""
+    replicas: tuple[int, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.shard}" if self.shard else self.name
 
 
 @dataclass(frozen=True)
 class ReplicaCheckResult:
-    """The same outcome on every rank of the group, so all ranks can act alike."""
+    """The same outcome on every rank of the group, so all ranks can act alike.
+
+    ``tensors_checked`` counts the tensors that have a replica on another rank;
+    ``unreplicated`` those held by one rank only (sharded on every mesh
+    dimension, as under pure FSDP), which no vote can cover. ``coordinates``
+    maps each global rank to its mesh coordinates (``replicate=0, shard=1``)
+    when any tensor is a DTensor.
+    """
 
     kind: str
     rank: int
@@ -58,6 +89,8 @@ class ReplicaCheckResult:
     bytes_exchanged: int
     disagreements: tuple[TensorDisagreement, ...]
     step: int | None = None
+    unreplicated: int = 0
+    coordinates: tuple[tuple[int, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -65,7 +98,7 @@ class ReplicaCheckResult:
 
     @property
     def tensors(self) -> list[str]:
-        return [d.name for d in self.disagreements]
+        return list(dict.fromkeys(d.name for d in self.disagreements))
 
     @property
     def odd_ranks(self) -> tuple[int, ...]:
@@ -76,12 +109,23 @@ class ReplicaCheckResult:
         """Every disagreement has a majority, so the odd ranks are known."""
         return bool(self.disagreements) and all(d.odd_ranks for d in self.disagreements)
 
+    def where(self, rank: int) -> str:
+        """``rank 3 (replicate=1, shard=1)``: a global rank with its mesh coordinates."""
+        coords = dict(self.coordinates).get(rank)
+        return f"rank {rank} ({coords})" if coords else f"rank {rank}"
+
+    def _whole_world(self) -> bool:
+        """Every disagreement is over all ranks of plain tensors (DDP): the short message."""
+        return not self.coordinates and all(
+            not d.shard and d.replicas in ((), self.ranks) for d in self.disagreements)
+
     def summary(self) -> str:
         where = f" at step {self.step}" if self.step is not None else ""
-        world = len(self.ranks)
         if self.ok:
-            return (f"{self.kind} agree on all {world} ranks{where}: {self.tensors_checked} "
-                    f"tensors compared, {self.bytes_exchanged} bytes exchanged")
+            return self._ok_summary(where)
+        if not self._whole_world():
+            return self._placed_summary(where)
+        world = len(self.ranks)
         names = _short_list(self.tensors)
         count = f"{len(self.disagreements)} of {self.tensors_checked} tensors"
         if self.attributed:
@@ -94,6 +138,31 @@ class ReplicaCheckResult:
         return (f"{self.kind} disagree across {world} ranks{where} with no majority: {count} "
                 f"differ: {names}")
 
+    def _ok_summary(self, where: str) -> str:
+        scope = (f"within every replica group of the {len(self.ranks)} ranks" if self.coordinates
+                 else f"on all {len(self.ranks)} ranks")
+        text = (f"{self.kind} agree {scope}{where}: "
+                f"{self.tensors_checked} tensors compared, {self.bytes_exchanged} bytes exchanged")
+        if self.unreplicated:
+            text += (f"; {self.unreplicated} tensors are held by one rank only (sharded on "
+                     f"every mesh dimension): {_NOTHING_TO_VOTE}")
+        return text
+
+    def _placed_summary(self, where: str) -> str:
+        parts = []
+        for d in self.disagreements[:5]:
+            if d.odd_ranks:
+                odd = ", ".join(self.where(r) for r in d.odd_ranks)
+                parts.append(f"{odd} disagrees with the majority of {len(d.replicas)} replicas "
+                             f"of {d.label} (ranks {', '.join(map(str, d.replicas))})")
+            else:
+                held = ", ".join(self.where(r) for r in d.replicas)
+                parts.append(f"{held} hold different {d.label} with no majority")
+        more = (f" (+{len(self.disagreements) - 5} more)" if len(self.disagreements) > 5 else "")
+        pairs = any(len(d.replicas) == 2 and not d.odd_ranks for d in self.disagreements)
+        tail = f"; {_NO_THIRD_OPINION}" if pairs else ""
+        return (f"{self.kind} differ between replicas{where}: {'; '.join(parts)}{more}{tail}")
+
     def raise_if_failed(self) -> ReplicaCheckResult:
         """Raise :class:`ReplicaMismatchError` on every rank when the ranks disagree."""
         if not self.ok:
@@ -104,9 +173,17 @@ class ReplicaCheckResult:
                 tensors=self.tensors,
                 step=self.step,
                 rank=self.rank,
-                hint=_recovery_hint(self.odd_ranks),
+                hint=self._hint(),
             )
         return self
+
+    def _hint(self) -> str:
+        healable = self.kind == "parameters" and self.attributed and all(
+            len(d.replicas or self.ranks) >= 3 for d in self.disagreements)
+        if not healable:
+            return _recovery_hint(self.odd_ranks)
+        return ("heal in place from the majority with torchverity.distributed.repair_replicas("
+                "model, optimizer, result), or " + _recovery_hint(self.odd_ranks))
 
 
 def _recovery_hint(odd: Sequence[int]) -> str:
@@ -123,45 +200,87 @@ def _short_list(names: Sequence[str], limit: int = 5) -> str:
 # ------------------------------------------------------------------ comparing
 
 
-def _compare(c: Comm, kind: str, names: Sequence[str], values: Sequence[Any], mode: HashMode,
-             step: int | None, recorded: torch.Tensor | None = None) -> ReplicaCheckResult:
-    """Exchange per-tensor digests (two tiny all_gathers) and vote.
+Recorded = Sequence[tuple[torch.Tensor, tuple[str, ...]]]
 
-    ``recorded`` holds digest rows taken earlier (DDP buckets); they come first
-    and ``names`` starts with their labels.
+
+def _compare(c: Comm, kind: str, names: Sequence[str], values: Sequence[Any], mode: HashMode,
+             step: int | None, recorded: Recorded = ()) -> ReplicaCheckResult:
+    """Exchange per-tensor digests (two tiny all_gathers) and vote inside each replica group.
+
+    ``recorded`` holds digest rows taken earlier (DDP buckets, FSDP2 units),
+    each with the mesh dimensions it is sharded on; they come first and
+    ``names`` starts with their labels. Each value's DTensor placements decide
+    which ranks hold the same bytes (see ``_placements``).
     """
-    a, b = layout_row(names, [*([None] * _rows(recorded)), *values], mode)
-    header = all_gather(c, torch.tensor([len(names), a, b], dtype=torch.int64),
-                        f"the {kind} layout exchange")
-    _check_layout(c, kind, header, step)
-    rows = digest_rows(values, mode, c.device)
-    if recorded is not None:
-        rows = torch.cat([recorded.to(c.device), rows])
+    placed = [Placed(None, sharded, f"recorded {list(sharded)}", ()) for _, sharded in recorded]
+    placed += [place(v) for v in values]
+    dims = mesh_dims(placed)
+    if len(dims) > MAX_MESH_DIMS:
+        raise UsageError(f"{kind}: the tensors live on {len(dims)} mesh dimensions; a check "
+                         f"tells at most {MAX_MESH_DIMS} apart",
+                         hint="name the mesh dimensions (init_device_mesh(mesh_dim_names=...))")
+    head = header_row(len(names), layout_digest(names, placed, mode), dims)
+    header = all_gather(c, torch.tensor(head, dtype=torch.int64),
+                        f"the {kind} layout exchange").cpu()
+    _check_layout(c, kind, header[:, :4], step)
+    layout = layout_from(c.ranks, dims, header)
+    rows = digest_rows([p.local for p in placed[len(recorded):]], mode, c.device)
+    if recorded:
+        rows = torch.cat([*(row.to(c.device) for row, _ in recorded), rows])
     gathered = all_gather(c, rows, f"the {kind} digest exchange").cpu()
+    disagreements, compared = _vote_placed(layout, names, [p.sharded for p in placed], gathered)
     return ReplicaCheckResult(
         kind=kind,
         rank=c.rank,
         ranks=c.ranks,
-        tensors_checked=len(names),
-        bytes_exchanged=row_bytes(len(names), c.world),
-        disagreements=_vote(c.ranks, names, gathered),
+        tensors_checked=compared,
+        bytes_exchanged=row_bytes(len(names), c.world) + c.world * HEADER_LEN * 8,
+        disagreements=disagreements,
         step=step,
+        unreplicated=len(names) - compared,
+        coordinates=tuple((r, layout.where(i)) for i, r in enumerate(c.ranks))
+        if layout.dims else (),
     )
 
 
-def _rows(recorded: torch.Tensor | None) -> int:
-    return 0 if recorded is None else int(recorded.shape[0])
+def _vote_placed(layout: Layout, names: Sequence[str], sharded: Sequence[tuple[str, ...]],
+                 gathered: torch.Tensor) -> tuple[tuple[TensorDisagreement, ...], int]:
+    """Vote each tensor inside the groups of ranks that hold the same piece of it.
+
+    Returns the disagreements (in tensor order) and how many tensors had a replica.
+    """
+    by_pattern: dict[tuple[str, ...], list[int]] = {}
+    for i, s in enumerate(sharded):
+        by_pattern.setdefault(s, []).append(i)
+    found: list[tuple[int, int, TensorDisagreement]] = []
+    compared = 0
+    for pattern, indices in by_pattern.items():
+        groups = [g for g in layout.replica_groups(pattern) if len(g) > 1]
+        if not groups:
+            continue
+        compared += len(indices)
+        columns = torch.tensor(indices, dtype=torch.int64)
+        for g in groups:
+            ranks = tuple(layout.ranks[x] for x in g)
+            sub = gathered[torch.tensor(g, dtype=torch.int64)][:, columns]
+            label = shard_label(layout, pattern, g)
+            for position, d in _vote_indexed(ranks, indices, names, sub):
+                found.append((position, g[0], TensorDisagreement(
+                    d.name, d.groups, d.odd_ranks, label, ranks)))
+    found.sort(key=lambda item: (item[0], item[1]))
+    return tuple(d for _, _, d in found), compared
 
 
 def _check_layout(c: Comm, kind: str, header: torch.Tensor, step: int | None) -> None:
-    rows = [tuple(r) for r in header.cpu().tolist()]
+    rows = [tuple(r) for r in header.tolist()]
     if len(set(rows)) == 1:
         return
     groups = _groups(c.ranks, rows)
     odd = _odd(groups, c.world)
     raise ReplicaMismatchError(
-        f"ranks {list(c.ranks)} do not hold the same set of {kind} (names, dtypes or shapes "
-        f"differ; groups that agree: {[list(g) for g in groups]}), so they cannot be compared",
+        f"ranks {list(c.ranks)} do not hold the same set of {kind} (names, dtypes, shapes or "
+        f"placements differ; groups that agree: {[list(g) for g in groups]}), so they cannot "
+        "be compared",
         kind=f"{kind}-layout", ranks=odd, step=step, rank=c.rank,
         hint="build the model and optimizer identically on every rank and call the check at the "
         "same point (after optimizer.step()) on all of them",
@@ -192,6 +311,14 @@ def _vote(ranks: Sequence[int], names: Sequence[str],
     return tuple(out)
 
 
+def _vote_indexed(ranks: Sequence[int], indices: Sequence[int], names: Sequence[str],
+                  gathered: torch.Tensor) -> list[tuple[int, TensorDisagreement]]:
+    """:func:`_vote` over the columns ``indices`` of ``names``, each result with its position."""
+    found = _vote(ranks, [names[i] for i in indices], gathered)
+    position = {names[i]: i for i in indices}
+    return [(position[d.name], d) for d in found]
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside DDP/DataParallel wrappers, so names carry no ``module.`` prefix."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -207,13 +334,6 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 _PLAIN = (bool, int, float, str, tuple, type(None))
 
 
-def _local(value: Any) -> Any:
-    """A tensor's bytes on this rank: a DTensor (FSDP2, HSDP) contributes its local shard."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return (value.to_local() if hasattr(value, "to_local") else value).detach()
-
-
 def _replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                    buffers: bool) -> tuple[list[str], list[Any]]:
     module = _unwrap(model)
@@ -224,14 +344,14 @@ def _replica_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
         if name in skip:
             continue
         names.append(name)
-        values.append(_local(value))
+        values.append(value)
     if optimizer is not None:
         param_names = {id(p): n for n, p in module.named_parameters()}
         for position, (p, state) in enumerate(optimizer.state.items()):
             pname = param_names.get(id(p), f"state{position}")  # a tensor outside the model
             for key, value in state.items():
                 names.append(f"optimizer.{pname}.{key}")
-                values.append(_local(value))
+                values.append(value)
         for i, group in enumerate(optimizer.param_groups):
             for key, value in group.items():
                 if key != "params" and isinstance(value, _PLAIN):
@@ -252,9 +372,11 @@ def check_replicas(
 ) -> ReplicaCheckResult:
     """Compare this rank's parameters, buffers (and optimizer state) with the other replicas.
 
-    Call it on every rank of ``group`` (the data-parallel replica group; under
-    HSDP the replicate group of each shard) at the same point, e.g. after
-    ``optimizer.step()`` every N steps. Accelerator tensors are digested on
+    Call it on every rank of ``group`` (all ranks by default) at the same
+    point, e.g. after ``optimizer.step()`` every N steps. For DTensors (FSDP2,
+    HSDP, tensor parallel, FSDP+TP) the placements decide which ranks hold the
+    same local shard, and each shard is voted only among those; plain tensors
+    are compared across the whole group. Accelerator tensors are digested on
     their device; CPU tensors through a zero-copy 128-bit BLAKE3
     (``mode="device"`` forces the device sums everywhere). Only 16 bytes per
     tensor per rank are exchanged. Every rank returns the same result; call
@@ -272,10 +394,15 @@ def check_replicas(
 # ------------------------------------------------------------------ gradients
 
 CommHook = Callable[[Any, "dist.GradBucket"], "torch.futures.Future[torch.Tensor]"]
+_UNIT_OFFSET = 1 << 20  # FSDP unit rows sort after DDP buckets
 
 
 class GradientCheck:
     """Verify that every rank holds the same reduced gradients.
+
+    With FSDP2/HSDP/TP the gradients are DTensors, compared like
+    :func:`check_replicas` compares parameters: each reduced shard among the
+    ranks whose placements say they hold the same one.
 
     Post-backward use (works with DDP and with manual all-reduce)::
 
@@ -287,6 +414,7 @@ class GradientCheck:
     is also digested right after its all-reduce, on the communication path, so
     a mismatch names the bucket as well as the parameters. ``comm_hook(inner)``
     wraps any other hook (e.g. fp16 compression) instead of the plain all-reduce.
+    For FSDP2, :meth:`fsdp_hook` does the same for each unit's reduced shard.
     """
 
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None = None, *,
@@ -297,7 +425,7 @@ class GradientCheck:
         self._timeout = timeout
         self._params = [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
         self._param_names = {id(p): n for n, p in self._params}
-        self._buckets: dict[int, tuple[str, torch.Tensor]] = {}
+        self._buckets: dict[int, tuple[str, torch.Tensor, tuple[str, ...]]] = {}
 
     def comm_hook(self, inner: CommHook | None = None) -> CommHook:
         """A DDP communication hook that digests each bucket after ``inner`` reduced it."""
@@ -313,7 +441,8 @@ class GradientCheck:
                 value = fut.value()
                 reduced = value[0] if isinstance(value, (list, tuple)) else value
                 # Digest rows are enqueued on the tensor's device: no host sync here.
-                self._buckets[index] = (label, digest_rows([reduced], self._mode, reduced.device))
+                self._buckets[index] = (label, digest_rows([reduced], self._mode, reduced.device),
+                                        ())
                 return reduced
 
             return reduce(state, bucket).then(record)
@@ -327,14 +456,59 @@ class GradientCheck:
         names = [self._param_names.get(id(p), "?") for p in bucket.parameters()]
         return f"bucket {bucket.index()} ({_short_list(names, 3)})"
 
+    def fsdp_hook(self, inner: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Digest each FSDP2 unit's reduced gradient shard as FSDP hands it over.
+
+        Installs :meth:`FSDPModule.set_all_reduce_hook` on every unit: under
+        HSDP it sees the shard after the replicate all-reduce, under pure FSDP
+        after the reduce-scatter. ``inner`` runs first (an all-reduce hook you
+        already use). A row is compared across the ranks that hold the same
+        shard of every parameter of the unit; mismatches name the unit.
+        """
+        for index, (label, unit, sharded) in enumerate(self._fsdp_units()):
+
+            def hook(reduced: torch.Tensor, index: int = index, label: str = label,
+                     sharded: tuple[str, ...] = sharded) -> None:
+                if inner is not None:
+                    inner(reduced)
+                row = digest_rows([reduced], self._mode, reduced.device)
+                self._buckets[_UNIT_OFFSET + index] = (label, row, sharded)
+
+            try:
+                unit.set_all_reduce_hook(hook)
+            except ValueError as exc:  # several parameter groups in one unit
+                raise UsageError(f"GradientCheck.fsdp_hook: {label}: {exc}",
+                                 hint="use check() after backward for this model") from None
+
+    def _fsdp_units(self) -> list[tuple[str, Any, tuple[str, ...]]]:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [(n, m) for n, m in self._module.named_modules() if isinstance(m, FSDPModule)]
+        if not units:
+            raise UsageError("GradientCheck.fsdp_hook: the model has no fully_shard (FSDP2) module",
+                             hint="use comm_hook() for DDP, or check() after backward")
+        owned: dict[str, list[tuple[str, torch.nn.Parameter]]] = {n: [] for n, _ in units}
+        for pname, p in self._params:  # a parameter belongs to its innermost unit
+            holders = [u for u in owned if not u or pname.startswith(f"{u}.")]
+            if holders:
+                owned[max(holders, key=len)].append((pname, p))
+        out = []
+        for name, unit in units:
+            dims: dict[str, None] = {}
+            for _, p in owned[name]:
+                dims.update(dict.fromkeys(place(p).sharded))
+            label = f"unit {name or '(root)'} ({_short_list([n for n, _ in owned[name]], 3)})"
+            out.append((label, unit, tuple(dims)))
+        return out
+
     def check(self, step: int | None = None) -> ReplicaCheckResult:
-        """Compare the gradients (and any recorded buckets) of the last backward pass."""
+        """Compare the gradients (and any recorded buckets or units) of the last backward pass."""
         c = open_comm(self._group, self._timeout, "GradientCheck")
         buckets = [self._buckets[i] for i in sorted(self._buckets)]
         self._buckets.clear()
-        names = [label for label, _ in buckets] + [f"{n}.grad" for n, _ in self._params]
+        names = [label for label, _, _ in buckets] + [f"{n}.grad" for n, _ in self._params]
         values: list[Any] = [p.grad for _, p in self._params]
-        recorded = torch.cat([row.to(c.device) for _, row in buckets]) if buckets else None
+        recorded = [(row, sharded) for _, row, sharded in buckets]
         return _compare(c, "gradients", names, values, self._mode, step, recorded)
 
 
@@ -367,6 +541,7 @@ class ReplayAuditResult:
     suspects: tuple[int, ...]
     bytes_exchanged: int
     step: int | None = None
+    coordinates: tuple[tuple[int, str], ...] = ()  # mesh coordinates by global rank, if any
 
     @property
     def ok(self) -> bool:
@@ -394,7 +569,8 @@ class ReplayAuditResult:
             f"{_short_list(cmp.tensors, 3)} differ" for cmp in self.failed
         )
         if self.suspects:
-            who = ", ".join(map(str, self.suspects))
+            coords = dict(self.coordinates)
+            who = ", ".join(f"{r} ({coords[r]})" if r in coords else str(r) for r in self.suspects)
             return (f"replay audit{where}: rank {who} computes results no other rank reproduces "
                     f"({pairs})")
         if len(self.ranks) == 2:
@@ -445,7 +621,7 @@ def replay_audit(
     return ReplayAuditResult(
         rank=c.rank, ranks=c.ranks, comparisons=comparisons,
         suspects=_replay_suspects(c.ranks, comparisons),
-        bytes_exchanged=batch_bytes + row_bytes(2 * len(names), c.world, header=False),
+        bytes_exchanged=batch_bytes + row_bytes(2 * len(names), c.world),
         step=step,
     )
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from torchverity._tensors import dtype_name, host_bytes
+from torchverity._tensors import host_bytes
 from torchverity.checkpoint._fingerprint import checksum_tensors
 from torchverity.errors import DistributedTimeoutError, UsageError
 
@@ -30,7 +30,6 @@ HashMode = Literal["auto", "device"]
 DEFAULT_TIMEOUT_S = 300.0
 _STORE_PREFIX = "torchverity/arrived/"
 _ROW_BYTES = 16  # two int64 per tensor
-_HEADER_BYTES = 24  # count and layout digest
 
 
 @dataclass(frozen=True)
@@ -253,21 +252,9 @@ def digest_rows(values: Sequence[Any], mode: HashMode, device: torch.device) -> 
     return out
 
 
-def layout_row(names: Sequence[str], values: Sequence[Any], mode: HashMode) -> tuple[int, int]:
-    """Digest of what is being compared (names, dtypes, shapes, algorithms)."""
-    h = hashlib.sha256(b"torchverity-dist-layout-v1\0")
-    for name, v in zip(names, values, strict=True):
-        if isinstance(v, torch.Tensor):
-            h.update(f"{name}\0{dtype_name(v.dtype)}\0{list(v.shape)}\0".encode())
-        else:
-            h.update(f"{name}\0{type(v).__name__}\0".encode())
-        h.update(row_algo(v, mode).encode() + b"\n")
-    return _split64(h.digest())
-
-
-def row_bytes(n: int, world: int, *, header: bool = True) -> int:
-    """Size of the gathered digests of ``n`` tensors (plus the 24-byte layout header)."""
-    return world * (n * _ROW_BYTES + (_HEADER_BYTES if header else 0))
+def row_bytes(n: int, world: int) -> int:
+    """Size of the gathered digests of ``n`` tensors."""
+    return world * n * _ROW_BYTES
 
 
 def all_gather_json(c: Comm, obj: Any, what: str) -> list[Any]:
