@@ -28,7 +28,7 @@ from torchverity.provenance._keys import (
     load_public_key,
 )
 from torchverity.provenance._records import model_digests
-from torchverity.verify import STATUSES, VerifyEntry
+from torchverity.verify import STATUSES, Status, VerifyEntry
 
 GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
 DEFAULT_SIGNATURE = "model.sig"
@@ -365,7 +365,7 @@ def _compare(root: Path, want: dict[str, Any],
         elif got is None:  # a symlink where a signed file was
             entries.append(VerifyEntry(label(rel), "mismatched", digest.digest_hex, "symlink"))
         else:
-            status = "ok" if got[0] == digest.digest_hex else "mismatched"
+            status: Status = "ok" if got[0] == digest.digest_hex else "mismatched"
             entries.append(VerifyEntry(label(rel), status, digest.digest_hex, got[0],
                                        actual_size=got[1] if got[1] >= 0 else None))
     entries += [VerifyEntry(label(rel), "extra") for rel in actual if rel not in want]
