@@ -21,7 +21,7 @@ from provenance_helpers import (
 
 pytest.importorskip("model_signing")
 
-from torchverity.provenance import sign_model, verify_model  # noqa: E402
+from torchverity.provenance import sign_model, verify_model
 
 MODEL_SIGNING = [sys.executable, "-m", "model_signing"]
 WEIGHTS = "model.safetensors"

@@ -416,3 +416,29 @@ def require_hub_blob(path: str | os.PathLike[str]) -> HubEntry | None:
              "--force-download), then check: torchverity verify "
              + where,
     )
+
+
+def hub_record(path: str | os.PathLike[str]) -> tuple[str, str, str] | None:
+    """``("sha256", name, "hub")`` for a hub file whose name is its SHA-256, for a loader
+    that hashes while it reads; other hub files are checked here. None outside hub layouts.
+
+    A snapshot link that leaves its repository's ``blobs/``, or leads nowhere, raises
+    :class:`IntegrityError` before anything opens it.
+    """
+    p = Path(path)
+    found = _snapshot_of(p)
+    if found is not None and p.is_symlink():
+        status, blob, why = link_target(p, found[0])
+        if status in ("outside", "dangling"):
+            raise IntegrityError(f"{p}: hub snapshot entry refused: {why}", path=os.fspath(p),
+                                 hint=f"torchverity verify {found[0]}")
+        if blob is not None and blob_algo(blob.name) == "sha256":
+            return "sha256", blob.name, "hub"
+    elif (folder := _local_dir_of(p) if p.is_file() else None) is not None:
+        downloads = folder / DOWNLOAD_RECORDS
+        rel = Path(os.path.abspath(p)).relative_to(folder).as_posix()
+        entry, _target = _local_entry(folder, downloads / f"{rel}.metadata", downloads)
+        if entry.algo == "sha256" and entry.status == "ok" and entry.blob:
+            return "sha256", entry.blob, "hub"
+    require_hub_blob(p)
+    return None
