@@ -100,7 +100,8 @@ def _print_any(result: Any, out: Output) -> None:
                      "again from the publisher, then rerun torchverity verify")
             return
         covers = ", ".join(f"{k} {v}" for k, v in result.subject.items())
-        out.line(f"  covers {covers} ({result.algo}); not covered: {', '.join(result.ignored)}")
+        skipped = f"; not covered: {', '.join(result.ignored)}" if result.ignored else ""
+        out.line(f"  covers {covers} ({result.algo}){skipped}")
     _print_result(result, out)
 
 
