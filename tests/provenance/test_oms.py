@@ -298,3 +298,63 @@ def test_missing_signature_and_no_trust_are_usage_errors(model: Path, keys: tupl
     res = run_cli("verify", model, "--signature", model / "model.sig")
     assert res.code == 2 and "--public-key" in res.err
     shutil.rmtree(model)
+
+
+def test_load_with_signature_accepts_signed_and_refuses_tampered(
+        tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    import torch
+
+    import torchverity
+    from torchverity.errors import IntegrityError
+
+    priv, pub = keys
+    folder = tmp_path / "run"
+    folder.mkdir()
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    torch.save(state, folder / "model.pt")  # plain torch.save: no sidecar at all
+    sign_model(folder, private_key=priv)
+    obj, report = torchverity.load(folder / "model.pt", signature=folder / "model.sig",
+                                   public_key=pub, with_report=True)
+    assert torch.equal(obj["w"], state["w"]) and report.digest_source == "signature"
+    other_priv, other_pub = write_ec_keys(tmp_path, "other")
+    with pytest.raises(IntegrityError, match="does not verify"):
+        torchverity.load(folder / "model.pt", signature=folder / "model.sig", public_key=other_pub)
+    flip_bit(folder / "model.pt", (folder / "model.pt").stat().st_size - 3000, 6)
+    with pytest.raises(IntegrityError, match="its signature"):
+        torchverity.load(folder / "model.pt", signature=folder / "model.sig", public_key=pub)
+
+
+def test_load_of_a_signed_sharded_folder(tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    import torchverity
+    from torchverity.errors import IntegrityError
+
+    priv, pub = keys
+    model = hf_model_folder(tmp_path / "sharded", shard="60KB")
+    sign_model(model, private_key=priv)
+    state = torchverity.load(model, signature=model / "model.sig", public_key=pub)
+    shard = "model-00001-of-00003.safetensors"
+    single = torchverity.load(model / shard, signature=model / "model.sig", public_key=pub)
+    assert set(single) < set(state)
+    (model / "planted.bin").write_bytes(b"x")
+    with pytest.raises(IntegrityError, match="planted.bin extra"):
+        torchverity.load(model, signature=model / "model.sig", public_key=pub)
+
+
+def test_load_of_a_file_the_signature_does_not_cover(tmp_path: Path,
+                                                     keys: tuple[Path, Path]) -> None:
+    import torch
+
+    import torchverity
+    from torchverity.errors import IntegrityError
+
+    (tmp_path / "run").mkdir()
+    a, b = tmp_path / "run" / "a.pt", tmp_path / "b.pt"
+    torch.save({"x": torch.ones(2)}, a)
+    torch.save({"x": torch.zeros(2)}, b)
+    sign_model(a.parent, private_key=keys[0])
+    with pytest.raises(IntegrityError, match="not covered"):
+        torchverity.load(b, signature=a.parent / "model.sig", public_key=keys[1])
+    # A single-file signature speaks for whichever file it is given with.
+    sign_model(a, private_key=keys[0])
+    with pytest.raises(IntegrityError, match="does not match its signature"):
+        torchverity.load(b, signature=tmp_path / "run" / "a.pt.sig", public_key=keys[1])

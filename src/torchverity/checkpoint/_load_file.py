@@ -60,7 +60,8 @@ log = logging.getLogger("torchverity.checkpoint")
 
 
 def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: str | None,
-               mmap: bool, recheck_tensors: bool = False) -> tuple[Any, LoadReport]:
+               mmap: bool, recheck_tensors: bool = False,
+               signed: tuple[str, str, str] | None = None) -> tuple[Any, LoadReport]:
     notes = []
     expected: ExpectedDigest | None
     pending = _pending_records(p) if policy != "ignore" else None
@@ -70,7 +71,8 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
                      "against the pending records (the next save replaces them)")
     else:
         meta = read_meta(p) if meta_path_for(p).exists() else None
-        expected = _expected_digest(p, meta, policy) if p.is_file() else None
+        expected = _expected_digest(p, meta, policy) if p.is_file() and not signed else None
+    expected = signed or expected
     try:
         fmt = file_format(p)
     except FormatError:
@@ -200,8 +202,8 @@ def _digest_mismatch(p: Path, expected: ExpectedDigest, actual: str,
     algo, want, source = expected.algo, expected.hex, expected.source
     where = (f"damaged tensor{'s' if len(damaged) > 1 else ''}: {', '.join(damaged[:10])}"
              if damaged else "the damage could not be tied to a tensor")
-    record = {"sidecar": f"{p.name}.{algo}", "hub": "the name the Hugging Face hub gave it"}.get(
-        source, f"{p.name}{META_SUFFIX}")
+    record = {"sidecar": f"{p.name}.{algo}", "hub": "the name the Hugging Face hub gave it",
+              "signature": "its signature"}.get(source, f"{p.name}{META_SUFFIX}")
     return IntegrityError(
         f"{p}: {algo} digest does not match {record}: the file changed after it was saved "
         f"(expected {want}, got {actual}); {where}",

@@ -371,3 +371,63 @@ def _compare(root: Path, want: dict[str, Any],
     entries += [VerifyEntry(label(rel), "extra") for rel in actual if rel not in want]
     entries.sort(key=lambda e: e.path.encode())
     return tuple(entries)
+
+
+# ------------------------------------------------------------------ loading
+
+
+def signed_record(
+    path: str | os.PathLike[str],
+    signature: str | os.PathLike[str],
+    *,
+    public_key: str | os.PathLike[str] | None = None,
+    certificate_chain: Sequence[str | os.PathLike[str]] = (),
+) -> tuple[str, str, str]:
+    """``("sha256", hex, "signature")`` for a file the signature covers, once it verifies.
+
+    Only the signature is checked here (no hashing): a loader that hashes the
+    file as it reads it compares the digest, so the weights are read once.
+    The signature may cover the file itself or a folder holding it.
+    """
+    from torchverity.errors import IntegrityError
+
+    p, sig = Path(path), Path(signature)
+    expected, signer, reason = _expected(sig, Path(public_key) if public_key else None,
+                                         [Path(c) for c in certificate_chain])
+    if expected is None:
+        raise IntegrityError(
+            f"{p}: signature {sig} does not verify ({reason}); refusing to load", path=p,
+            hint=f"torchverity verify {p.parent} --signature {sig} --public-key PUB.pem")
+    want = {rd.identifier: rd.digest for rd in expected.resource_descriptors()}
+    absolute = Path(os.path.abspath(p))
+    candidates = ["."] + [absolute.relative_to(a).as_posix() for a in absolute.parents
+                          if a.name == expected.model_name]
+    for rel in candidates:
+        digest = want.get(rel)
+        if digest is not None and digest.algorithm == "sha256":
+            return "sha256", digest.digest_hex, "signature"
+    raise IntegrityError(
+        f"{p}: not covered by signature {sig} (signed by {signer}, over "
+        f"'{expected.model_name}')", path=p,
+        hint=f"pass the signature of this model, or check the folder: torchverity verify "
+             f"DIR --signature {sig}")
+
+
+def require_signed_folder(
+    folder: str | os.PathLike[str],
+    signature: str | os.PathLike[str],
+    *,
+    public_key: str | os.PathLike[str] | None = None,
+    certificate_chain: Sequence[str | os.PathLike[str]] = (),
+) -> SignatureResult:
+    """:func:`verify_model`, raising :class:`IntegrityError` unless everything verifies."""
+    from torchverity.errors import IntegrityError
+
+    result = verify_model(folder, signature, public_key=public_key,
+                          certificate_chain=certificate_chain)
+    if result.ok:
+        return result
+    what = result.reason or ", ".join(f"{e.path} {e.status}" for e in result.problems[:10])
+    raise IntegrityError(
+        f"{folder}: signature {signature} refuses these weights: {what}", path=os.fspath(folder),
+        hint=f"torchverity verify {folder} --signature {signature} lists every file")
