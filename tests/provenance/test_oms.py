@@ -358,3 +358,24 @@ def test_load_of_a_file_the_signature_does_not_cover(tmp_path: Path,
     sign_model(a, private_key=keys[0])
     with pytest.raises(IntegrityError, match="does not match its signature"):
         torchverity.load(b, signature=tmp_path / "run" / "a.pt.sig", public_key=keys[1])
+
+
+@pytest.mark.parametrize("hashing", ["shards", "blake2"])
+def test_other_serializations_from_model_signing_verify(model: Path, keys: tuple[Path, Path],
+                                                        hashing: str) -> None:
+    import model_signing
+
+    priv, pub = keys
+    cfg = model_signing.hashing.Config()
+    if hashing == "shards":
+        cfg.use_shard_serialization(shard_size=4096)
+    else:
+        cfg.use_file_serialization(hashing_algorithm="blake2")
+    cfg.set_ignored_paths(paths=[model / "model.sig"])
+    model_signing.signing.Config().use_elliptic_key_signer(private_key=priv) \
+        .set_hashing_config(cfg).sign(model, model / "model.sig")
+    assert verify_model(model, model / "model.sig", public_key=pub).ok
+    flip_bit(model / WEIGHTS, 5000, 1)
+    result = verify_model(model, model / "model.sig", public_key=pub)
+    bad = [e.path for e in result.problems]
+    assert bad == ([f"{WEIGHTS}:4096:8192"] if hashing == "shards" else [WEIGHTS])

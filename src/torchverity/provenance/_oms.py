@@ -340,10 +340,13 @@ def _actual_digests(root: Path, params: dict[str, Any],
     # Shards or blake2: let the library hash with the parameters the signature records.
     ms = _library()
     config = ms.hashing.Config()
-    kwargs = {"hashing_algorithm": params["hash_type"], "ignore_paths": [Path(p) for p in ignore],
+    # Signatures name the digest ("blake2b") where the hashing config wants "blake2".
+    algo = {"blake2b": "blake2"}.get(params["hash_type"], params["hash_type"])
+    kwargs = {"hashing_algorithm": algo, "ignore_paths": [Path(p) for p in ignore],
               "allow_symlinks": False}
     if params.get("method") == "shards":
-        config.use_shard_serialization(shard_size=params["shard_size"], **kwargs)
+        # The signed payload is a protobuf Struct: its numbers come back as floats.
+        config.use_shard_serialization(shard_size=int(params["shard_size"]), **kwargs)
     else:
         config.use_file_serialization(**kwargs)
     config.set_ignored_paths(paths=ignore)
