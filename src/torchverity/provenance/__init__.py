@@ -21,8 +21,9 @@ the signing library.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from torchverity._lazy import attach
 
 if TYPE_CHECKING:
     from torchverity.provenance._attest import (
@@ -51,16 +52,6 @@ if TYPE_CHECKING:
         verify_model,
     )
 
-_LAZY = {
-    "DEFAULT_SIGNATURE": "_oms", "SignReport": "_oms", "SignatureResult": "_oms",
-    "default_signature_path": "_oms", "sign_model": "_oms", "verify_model": "_oms",
-    "HubEntry": "_hfcache", "HubResult": "_hfcache", "hub_blob_check": "_hfcache",
-    "hub_target": "_hfcache", "require_hub_blob": "_hfcache", "verify_hub_cache": "_hfcache",
-    "verify_hub_path": "_hfcache", "verify_hub_repo": "_hfcache", "verify_local_dir": "_hfcache",
-    "AttestationResult": "_attest", "build_statement": "_attest",
-    "verify_attestation": "_attest", "write_attestation": "_attest",
-}
-
 __all__ = [
     "DEFAULT_SIGNATURE",
     "AttestationResult",
@@ -84,14 +75,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'torchverity.provenance' has no attribute '{name}'")
-    value = getattr(importlib.import_module(f"torchverity.provenance.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = attach(__name__, __file__)
