@@ -241,3 +241,14 @@ def test_a_folder_with_its_own_manifest_is_not_taken_for_a_cache(hf_home: Path,
     assert run_cli("manifest", copy).code == 0
     res = run_cli("verify", copy, "--json")
     assert res.code == 0 and json.loads(res.out)["results"][0]["kind"] == "directory"
+
+
+def test_verify_one_cached_file_by_its_snapshot_path(hf_home: Path, run_cli) -> None:
+    link = _repo(hf_home) / "snapshots" / COMMIT / SHARD
+    res = run_cli("verify", link)
+    assert res.code == 0, res.out + res.err
+    flip_bit(_blob_of(hf_home, SHARD), 30_000, 7)
+    res = run_cli("verify", link, "--json")
+    assert res.code == 1
+    (entry,) = json.loads(res.out)["results"][0]["entries"]
+    assert (entry["path"], entry["status"]) == (SHARD, "damaged")

@@ -379,3 +379,17 @@ def test_other_serializations_from_model_signing_verify(model: Path, keys: tuple
     result = verify_model(model, model / "model.sig", public_key=pub)
     bad = [e.path for e in result.problems]
     assert bad == ([f"{WEIGHTS}:4096:8192"] if hashing == "shards" else [WEIGHTS])
+
+
+def test_a_signed_file_swapped_for_a_link_is_not_followed(model: Path, keys: tuple[Path, Path],
+                                                          tmp_path: Path, run_cli) -> None:
+    priv, pub = keys
+    res = run_cli("sign", model, "--key", priv, "--json")
+    assert res.code == 0 and json.loads(res.out)["mode"] == "key"
+    outside = tmp_path / "same-bytes.json"
+    outside.write_bytes((model / "config.json").read_bytes())
+    (model / "config.json").unlink()
+    os.symlink(outside, model / "config.json")  # identical bytes, but behind a link
+    result = verify_model(model, model / "model.sig", public_key=pub)
+    (bad,) = result.problems
+    assert (bad.path, bad.status, bad.actual) == ("config.json", "mismatched", "symlink")

@@ -53,12 +53,15 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 def _verify_one(path: str, out: Output) -> Any:
     from pathlib import Path
 
-    from torchverity.provenance import hub_target, verify_hub_path
+    from torchverity.digest import find_sidecar
+    from torchverity.provenance import HubResult, hub_blob_check, hub_target, verify_hub_path
     from torchverity.verify import verify_path
 
     p = Path(path)
     if p.is_dir() and not _has_manifest(p) and hub_target(p) is not None:
         return verify_hub_path(p)
+    if not p.is_dir() and find_sidecar(p) is None and (entry := hub_blob_check(p)) is not None:
+        return HubResult(path, "hub-snapshot", (entry,))
     with out.progress(None, f"verifying {path}") as advance:
         return verify_path(path, progress=advance)
 
