@@ -147,7 +147,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=1024, help="model size in MiB")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="256 MiB, 2 repeats")
     args = parser.parse_args()
+    if args.quick:
+        args.mib, args.repeat = 256, 2
     work = WORK / "provenance"
     work.mkdir(parents=True, exist_ok=True)
     model = make_model(work / "model", args.mib * MiB)
