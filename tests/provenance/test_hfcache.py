@@ -252,3 +252,21 @@ def test_verify_one_cached_file_by_its_snapshot_path(hf_home: Path, run_cli) -> 
     assert res.code == 1
     (entry,) = json.loads(res.out)["results"][0]["entries"]
     assert (entry["path"], entry["status"]) == (SHARD, "damaged")
+
+
+def test_hub_verify_output_is_stable(tmp_path: Path, run_cli, monkeypatch, golden) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_bytes(b'{"hidden_size": 16}\n')
+    (src / "model.safetensors").write_bytes(bytes(range(256)) * 16)
+    hub_cache_from_folder(tmp_path / "home" / "hub", REPO, COMMIT, src)
+    monkeypatch.chdir(tmp_path)
+    ok = run_cli("verify", "--json", "home")
+    assert ok.code == 0
+    golden("hub-verify-ok.json", ok.out)
+    blob = _blob_of(tmp_path / "home", "model.safetensors")
+    flip_bit(blob, 100, 0)
+    _blob_of(tmp_path / "home", "config.json").unlink()
+    bad = run_cli("verify", "home")
+    assert bad.code == 1
+    golden("hub-verify-failed.txt", bad.out)

@@ -165,7 +165,7 @@ def link_target(entry: Path, repo: Path) -> tuple[HubStatus | None, Path | None,
     """Where a snapshot entry leads, judged from the link text alone (never followed).
 
     Returns ``(None, blob, "")`` for a link into this repository's ``blobs/``,
-    else the refusing status and why.
+    else the refusing status, the blob it names when it stays inside (dangling), and why.
     """
     if not entry.is_symlink():
         return "unchecked", None, "a copied file, not a link: its blob name is unknown"
@@ -177,7 +177,7 @@ def link_target(entry: Path, repo: Path) -> tuple[HubStatus | None, Path | None,
     if lexical.is_symlink():
         return "outside", None, f"blob {lexical.name} is itself a link (not followed)"
     if not lexical.is_file():
-        return "dangling", None, f"blob {lexical.name} is missing"
+        return "dangling", lexical, f"blob {lexical.name} is missing"
     return None, lexical, ""
 
 
@@ -197,7 +197,8 @@ def _judge(link: _Link, digests: dict[Path, tuple[str, int] | None],
     status, blob, why = plan[link.entry]
     rid = repo_id(link.repo)
     if status is not None or blob is None:
-        return HubEntry(rid, link.revision, link.rel, status or "unchecked", detail=why or None)
+        return HubEntry(rid, link.revision, link.rel, status or "unchecked",
+                        blob.name if blob else None, detail=why or None)
     algo = blob_algo(blob.name)
     if algo is None:
         return HubEntry(rid, link.revision, link.rel, "unchecked", blob.name,
@@ -226,8 +227,8 @@ def _missing_refs(repo: Path) -> list[HubEntry]:
 
 def _check_links(links: list[_Link]) -> list[HubEntry]:
     plan = {link.entry: link_target(link.entry, link.repo) for link in links}
-    jobs = [(blob, algo) for _s, blob, _w in plan.values()
-            if blob is not None and (algo := blob_algo(blob.name)) is not None]
+    jobs = [(blob, algo) for status, blob, _w in plan.values()
+            if status is None and blob is not None and (algo := blob_algo(blob.name)) is not None]
     digests = _hash_all(jobs)
     return [_judge(link, digests, plan) for link in links]
 
@@ -432,7 +433,7 @@ def hub_record(path: str | os.PathLike[str]) -> tuple[str, str, str] | None:
         if status in ("outside", "dangling"):
             raise IntegrityError(f"{p}: hub snapshot entry refused: {why}", path=os.fspath(p),
                                  hint=f"torchverity verify {found[0]}")
-        if blob is not None and blob_algo(blob.name) == "sha256":
+        if status is None and blob is not None and blob_algo(blob.name) == "sha256":
             return "sha256", blob.name, "hub"
     elif (folder := _local_dir_of(p) if p.is_file() else None) is not None:
         downloads = folder / DOWNLOAD_RECORDS

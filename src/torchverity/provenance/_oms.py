@@ -204,6 +204,9 @@ def sign_model(
     root = Path(model)
     if not root.exists():
         raise InputError(f"{root}: no such file or directory", path=root)
+    if root.is_symlink():
+        raise InputError(f"{root}: is a symlink; OpenSSF signatures cover regular files only",
+                         path=root, hint=f"sign what it points to: {root.resolve()}")
     sig = Path(signature) if signature is not None else default_signature_path(root)
     config, mode = _signer_config(Path(private_key), Path(certificate) if certificate else None,
                                   [Path(c) for c in chain], password)
