@@ -116,3 +116,28 @@ def test_attest_with_a_wrong_key_writes_nothing(ckpt: Path, tmp_path: Path, run_
     res = run_cli("attest", ckpt, "--key", rsa_priv)
     assert res.code == 2 and "RSA" in res.err
     assert not ckpt.with_name("model.pt.intoto.json").exists()
+
+
+def test_guard_log_of_a_real_run_is_attested(tmp_path: Path, run_cli) -> None:
+    from torchverity.training import TrainingGuard
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "events.jsonl"
+    guard = TrainingGuard(model, opt, log=log)
+    for _ in range(12):
+        opt.zero_grad()
+        loss = model(torch.randn(16, 8)).pow(2).mean()
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+    guard.close()
+    torchverity.save(model.state_dict(), tmp_path / "model.pt", seed=0)
+    res = run_cli("attest", tmp_path / "model.pt", "--guard-log", log, "--json")
+    assert res.code == 0, res.err
+    record = json.loads(res.out)["statement"]["predicate"]["guard"]
+    assert record["steps"] == 12 and record["anomalies"] == {} and record["finished"]
+    assert record["sha256"] == torchverity.digest_file(log).hexdigest
+    result = verify_attestation(tmp_path / "model.pt", tmp_path / "model.pt.intoto.json")
+    assert result.ok and result.predicate["guard"]["steps"] == 12

@@ -15,7 +15,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         help="write an in-toto attestation for a checkpoint (optionally signed)",
         description="Write an in-toto Statement v1 whose subjects are the checkpoint's files "
         "(SHA-256) and whose predicate records its content fingerprint, seed, data-order "
-        "record and environment (from meta.json) and an optional training record. With --key "
+        "record and environment (from meta.json), the TrainingGuard log's steps and anomalies "
+        "and an optional training record. With --key "
         "it is signed into a Sigstore bundle like a model signature. Check it with: "
         "torchverity verify CKPT --attestation FILE [--public-key PUB.pem].",
     )
@@ -27,8 +28,10 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--certificate", metavar="PEM", help="signing certificate for KEY")
     p.add_argument("--chain", metavar="PEM", action="append", default=[],
                    help="intermediate/CA certificates to embed (repeatable)")
+    p.add_argument("--guard-log", metavar="EVENTS.jsonl",
+                   help="TrainingGuard event log of the run: its steps and anomalies are recorded")
     p.add_argument("--training", metavar="JSON",
-                   help="training record to include verbatim (e.g. a guard certification)")
+                   help="other training record to include verbatim")
     p.set_defaults(func=_run)
 
 
@@ -37,7 +40,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     path, statement = write_attestation(args.checkpoint, out=args.out, private_key=args.key,
                                         certificate=args.certificate, chain=args.chain,
-                                        training=args.training)
+                                        training=args.training, guard_log=args.guard_log)
     subjects = statement["subject"]
     if out.json_mode:
         out.data({"ok": True, "attestation": str(path), "signed": bool(args.key),

@@ -3,9 +3,10 @@
 ``write_attestation`` builds an in-toto Statement v1 (the ``in-toto-attestation``
 package) whose subjects are the checkpoint's files with their SHA-256 and
 whose predicate records the content fingerprint, the seed, data-order record
-and environment ``torchverity.save`` wrote into meta.json, and any training
-record passed in (a guard certification or summary, kept verbatim with its
-digest). Written as JSON, or, with a key, as the same Sigstore bundle (DSSE
+and environment ``torchverity.save`` wrote into meta.json, what the
+TrainingGuard event log of the run says (steps, anomalies, skipped steps,
+rollbacks, replays) and any other training record passed in (kept verbatim
+with its digest). Written as JSON, or, with a key, as the same Sigstore bundle (DSSE
 envelope) model signatures use, signed through ``model-signing``.
 """
 
@@ -132,8 +133,24 @@ def _training_record(path: str | os.PathLike[str] | None) -> dict[str, Any] | No
     return {"file": p.name, "sha256": hashlib.sha256(raw).hexdigest(), "record": doc}
 
 
+def _guard_record(path: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """What a TrainingGuard event log says about the run, with the log's SHA-256."""
+    if path is None:
+        return None
+    from torchverity.digest import digest_file
+    from torchverity.report import summarize
+
+    p = Path(path)
+    run = summarize(p)
+    return {"file": p.name, "sha256": digest_file(p).hexdigest, "steps": run.steps,
+            "anomalies": run.counts, "first_anomaly_step": run.first_anomaly_step,
+            "skipped": run.skipped, "rollbacks": run.rollbacks, "replays": run.replays,
+            "checkpoints": run.checkpoints, "finished": run.finished}
+
+
 def build_statement(ckpt: str | os.PathLike[str], *,
                     training: str | os.PathLike[str] | None = None,
+                    guard_log: str | os.PathLike[str] | None = None,
                     exclude: Sequence[str] = ()) -> dict[str, Any]:
     """The in-toto Statement v1 for a checkpoint file or folder, as a JSON-ready dict."""
     itoto = require_extra("in_toto_attestation.v1.statement", extra="sign", feature=_FEATURE)
@@ -152,6 +169,7 @@ def build_statement(ckpt: str | os.PathLike[str], *,
     predicate = {
         "checkpoint": _checkpoint_record(root, files),
         "training": _training_record(training),
+        "guard": _guard_record(guard_log),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "producer": {"name": "torchverity", "version": __version__},
     }
@@ -168,6 +186,7 @@ def write_attestation(
     certificate: str | os.PathLike[str] | None = None,
     chain: Sequence[str | os.PathLike[str]] = (),
     training: str | os.PathLike[str] | None = None,
+    guard_log: str | os.PathLike[str] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Write the statement (signed into a Sigstore bundle when a key is given)."""
     target = Path(out) if out is not None else default_attestation_path(ckpt)
@@ -175,7 +194,7 @@ def write_attestation(
     signer = _signer(private_key, certificate, chain) if private_key else None
     if signer is None and (certificate or chain):
         raise UsageError("--certificate needs --key", hint="pass the certificate's private key")
-    statement = build_statement(ckpt, training=training, exclude=exclude)
+    statement = build_statement(ckpt, training=training, guard_log=guard_log, exclude=exclude)
     text = json.dumps(statement, indent=2) + "\n"
     if signer is not None:
         text = _sign_statement(signer, statement)
