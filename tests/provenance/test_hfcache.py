@@ -270,3 +270,11 @@ def test_hub_verify_output_is_stable(tmp_path: Path, run_cli, monkeypatch, golde
     bad = run_cli("verify", "home")
     assert bad.code == 1
     golden("hub-verify-failed.txt", bad.out)
+
+
+def test_absolute_link_into_its_own_blobs_is_accepted(hf_home: Path) -> None:
+    link = _repo(hf_home) / "snapshots" / COMMIT / "config.json"
+    blob = _blob_of(hf_home, "config.json").resolve()
+    link.unlink()
+    link.symlink_to(blob)  # what huggingface_hub writes when no relative path exists
+    assert verify_hub_repo(_repo(hf_home)).ok

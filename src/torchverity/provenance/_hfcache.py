@@ -172,7 +172,10 @@ def link_target(entry: Path, repo: Path) -> tuple[HubStatus | None, Path | None,
     text = os.readlink(entry)
     lexical = Path(os.path.normpath(os.path.join(entry.parent, text)))
     blobs = Path(os.path.normpath(repo / "blobs"))
-    if lexical.parent != blobs or (repo / "blobs").is_symlink():
+    # huggingface_hub writes an absolute link when a relative one cannot be made.
+    inside = lexical.parent == blobs or (
+        os.path.isabs(text) and lexical.parent.resolve() == blobs.resolve())
+    if not inside or (repo / "blobs").is_symlink():
         return "outside", None, f"link to {text} leaves this repository's blobs/ (not followed)"
     if lexical.is_symlink():
         return "outside", None, f"blob {lexical.name} is itself a link (not followed)"
