@@ -10,7 +10,7 @@ import pytest
 
 def test_provenance_demo_step_passes(tmp_path: Path) -> None:
     pytest.importorskip("model_signing")
-    from torchverity._console import Output
+    from torchverity.cli._output import Output
     from torchverity.demo import run_demo
 
     err = io.StringIO()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from torchverity._console import Output
+from torchverity.cli._output import Output
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
