@@ -393,3 +393,15 @@ def test_a_signed_file_swapped_for_a_link_is_not_followed(model: Path, keys: tup
     result = verify_model(model, model / "model.sig", public_key=pub)
     (bad,) = result.problems
     assert (bad.path, bad.status, bad.actual) == ("config.json", "mismatched", "symlink")
+
+
+def test_key_and_certificate_modes_are_not_confused(model: Path, keys: tuple[Path, Path],
+                                                    tmp_path: Path) -> None:
+    pki = write_pki(tmp_path)
+    sign_model(model, private_key=pki.leaf_key, certificate=pki.leaf, chain=[pki.ca],
+               signature=tmp_path / "cert.sig")
+    result = verify_model(model, tmp_path / "cert.sig", public_key=keys[1])
+    assert not result.valid and "--certificate" in (result.reason or "")
+    sign_model(model, private_key=keys[0], signature=tmp_path / "key.sig")
+    result = verify_model(model, tmp_path / "key.sig", certificate_chain=[pki.ca])
+    assert not result.valid and "--public-key" in (result.reason or "")

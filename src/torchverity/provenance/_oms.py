@@ -286,6 +286,17 @@ def _signer_of(bundle: Any, trust: str) -> str:
     return f"key sha256:{hint} ({trust})" if hint else trust
 
 
+def _mode_mismatch(bundle: Any, with_key: bool) -> str:
+    material = bundle.verification_material
+    chain = getattr(material, "x509_certificate_chain", None)
+    by_certificate = chain is not None and bool(chain.certificates)
+    if with_key and by_certificate:
+        return "it was signed with a certificate: verify it with --certificate CA.pem"
+    if not with_key and not by_certificate:
+        return "it was signed with a key, not a certificate: verify it with --public-key PUB.pem"
+    return ""
+
+
 def _expected(sig: Path, public_key: Path | None, chain: Sequence[Path]) -> tuple[Any, str, str]:
     """The signed manifest, the signer, and why it was refused (None when it verified)."""
     from cryptography.exceptions import InvalidSignature
@@ -293,6 +304,9 @@ def _expected(sig: Path, public_key: Path | None, chain: Sequence[Path]) -> tupl
     bundle = _read_bundle(sig)
     verifier, trust = _verifier(public_key, chain)
     signer = _signer_of(bundle.bundle, trust)
+    mismatch = _mode_mismatch(bundle.bundle, public_key is not None)
+    if mismatch:
+        return None, signer, mismatch
     try:
         return verifier.verify(bundle), signer, ""
     except InvalidSignature:
