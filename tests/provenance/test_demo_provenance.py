@@ -14,9 +14,8 @@ def test_provenance_demo_step_passes(tmp_path: Path) -> None:
     from torchverity.demo import run_demo
 
     err = io.StringIO()
-    summary = run_demo(tmp_path, Output(stdout=io.StringIO(), stderr=err), only="provenance")
-    assert [s["step"] for s in summary] == [
-        "Provenance: OpenSSF model signatures, Hugging Face caches checked offline"]
+    summary = run_demo(tmp_path, Output(stdout=io.StringIO(), stderr=err), only=["provenance"])
+    assert [(s.name, s.verdict) for s in summary] == [("provenance", "passed")], err.getvalue()
     text = err.getvalue()
     assert "ok: the signature refuses it and names model.pt" in text
     assert "ok: torchverity.load on the cached path refuses the damaged blob" in text

@@ -16,8 +16,13 @@ import torch
 from torchverity.checkpoint._folders import resolve
 from torchverity.checkpoint._key_map import FitReport, KeyFit, rename_keys
 from torchverity.checkpoint._load_file import _load_file
-from torchverity.checkpoint._model_fit import check_against_model, state_dict_of
-from torchverity.checkpoint._results import CheckpointWarning, LoadReport, SidecarPolicy
+from torchverity.checkpoint._model_fit import check_against_model
+from torchverity.checkpoint._results import (
+    CheckpointWarning,
+    ExpectedDigest,
+    LoadReport,
+    SidecarPolicy,
+)
 from torchverity.errors import (
     UsageError,
 )
@@ -79,7 +84,7 @@ def _replace(report: LoadReport, **changes: Any) -> LoadReport:
 
 
 def _signed(p: Path, signature: Any, public_key: Any,
-            chain: Sequence[Any]) -> tuple[str, str, str] | None:
+            chain: Sequence[Any]) -> ExpectedDigest | None:
     if signature is None:
         return None
     from torchverity.provenance._oms import require_signed_folder, signed_record
@@ -87,4 +92,6 @@ def _signed(p: Path, signature: Any, public_key: Any,
     if p.is_dir():
         require_signed_folder(p, signature, public_key=public_key, certificate_chain=chain)
         return None
-    return signed_record(p, signature, public_key=public_key, certificate_chain=chain)
+    algo, hexd, _source = signed_record(p, signature, public_key=public_key,
+                                        certificate_chain=chain)
+    return ExpectedDigest(algo, hexd, "signature")

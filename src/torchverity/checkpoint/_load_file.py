@@ -61,7 +61,7 @@ log = logging.getLogger("torchverity.checkpoint")
 
 def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: str | None,
                mmap: bool, recheck_tensors: bool = False,
-               signed: tuple[str, str, str] | None = None) -> tuple[Any, LoadReport]:
+               signed: ExpectedDigest | None = None) -> tuple[Any, LoadReport]:
     notes = []
     expected: ExpectedDigest | None
     pending = _pending_records(p) if policy != "ignore" else None

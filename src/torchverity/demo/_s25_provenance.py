@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 from torchverity.demo import DemoContext
 
 TITLE = "Provenance: OpenSSF model signatures, Hugging Face caches checked offline"
+NEEDS = ("sign",)
 
 
 def _keys(folder: Path) -> tuple[Path, Path]:
@@ -28,10 +28,6 @@ def _keys(folder: Path) -> tuple[Path, Path]:
 
 
 def _signed_model(ctx: DemoContext, model_dir: Path) -> None:
-    if importlib.util.find_spec("model_signing") is None:
-        ctx.say("  skipped signing: the sign extra is not installed; "
-                "pip install 'torchverity[sign]'")
-        return
     priv, pub = _keys(ctx.workdir)
     ctx.say("sign the folder with an ECDSA P-256 key (the manifest's digests are reused):")
     ctx.cli("manifest", str(model_dir))
