@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,8 +105,7 @@ def test_missing_blob_is_dangling_and_missing_snapshot_is_reported(hf_home: Path
 
 def test_link_out_of_the_cache_is_refused_never_followed(hf_home: Path, tmp_path: Path) -> None:
     outside = tmp_path / "outside.bin"
-    outside.write_bytes(b"x")
-    outside.chmod(0)  # following it would fail loudly: prove it is never opened
+    os.mkfifo(outside)  # opening it would block: a finished check proves it was never opened
     snap = _repo(hf_home) / "snapshots" / COMMIT
     (snap / "evil.bin").symlink_to(os.path.relpath(outside, snap))
     (snap / "abs.bin").symlink_to("/etc/passwd")
@@ -114,9 +114,19 @@ def test_link_out_of_the_cache_is_refused_never_followed(hf_home: Path, tmp_path
     blob = other / ("a" * 64)
     blob.write_bytes(b"y")
     (snap / "cross.bin").symlink_to(os.path.relpath(blob, snap))
-    got = {e.path: e.status for e in verify_hub_repo(_repo(hf_home)).problems}
+    done: dict[str, object] = {}
+
+    def check() -> None:
+        done["repo"] = verify_hub_repo(_repo(hf_home))
+        done["one"] = hub_blob_check(snap / "evil.bin")
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the check opened the link's target"
+    got = {e.path: e.status for e in done["repo"].problems}  # type: ignore[attr-defined]
     assert got == {"evil.bin": "outside", "abs.bin": "outside", "cross.bin": "outside"}
-    assert hub_blob_check(snap / "evil.bin").status == "outside"  # type: ignore[union-attr]
+    assert done["one"].status == "outside"  # type: ignore[attr-defined]
 
 
 def test_blob_that_is_itself_a_link_is_refused(hf_home: Path, tmp_path: Path) -> None:
