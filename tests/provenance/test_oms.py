@@ -405,3 +405,31 @@ def test_key_and_certificate_modes_are_not_confused(model: Path, keys: tuple[Pat
     sign_model(model, private_key=keys[0], signature=tmp_path / "key.sig")
     result = verify_model(model, tmp_path / "key.sig", certificate_chain=[pki.ca])
     assert not result.valid and "--public-key" in (result.reason or "")
+
+
+def test_signed_model_downloaded_into_a_hub_cache_verifies(model: Path, keys: tuple[Path, Path],
+                                                           tmp_path: Path, run_cli) -> None:
+    """A publisher's signature shipped in the repo: the snapshot's links into its own blobs
+    are followed, nothing else is."""
+    from provenance_helpers import hub_cache_from_folder
+
+    priv, pub = keys
+    done = _ms("sign", "key", model, "--private_key", priv, "--signature", model / "model.sig")
+    assert done.returncode == 0, done.stderr
+    repo = hub_cache_from_folder(tmp_path / "hub", "org/signed", "c" * 40, model)
+    snap = repo / "snapshots" / ("c" * 40)
+    res = run_cli("verify", snap, "--signature", snap / "model.sig", "--public-key", pub)
+    assert res.code == 0, res.out + res.err
+    done = _ms("sign", "key", model / WEIGHTS, "--private_key", priv, "--signature",
+               tmp_path / "w.sig")
+    assert done.returncode == 0, done.stderr
+    assert verify_model(snap / WEIGHTS, tmp_path / "w.sig", public_key=pub).ok
+    flip_bit(snap / os.readlink(snap / WEIGHTS), 4000, 1)
+    (tmp_path / "evil.json").write_bytes((model / "config.json").read_bytes())
+    (snap / "config.json").unlink()
+    (snap / "config.json").symlink_to(tmp_path / "evil.json")
+    result = verify_model(snap, snap / "model.sig", public_key=pub)
+    got = {e.path: (e.status, e.actual) for e in result.problems}
+    assert got[WEIGHTS][0] == "mismatched"
+    assert got["config.json"] == ("mismatched", "symlink")  # same bytes, but outside: refused
+    assert not verify_model(snap / WEIGHTS, tmp_path / "w.sig", public_key=pub).ok

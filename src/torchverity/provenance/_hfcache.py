@@ -365,7 +365,7 @@ def verify_hub_path(path: str | os.PathLike[str]) -> HubResult:
                      path=p, hint=f"torchverity verify {p}")
 
 
-def _snapshot_of(p: Path) -> tuple[Path, str, str] | None:
+def snapshot_of(p: Path) -> tuple[Path, str, str] | None:
     """``(repo, revision, rel)`` for a path under ``models--X/snapshots/REV/``, lexically."""
     parts = Path(os.path.abspath(p)).parts
     for i in range(len(parts) - 3, 0, -1):
@@ -389,7 +389,7 @@ def hub_blob_check(path: str | os.PathLike[str]) -> HubEntry | None:
     Costs one hash pass over the file, and a few ``stat`` calls for any other path.
     """
     p = Path(path)
-    found = _snapshot_of(p)
+    found = snapshot_of(p)
     if found is not None and p.is_symlink():
         repo, revision, rel = found
         return _check_links([_Link(repo, revision, rel, p)])[0]
@@ -409,7 +409,7 @@ def require_hub_blob(path: str | os.PathLike[str]) -> HubEntry | None:
     entry = hub_blob_check(path)
     if entry is None or entry.ok:
         return entry
-    found = _snapshot_of(Path(path))
+    found = snapshot_of(Path(path))
     where = os.fspath(found[0]) if found else os.fspath(path)
     raise IntegrityError(
         f"{path}: hub file {entry.where()} is {entry.status}"
@@ -430,7 +430,7 @@ def hub_record(path: str | os.PathLike[str]) -> tuple[str, str, str] | None:
     :class:`IntegrityError` before anything opens it.
     """
     p = Path(path)
-    found = _snapshot_of(p)
+    found = snapshot_of(p)
     if found is not None and p.is_symlink():
         status, blob, why = link_target(p, found[0])
         if status in ("outside", "dangling"):

@@ -104,6 +104,8 @@ def model_files(root: Path, ignore: Sequence[str]) -> tuple[list[str], list[str]
 
     Links are listed, never followed: model-signing refuses folders that hold them.
     """
+    if root.is_symlink():
+        return [], ["."]
     if root.is_file():
         return ["."], []
     files: list[str] = []
@@ -346,12 +348,13 @@ def _actual_digests(root: Path, params: dict[str, Any],
                     ignore: list[str]) -> dict[str, tuple[str, int] | None]:
     """Each present file's digest under the signature's own serialization (None: a link)."""
     files, links = model_files(root, ignore)
+    blobs = _hub_blobs(root, links)
     found: dict[str, tuple[str, int] | None] = dict.fromkeys(links)
     if params.get("method") == "files" and params.get("hash_type") in ("sha256", "blake3"):
         from torchverity.digest import digest_files
 
-        paths = [root / rel if rel != "." else root for rel in files]
-        for rel, d in zip(files, digest_files(paths, params["hash_type"]), strict=True):
+        paths = {rel: root / rel if rel != "." else root for rel in files} | blobs
+        for rel, d in zip(paths, digest_files(paths.values(), params["hash_type"]), strict=True):
             found[rel] = (d.hexdigest, d.size)
         return found
     # Shards or blake2: let the library hash with the parameters the signature records.
@@ -369,6 +372,22 @@ def _actual_digests(root: Path, params: dict[str, Any],
     config.set_ignored_paths(paths=ignore)
     for rd in config.hash(root).resource_descriptors():
         found[rd.identifier] = (rd.digest.digest_hex, -1)
+    return found
+
+
+def _hub_blobs(root: Path, links: list[str]) -> dict[str, Path]:
+    """In a Hugging Face snapshot, the blob each link names, for links that stay inside
+    their repository's ``blobs/`` (checked from the link text; nothing else is followed)."""
+    from torchverity.provenance._hfcache import link_target, snapshot_of
+
+    found: dict[str, Path] = {}
+    for rel in links:
+        where = snapshot_of(root / rel)
+        if where is None:
+            continue
+        status, blob, _why = link_target(root / rel, where[0])
+        if status is None and blob is not None:
+            found[rel] = blob
     return found
 
 
