@@ -287,7 +287,8 @@ def verify_attestation(
     return AttestationResult(
         os.fspath(root), os.fspath(att), True, signer,
         {"predicate": str(statement.get("predicateType")), "files": str(len(subjects))},
-        "sha256", entries, dict(statement.get("predicate") or {}))
+        "sha256", entries, dict(statement.get("predicate") or {}),
+        ignored=(*GIT_PATHS, *_excluded(root, att)) if root.is_dir() else ())
 
 
 def _subjects(att: Path, statement: dict[str, Any]) -> dict[str, str]:
