@@ -297,6 +297,10 @@ def test_missing_signature_and_no_trust_are_usage_errors(model: Path, keys: tupl
     sign_model(model, private_key=keys[0])
     res = run_cli("verify", model, "--signature", model / "model.sig")
     assert res.code == 2 and "--public-key" in res.err
+    res = run_cli("verify", model, "--public-key", keys[1])  # model.sig found beside it
+    assert res.code == 0 and "model.sig" in res.out
+    res = run_cli("verify", model / "config.json", "--public-key", keys[1])
+    assert res.code == 2 and "no model.sig" in res.err
     shutil.rmtree(model)
 
 

@@ -33,13 +33,11 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
+    if (args.public_key or args.certificate) and not (args.signature or args.attestation):
+        args.signature = _default_signature(args.paths)
     if args.signature or args.attestation:
         results = _provenance_results(args)
     else:
-        if args.public_key or args.certificate:
-            raise UsageError("--public-key and --certificate go with --signature or "
-                             "--attestation", hint="torchverity verify DIR --signature model.sig "
-                             "--public-key pub.pem")
         results = [_verify_one(path, out) for path in args.paths]
     ok = all(r.ok for r in results)
     if out.json_mode:
@@ -48,6 +46,18 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         for r in results:
             _print_any(r, out)
     return 0 if ok else EXIT_CHECK_FAILED
+
+
+def _default_signature(paths: list[str]) -> str:
+    """A key or certificate alone means: the model's own signature (DIR/model.sig, FILE.sig)."""
+    from torchverity.provenance import default_signature_path
+
+    found = default_signature_path(paths[0]) if len(paths) == 1 else None
+    if found is None or not found.is_file():
+        raise UsageError("--public-key and --certificate check a signature: no --signature given "
+                         "and no model.sig beside the model",
+                         hint="torchverity verify DIR --signature model.sig --public-key pub.pem")
+    return str(found)
 
 
 def _verify_one(path: str, out: Output) -> Any:
