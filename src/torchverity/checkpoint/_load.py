@@ -87,7 +87,7 @@ def _signed(p: Path, signature: Any, public_key: Any,
             chain: Sequence[Any]) -> ExpectedDigest | None:
     if signature is None:
         return None
-    from torchverity.provenance._oms import require_signed_folder, signed_record
+    from torchverity.provenance import require_signed_folder, signed_record
 
     if p.is_dir():
         require_signed_folder(p, signature, public_key=public_key, certificate_chain=chain)

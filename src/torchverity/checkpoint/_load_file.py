@@ -183,7 +183,7 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
 
 
 def _hub_record(p: Path) -> ExpectedDigest | None:
-    from torchverity.provenance._hfcache import hub_record
+    from torchverity.provenance import hub_record
 
     found = hub_record(p)
     return ExpectedDigest(found[0], found[1], "hub") if found else None

@@ -11,7 +11,10 @@ the checks that hold against such a writer, and the ones that need no setup:
   :func:`verify_local_dir`): Hugging Face hub caches and ``local_dir`` downloads
   re-hashed against the names and records the hub gave them, offline, never
   following a link out of the cache; :func:`hub_blob_check` does the same for
-  one file (``torchverity.load`` uses it);
+  one file, and :func:`hub_record` hands ``torchverity.load`` the digest a hub
+  file must have, so it is checked in the pass that reads it;
+- :func:`signed_record` / :func:`require_signed_folder`: the same for a model
+  signature (``torchverity.load(..., signature=...)``);
 - :func:`write_attestation` / :func:`verify_attestation`: an in-toto Statement v1
   over a checkpoint's files with its fingerprint and training record.
 
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
         HubEntry,
         HubResult,
         hub_blob_check,
+        hub_record,
         hub_target,
         require_hub_blob,
         verify_hub_cache,
@@ -48,7 +52,9 @@ if TYPE_CHECKING:
         SignatureResult,
         SignReport,
         default_signature_path,
+        require_signed_folder,
         sign_model,
+        signed_record,
         verify_model,
     )
 
@@ -62,9 +68,12 @@ __all__ = [
     "build_statement",
     "default_signature_path",
     "hub_blob_check",
+    "hub_record",
     "hub_target",
     "require_hub_blob",
+    "require_signed_folder",
     "sign_model",
+    "signed_record",
     "verify_attestation",
     "verify_hub_cache",
     "verify_hub_path",
