@@ -437,3 +437,23 @@ def test_signed_model_downloaded_into_a_hub_cache_verifies(model: Path, keys: tu
     assert got[WEIGHTS][0] == "mismatched"
     assert got["config.json"] == ("mismatched", "symlink")  # same bytes, but outside: refused
     assert not verify_model(snap / WEIGHTS, tmp_path / "w.sig", public_key=pub).ok
+
+
+def test_a_keyless_sigstore_bundle_says_how_to_check_it(model: Path, keys: tuple[Path, Path],
+                                                        tmp_path: Path) -> None:
+    """Keyless bundles carry a Fulcio certificate and need the Sigstore logs (network)."""
+    import base64
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    pki = write_pki(tmp_path)
+    sign_model(model, private_key=keys[0])
+    bundle = json.loads((model / "model.sig").read_text())
+    leaf = x509.load_pem_x509_certificate(pki.leaf.read_bytes())
+    der = leaf.public_bytes(serialization.Encoding.DER)
+    bundle["verificationMaterial"] = {"certificate": {"rawBytes": base64.b64encode(der).decode()},
+                                      "tlogEntries": []}
+    (tmp_path / "keyless.sig").write_text(json.dumps(bundle))
+    result = verify_model(model, tmp_path / "keyless.sig", public_key=keys[1])
+    assert not result.valid and "model_signing verify sigstore" in (result.reason or "")

@@ -290,6 +290,10 @@ def _signer_of(bundle: Any, trust: str) -> str:
 
 def _mode_mismatch(bundle: Any, with_key: bool) -> str:
     material = bundle.verification_material
+    if getattr(material, "certificate", None):
+        return ("it is a Sigstore (keyless) signature, checked against the public Sigstore "
+                "logs: verify it online with model_signing verify sigstore MODEL --signature "
+                "SIG --identity WHO --identity_provider ISSUER")
     chain = getattr(material, "x509_certificate_chain", None)
     by_certificate = chain is not None and bool(chain.certificates)
     if with_key and by_certificate:
