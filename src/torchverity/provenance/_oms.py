@@ -210,6 +210,8 @@ def sign_model(
         raise InputError(f"{root}: is a symlink; OpenSSF signatures cover regular files only",
                          path=root, hint=f"sign what it points to: {root.resolve()}")
     sig = Path(signature) if signature is not None else default_signature_path(root)
+    if not sig.parent.is_dir():
+        raise InputError(f"{sig.parent}: no such folder for the signature", path=sig)
     config, mode = _signer_config(Path(private_key), Path(certificate) if certificate else None,
                                   [Path(c) for c in chain], password)
     ignore = _default_ignores(root, sig)
@@ -229,8 +231,6 @@ def sign_model(
 
 
 def _write_signature(config: Any, root: Path, sig: Path) -> None:
-    if not sig.parent.is_dir():
-        raise InputError(f"{sig.parent}: no such folder for the signature", path=sig)
     tmp = sig.with_name(f".{sig.name}.tmp-{os.getpid()}")
     try:
         config.sign(root, tmp)
