@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "attest",
-        parents=[common],
+    p = add_command(
+        subparsers, common, "attest", _run,
         help="write an in-toto attestation for a checkpoint (optionally signed)",
         description="Write an in-toto Statement v1 whose subjects are the checkpoint's files "
         "(SHA-256) and whose predicate records its content fingerprint, seed, data-order "
@@ -32,7 +32,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="TrainingGuard event log of the run: its steps and anomalies are recorded")
     p.add_argument("--training", metavar="JSON",
                    help="other training record to include verbatim")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

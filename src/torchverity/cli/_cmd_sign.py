@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "sign",
-        parents=[common],
+    p = add_command(
+        subparsers, common, "sign", _run,
         help="sign a model folder or file (OpenSSF model signing)",
         description="Write an OpenSSF model signature (Sigstore bundle over every file's "
         "SHA-256) with an elliptic-curve key, optionally with its certificate chain. "
@@ -27,7 +27,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="signing certificate for KEY (certificate mode)")
     p.add_argument("--chain", metavar="PEM", action="append", default=[],
                    help="intermediate/CA certificates to embed (repeatable)")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import EXIT_CHECK_FAILED, UsageError
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
-    p = subparsers.add_parser(
-        "verify",
-        parents=[common],
+    p = add_command(
+        subparsers, common, "verify", _run,
         help="check files and folders against their records",
         description="A file is checked against FILE.sha256 (or .blake3), a folder against its "
         "manifest, a Hugging Face hub cache (HF_HOME, models--ORG--NAME, snapshots/REV) or "
@@ -29,7 +29,6 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="trusted CA certificate(s) for certificate signatures (repeatable)")
     p.add_argument("--attestation", metavar="FILE",
                    help="in-toto statement (torchverity attest) to check the files against")
-    p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
