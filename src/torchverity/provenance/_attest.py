@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +23,9 @@ from typing import Any
 
 from torchverity.digest import atomic_write_text, digest_files
 from torchverity.errors import FormatError, InputError, UsageError, require_extra
-from torchverity.provenance._oms import DEFAULT_SIGNATURE, GIT_PATHS, model_files
+from torchverity.provenance._oms import DEFAULT_SIGNATURE, GIT_PATHS, CheckedEntries, model_files
 from torchverity.provenance._records import model_digests
-from torchverity.verify import STATUSES, Status, VerifyEntry
+from torchverity.verify import Status, VerifyEntry
 
 PREDICATE_TYPE = "https://torchverity.dev/attestation/checkpoint/v1"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -35,7 +34,7 @@ _FEATURE = "in-toto attestations"
 
 
 @dataclass(frozen=True)
-class AttestationResult:
+class AttestationResult(CheckedEntries):
     """A checkpoint checked against its attestation: the envelope, then every subject."""
 
     target: str
@@ -50,26 +49,12 @@ class AttestationResult:
     ignored: tuple[str, ...] = ()
     kind: str = "attestation"
 
-    @property
-    def ok(self) -> bool:
-        return self.valid and all(e.status == "ok" for e in self.entries)
-
-    @property
-    def counts(self) -> dict[str, int]:
-        counted = Counter(e.status for e in self.entries)
-        return {s: counted.get(s, 0) for s in STATUSES}
-
-    @property
-    def problems(self) -> tuple[VerifyEntry, ...]:
-        return tuple(e for e in self.entries if e.status != "ok")
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "target": self.target, "kind": self.kind, "record": self.record, "ok": self.ok,
             "attestation_valid": self.valid, "signer": self.signer, "subject": self.subject,
             "reason": self.reason, "counts": self.counts, "predicate": self.predicate,
-            "entries": [{k: v for k, v in vars(e).items() if v not in (None, ())}
-                        for e in self.entries],
+            "entries": self.entries_json(),
         }
 
 

@@ -53,20 +53,11 @@ class SignReport:
     ignored: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class SignatureResult:
-    """A model checked against its signature: the signature itself, then every file."""
+class CheckedEntries:
+    """Verdicts shared by signature and attestation results: the envelope, then each file."""
 
-    target: str
-    record: str
     valid: bool
-    signer: str
-    subject: dict[str, str]
-    algo: str
     entries: tuple[VerifyEntry, ...]
-    ignored: tuple[str, ...] = ()
-    reason: str | None = None
-    kind: str = "signature"
 
     @property
     def ok(self) -> bool:
@@ -81,14 +72,31 @@ class SignatureResult:
     def problems(self) -> tuple[VerifyEntry, ...]:
         return tuple(e for e in self.entries if e.status != "ok")
 
+    def entries_json(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in vars(e).items() if v not in (None, ())} for e in self.entries]
+
+
+@dataclass(frozen=True)
+class SignatureResult(CheckedEntries):
+    """A model checked against its signature: the signature itself, then every file."""
+
+    target: str
+    record: str
+    valid: bool
+    signer: str
+    subject: dict[str, str]
+    algo: str
+    entries: tuple[VerifyEntry, ...]
+    ignored: tuple[str, ...] = ()
+    reason: str | None = None
+    kind: str = "signature"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "target": self.target, "kind": self.kind, "record": self.record, "ok": self.ok,
             "signature_valid": self.valid, "signer": self.signer, "subject": self.subject,
             "algorithm": self.algo, "ignored": list(self.ignored), "reason": self.reason,
-            "counts": self.counts,
-            "entries": [{k: v for k, v in vars(e).items() if v not in (None, ())}
-                        for e in self.entries],
+            "counts": self.counts, "entries": self.entries_json(),
         }
 
 
