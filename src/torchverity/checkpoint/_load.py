@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import torch
 from torchverity.checkpoint._folders import resolve
 from torchverity.checkpoint._key_map import FitReport, KeyFit, rename_keys
 from torchverity.checkpoint._load_file import _load_file
-from torchverity.checkpoint._model_fit import check_against_model
+from torchverity.checkpoint._model_fit import check_against_model, state_dict_of
 from torchverity.checkpoint._results import (
     CheckpointWarning,
     ExpectedDigest,
@@ -38,6 +38,9 @@ def load(
     with_report: bool = False,
     mmap: bool = False,
     recheck_tensors: bool = False,
+    strict: bool = True,
+    strip_prefix: str | Iterable[str] | None = None,
+    key_map: Mapping[str, str] | None = None,
     signature: str | os.PathLike[str] | None = None,
     public_key: str | os.PathLike[str] | None = None,
     certificate_chain: Sequence[str | os.PathLike[str]] = (),
@@ -46,28 +49,36 @@ def load(
 
     Returns the object, or ``(obj, LoadReport)`` with ``with_report=True``.
     With ``model`` the state is checked against it (all problems at once) and
-    loaded into it. The file is hashed as it is read (one pass); when its
-    digest is the one meta.json recorded with the fingerprint, that digest
-    vouches for the content and the tensors are not hashed a second time:
-    ``recheck_tensors=True`` hashes them anyway, which also catches a fault in
-    this machine's memory during the load. With ``signature`` (an OpenSSF model
-    signature, with ``public_key`` or ``certificate_chain``) the weights must be
-    the signed ones: a file is checked in the same pass, a folder first.
+    loaded into it. ``strip_prefix`` (e.g. ``"module."``, ``"_orig_mod."``)
+    and ``key_map`` (old key prefix -> new) rename the checkpoint's keys first;
+    ``strict=False`` loads what fits and reports missing and unexpected keys in
+    the report and as a :class:`CheckpointWarning`. Without ``model`` the
+    renamed state is returned. The file is hashed as it is read (one pass);
+    when its digest is the one meta.json recorded with the fingerprint, that
+    digest vouches for the content and the tensors are not hashed a second
+    time: ``recheck_tensors=True`` hashes them anyway, which also catches a
+    fault in this machine's memory during the load. A file with no sidecar of
+    its own is checked against its folder's manifest when that lists it. With
+    ``signature`` (an OpenSSF model signature, with ``public_key`` or
+    ``certificate_chain``) the weights must be the signed ones: a file is checked
+    in the same pass, a folder first.
     """
     if sidecar not in ("warn", "require", "ignore"):
         raise UsageError(f"unknown sidecar policy '{sidecar}'", hint="use warn, require or ignore")
     fit = KeyFit.of(strict, strip_prefix, key_map)
     p = Path(path)
-    signed = _signed(p, signature, public_key, certificate_chain)
-    if p.is_dir():
+    target = resolve(p)
+    signed = _signed(target.folder if target.index is not None else None, target.file,
+                     signature, public_key, certificate_chain)
+    if target.index is not None:
         from torchverity.checkpoint._sharded import load_sharded
 
         obj, report = load_sharded(target.folder, map_location=map_location, sidecar=sidecar,
                                    mmap=mmap, recheck_tensors=recheck_tensors,
                                    index=target.index)
     else:
-        obj, report = _load_file(p, map_location, sidecar, trust_sha256, mmap, recheck_tensors,
-                                 signed)
+        obj, report = _load_file(target.file, map_location, sidecar, trust_sha256, mmap,
+                                 recheck_tensors, signed)
     if model is not None:
         report = _fitted(report, check_against_model(obj, model, p, fit))
     elif fit.renames:
@@ -77,21 +88,28 @@ def load(
     return (obj, report) if with_report else obj
 
 
-def _replace(report: LoadReport, **changes: Any) -> LoadReport:
-    import dataclasses
+def _fitted(report: LoadReport, fit: FitReport) -> LoadReport:
+    notes = list(report.warnings)
+    if fit.missing:
+        notes.append(f"{report.path}: strict=False: {len(fit.missing)} model key(s) not in the "
+                     f"checkpoint kept their initial values: {', '.join(fit.missing[:10])}")
+    if fit.unexpected:
+        notes.append(f"{report.path}: strict=False: {len(fit.unexpected)} checkpoint key(s) not "
+                     f"in the model were not loaded: {', '.join(fit.unexpected[:10])}")
+    return dataclasses.replace(report, model_checked=True, missing_keys=fit.missing,
+                               unexpected_keys=fit.unexpected, ignored_keys=fit.ignored_buffers,
+                               warnings=tuple(notes))
 
-    return dataclasses.replace(report, **changes)
 
-
-def _signed(p: Path, signature: Any, public_key: Any,
+def _signed(folder: Path | None, file: Any, signature: Any, public_key: Any,
             chain: Sequence[Any]) -> ExpectedDigest | None:
     if signature is None:
         return None
     from torchverity.provenance import require_signed_folder, signed_record
 
-    if p.is_dir():
-        require_signed_folder(p, signature, public_key=public_key, certificate_chain=chain)
+    if folder is not None:
+        require_signed_folder(folder, signature, public_key=public_key, certificate_chain=chain)
         return None
-    algo, hexd, _source = signed_record(p, signature, public_key=public_key,
+    algo, hexd, _source = signed_record(file, signature, public_key=public_key,
                                         certificate_chain=chain)
     return ExpectedDigest(algo, hexd, "signature")

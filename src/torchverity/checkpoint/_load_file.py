@@ -169,6 +169,9 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None,
                 hint=f"torchverity verify {p}; restore the matching checkpoint, sidecar and meta",
             )
         return ExpectedDigest(algo, hexd, "sidecar")
+    listed = manifest_entry(p) if policy != "ignore" and p.is_file() else None
+    if listed is not None:
+        return ExpectedDigest(listed[0], listed[1], "manifest")
     if policy != "ignore" and (hub := _hub_record(p)) is not None:
         return hub
     if policy == "require":
@@ -202,7 +205,8 @@ def _digest_mismatch(p: Path, expected: ExpectedDigest, actual: str,
     algo, want, source = expected.algo, expected.hex, expected.source
     where = (f"damaged tensor{'s' if len(damaged) > 1 else ''}: {', '.join(damaged[:10])}"
              if damaged else "the damage could not be tied to a tensor")
-    record = {"sidecar": f"{p.name}.{algo}", "hub": "the name the Hugging Face hub gave it",
+    record = {"sidecar": f"{p.name}.{algo}", "manifest": "its folder's manifest",
+              "hub": "the name the Hugging Face hub gave it",
               "signature": "its signature"}.get(source, f"{p.name}{META_SUFFIX}")
     return IntegrityError(
         f"{p}: {algo} digest does not match {record}: the file changed after it was saved "

@@ -77,6 +77,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         args.model, args.weights, golden=args.golden, input_spec=args.input_spec,
         name=args.name, digest_policy=args.digest_policy, max_body=args.max_body,
         recheck_interval=args.recheck_interval or None, device=args.device,
+        **fit_kwargs(args),
         provenance={"signature": args.signature, "public_key": args.public_key,
                     "certificate_chain": args.certificate, "attestation": args.attestation},
     )

@@ -16,13 +16,17 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         subparsers, common, "verify", _run,
         help="check files and folders against their records",
         description="A file is checked against FILE.sha256 (or .blake3), a folder against its "
-        "manifest, a Hugging Face hub cache (HF_HOME, models--ORG--NAME, snapshots/REV) or "
-        "local_dir download against the names the hub gave its files (offline). "
+        "manifest (a folder without one by the sidecars of its files, a file without a "
+        "sidecar by its folder's manifest), a Hugging Face hub cache (HF_HOME, "
+        "models--ORG--NAME, snapshots/REV) or local_dir download against the names the hub "
+        "gave its files (offline). "
         "--signature checks an OpenSSF model signature (key or certificate chain), "
         "--attestation an in-toto statement. Lists ok / mismatched / missing / extra paths; "
         "exit 1 if any is not ok.",
     )
     p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="skip paths (or file names) matching GLOB in folders; repeat for more")
     p.add_argument("--signature", metavar="SIG", help="OpenSSF model signature (model.sig)")
     p.add_argument("--public-key", metavar="PEM", help="public key the signature must verify with")
     p.add_argument("--certificate", metavar="PEM", action="append", default=[],
@@ -37,7 +41,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     if args.signature or args.attestation:
         results = _provenance_results(args)
     else:
-        results = [_verify_one(path, out) for path in args.paths]
+        results = [_verify_one(path, out, args.exclude) for path in args.paths]
     ok = all(r.ok for r in results)
     if out.json_mode:
         out.data({"ok": ok, "results": results})
@@ -59,7 +63,7 @@ def _default_signature(paths: list[str]) -> str:
     return str(found)
 
 
-def _verify_one(path: str, out: Output) -> Any:
+def _verify_one(path: str, out: Output, exclude: list[str]) -> Any:
     from pathlib import Path
 
     from torchverity.digest import find_sidecar
@@ -72,7 +76,7 @@ def _verify_one(path: str, out: Output) -> Any:
     if not p.is_dir() and find_sidecar(p) is None and (entry := hub_blob_check(p)) is not None:
         return HubResult(path, "hub-snapshot", (entry,))
     with out.progress(None, f"verifying {path}") as advance:
-        return verify_path(path, progress=advance)
+        return verify_path(path, progress=advance, exclude=exclude)
 
 
 def _has_manifest(p: Any) -> bool:
@@ -132,11 +136,14 @@ def _print_result(result: Any, out: Output) -> None:
     for e in result.problems:
         if e.tensors:
             out.line(f"{e.path}: damaged tensors (from its meta.json): {', '.join(e.tensors)}")
-    if not result.ok:
-        out.info(
-            f"{result.target}: content differs from what was recorded; restore the listed "
-            "paths from a good copy, then rerun torchverity verify"
-        )
+    if result.kind in ("signature", "attestation"):
+        if not result.ok:
+            out.info(f"{result.target}: the files differ from what the {result.kind} vouches "
+                     "for; get the listed files again from the publisher, then rerun "
+                     "torchverity verify")
+        return
+    for step in advice(result):
+        out.info(f"{result.target}: {step}")
 
 
 def _print_hub(result: Any, out: Output) -> None:

@@ -179,6 +179,9 @@ def create_app(
     response_digest: str | None = "sha-256",
     device: str | torch.device | None = None,
     overlap_digest: bool = False,
+    strict: bool = True,
+    strip_prefix: str | Sequence[str] | None = None,
+    key_map: Mapping[str, str] | None = None,
     provenance: Mapping[str, Any] | None = None,
 ) -> "FastAPI":
     """Verify, load and golden-check the model, then return the FastAPI app serving it.
@@ -191,17 +194,18 @@ def create_app(
     fingerprint (no copy to the host). By default the digest is checked before
     the body is read; ``overlap_digest=True`` parses a large request body while
     its digest is computed, and runs the model only after it matched (measured
-    slower on a 2-core host, see docs/serving.md). ``provenance`` passes
-    ``signature``, ``public_key``, ``certificate_chain`` and ``attestation`` to
-    the weights check (docs/provenance.md). Raises IntegrityError, InputError
+    slower on a 2-core host, see docs/serving.md). Raises IntegrityError, InputError
     or UsageError instead of returning a service that should not run.
+    ``provenance`` passes ``signature``, ``public_key``, ``certificate_chain`` and
+    ``attestation`` to the weights check (docs/provenance.md).
     ``strict``, ``strip_prefix`` and ``key_map`` fit the checkpoint's keys to
     the model as :func:`torchverity.load` does (the report lists what
     ``strict=False`` left out).
     """
     require_extra("fastapi", extra="serve", feature="torchverity.serve.create_app")
     module = build_model(model)
-    info = load_verified(module, weights, **(provenance or {})) if weights is not None else None
+    fit = KeyFit.of(strict, strip_prefix, key_map)
+    info = load_verified(module, weights, fit, provenance) if weights is not None else None
     if device is not None:
         module.to(device)
     module.eval()

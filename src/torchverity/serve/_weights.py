@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,45 +33,53 @@ class WeightsInfo:
     path: str
     algo: str
     digest: str
-    digest_source: str  # "sidecar", "manifest" or "signature"
+    digest_source: str  # "sidecar" or "manifest"
     file_fingerprint: str | None  # root recorded in meta.json and checked, if there was one
+    missing_keys: tuple[str, ...] = ()  # loaded with strict=False: left at initial values
+    unexpected_keys: tuple[str, ...] = ()  # loaded with strict=False: not loaded
     provenance: dict[str, Any] | None = None  # the signature and attestation that verified
 
     def to_dict(self) -> dict[str, object]:
         return {
             "path": self.path, "algorithm": self.algo, "digest": self.digest,
             "verified_by": self.digest_source, "fingerprint_verified": self.file_fingerprint,
+            "missing_keys": list(self.missing_keys),
+            "unexpected_keys": list(self.unexpected_keys),
             **({"provenance": self.provenance} if self.provenance else {}),
         }
 
 
-def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str], *,
-                  signature: str | os.PathLike[str] | None = None,
-                  public_key: str | os.PathLike[str] | None = None,
-                  certificate_chain: Sequence[str | os.PathLike[str]] = (),
-                  attestation: str | os.PathLike[str] | None = None) -> WeightsInfo:
-    """Verify ``weights`` and load them into ``model``; raise a typed error otherwise."""
+def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str],
+                  fit: KeyFit | None = None,
+                  provenance: Mapping[str, Any] | None = None) -> WeightsInfo:
+    """Verify ``weights`` (a file, a Hugging Face folder or its index) and load them into
+    ``model``, keys fitted by ``fit``; raise a typed error otherwise. ``provenance``:
+    ``signature`` (with ``public_key`` or ``certificate_chain``) replaces the recorded
+    digest, ``attestation`` must vouch for the same files."""
+    from torchverity.checkpoint._load import load
+
     path = Path(weights)
     if not path.exists():
         raise InputError(f"{path}: no such weights file", path=path)
-    trust = {"public_key": public_key, "certificate_chain": certificate_chain}
-    info = _load_signed(model, path, signature, trust) if signature is not None else \
-        _load_recorded(model, path)
+    given = dict(provenance or {})
+    signature, attestation = given.pop("signature", None), given.pop("attestation", None)
+    target = resolve(path)
+    if signature is None and find_sidecar(target.record) is None \
+            and manifest_entry(target.record) is None:
+        _check_against_manifest(target.record)  # raises: nothing records its digest
+    fit = fit or KeyFit()
+    _obj, report = load(path, model=model, sidecar="ignore" if signature else "require",
+                        with_report=True, strict=fit.strict, strip_prefix=fit.strip_prefixes,
+                        key_map=dict(fit.key_map), signature=signature, **given)
+    info = WeightsInfo(os.fspath(path), str(report.algo), str(report.digest),
+                       str(report.digest_source), report.fingerprint,
+                       report.missing_keys, report.unexpected_keys,
+                       {"signature": os.fspath(signature)} if signature else None)
     if attestation is None:
         return info
     return dataclasses.replace(info, provenance={**(info.provenance or {}),
                                                  "attestation": _attested(path, attestation,
-                                                                          trust)})
-
-
-def _load_signed(model: torch.nn.Module, path: Path, signature: str | os.PathLike[str],
-                 trust: dict[str, Any]) -> WeightsInfo:
-    from torchverity.checkpoint._load import load
-
-    _obj, report = load(path, model=model, sidecar="ignore", signature=signature,
-                        with_report=True, **trust)
-    return WeightsInfo(os.fspath(path), "sha256", str(report.digest), "signature",
-                       report.fingerprint, {"signature": os.fspath(signature)})
+                                                                          given)})
 
 
 def _attested(path: Path, attestation: str | os.PathLike[str],
@@ -87,18 +95,6 @@ def _attested(path: Path, attestation: str | os.PathLike[str],
     return {"path": os.fspath(attestation), "signer": result.signer,
             "subjects": [{"name": e.path, "sha256": e.expected} for e in result.entries],
             "predicate": result.predicate}
-
-
-def _load_recorded(model: torch.nn.Module, path: Path) -> WeightsInfo:
-    from torchverity.checkpoint._load import load
-
-    if find_sidecar(path) is not None or path.is_dir():
-        _obj, report = load(path, model=model, sidecar="require", with_report=True)
-        return WeightsInfo(os.fspath(path), str(report.algo), str(report.digest), "sidecar",
-                           report.fingerprint)
-    algo, digest = _check_against_manifest(path)
-    _obj, report = load(path, model=model, sidecar="ignore", with_report=True)
-    return WeightsInfo(os.fspath(path), algo, digest, "manifest", report.fingerprint)
 
 
 def _check_against_manifest(path: Path) -> tuple[str, str]:
