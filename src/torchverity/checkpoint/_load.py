@@ -77,6 +77,9 @@ def load(
                                    mmap=mmap, recheck_tensors=recheck_tensors,
                                    index=target.index)
     else:
+        from torchverity.pickles._limits import check_limits
+
+        check_limits(target.file)  # zip bombs, huge headers, deep nesting: before torch reads
         obj, report = _load_file(target.file, map_location, sidecar, trust_sha256, mmap,
                                  recheck_tensors, signed)
     if model is not None:

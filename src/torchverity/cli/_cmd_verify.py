@@ -42,7 +42,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         results = _provenance_results(args)
     else:
         results = [_verify_one(path, out, args.exclude) for path in args.paths]
-    ok = all(r.ok for r in results)
+    # A file intact on disk but saved while the guard had doubts about its weights fails.
+    ok = all(r.ok and getattr(r, "certified", None) is not False for r in results)
     if out.json_mode:
         out.data({"ok": ok, "results": results})
     else:
@@ -130,7 +131,7 @@ def _print_result(result: Any, out: Output) -> None:
     rows = [(e.status, e.path, e.expected or "-", e.actual or "-") for e in result.problems]
     if rows:
         out.table(("status", "path", "expected", "actual"), rows)
-    cert = result.certification
+    cert = getattr(result, "certification", None)
     if cert is not None:
         out.line(_certification_line(result.target, cert))
     for e in result.problems:
@@ -160,3 +161,18 @@ def _print_hub(result: Any, out: Output) -> None:
         out.info(f"{result.target}: delete the listed files and download them again "
                  "(huggingface-cli download REPO --force-download), then rerun "
                  "torchverity verify")
+def _certification_line(target: str, cert: dict[str, Any]) -> str:
+    verified = cert.get("verified") or {}
+    if cert["certified"]:
+        return (f"{target}: certified by the training guard at step {cert.get('step')} "
+                f"(at rest: {verified.get('tensors')} tensors verified)")
+    why = []
+    if cert.get("changed"):
+        why.append(f"changed at rest: {', '.join(cert['changed'])}")
+    for u in cert.get("unresolved") or []:
+        why.append(f"unresolved {u['kind']} at step {u['step']}"
+                   + (f" in {', '.join(u['suspects'])}" if u.get("suspects") else ""))
+    if verified.get("at_rest") == "unavailable":
+        why.append("no at-rest verification was possible")
+    return (f"{target}: UNCERTIFIED: saved at step {cert.get('step')} while the training guard "
+            f"had doubts ({'; '.join(why) or 'see meta.json'}); restore a certified checkpoint")
