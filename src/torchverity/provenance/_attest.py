@@ -99,6 +99,8 @@ def _checkpoint_record(root: Path, files: Sequence[str]) -> dict[str, Any]:
             "fingerprint": {"root": fp.get("root"), "algo": fp.get("algo")},
             "seed": meta.get("seed"), "data": meta.get("data"),
             "environment": meta.get("environment"), "created": meta.get("created"),
+            # The training guard's verdict on the weights it saved (certified checkpoints).
+            "certification": meta.get("certification"),
         }
     return record
 
