@@ -125,14 +125,20 @@ def test_guard_log_of_a_real_run_is_attested(tmp_path: Path, run_cli) -> None:
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     log = tmp_path / "events.jsonl"
-    guard = TrainingGuard(model, opt, log=log)
+    guard = TrainingGuard(model, opt, log=log, checkpoint_dir=tmp_path / "ckpts")
     for _ in range(12):
         opt.zero_grad()
         loss = model(torch.randn(16, 8)).pow(2).mean()
         loss.backward()
         guard.check(loss)
         guard.step()
+    saved = guard.save_checkpoint()  # a certified checkpoint: meta.json says so
     guard.close()
+    res = run_cli("attest", saved, "--guard-log", log, "--out", tmp_path / "cert.intoto.json",
+                  "--json")
+    assert res.code == 0, res.err
+    predicate = json.loads(res.out)["statement"]["predicate"]
+    assert predicate["checkpoint"][saved.name]["certification"]["certified"] is True
     torchverity.save(model.state_dict(), tmp_path / "model.pt", seed=0)
     res = run_cli("attest", tmp_path / "model.pt", "--guard-log", log, "--json")
     assert res.code == 0, res.err
