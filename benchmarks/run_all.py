@@ -14,8 +14,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DOCS = HERE.parent / "docs"
-ORDER = ("digest", "checkpoint", "checkpoint-bert", "startup", "scan", "guard", "distributed",
-         "inference", "serve", "batch", "provenance")
+ORDER = ("digest", "checkpoint", "checkpoint-bert", "protect", "startup", "scan", "guard",
+         "distributed", "inference", "serve", "batch", "provenance")
 
 
 def assemble() -> Path:
