@@ -15,7 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DOCS = HERE.parent / "docs"
 ORDER = ("digest", "checkpoint", "checkpoint-bert", "protect", "startup", "scan", "guard",
-         "distributed", "distributed-hsdp", "inference", "serve", "batch")
+         "distributed", "distributed-hsdp", "inference", "serve", "batch", "provenance")
 
 
 def assemble() -> Path:

@@ -16,7 +16,8 @@ EXTRAS = frozenset({
     "fastapi", "starlette", "uvicorn", "httpx", "pydantic", "ray", "lightning",
     "pytorch_lightning", "lightning_fabric", "lightning_utilities", "transformers",
     "accelerate", "onnx", "onnxruntime", "onnxscript", "matplotlib", "pynvml", "safetensors",
-    "sklearn", "scikit_learn", "schemathesis",
+    "sklearn", "scikit_learn", "schemathesis", "model_signing", "sigstore", "openssl",
+    "pyopenssl", "in_toto_attestation",
 })
 SRC = Path(__file__).resolve().parent.parent / "src"
 

@@ -10,6 +10,8 @@ Map of the package (one subpackage per area; the CLI mirrors it)::
       checkpoint/   atomic verified save and load, sharded folders, meta.json,
                     content fingerprints, diff, inspect
       pickles/      static pickle scans, the weights_only plan, inert migration, explain
+      provenance/   OpenSSF model signatures (extra: sign), Hugging Face caches checked
+                    offline, in-toto attestations
     Training
       training/     TrainingGuard: NaN/Inf, spikes, weights at rest, replay, policies
       determinism   seed_everything, RNG capture, data-order records, reproducibility
@@ -81,6 +83,7 @@ if TYPE_CHECKING:
         manifest,
         pickles,
         protection,
+        provenance,
         report,
         selftest,
         serve,
@@ -156,6 +159,7 @@ __all__ = [
     "protect",
     "protected",
     "protection",
+    "provenance",
     "report",
     "reproducibility_check",
     "save",

@@ -553,6 +553,7 @@ def scenario_reshard(rank: int, out: Path, ckpt: Path) -> dict[str, Any]:
     import torchverity.distributed as tvd
     from torchverity.distributed._checkpoint import check_full_tensors
     from torchverity.distributed._comm import open_comm
+    from torchverity.distributed._dcp_generations import data_folder
     from torchverity.errors import IntegrityError
 
     model = _mlp()
@@ -577,7 +578,8 @@ def scenario_reshard(rank: int, out: Path, ckpt: Path) -> dict[str, Any]:
     if rank == 1:  # memory corrupts one element of one loaded shard after the files verified
         _flip(state["model"]["2.weight"], index=0, bit=4)
     try:
-        check_full_tensors(open_comm(None, 60, "test"), ckpt / "hsdp_ckpt", state)
+        live = data_folder(ckpt / "hsdp_ckpt")  # the generation the checkpoint's pointer names
+        check_full_tensors(open_comm(None, 60, "test"), live, state)
         out_rec["tampered"] = {"error": None}
     except IntegrityError as exc:
         out_rec["tampered"] = {"error": type(exc).__name__, "message": exc.message,

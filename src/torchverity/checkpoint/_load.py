@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,12 @@ from torchverity.checkpoint._folders import resolve
 from torchverity.checkpoint._key_map import FitReport, KeyFit, rename_keys
 from torchverity.checkpoint._load_file import _load_file
 from torchverity.checkpoint._model_fit import check_against_model, state_dict_of
-from torchverity.checkpoint._results import CheckpointWarning, LoadReport, SidecarPolicy
+from torchverity.checkpoint._results import (
+    CheckpointWarning,
+    ExpectedDigest,
+    LoadReport,
+    SidecarPolicy,
+)
 from torchverity.errors import (
     UsageError,
 )
@@ -36,6 +41,9 @@ def load(
     strict: bool = True,
     strip_prefix: str | Iterable[str] | None = None,
     key_map: Mapping[str, str] | None = None,
+    signature: str | os.PathLike[str] | None = None,
+    public_key: str | os.PathLike[str] | None = None,
+    certificate_chain: Sequence[str | os.PathLike[str]] = (),
 ) -> Any:
     """Load a checkpoint (a file, a Hugging Face folder or its index) after verifying it.
 
@@ -50,13 +58,18 @@ def load(
     digest vouches for the content and the tensors are not hashed a second
     time: ``recheck_tensors=True`` hashes them anyway, which also catches a
     fault in this machine's memory during the load. A file with no sidecar of
-    its own is checked against its folder's manifest when that lists it.
+    its own is checked against its folder's manifest when that lists it. With
+    ``signature`` (an OpenSSF model signature, with ``public_key`` or
+    ``certificate_chain``) the weights must be the signed ones: a file is checked
+    in the same pass, a folder first.
     """
     if sidecar not in ("warn", "require", "ignore"):
         raise UsageError(f"unknown sidecar policy '{sidecar}'", hint="use warn, require or ignore")
     fit = KeyFit.of(strict, strip_prefix, key_map)
     p = Path(path)
     target = resolve(p)
+    signed = _signed(target.folder if target.index is not None else None, target.file,
+                     signature, public_key, certificate_chain)
     if target.index is not None:
         from torchverity.checkpoint._sharded import load_sharded
 
@@ -68,7 +81,7 @@ def load(
 
         check_limits(target.file)  # zip bombs, huge headers, deep nesting: before torch reads
         obj, report = _load_file(target.file, map_location, sidecar, trust_sha256, mmap,
-                                 recheck_tensors)
+                                 recheck_tensors, signed)
     if model is not None:
         report = _fitted(report, check_against_model(obj, model, p, fit))
     elif fit.renames:
@@ -89,3 +102,17 @@ def _fitted(report: LoadReport, fit: FitReport) -> LoadReport:
     return dataclasses.replace(report, model_checked=True, missing_keys=fit.missing,
                                unexpected_keys=fit.unexpected, ignored_keys=fit.ignored_buffers,
                                warnings=tuple(notes))
+
+
+def _signed(folder: Path | None, file: Any, signature: Any, public_key: Any,
+            chain: Sequence[Any]) -> ExpectedDigest | None:
+    if signature is None:
+        return None
+    from torchverity.provenance import require_signed_folder, signed_record
+
+    if folder is not None:
+        require_signed_folder(folder, signature, public_key=public_key, certificate_chain=chain)
+        return None
+    algo, hexd, _source = signed_record(file, signature, public_key=public_key,
+                                        certificate_chain=chain)
+    return ExpectedDigest(algo, hexd, "signature")

@@ -54,12 +54,14 @@ log = logging.getLogger("torchverity.checkpoint")
 
 
 def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: str | None,
-               mmap: bool, recheck_tensors: bool = False) -> tuple[Any, LoadReport]:
+               mmap: bool, recheck_tensors: bool = False,
+               signed: ExpectedDigest | None = None) -> tuple[Any, LoadReport]:
     notes = []
     expected, meta, pending = current_expectation(p, policy)
     if pending:
         notes.append(f"{p}: its save was interrupted after the file was renamed; verified "
                      "against the pending records (the next save replaces them)")
+    expected = signed or expected
     try:
         fmt = file_format(p)
     except FormatError:
@@ -158,6 +160,8 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPol
     listed = manifest_entry(p) if policy != "ignore" and p.is_file() else None
     if listed is not None:
         return ExpectedDigest(listed[0], listed[1], "manifest")
+    if policy != "ignore" and (hub := _hub_record(p)) is not None:
+        return hub
     if policy == "require":
         raise IntegrityError(
             f"{p}: no sidecar ({p.name}.sha256), no entry in a manifest of its folder, and "
@@ -169,13 +173,22 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPol
     return None
 
 
+def _hub_record(p: Path) -> ExpectedDigest | None:
+    from torchverity.provenance import hub_record
+
+    found = hub_record(p)
+    return ExpectedDigest(found[0], found[1], "hub") if found else None
+
+
+
 def _digest_mismatch(p: Path, expected: ExpectedDigest, actual: str,
                      damaged: list[str]) -> IntegrityError:
     algo, want, source = expected.algo, expected.hex, expected.source
     where = (f"damaged tensor{'s' if len(damaged) > 1 else ''}: {', '.join(damaged[:10])}"
              if damaged else "the damage could not be tied to a tensor")
-    record = {"sidecar": f"{p.name}.{algo}", "manifest": "its folder's manifest"}.get(
-        source, f"{p.name}{META_SUFFIX}")
+    record = {"sidecar": f"{p.name}.{algo}", "manifest": "its folder's manifest",
+              "hub": "the name the Hugging Face hub gave it",
+              "signature": "its signature"}.get(source, f"{p.name}{META_SUFFIX}")
     return IntegrityError(
         f"{p}: {algo} digest does not match {record}: the file changed after it was saved "
         f"(expected {want}, got {actual}); {where}",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 SidecarPolicy = Literal["warn", "require", "ignore"]
-DigestSource = Literal["sidecar", "meta", "manifest"]
+DigestSource = Literal["sidecar", "meta", "manifest", "hub", "signature"]
 
 
 @dataclass(frozen=True)

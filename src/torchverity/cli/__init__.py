@@ -55,7 +55,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 COMMANDS = (
     "hash", "manifest", "verify", "inject", "fingerprint", "diff", "inspect",
     "scan", "migrate", "explain", "report", "golden", "selftest", "doctor",
-    "serve", "batch", "run", "demo",
+    "sign", "attest", "serve", "batch", "run", "demo",
 )
 
 

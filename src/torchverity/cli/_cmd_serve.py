@@ -38,6 +38,13 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    "default: the model's input_spec attribute")
     p.add_argument("--name", help="model name in /metadata (default: the model's class name)")
     p.add_argument("--device", help="move the model there after verifying (cpu, cuda, cuda:1...)")
+    p.add_argument("--signature", metavar="SIG", help="OpenSSF model signature the weights "
+                   "must verify against (with --public-key or --certificate)")
+    p.add_argument("--public-key", metavar="PEM")
+    p.add_argument("--certificate", metavar="PEM", action="append", default=[],
+                   help="trusted CA certificate(s) (repeatable)")
+    p.add_argument("--attestation", metavar="FILE",
+                   help="in-toto attestation of the weights, checked and shown in /metadata")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--digest-policy", choices=get_args(Policy),
@@ -71,6 +78,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         name=args.name, digest_policy=args.digest_policy, max_body=args.max_body,
         recheck_interval=args.recheck_interval or None, device=args.device,
         **fit_kwargs(args),
+        provenance={"signature": args.signature, "public_key": args.public_key,
+                    "certificate_chain": args.certificate, "attestation": args.attestation},
     )
     report = _report(app.state.torchverity, args)
     if out.json_mode:

@@ -1,4 +1,5 @@
-"""``torchverity verify``: files against sidecars, folders against manifests."""
+"""``torchverity verify``: files against sidecars, folders against manifests, models
+against OpenSSF signatures, Hugging Face caches against their blob names."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED
+from torchverity.errors import EXIT_CHECK_FAILED, UsageError
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -16,29 +17,109 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         help="check files and folders against their records",
         description="A file is checked against FILE.sha256 (or .blake3), a folder against its "
         "manifest (a folder without one by the sidecars of its files, a file without a "
-        "sidecar by its folder's manifest). Lists ok / mismatched / missing / extra paths; "
+        "sidecar by its folder's manifest), a Hugging Face hub cache (HF_HOME, "
+        "models--ORG--NAME, snapshots/REV) or local_dir download against the names the hub "
+        "gave its files (offline). "
+        "--signature checks an OpenSSF model signature (key or certificate chain), "
+        "--attestation an in-toto statement. Lists ok / mismatched / missing / extra paths; "
         "exit 1 if any is not ok.",
     )
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip paths (or file names) matching GLOB in folders; repeat for more")
+    p.add_argument("--signature", metavar="SIG", help="OpenSSF model signature (model.sig)")
+    p.add_argument("--public-key", metavar="PEM", help="public key the signature must verify with")
+    p.add_argument("--certificate", metavar="PEM", action="append", default=[],
+                   help="trusted CA certificate(s) for certificate signatures (repeatable)")
+    p.add_argument("--attestation", metavar="FILE",
+                   help="in-toto statement (torchverity attest) to check the files against")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    from torchverity.verify import verify_path
-
-    results = []
-    for path in args.paths:
-        with out.progress(None, f"verifying {path}") as advance:
-            results.append(verify_path(path, progress=advance, exclude=args.exclude))
+    if (args.public_key or args.certificate) and not (args.signature or args.attestation):
+        args.signature = _default_signature(args.paths)
+    if args.signature or args.attestation:
+        results = _provenance_results(args)
+    else:
+        results = [_verify_one(path, out, args.exclude) for path in args.paths]
     # A file intact on disk but saved while the guard had doubts about its weights fails.
-    ok = all(r.ok and r.certified is not False for r in results)
+    ok = all(r.ok and getattr(r, "certified", None) is not False for r in results)
     if out.json_mode:
         out.data({"ok": ok, "results": results})
     else:
         for r in results:
-            _print_result(r, out)
+            _print_any(r, out)
     return 0 if ok else EXIT_CHECK_FAILED
+
+
+def _default_signature(paths: list[str]) -> str:
+    """A key or certificate alone means: the model's own signature (DIR/model.sig, FILE.sig)."""
+    from torchverity.provenance import default_signature_path
+
+    found = default_signature_path(paths[0]) if len(paths) == 1 else None
+    if found is None or not found.is_file():
+        raise UsageError("--public-key and --certificate check a signature: no --signature given "
+                         "and no model.sig beside the model",
+                         hint="torchverity verify DIR --signature model.sig --public-key pub.pem")
+    return str(found)
+
+
+def _verify_one(path: str, out: Output, exclude: list[str]) -> Any:
+    from pathlib import Path
+
+    from torchverity.digest import find_sidecar
+    from torchverity.provenance import HubResult, hub_blob_check, hub_target, verify_hub_path
+    from torchverity.verify import verify_path
+
+    p = Path(path)
+    if p.is_dir() and not _has_manifest(p) and hub_target(p) is not None:
+        return verify_hub_path(p)
+    if not p.is_dir() and find_sidecar(p) is None and (entry := hub_blob_check(p)) is not None:
+        return HubResult(path, "hub-snapshot", (entry,))
+    with out.progress(None, f"verifying {path}") as advance:
+        return verify_path(path, progress=advance, exclude=exclude)
+
+
+def _has_manifest(p: Any) -> bool:
+    from torchverity.manifest import MANIFEST_FILES
+
+    return any((p / name).is_file() for name in MANIFEST_FILES)
+
+
+def _provenance_results(args: argparse.Namespace) -> list[Any]:
+    if len(args.paths) != 1:
+        raise UsageError("--signature and --attestation check one model at a time",
+                         hint="run torchverity verify once per model")
+    path = args.paths[0]
+    results: list[Any] = []
+    if args.signature:
+        from torchverity.provenance import verify_model
+
+        results.append(verify_model(path, args.signature, public_key=args.public_key,
+                                    certificate_chain=args.certificate))
+    if args.attestation:
+        from torchverity.provenance import verify_attestation
+
+        results.append(verify_attestation(path, args.attestation, public_key=args.public_key,
+                                          certificate_chain=args.certificate))
+    return results
+
+
+def _print_any(result: Any, out: Output) -> None:
+    if result.kind.startswith(("hub", "local")):
+        _print_hub(result, out)
+        return
+    if result.kind in ("signature", "attestation"):
+        out.line(f"{result.target}: {result.kind} {result.record} by {result.signer}")
+        if not result.valid:
+            out.line(f"{result.target}: FAILED: {result.kind} refused: {result.reason}")
+            out.info(f"{result.record}: does not verify; get the model and its {result.kind} "
+                     "again from the publisher, then rerun torchverity verify")
+            return
+        covers = ", ".join(f"{k} {v}" for k, v in result.subject.items())
+        skipped = f"; not covered: {', '.join(result.ignored)}" if result.ignored else ""
+        out.line(f"  covers {covers} ({result.algo}){skipped}")
+    _print_result(result, out)
 
 
 def _print_result(result: Any, out: Output) -> None:
@@ -50,16 +131,36 @@ def _print_result(result: Any, out: Output) -> None:
     rows = [(e.status, e.path, e.expected or "-", e.actual or "-") for e in result.problems]
     if rows:
         out.table(("status", "path", "expected", "actual"), rows)
-    cert = result.certification
+    cert = getattr(result, "certification", None)
     if cert is not None:
         out.line(_certification_line(result.target, cert))
     for e in result.problems:
         if e.tensors:
             out.line(f"{e.path}: damaged tensors (from its meta.json): {', '.join(e.tensors)}")
+    if result.kind in ("signature", "attestation"):
+        if not result.ok:
+            out.info(f"{result.target}: the files differ from what the {result.kind} vouches "
+                     "for; get the listed files again from the publisher, then rerun "
+                     "torchverity verify")
+        return
     for step in advice(result):
         out.info(f"{result.target}: {step}")
 
 
+def _print_hub(result: Any, out: Output) -> None:
+    counts = ", ".join(f"{n} {s}" for s, n in result.counts.items() if n) or "no files"
+    verdict = "OK" if result.ok else "FAILED"
+    out.line(f"{result.target}: {verdict} ({counts}) against the {result.record}")
+    for revision, per in result.revisions().items():
+        out.line(f"  {revision}: " + ", ".join(f"{n} {s}" for s, n in sorted(per.items())))
+    rows = [(e.status, e.where(), e.blob or "-", e.actual or e.detail or "-")
+            for e in result.problems]
+    if rows:
+        out.table(("status", "file", "named", "content / why"), rows)
+    if not result.ok:
+        out.info(f"{result.target}: delete the listed files and download them again "
+                 "(huggingface-cli download REPO --force-download), then rerun "
+                 "torchverity verify")
 def _certification_line(target: str, cert: dict[str, Any]) -> str:
     verified = cert.get("verified") or {}
     if cert["certified"]:

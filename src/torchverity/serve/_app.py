@@ -182,6 +182,7 @@ def create_app(
     strict: bool = True,
     strip_prefix: str | Sequence[str] | None = None,
     key_map: Mapping[str, str] | None = None,
+    provenance: Mapping[str, Any] | None = None,
 ) -> "FastAPI":
     """Verify, load and golden-check the model, then return the FastAPI app serving it.
 
@@ -195,6 +196,8 @@ def create_app(
     its digest is computed, and runs the model only after it matched (measured
     slower on a 2-core host, see docs/serving.md). Raises IntegrityError, InputError
     or UsageError instead of returning a service that should not run.
+    ``provenance`` passes ``signature``, ``public_key``, ``certificate_chain`` and
+    ``attestation`` to the weights check (docs/provenance.md).
     ``strict``, ``strip_prefix`` and ``key_map`` fit the checkpoint's keys to
     the model as :func:`torchverity.load` does (the report lists what
     ``strict=False`` left out).
@@ -202,7 +205,7 @@ def create_app(
     require_extra("fastapi", extra="serve", feature="torchverity.serve.create_app")
     module = build_model(model)
     fit = KeyFit.of(strict, strip_prefix, key_map)
-    info = load_verified(module, weights, fit) if weights is not None else None
+    info = load_verified(module, weights, fit, provenance) if weights is not None else None
     if device is not None:
         module.to(device)
     module.eval()

@@ -4,14 +4,19 @@ The file's digest must be recorded somewhere the service can check before
 unpickling: a sidecar (``CKPT.sha256``) or the folder's manifest. The
 checkpoint is then loaded with ``torchverity.load`` (``weights_only=True``),
 which also checks the content fingerprint against ``CKPT.meta.json`` when
-present and the keys, shapes and dtypes against the model.
+present and the keys, shapes and dtypes against the model. With an OpenSSF
+model signature the signature is the record instead; an in-toto attestation,
+when given, must verify too and is exposed in ``/metadata``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +37,7 @@ class WeightsInfo:
     file_fingerprint: str | None  # root recorded in meta.json and checked, if there was one
     missing_keys: tuple[str, ...] = ()  # loaded with strict=False: left at initial values
     unexpected_keys: tuple[str, ...] = ()  # loaded with strict=False: not loaded
+    provenance: dict[str, Any] | None = None  # the signature and attestation that verified
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -39,28 +45,56 @@ class WeightsInfo:
             "verified_by": self.digest_source, "fingerprint_verified": self.file_fingerprint,
             "missing_keys": list(self.missing_keys),
             "unexpected_keys": list(self.unexpected_keys),
+            **({"provenance": self.provenance} if self.provenance else {}),
         }
 
 
 def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str],
-                  fit: KeyFit | None = None) -> WeightsInfo:
+                  fit: KeyFit | None = None,
+                  provenance: Mapping[str, Any] | None = None) -> WeightsInfo:
     """Verify ``weights`` (a file, a Hugging Face folder or its index) and load them into
-    ``model``, keys fitted by ``fit``; raise a typed error otherwise."""
+    ``model``, keys fitted by ``fit``; raise a typed error otherwise. ``provenance``:
+    ``signature`` (with ``public_key`` or ``certificate_chain``) replaces the recorded
+    digest, ``attestation`` must vouch for the same files."""
     from torchverity.checkpoint._load import load
 
     path = Path(weights)
     if not path.exists():
         raise InputError(f"{path}: no such weights file", path=path)
+    given = dict(provenance or {})
+    signature, attestation = given.pop("signature", None), given.pop("attestation", None)
     target = resolve(path)
-    if find_sidecar(target.record) is None and manifest_entry(target.record) is None:
+    if signature is None and find_sidecar(target.record) is None \
+            and manifest_entry(target.record) is None:
         _check_against_manifest(target.record)  # raises: nothing records its digest
     fit = fit or KeyFit()
-    _obj, report = load(path, model=model, sidecar="require", with_report=True,
-                        strict=fit.strict, strip_prefix=fit.strip_prefixes,
-                        key_map=dict(fit.key_map))
-    return WeightsInfo(os.fspath(path), str(report.algo), str(report.digest),
+    _obj, report = load(path, model=model, sidecar="ignore" if signature else "require",
+                        with_report=True, strict=fit.strict, strip_prefix=fit.strip_prefixes,
+                        key_map=dict(fit.key_map), signature=signature, **given)
+    info = WeightsInfo(os.fspath(path), str(report.algo), str(report.digest),
                        str(report.digest_source), report.fingerprint,
-                       report.missing_keys, report.unexpected_keys)
+                       report.missing_keys, report.unexpected_keys,
+                       {"signature": os.fspath(signature)} if signature else None)
+    if attestation is None:
+        return info
+    return dataclasses.replace(info, provenance={**(info.provenance or {}),
+                                                 "attestation": _attested(path, attestation,
+                                                                          given)})
+
+
+def _attested(path: Path, attestation: str | os.PathLike[str],
+              trust: dict[str, Any]) -> dict[str, Any]:
+    from torchverity.provenance import verify_attestation
+
+    result = verify_attestation(path, attestation, **trust)
+    if not result.ok:
+        what = result.reason or ", ".join(f"{e.path} {e.status}" for e in result.problems)
+        raise IntegrityError(f"{path}: attestation {attestation} does not vouch for these "
+                             f"weights: {what}", path=path,
+                             hint=f"torchverity verify {path} --attestation {attestation}")
+    return {"path": os.fspath(attestation), "signer": result.signer,
+            "subjects": [{"name": e.path, "sha256": e.expected} for e in result.entries],
+            "predicate": result.predicate}
 
 
 def _check_against_manifest(path: Path) -> tuple[str, str]:

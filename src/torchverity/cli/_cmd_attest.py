@@ -1,0 +1,54 @@
+"""``torchverity attest``: an in-toto statement for a checkpoint, optionally signed."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from torchverity.cli._command import add_command
+from torchverity.cli._output import Output
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = add_command(
+        subparsers, common, "attest", _run,
+        help="write an in-toto attestation for a checkpoint (optionally signed)",
+        description="Write an in-toto Statement v1 whose subjects are the checkpoint's files "
+        "(SHA-256) and whose predicate records its content fingerprint, seed, data-order "
+        "record and environment (from meta.json), the TrainingGuard log's steps and anomalies "
+        "and an optional training record. With --key "
+        "it is signed into a Sigstore bundle like a model signature. Check it with: "
+        "torchverity verify CKPT --attestation FILE [--public-key PUB.pem].",
+    )
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint file or folder")
+    p.add_argument("--out", metavar="FILE",
+                   help="where to write it (default: CKPT.intoto.json, or "
+                   "DIR/attestation.intoto.json)")
+    p.add_argument("--key", metavar="KEY.pem", help="EC private key to sign with")
+    p.add_argument("--certificate", metavar="PEM", help="signing certificate for KEY")
+    p.add_argument("--chain", metavar="PEM", action="append", default=[],
+                   help="intermediate/CA certificates to embed (repeatable)")
+    p.add_argument("--guard-log", metavar="EVENTS.jsonl",
+                   help="TrainingGuard event log of the run: its steps and anomalies are recorded")
+    p.add_argument("--training", metavar="JSON",
+                   help="other training record to include verbatim")
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.provenance import write_attestation
+
+    path, statement = write_attestation(args.checkpoint, out=args.out, private_key=args.key,
+                                        certificate=args.certificate, chain=args.chain,
+                                        training=args.training, guard_log=args.guard_log)
+    subjects = statement["subject"]
+    if out.json_mode:
+        out.data({"ok": True, "attestation": str(path), "signed": bool(args.key),
+                  "statement": statement})
+        return 0
+    out.line(f"{path}: {'signed ' if args.key else ''}attestation over {len(subjects)} files "
+             f"of {args.checkpoint}")
+    for name, rec in statement["predicate"].get("checkpoint", {}).items():
+        out.line(f"  {name}: fingerprint {rec['fingerprint']['root']}")
+    out.info(f"check it with: torchverity verify {args.checkpoint} --attestation {path}"
+             + (" --public-key PUB.pem" if args.key else ""))
+    return 0

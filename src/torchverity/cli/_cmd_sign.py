@@ -1,0 +1,48 @@
+"""``torchverity sign``: an OpenSSF model signature (``model_signing verify`` reads it)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from torchverity.cli._command import add_command
+from torchverity.cli._output import Output
+
+
+def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    p = add_command(
+        subparsers, common, "sign", _run,
+        help="sign a model folder or file (OpenSSF model signing)",
+        description="Write an OpenSSF model signature (Sigstore bundle over every file's "
+        "SHA-256) with an elliptic-curve key, optionally with its certificate chain. "
+        "Digests recorded by torchverity manifest or save are reused while the files are "
+        "unchanged since. Verify with: torchverity verify DIR --signature model.sig "
+        "--public-key pub.pem (or model_signing verify key ...).",
+    )
+    p.add_argument("model", metavar="DIR|FILE")
+    p.add_argument("--key", required=True, metavar="KEY.pem", help="EC private key (PEM)")
+    p.add_argument("--signature", metavar="SIG",
+                   help="where to write it (default: DIR/model.sig, or FILE.sig)")
+    p.add_argument("--certificate", metavar="PEM",
+                   help="signing certificate for KEY (certificate mode)")
+    p.add_argument("--chain", metavar="PEM", action="append", default=[],
+                   help="intermediate/CA certificates to embed (repeatable)")
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.provenance import sign_model
+
+    report = sign_model(args.model, private_key=args.key, signature=args.signature,
+                        certificate=args.certificate, chain=args.chain)
+    if out.json_mode:
+        out.data({"ok": True, **report.__dict__})
+        return 0
+    out.line(f"{report.signature}: signed {len(report.files)} files of {report.target} "
+             f"({report.mode} mode)")
+    if report.reused:
+        sources = sorted(set(report.reused.values()))
+        out.info(f"reused {len(report.reused)} recorded digests ({', '.join(sources)}); "
+                 f"hashed {len(report.hashed)} files")
+    out.info(f"check it with: torchverity verify {report.target} --signature {report.signature} "
+             + ("--certificate CA.pem" if report.mode == "certificate" else "--public-key PUB.pem"))
+    return 0

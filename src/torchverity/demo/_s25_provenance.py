@@ -1,0 +1,96 @@
+"""Demo step: signed models, and Hugging Face caches checked offline."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from torchverity.demo import DemoContext
+
+TITLE = "Provenance: OpenSSF model signatures, Hugging Face caches checked offline"
+NEEDS = ("sign",)
+
+
+def _keys(folder: Path) -> tuple[Path, Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    priv, pub = folder / "key.pem", folder / "pub.pem"
+    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                       serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    pub.write_bytes(key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    return priv, pub
+
+
+def _signed_model(ctx: DemoContext, model_dir: Path) -> None:
+    priv, pub = _keys(ctx.workdir)
+    ctx.say("sign the folder with an ECDSA P-256 key (the manifest's digests are reused):")
+    ctx.cli("manifest", str(model_dir))
+    ctx.cli("sign", str(model_dir), "--key", str(priv))
+    sig = str(model_dir / "model.sig")
+    ctx.cli("verify", str(model_dir), "--signature", sig, "--public-key", str(pub))
+    tampered = ctx.workdir / "signed-copy"
+    shutil.copytree(model_dir, tampered)
+    ctx.say("someone who can write the files changes one byte and rewrites the manifest:")
+    ctx.cli("inject", "bitflip", str(tampered / "model.pt"), "--offset", "900", "--bit", "0")
+    ctx.cli("manifest", str(tampered))
+    ctx.cli("verify", str(tampered))
+    _rc, out, _err = ctx.cli("verify", str(tampered), "--signature",
+                             str(tampered / "model.sig"), "--public-key", str(pub), expect=1)
+    ctx.expect("mismatched  model.pt" in out, "the signature refuses it and names model.pt")
+
+
+def _hub_cache(home: Path, files: dict[str, bytes], commit: str) -> Path:
+    """The layout huggingface_hub writes: blobs named by content, relative snapshot links."""
+    repo = home / "hub" / "models--demo--tiny"
+    for name, data in files.items():
+        lfs = name.endswith(".safetensors")
+        blob = hashlib.sha256(data).hexdigest() if lfs else \
+            hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        (repo / "blobs").mkdir(parents=True, exist_ok=True)
+        (repo / "blobs" / blob).write_bytes(data)
+        link = repo / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(repo / "blobs" / blob, link.parent))
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return repo
+
+
+def run(ctx: DemoContext) -> None:
+    import torch
+
+    import torchverity
+
+    torch.manual_seed(0)
+    model_dir = ctx.workdir / "signed"
+    model_dir.mkdir()
+    state = torch.nn.Linear(32, 16).state_dict()
+    torch.save(state, model_dir / "model.pt")
+    (model_dir / "config.json").write_text('{"in": 32, "out": 16}\n')
+    _signed_model(ctx, model_dir)
+
+    ctx.say("a Hugging Face hub cache, built locally in the hub's own layout:")
+    weights = ctx.workdir / "model.safetensors"
+    torchverity.save(state, weights)
+    commit = "c0ffee" + "0" * 34
+    repo = _hub_cache(ctx.workdir / "hf_home", {"model.safetensors": weights.read_bytes(),
+                                                "config.json": b'{"in": 32}\n'}, commit)
+    ctx.cli("verify", str(ctx.workdir / "hf_home"))
+    blob = next(p for p in (repo / "blobs").iterdir() if len(p.name) == 64)
+    ctx.say("one bit flips in the cached weights blob (same size, no error from the hub library):")
+    ctx.cli("inject", "bitflip", str(blob), "--offset", "200", "--bit", "3")
+    _rc, out, _err = ctx.cli("verify", str(repo), expect=1)
+    ctx.expect("damaged" in out and "model.safetensors" in out,
+               "verify names the damaged model.safetensors of that revision, offline")
+    try:
+        torchverity.load(repo / "snapshots" / commit / "model.safetensors")
+        refused = False
+    except torchverity.IntegrityError as exc:
+        refused = "Hugging Face hub" in exc.message
+    ctx.expect(refused, "torchverity.load on the cached path refuses the damaged blob")

@@ -1,0 +1,290 @@
+"""Hugging Face hub caches and local_dir downloads, verified offline against their names."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from provenance_helpers import (
+    flip_bit,
+    hf_model_folder,
+    hub_cache_from_folder,
+    local_dir_from_folder,
+)
+
+from torchverity.provenance import (
+    hub_blob_check,
+    verify_hub_cache,
+    verify_hub_path,
+    verify_hub_repo,
+    verify_local_dir,
+)
+
+REPO = "org/tiny-gpt2"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+COMMIT2 = "fedcba9876543210fedcba9876543210fedcba98"
+SHARD = "model-00001-of-00003.safetensors"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return hf_model_folder(tmp_path_factory.mktemp("hf") / "tiny", shard="60KB")
+
+
+@pytest.fixture
+def hf_home(pristine: Path, tmp_path: Path) -> Path:
+    home = tmp_path / "hf_home"
+    hub_cache_from_folder(home / "hub", REPO, COMMIT, pristine)
+    return home
+
+
+def _repo(home: Path) -> Path:
+    return home / "hub" / "models--org--tiny-gpt2"
+
+
+def _blob_of(home: Path, name: str, commit: str = COMMIT) -> Path:
+    link = _repo(home) / "snapshots" / commit / name
+    return link.parent / os.readlink(link)
+
+
+def test_cache_is_the_one_huggingface_hub_reads(hf_home: Path) -> None:
+    from huggingface_hub import scan_cache_dir, try_to_load_from_cache
+
+    info = scan_cache_dir(hf_home / "hub")
+    assert not info.warnings
+    (repo,) = info.repos
+    assert repo.repo_id == REPO and [r.commit_hash for r in repo.revisions] == [COMMIT]
+    path = try_to_load_from_cache(REPO, SHARD, cache_dir=hf_home / "hub")
+    assert isinstance(path, str) and Path(path).is_symlink()
+
+
+def test_clean_cache_verifies_with_no_alarm(hf_home: Path, run_cli) -> None:
+    for target in (hf_home, hf_home / "hub", _repo(hf_home),
+                   _repo(hf_home) / "snapshots" / COMMIT):
+        result = verify_hub_path(target)
+        assert result.ok, result.problems
+        algos = {e.path: e.algo for e in result.entries}
+        assert algos[SHARD] == "sha256" and algos["config.json"] == "git-sha1"
+        assert len(result.entries) == 9
+    res = run_cli("verify", hf_home, "--json")
+    assert res.code == 0, res.out + res.err
+    doc = json.loads(res.out)["results"][0]
+    assert doc["counts"]["ok"] == 9 and doc["revisions"] == {f"model:{REPO}@{COMMIT}": {"ok": 9}}
+
+
+def test_flipped_bit_in_a_shard_blob_is_caught_and_located(hf_home: Path, run_cli) -> None:
+    flip_bit(_blob_of(hf_home, SHARD), 20_000, 2, keep_mtime=True)
+    result = verify_hub_cache(hf_home)
+    (bad,) = result.problems
+    assert (bad.path, bad.status, bad.revision) == (SHARD, "damaged", COMMIT)
+    assert bad.actual != bad.blob
+    res = run_cli("verify", _repo(hf_home))
+    assert res.code == 1 and SHARD in res.out and "damaged" in res.out
+
+
+def test_truncated_and_small_file_blobs_are_caught(hf_home: Path) -> None:
+    shard = _blob_of(hf_home, "model-00002-of-00003.safetensors")
+    with open(shard, "r+b") as fh:
+        fh.truncate(1000)
+    flip_bit(_blob_of(hf_home, "config.json"), 5, 0)  # git blob SHA-1 named
+    got = {e.path: e.status for e in verify_hub_repo(_repo(hf_home)).problems}
+    assert got == {"model-00002-of-00003.safetensors": "damaged", "config.json": "damaged"}
+
+
+def test_missing_blob_is_dangling_and_missing_snapshot_is_reported(hf_home: Path) -> None:
+    _blob_of(hf_home, "tokenizer.json").unlink()
+    (_repo(hf_home) / "refs" / "v1").write_text(COMMIT2)
+    result = verify_hub_repo(_repo(hf_home))
+    got = {(e.revision, e.path): e.status for e in result.problems}
+    assert got == {(COMMIT, "tokenizer.json"): "dangling", (COMMIT2, ""): "missing"}
+
+
+def test_link_out_of_the_cache_is_refused_never_followed(hf_home: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    os.mkfifo(outside)  # opening it would block: a finished check proves it was never opened
+    snap = _repo(hf_home) / "snapshots" / COMMIT
+    (snap / "evil.bin").symlink_to(os.path.relpath(outside, snap))
+    (snap / "abs.bin").symlink_to("/etc/passwd")
+    other = hf_home / "hub" / "models--other--repo" / "blobs"
+    other.mkdir(parents=True)
+    blob = other / ("a" * 64)
+    blob.write_bytes(b"y")
+    (snap / "cross.bin").symlink_to(os.path.relpath(blob, snap))
+    done: dict[str, object] = {}
+
+    def check() -> None:
+        done["repo"] = verify_hub_repo(_repo(hf_home))
+        done["one"] = hub_blob_check(snap / "evil.bin")
+
+    worker = threading.Thread(target=check, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the check opened the link's target"
+    got = {e.path: e.status for e in done["repo"].problems}  # type: ignore[attr-defined]
+    assert got == {"evil.bin": "outside", "abs.bin": "outside", "cross.bin": "outside"}
+    assert done["one"].status == "outside"  # type: ignore[attr-defined]
+
+
+def test_blob_that_is_itself_a_link_is_refused(hf_home: Path, tmp_path: Path) -> None:
+    blob = _blob_of(hf_home, "config.json")
+    (tmp_path / "elsewhere").write_bytes(blob.read_bytes())
+    blob.unlink()
+    blob.symlink_to(tmp_path / "elsewhere")
+    (bad,) = verify_hub_repo(_repo(hf_home)).problems
+    assert (bad.path, bad.status) == ("config.json", "outside")
+
+
+def test_shared_blobs_are_hashed_once_and_reported_per_revision(hf_home: Path,
+                                                                pristine: Path) -> None:
+    hub_cache_from_folder(hf_home / "hub", REPO, COMMIT2, pristine, revision="v2")
+    flip_bit(_blob_of(hf_home, SHARD), 100, 0)
+    result = verify_hub_cache(hf_home)
+    assert {(e.revision, e.path) for e in result.problems} == {(COMMIT, SHARD), (COMMIT2, SHARD)}
+    per = result.revisions()
+    assert per[f"model:{REPO}@{COMMIT2}"] == {"ok": 8, "damaged": 1}
+
+
+def test_load_inside_a_hub_cache_checks_the_blob(hf_home: Path, recwarn) -> None:
+    from huggingface_hub import try_to_load_from_cache
+
+    import torchverity
+    from torchverity.errors import IntegrityError
+
+    path = try_to_load_from_cache(REPO, SHARD, cache_dir=hf_home / "hub")
+    assert isinstance(path, str)
+    state, report = torchverity.load(path, with_report=True)
+    assert state and report.digest_source == "hub"
+    assert not [w for w in recwarn if "sidecar" in str(w.message)]
+    entry = hub_blob_check(path)
+    assert entry is not None and entry.status == "ok"
+    flip_bit(_blob_of(hf_home, SHARD), 20_000, 2, keep_mtime=True)
+    with pytest.raises(IntegrityError, match="Hugging Face hub") as info:
+        torchverity.load(path)
+    assert info.value.expected == _blob_of(hf_home, SHARD).name and info.value.actual
+
+
+def test_load_refuses_a_snapshot_link_out_of_the_cache(hf_home: Path, tmp_path: Path) -> None:
+    import torch
+
+    import torchverity
+    from torchverity.errors import IntegrityError
+
+    outside = tmp_path / "planted.pt"
+    torch.save({"w": torch.zeros(2)}, outside)
+    snap = _repo(hf_home) / "snapshots" / COMMIT
+    (snap / "planted.pt").symlink_to(os.path.relpath(outside, snap))
+    with pytest.raises(IntegrityError, match="leaves this repository"):
+        torchverity.load(snap / "planted.pt")
+
+
+def test_load_of_a_damaged_small_hub_file_is_refused(local_dir: Path) -> None:
+    import torch
+
+    import torchverity
+    from torchverity.errors import IntegrityError
+
+    torch.save({"w": torch.ones(3)}, local_dir / "extra.pt")
+    data = (local_dir / "extra.pt").read_bytes()
+    from huggingface_hub._local_folder import write_download_metadata
+    from provenance_helpers import git_blob_sha1
+
+    write_download_metadata(local_dir, "extra.pt", COMMIT, git_blob_sha1(data))
+    assert torch.equal(torchverity.load(local_dir / "extra.pt")["w"], torch.ones(3))
+    flip_bit(local_dir / "extra.pt", len(data) - 30, 0, keep_mtime=True)
+    with pytest.raises(IntegrityError, match="damaged"):
+        torchverity.load(local_dir / "extra.pt")
+
+
+def test_paths_outside_hub_layouts_are_left_alone(tmp_path: Path) -> None:
+    plain = tmp_path / "model.pt"
+    plain.write_bytes(b"x")
+    assert hub_blob_check(plain) is None
+
+
+@pytest.fixture
+def local_dir(pristine: Path, tmp_path: Path) -> Path:
+    return local_dir_from_folder(tmp_path / "dl", COMMIT, pristine)
+
+
+def test_local_dir_download_verifies_clean(local_dir: Path, run_cli) -> None:
+    result = verify_local_dir(local_dir)
+    assert result.ok and len(result.entries) == 9
+    res = run_cli("verify", local_dir)
+    assert res.code == 0, res.out + res.err
+
+
+def test_local_dir_damage_missing_and_edits_are_told_apart(local_dir: Path) -> None:
+    flip_bit(local_dir / SHARD, 20_000, 1, keep_mtime=True)
+    (local_dir / "tokenizer.json").unlink()
+    cfg = local_dir / "config.json"
+    cfg.write_text('{"edited": 1}')
+    later = cfg.stat().st_mtime + 60
+    os.utime(cfg, (later, later))
+    got = {e.path: e.status for e in verify_local_dir(local_dir).problems}
+    assert got == {SHARD: "damaged", "tokenizer.json": "missing", "config.json": "changed"}
+    entry = hub_blob_check(local_dir / SHARD)
+    assert entry is not None and entry.status == "damaged"
+    import torchverity
+    from torchverity.errors import IntegrityError
+
+    with pytest.raises(IntegrityError, match="Hugging Face hub"):
+        torchverity.load(local_dir / SHARD)
+
+
+def test_local_dir_link_is_not_followed(local_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "real.json").write_text("{}")
+    os.unlink(local_dir / "config.json")
+    os.symlink(tmp_path / "real.json", local_dir / "config.json")
+    got = {e.path: e.status for e in verify_local_dir(local_dir).problems}
+    assert got == {"config.json": "outside"}
+
+
+def test_a_folder_with_its_own_manifest_is_not_taken_for_a_cache(hf_home: Path,
+                                                                 run_cli) -> None:
+    snap = _repo(hf_home) / "snapshots" / COMMIT
+    copy = hf_home.parent / "copy"
+    shutil.copytree(snap, copy)  # follows the links: plain files
+    assert run_cli("manifest", copy).code == 0
+    res = run_cli("verify", copy, "--json")
+    assert res.code == 0 and json.loads(res.out)["results"][0]["kind"] == "directory"
+
+
+def test_verify_one_cached_file_by_its_snapshot_path(hf_home: Path, run_cli) -> None:
+    link = _repo(hf_home) / "snapshots" / COMMIT / SHARD
+    res = run_cli("verify", link)
+    assert res.code == 0, res.out + res.err
+    flip_bit(_blob_of(hf_home, SHARD), 30_000, 7)
+    res = run_cli("verify", link, "--json")
+    assert res.code == 1
+    (entry,) = json.loads(res.out)["results"][0]["entries"]
+    assert (entry["path"], entry["status"]) == (SHARD, "damaged")
+
+
+def test_hub_verify_output_is_stable(tmp_path: Path, run_cli, monkeypatch, golden) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_bytes(b'{"hidden_size": 16}\n')
+    (src / "model.safetensors").write_bytes(bytes(range(256)) * 16)
+    hub_cache_from_folder(tmp_path / "home" / "hub", REPO, COMMIT, src)
+    monkeypatch.chdir(tmp_path)
+    ok = run_cli("verify", "--json", "home")
+    assert ok.code == 0
+    golden("hub-verify-ok.json", ok.out)
+    blob = _blob_of(tmp_path / "home", "model.safetensors")
+    flip_bit(blob, 100, 0)
+    _blob_of(tmp_path / "home", "config.json").unlink()
+    bad = run_cli("verify", "home")
+    assert bad.code == 1
+    golden("hub-verify-failed.txt", bad.out)
+
+
+def test_absolute_link_into_its_own_blobs_is_accepted(hf_home: Path) -> None:
+    link = _repo(hf_home) / "snapshots" / COMMIT / "config.json"
+    blob = _blob_of(hf_home, "config.json").resolve()
+    link.unlink()
+    link.symlink_to(blob)  # what huggingface_hub writes when no relative path exists
+    assert verify_hub_repo(_repo(hf_home)).ok
