@@ -17,7 +17,7 @@ $(VENV)/.torch: | $(BIN)/python
 	touch $@
 
 # The demo shows every capability, so it installs the extras its steps need.
-DEMO_EXTRAS ?= serve
+DEMO_EXTRAS ?= serve,sign
 
 $(VENV)/.demo: pyproject.toml $(VENV)/.torch
 	$(BIN)/python -m pip install --quiet -e '.[$(DEMO_EXTRAS)]'

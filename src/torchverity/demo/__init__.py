@@ -30,7 +30,7 @@ from torchverity.errors import CheckFailedError, TorchVerityError, UsageError
 # The modules each extra brings, as far as a demo step needs them.
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "serve": ("fastapi", "uvicorn", "httpx"),
-    "sign": ("model_signing",),
+    "sign": ("model_signing", "OpenSSL", "in_toto_attestation", "cryptography"),
     "lightning": ("lightning",),
     "hf": ("transformers",),
     "onnx": ("onnx", "onnxruntime"),
