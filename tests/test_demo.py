@@ -21,10 +21,10 @@ def test_the_whole_demo_passes_with_no_step_skipped() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(done.stdout)
     verdicts = {s["name"]: s["verdict"] for s in result["steps"]}
-    assert result["ok"] and len(verdicts) >= 8
+    assert result["ok"] and len(verdicts) >= 10
     assert set(verdicts.values()) == {"passed"}, verdicts
-    assert {"files", "checkpoint", "pickle", "guard", "distributed", "inference", "serve",
-            "batch"} <= set(verdicts)
+    assert {"files", "checkpoint", "provenance", "pickle", "protect", "guard", "distributed",
+            "inference", "serve", "batch"} <= set(verdicts)
 
 
 def test_skip_is_said_in_the_summary(run_cli: Callable[..., Any]) -> None:
