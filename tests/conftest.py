@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
@@ -11,6 +12,11 @@ from pathlib import Path
 import pytest
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
+
+# Set before any test imports torch: the crash tests fork the test process, and a fork taken
+# while torch's OpenMP pool has threads can deadlock the child in its first tensor op. One
+# thread per xdist worker also fits the two cores the suite runs on.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
