@@ -33,7 +33,7 @@ $(VENV)/.strace: | $(BIN)/python
 		|| echo "strace could not be installed: the rename-window crash tests will skip"
 	touch $@
 
-demo: $(VENV)/.base
+demo: $(VENV)/.demo
 	$(BIN)/torchverity demo
 
 test: $(VENV)/.dev $(VENV)/.strace
