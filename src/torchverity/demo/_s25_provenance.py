@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torchverity.demo import DemoContext
 
-TITLE = "Provenance: OpenSSF model signatures, Hugging Face caches checked offline"
+TITLE = "Provenance: OpenSSF model signatures, signed attestations, Hugging Face caches offline"
 NEEDS = ("sign",)
 
 
@@ -27,7 +27,7 @@ def _keys(folder: Path) -> tuple[Path, Path]:
     return priv, pub
 
 
-def _signed_model(ctx: DemoContext, model_dir: Path) -> None:
+def _signed_model(ctx: DemoContext, model_dir: Path) -> tuple[Path, Path]:
     priv, pub = _keys(ctx.workdir)
     ctx.say("sign the folder with an ECDSA P-256 key (the manifest's digests are reused):")
     ctx.cli("manifest", str(model_dir))
@@ -43,6 +43,27 @@ def _signed_model(ctx: DemoContext, model_dir: Path) -> None:
     _rc, out, _err = ctx.cli("verify", str(tampered), "--signature",
                              str(tampered / "model.sig"), "--public-key", str(pub), expect=1)
     ctx.expect("mismatched  model.pt" in out, "the signature refuses it and names model.pt")
+    return priv, pub
+
+
+def _attested(ctx: DemoContext, priv: Path, pub: Path) -> None:
+    import torch
+
+    import torchverity
+
+    ckpt = ctx.workdir / "attested" / "model.safetensors"
+    ckpt.parent.mkdir()
+    torchverity.save(torch.nn.Linear(8, 4).state_dict(), ckpt, meta={"step": 100}, seed=0)
+    ctx.say("a signed attestation ties the checkpoint's bytes to its fingerprint and training "
+            "record (in-toto Statement v1):")
+    ctx.cli("attest", str(ckpt), "--key", str(priv))
+    att = f"{ckpt}.intoto.json"
+    ctx.cli("verify", str(ckpt), "--attestation", att, "--public-key", str(pub))
+    ctx.cli("inject", "bitflip", str(ckpt), "--offset", "120", "--bit", "2")
+    _rc, out, err = ctx.cli("verify", str(ckpt), "--attestation", att, "--public-key", str(pub),
+                            expect=1)
+    ctx.expect("model.safetensors" in out + err and "mismatched" in out + err,
+               "the attestation refuses the changed checkpoint and names it")
 
 
 def _hub_cache(home: Path, files: dict[str, bytes], commit: str) -> Path:
@@ -73,7 +94,7 @@ def run(ctx: DemoContext) -> None:
     state = torch.nn.Linear(32, 16).state_dict()
     torch.save(state, model_dir / "model.pt")
     (model_dir / "config.json").write_text('{"in": 32, "out": 16}\n')
-    _signed_model(ctx, model_dir)
+    _attested(ctx, *_signed_model(ctx, model_dir))
 
     ctx.say("a Hugging Face hub cache, built locally in the hub's own layout:")
     weights = ctx.workdir / "model.safetensors"

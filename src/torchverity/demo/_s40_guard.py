@@ -7,7 +7,7 @@ import torch
 from torchverity.demo import DemoContext
 from torchverity.training._events import GuardSummary
 
-TITLE = "Training: bit flips caught at their step, named, replayed, rolled back"
+TITLE = "Training: every window verified, flips named, replayed, rolled back; certified checkpoints"
 
 STEPS = 200
 POLICIES = {
@@ -62,6 +62,10 @@ def run(ctx: DemoContext) -> None:
     ctx.say(f"clean guarded run: {STEPS} steps, accuracy {clean_acc:.3f}, "
             f"anomalies {clean.anomalies}")
     ctx.expect(clean.clean, "a clean run of 200 steps raises no anomaly")
+    last = ctx.workdir / "clean-ckpt" / f"guard-step{STEPS:08d}.pt"
+    _rc, out, err = ctx.cli("verify", str(last))
+    ctx.expect("certified by the training guard" in out + err,
+               "its checkpoint is certified: the weights saved were verified at rest first")
 
     ctx.say("same run with two faults: an exponent-bit flip in an activation at step 70 and "
             "one in weight 2.weight[17] at rest before step 130")
