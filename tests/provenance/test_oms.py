@@ -457,3 +457,17 @@ def test_a_keyless_sigstore_bundle_says_how_to_check_it(model: Path, keys: tuple
     (tmp_path / "keyless.sig").write_text(json.dumps(bundle))
     result = verify_model(model, tmp_path / "keyless.sig", public_key=keys[1])
     assert not result.valid and "model_signing verify sigstore" in (result.reason or "")
+
+
+def test_a_missing_model_path_says_what_to_give(tmp_path: Path) -> None:
+    from torchverity.errors import InputError
+    from torchverity.provenance._attest import verify_attestation
+    from torchverity.provenance._oms import verify_model
+
+    for check in (lambda p: verify_model(p, tmp_path / "model.sig"),
+                  lambda p: verify_attestation(p, tmp_path / "a.intoto.json")):
+        with pytest.raises(InputError) as caught:
+            check(tmp_path / "absent")
+        assert caught.value.path == str(tmp_path / "absent")
+        assert "no such file or directory" in caught.value.message
+        assert caught.value.hint and "model folder or checkpoint file" in caught.value.hint

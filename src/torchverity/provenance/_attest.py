@@ -23,7 +23,14 @@ from typing import Any
 
 from torchverity.digest import atomic_write_text, digest_files
 from torchverity.errors import FormatError, InputError, UsageError, require_extra
-from torchverity.provenance._oms import DEFAULT_SIGNATURE, GIT_PATHS, CheckedEntries, model_files
+from torchverity.provenance._oms import (
+    DEFAULT_SIGNATURE,
+    GIT_PATHS,
+    CheckedEntries,
+    existing,
+    model_files,
+    open_bundle,
+)
 from torchverity.provenance._records import model_digests
 from torchverity.verify import Status, VerifyEntry
 
@@ -143,9 +150,7 @@ def build_statement(ckpt: str | os.PathLike[str], *,
     itoto = require_extra("in_toto_attestation.v1.statement", extra="sign", feature=_FEATURE)
     from google.protobuf import json_format
 
-    root = Path(ckpt)
-    if not root.exists():
-        raise InputError(f"{root}: no such file or directory", path=root)
+    root = existing(ckpt)
     files, _links = model_files(root, [*GIT_PATHS, *exclude])
     digests = model_digests(root, files)
     subjects = [itoto.ResourceDescriptor(name=root.name if rel == "." else rel,
@@ -235,12 +240,8 @@ def _load_document(att: Path) -> dict[str, Any]:
 
 def _open_envelope(att: Path, public_key: Any, chain: Sequence[Any]) -> tuple[Any, str, str]:
     """The signed statement (or None), who signed it, and why it was refused."""
-    from torchverity.provenance._oms import _read_bundle, _signer_of, _verifier
-
-    bundle = _read_bundle(att)
-    verifier, trust = _verifier(Path(public_key) if public_key else None,
-                                [Path(c) for c in chain])
-    signer = _signer_of(bundle.bundle, trust)
+    bundle, verifier, signer = open_bundle(att, Path(public_key) if public_key else None,
+                                           [Path(c) for c in chain])
     try:
         _ptype, payload = verifier._verify_signed_content(bundle)
         return json.loads(payload), signer, ""
@@ -256,9 +257,7 @@ def verify_attestation(
     certificate_chain: Sequence[str | os.PathLike[str]] = (),
 ) -> AttestationResult:
     """Check the attestation (its signature when it has one), then every subject file."""
-    root, att = Path(ckpt), Path(attestation)
-    if not root.exists():
-        raise InputError(f"{root}: no such file or directory", path=root)
+    root, att = existing(ckpt), Path(attestation)
     doc = _load_document(att)
     if "dsseEnvelope" in doc:
         statement, signer, reason = _open_envelope(att, public_key, certificate_chain)

@@ -211,9 +211,7 @@ def sign_model(
     Keys, certificates and the folder are checked before anything is written;
     the signature appears atomically (temp file, rename).
     """
-    root = Path(model)
-    if not root.exists():
-        raise InputError(f"{root}: no such file or directory", path=root)
+    root = existing(model)
     if root.is_symlink():
         raise InputError(f"{root}: is a symlink; OpenSSF signatures cover regular files only",
                          path=root, hint=f"sign what it points to: {root.resolve()}")
@@ -296,6 +294,22 @@ def _signer_of(bundle: Any, trust: str) -> str:
     return f"key sha256:{hint} ({trust})" if hint else trust
 
 
+def existing(path: str | os.PathLike[str]) -> Path:
+    """The model or checkpoint path to sign, attest or verify; a missing one says so."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{p}: no such file or directory", path=p,
+                         hint="check the path: give the model folder or checkpoint file itself")
+    return p
+
+
+def open_bundle(sig: Path, public_key: Path | None, chain: Sequence[Path]) -> tuple[Any, Any, str]:
+    """The Sigstore bundle at ``sig``, the verifier for the key or chain, and the signer."""
+    bundle = _read_bundle(sig)
+    verifier, trust = _verifier(public_key, chain)
+    return bundle, verifier, _signer_of(bundle.bundle, trust)
+
+
 def _mode_mismatch(bundle: Any, with_key: bool) -> str:
     material = bundle.verification_material
     if getattr(material, "certificate", None):
@@ -315,9 +329,7 @@ def _expected(sig: Path, public_key: Path | None, chain: Sequence[Path]) -> tupl
     """The signed manifest, the signer, and why it was refused (None when it verified)."""
     from cryptography.exceptions import InvalidSignature
 
-    bundle = _read_bundle(sig)
-    verifier, trust = _verifier(public_key, chain)
-    signer = _signer_of(bundle.bundle, trust)
+    bundle, verifier, signer = open_bundle(sig, public_key, chain)
     mismatch = _mode_mismatch(bundle.bundle, public_key is not None)
     if mismatch:
         return None, signer, mismatch
@@ -337,9 +349,7 @@ def verify_model(
     certificate_chain: Sequence[str | os.PathLike[str]] = (),
 ) -> SignatureResult:
     """Check the signature, then every file it lists: ok, mismatched, missing, extra."""
-    root, sig = Path(model), Path(signature)
-    if not root.exists():
-        raise InputError(f"{root}: no such file or directory", path=root)
+    root, sig = existing(model), Path(signature)
     expected, signer, reason = _expected(sig, Path(public_key) if public_key else None,
                                          [Path(c) for c in certificate_chain])
     if expected is None:
