@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from torchverity.cli._command import add_command
@@ -40,15 +41,15 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     path, statement = write_attestation(args.checkpoint, out=args.out, private_key=args.key,
                                         certificate=args.certificate, chain=args.chain,
                                         training=args.training, guard_log=args.guard_log)
-    subjects = statement["subject"]
-    if out.json_mode:
-        out.data({"ok": True, "attestation": str(path), "signed": bool(args.key),
-                  "statement": statement})
-        return 0
-    out.line(f"{path}: {'signed ' if args.key else ''}attestation over {len(subjects)} files "
-             f"of {args.checkpoint}")
+    return out.result({"ok": True, "attestation": str(path), "signed": bool(args.key),
+                       "statement": statement},
+                      lambda: _print(args, path, statement, out))
+
+
+def _print(args: argparse.Namespace, path: Path, statement: dict[str, Any], out: Output) -> None:
+    out.line(f"{path}: {'signed ' if args.key else ''}attestation over "
+             f"{len(statement['subject'])} files of {args.checkpoint}")
     for name, rec in statement["predicate"].get("checkpoint", {}).items():
         out.line(f"  {name}: fingerprint {rec['fingerprint']['root']}")
     out.info(f"check it with: torchverity verify {args.checkpoint} --attestation {path}"
              + (" --public-key PUB.pem" if args.key else ""))
-    return 0

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED
+
+if TYPE_CHECKING:
+    from torchverity.demo import StepResult
 
 
 def _names(text: str) -> list[str]:
@@ -40,9 +42,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         with tempfile.TemporaryDirectory(prefix="torchverity-demo-") as tmp:
             results = run_demo(Path(tmp), out, args.only, args.skip)
     ok = all(r.verdict != "failed" for r in results)
-    if out.json_mode:
-        out.data({"ok": ok, "steps": results})
-        return 0 if ok else EXIT_CHECK_FAILED
+    return out.result({"ok": ok, "steps": results}, lambda: _print(results, ok, out))
+
+
+def _print(results: list[StepResult], ok: bool, out: Output) -> None:
     out.line("")
     for r in results:
         detail = f"{r.seconds:6.1f} s" if r.verdict == "passed" else r.reason
@@ -52,4 +55,3 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     tail = f", {skipped} skipped" if skipped else ""
     verdict = "finished" if ok else "FAILED"
     out.line(f"demo {verdict}: {passed} of {len(results)} steps passed{tail}")
-    return 0 if ok else EXIT_CHECK_FAILED

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED
+
+if TYPE_CHECKING:
+    from torchverity.checkpoint._diff import DiffResult
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -30,10 +32,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.checkpoint._diff import diff
 
     result = diff(args.a, args.b, rtol=args.rtol, atol=args.atol)
-    code = 0 if result.equal else EXIT_CHECK_FAILED
-    if out.json_mode:
-        out.data({"ok": result.equal, **result.to_dict()})
-        return code
+    return out.result({"ok": result.equal, **result.to_dict()}, lambda: _print(result, args, out))
+
+
+def _print(result: DiffResult, args: argparse.Namespace, out: Output) -> None:
     shown = result.entries if args.all else result.changed
     if shown:
         out.table(("tensor", "change", "detail"),
@@ -43,4 +45,3 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     verdict = "equal" if result.equal else "DIFFERENT"
     tolerance = f" within rtol={args.rtol} atol={args.atol}" if args.rtol or args.atol else ""
     out.line(f"{verdict}{tolerance}: {len(result.entries)} entries ({counts})")
-    return code

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED
+
+if TYPE_CHECKING:
+    from torchverity.doctor import DoctorReport
 
 _MARK = {"ok": "ok", "info": "info", "warn": "WARN", "fail": "FAIL"}
 
@@ -28,9 +30,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.doctor import diagnose
 
     report = diagnose(selftest_seconds=args.seconds, selftest=not args.no_selftest)
-    if out.json_mode:
-        out.data(report)
-        return 0 if report.ok else EXIT_CHECK_FAILED
+    return out.result(report, lambda: _print(report, out))
+
+
+def _print(report: DoctorReport, out: Output) -> None:
     out.table(("component", "version"), [(k, v or "-") for k, v in report.versions.items()],
               title="versions")
     out.table(("setting", "value"), [(k, v) for k, v in report.determinism.items()],
@@ -41,4 +44,3 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         if f.hint and f.level in ("warn", "fail"):
             out.info(f"{f.topic}: next: {f.hint}")
     out.line(f"doctor: {'ok' if report.ok else 'FAILED'}")
-    return 0 if report.ok else EXIT_CHECK_FAILED

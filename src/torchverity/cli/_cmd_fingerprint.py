@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
+
+if TYPE_CHECKING:
+    from torchverity.checkpoint._fp_record import Fingerprint
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -28,12 +31,13 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.checkpoint._file_fingerprint import fingerprint_file
 
     fp = fingerprint_file(args.path, mode=args.mode)
-    if out.json_mode:
-        out.data({"ok": True, "path": args.path, **fp.to_dict()})
-        return 0
+    return out.result({"ok": True, "path": args.path, **fp.to_dict()},
+                      lambda: _print(fp, args, out))
+
+
+def _print(fp: Fingerprint, args: argparse.Namespace, out: Output) -> None:
     out.line(f"{fp.root}  {args.path}  ({fp.algo}, {len(fp.entries)} entries)")
     if args.tensors:
         rows = [(e.name, e.dtype, "x".join(map(str, e.shape)) or "()", e.digest)
                 for e in fp.entries]
         out.table(("name", "dtype", "shape", "digest"), rows)
-    return 0

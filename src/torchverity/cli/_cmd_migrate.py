@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
+
+if TYPE_CHECKING:
+    from torchverity.pickles._migrate import MigrateResult
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -35,9 +38,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     result = migrate(args.source, args.target, trust_sha256=args.trust_sha256,
                      nested=args.nested)
-    if out.json_mode:
-        out.data({"ok": True, "result": result})
-        return 0
+    return out.result({"ok": True, "result": result}, lambda: _print(result, out))
+
+
+def _print(result: MigrateResult, out: Output) -> None:
     out.line(f"migrated {result.source} -> {result.target}: {result.tensors} tensors, "
              f"read back bit for bit ({result.mode} unpickling)")
     if result.placeholders:
@@ -48,4 +52,3 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     out.line(f"  sidecar {result.sidecar}, meta {result.meta_path}")
     for item in result.skipped:
         out.warn(f"not migrated: {item}")
-    return 0

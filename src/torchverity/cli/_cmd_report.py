@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
+
+if TYPE_CHECKING:
+    from torchverity.report import EventReport
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -34,9 +37,11 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     report = summarize(args.events)
     png = plot(args.events, args.plot) if args.plot else None
-    if out.json_mode:
-        out.data({"ok": True, **_jsonable(report), "plot": str(png) if png else None})
-        return 0
+    return out.result({"ok": True, **_jsonable(report), "plot": str(png) if png else None},
+                      lambda: _print(report, png, out))
+
+
+def _print(report: EventReport, png: Path | None, out: Output) -> None:
     counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items()))
     out.line(f"{report.path}: {report.steps} steps, {len(report.anomalies)} anomalies"
              + (f" ({counts})" if counts else ""))
@@ -52,7 +57,6 @@ def _run(args: argparse.Namespace, out: Output) -> int:
                  "running)" + ("; its last line is torn" if report.torn_last_line else ""))
     if png:
         out.info(f"plot written to {png}")
-    return 0
 
 
 def _jsonable(report: Any) -> dict[str, Any]:

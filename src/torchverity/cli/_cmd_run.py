@@ -13,7 +13,7 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED, InputError, UsageError
+from torchverity.errors import InputError, UsageError
 
 _KINDS = ("verified", "saved", "mismatch", "refused", "unsafe-load", "fallback", "partial-load",
           "load-failure", "swallowed")
@@ -68,15 +68,9 @@ def _run(args: argparse.Namespace, out: Output) -> int:
                              hint=f"check the command; which {command[0]}") from None
         events = _read_log(log)
     summary = _summary(events, status, args.policy)
-    if out.json_mode:
-        out.data(summary)
-    else:
-        _print(summary, out)
-    if status < 0:  # killed by a signal: the shell's convention
-        return 128 - status
-    if status != 0:
-        return status
-    return EXIT_CHECK_FAILED if args.policy == "refuse" and summary["swallowed"] else 0
+    # The command's own failure is its exit status (killed by a signal: the shell's 128+N).
+    failed = (128 - status if status < 0 else status) or None
+    return out.result(summary, lambda: _print(summary, out), exit_code=failed)
 
 
 def _read_log(log: Path) -> list[dict[str, Any]]:

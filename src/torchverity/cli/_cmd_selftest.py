@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED
+
+if TYPE_CHECKING:
+    from torchverity.selftest import SelftestResult
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -28,9 +30,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.selftest import run_selftest
 
     result = run_selftest(args.device, args.seconds, memory_mb=args.memory_mb)
-    if out.json_mode:
-        out.data(result)
-        return 0 if result.ok else EXIT_CHECK_FAILED
+    return out.result(result, lambda: _print(result, out))
+
+
+def _print(result: SelftestResult, out: Output) -> None:
     columns, rows = result.table()
     out.table(columns, rows, title=f"selftest {result.device} ({result.device_name})")
     verdict = "passed" if result.ok else "FAILED"
@@ -41,4 +44,3 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     if not result.ok:
         out.info(f"{result.device} returned wrong results: do not trust it for training or "
                  "inference; rerun with --seconds 60 to confirm, then drain the machine")
-    return 0 if result.ok else EXIT_CHECK_FAILED

@@ -82,10 +82,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
                     "certificate_chain": args.certificate, "attestation": args.attestation},
     )
     report = _report(app.state.torchverity, args)
-    if out.json_mode:
-        out.data(report)
-    else:
-        _print_report(report, out)
+    out.result(report, lambda: _print_report(report, out))
     out.out.flush()
     if args.check:
         return 0

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
+
+if TYPE_CHECKING:
+    from torchverity.provenance import SignReport
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -34,9 +37,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     report = sign_model(args.model, private_key=args.key, signature=args.signature,
                         certificate=args.certificate, chain=args.chain)
-    if out.json_mode:
-        out.data({"ok": True, **report.__dict__})
-        return 0
+    return out.result({"ok": True, **report.__dict__}, lambda: _print(report, out))
+
+
+def _print(report: SignReport, out: Output) -> None:
     out.line(f"{report.signature}: signed {len(report.files)} files of {report.target} "
              f"({report.mode} mode)")
     if report.reused:
@@ -45,4 +49,3 @@ def _run(args: argparse.Namespace, out: Output) -> int:
                  f"hashed {len(report.hashed)} files")
     out.info(f"check it with: torchverity verify {report.target} --signature {report.signature} "
              + ("--certificate CA.pem" if report.mode == "certificate" else "--public-key PUB.pem"))
-    return 0
