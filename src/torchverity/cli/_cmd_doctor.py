@@ -9,9 +9,9 @@ from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 
 if TYPE_CHECKING:
-    from torchverity.doctor import DoctorReport
+    from torchverity.doctor import DoctorReport, Level
 
-_MARK = {"ok": "ok", "info": "info", "warn": "WARN", "fail": "FAIL"}
+_MARK: dict[Level, str] = {"ok": "ok", "info": "info", "warn": "WARN", "fail": "FAIL"}
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import Any, get_args
 
+from torchverity.checkpoint._fp_record import Fingerprint, NamedMode
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-
-if TYPE_CHECKING:
-    from torchverity.checkpoint._fp_record import Fingerprint
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -22,7 +20,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("path", metavar="PATH", help="a .pt/.bin/.safetensors file or sharded folder")
     p.add_argument("--tensors", action="store_true", help="also list each tensor's digest")
-    p.add_argument("--mode", choices=("exact", "device", "sha256"), default="exact",
+    p.add_argument("--mode", choices=get_args(NamedMode), default="exact",
                    help="exact: BLAKE3 (default); device: the tvsum64x2 device checksum; "
                         "sha256: the exact mode of records made before BLAKE3")
 

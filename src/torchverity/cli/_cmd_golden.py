@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from torchverity.cli._fit_args import add_fit_args, fit_kwargs
 from torchverity.cli._output import Output
@@ -12,6 +12,12 @@ from torchverity.errors import UsageError
 
 if TYPE_CHECKING:
     from torchverity.golden import GoldenRecord, GoldenResult
+    from torchverity.golden._compare import CompareMode
+
+# --mode: the compare modes (golden imports torch, so the names are checked by mypy, not
+# imported for --help), and auto: exact on the recorded environment, tolerance elsewhere.
+_EXACT: dict[CompareMode | Literal["auto"], bool | None] = {
+    "auto": None, "exact": True, "tolerance": False}
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -51,7 +57,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "NaN/Inf count, output structure, or the weights' fingerprint (compared whenever "
         "the record holds one).",
     )
-    chk.add_argument("--mode", choices=("auto", "exact", "tolerance"), default="auto",
+    chk.add_argument("--mode", choices=tuple(_EXACT), default="auto",
                      help="auto: exact on the recorded environment, tolerance elsewhere")
     chk.add_argument("--check-weights", action=argparse.BooleanOptionalAction, default=None,
                      help="compare the model's weights with the record's fingerprint even when "
@@ -135,7 +141,7 @@ def _check(args: argparse.Namespace, out: Output) -> int:
     from torchverity import golden
 
     model = build_model(args.model, args.weights, args.device, fit_kwargs(args))
-    exact = {"auto": None, "exact": True, "tolerance": False}[args.mode]
+    exact = _EXACT[args.mode]
     if args.check_weights:
         _require_fingerprint(args.golden)
     result = golden.check(model, args.golden, exact=exact, rtol=args.rtol, atol=args.atol,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, get_args
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.digest import ALGORITHMS, DEFAULT_ALGO
+from torchverity.manifest import ManifestFormat
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -20,7 +21,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("directory", metavar="DIR")
     p.add_argument("--algo", choices=ALGORITHMS, default=DEFAULT_ALGO)
-    p.add_argument("--format", choices=("json", "sha256sum"), default="json", dest="fmt")
+    p.add_argument("--format", choices=get_args(ManifestFormat), default="json", dest="fmt")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

@@ -14,9 +14,13 @@ from typing import Any
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import InputError, UsageError
+from torchverity.protection._state import POLICIES, EventKind, Policy
 
-_KINDS = ("verified", "saved", "mismatch", "refused", "unsafe-load", "fallback", "partial-load",
-          "load-failure", "swallowed")
+# What a run summary counts, in the order it lists them.
+_KINDS: tuple[EventKind, ...] = (
+    "verified", "saved", "mismatch", "refused", "unsafe-load", "fallback", "partial-load",
+    "load-failure", "swallowed")
+_PROBLEMS: tuple[EventKind, ...] = ("mismatch", "refused", "fallback", "partial-load")
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -29,7 +33,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "not re-raised. Exit status: the command's own, or 1 under --policy refuse when a "
         "load failure was swallowed.",
     )
-    p.add_argument("--policy", choices=("warn", "refuse"), default="warn",
+    p.add_argument("--policy", choices=POLICIES, default="warn",
                    help="refuse: a file that does not match its record raises, and a swallowed "
                         "load failure fails the run; warn (default): both are reported")
     p.add_argument("--log", type=Path, metavar="FILE",
@@ -87,7 +91,7 @@ def _read_log(log: Path) -> list[dict[str, Any]]:
     return events
 
 
-def _summary(events: list[dict[str, Any]], status: int, policy: str) -> dict[str, Any]:
+def _summary(events: list[dict[str, Any]], status: int, policy: Policy) -> dict[str, Any]:
     counts = {kind: sum(1 for e in events if e.get("kind") == kind) for kind in _KINDS}
     return {
         "ok": status == 0 and not (policy == "refuse" and counts["swallowed"]),
@@ -96,8 +100,7 @@ def _summary(events: list[dict[str, Any]], status: int, policy: str) -> dict[str
         "processes": sum(1 for e in events if e.get("kind") == "started"),
         "counts": counts,
         "swallowed": [e for e in events if e.get("kind") == "swallowed"],
-        "problems": [e for e in events
-                     if e.get("kind") in ("mismatch", "refused", "fallback", "partial-load")],
+        "problems": [e for e in events if e.get("kind") in _PROBLEMS],
     }
 
 
