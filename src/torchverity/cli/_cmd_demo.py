@@ -5,13 +5,10 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-
-if TYPE_CHECKING:
-    from torchverity.demo import StepResult
 
 
 def _names(text: str) -> list[str]:
@@ -42,16 +39,16 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         with tempfile.TemporaryDirectory(prefix="torchverity-demo-") as tmp:
             results = run_demo(Path(tmp), out, args.only, args.skip)
     ok = all(r.verdict != "failed" for r in results)
-    return out.result({"ok": ok, "steps": results}, lambda: _print(results, ok, out))
 
+    def render() -> None:
+        out.line("")
+        for r in results:
+            detail = f"{r.seconds:6.1f} s" if r.verdict == "passed" else r.reason
+            out.line(f"{r.verdict:8} {r.name:14} {r.title}  [{detail}]")
+        passed = sum(r.verdict == "passed" for r in results)
+        skipped = sum(r.verdict == "skipped" for r in results)
+        tail = f", {skipped} skipped" if skipped else ""
+        verdict = "finished" if ok else "FAILED"
+        out.line(f"demo {verdict}: {passed} of {len(results)} steps passed{tail}")
 
-def _print(results: list[StepResult], ok: bool, out: Output) -> None:
-    out.line("")
-    for r in results:
-        detail = f"{r.seconds:6.1f} s" if r.verdict == "passed" else r.reason
-        out.line(f"{r.verdict:8} {r.name:14} {r.title}  [{detail}]")
-    passed = sum(r.verdict == "passed" for r in results)
-    skipped = sum(r.verdict == "skipped" for r in results)
-    tail = f", {skipped} skipped" if skipped else ""
-    verdict = "finished" if ok else "FAILED"
-    out.line(f"demo {verdict}: {passed} of {len(results)} steps passed{tail}")
+    return out.result({"ok": ok, "steps": results}, render)

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-
-if TYPE_CHECKING:
-    from torchverity.checkpoint._diff import DiffResult
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -32,16 +29,16 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.checkpoint._diff import diff
 
     result = diff(args.a, args.b, rtol=args.rtol, atol=args.atol)
-    return out.result({"ok": result.equal, **result.to_dict()}, lambda: _print(result, args, out))
 
+    def render() -> None:
+        shown = result.entries if args.all else result.changed
+        if shown:
+            out.table(("tensor", "change", "detail"), [
+                (e.name, e.kind if e.status == "values_changed" else e.status.replace("_", " "),
+                 e.describe()) for e in shown])
+        counts = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in result.counts.items() if n)
+        verdict = "equal" if result.equal else "DIFFERENT"
+        tolerance = f" within rtol={args.rtol} atol={args.atol}" if args.rtol or args.atol else ""
+        out.line(f"{verdict}{tolerance}: {len(result.entries)} entries ({counts})")
 
-def _print(result: DiffResult, args: argparse.Namespace, out: Output) -> None:
-    shown = result.entries if args.all else result.changed
-    if shown:
-        out.table(("tensor", "change", "detail"),
-                  [(e.name, e.kind if e.status == "values_changed" else e.status.replace("_", " "),
-                    e.describe()) for e in shown])
-    counts = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in result.counts.items() if n)
-    verdict = "equal" if result.equal else "DIFFERENT"
-    tolerance = f" within rtol={args.rtol} atol={args.atol}" if args.rtol or args.atol else ""
-    out.line(f"{verdict}{tolerance}: {len(result.entries)} entries ({counts})")
+    return out.result({"ok": result.equal, **result.to_dict()}, render)

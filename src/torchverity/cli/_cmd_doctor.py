@@ -9,7 +9,7 @@ from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 
 if TYPE_CHECKING:
-    from torchverity.doctor import DoctorReport, Level
+    from torchverity.doctor import Level
 
 _MARK: dict[Level, str] = {"ok": "ok", "info": "info", "warn": "WARN", "fail": "FAIL"}
 
@@ -30,17 +30,17 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.doctor import diagnose
 
     report = diagnose(selftest_seconds=args.seconds, selftest=not args.no_selftest)
-    return out.result(report, lambda: _print(report, out))
 
+    def render() -> None:
+        out.table(("component", "version"), [(k, v or "-") for k, v in report.versions.items()],
+                  title="versions")
+        out.table(("setting", "value"), [(k, v) for k, v in report.determinism.items()],
+                  title="determinism")
+        out.table(("", "topic", "finding"), [(_MARK[f.level], f.topic, f.message)
+                                             for f in report.findings], title="findings")
+        for f in report.findings:
+            if f.hint and f.level in ("warn", "fail"):
+                out.info(f"{f.topic}: next: {f.hint}")
+        out.line(f"doctor: {'ok' if report.ok else 'FAILED'}")
 
-def _print(report: DoctorReport, out: Output) -> None:
-    out.table(("component", "version"), [(k, v or "-") for k, v in report.versions.items()],
-              title="versions")
-    out.table(("setting", "value"), [(k, v) for k, v in report.determinism.items()],
-              title="determinism")
-    out.table(("", "topic", "finding"), [(_MARK[f.level], f.topic, f.message)
-                                         for f in report.findings], title="findings")
-    for f in report.findings:
-        if f.hint and f.level in ("warn", "fail"):
-            out.info(f"{f.topic}: next: {f.hint}")
-    out.line(f"doctor: {'ok' if report.ok else 'FAILED'}")
+    return out.result(report, render)

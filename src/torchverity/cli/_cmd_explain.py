@@ -5,14 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.errors import InputError, UsageError
-
-if TYPE_CHECKING:
-    from torchverity.pickles._explain import Explanation
 
 # A log can be huge; failures worth explaining sit in the last part of it.
 _LOG_TAIL_BYTES = 16 * 1024 * 1024
@@ -61,21 +58,21 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     text = _source_text(args)
     found = explain_text(text)
     unknown = unexplained(text)
+
+    def render() -> None:
+        for item in found:
+            times = f" ({item.count} occurrences)" if item.count > 1 else ""
+            out.line(f"[{item.key}] {item.evidence}{times}")
+            out.line(f"  cause: {item.cause}")
+            out.line(f"  fix:   {item.fix}")
+            out.line(f"  check: {item.command}")
+        for line in unknown:
+            out.line(f"[unexplained] {line}")
+        if unknown:
+            out.warn(f"{len(unknown)} error(s) not recognised: torchverity doctor checks the "
+                     "environment; the message itself is the best lead")
+        elif not found:
+            out.line("no save/load error found in the text")
+
     return out.result({"ok": not unknown, "recognised": len(found), "explanations": found,
-                       "unexplained": unknown}, lambda: _print(found, unknown, out))
-
-
-def _print(found: list[Explanation], unknown: list[str], out: Output) -> None:
-    for item in found:
-        times = f" ({item.count} occurrences)" if item.count > 1 else ""
-        out.line(f"[{item.key}] {item.evidence}{times}")
-        out.line(f"  cause: {item.cause}")
-        out.line(f"  fix:   {item.fix}")
-        out.line(f"  check: {item.command}")
-    for line in unknown:
-        out.line(f"[unexplained] {line}")
-    if unknown:
-        out.warn(f"{len(unknown)} error(s) not recognised: torchverity doctor checks the "
-                 "environment; the message itself is the best lead")
-    elif not found:
-        out.line("no save/load error found in the text")
+                       "unexplained": unknown}, render)

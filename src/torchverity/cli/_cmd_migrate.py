@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-
-if TYPE_CHECKING:
-    from torchverity.pickles._migrate import MigrateResult
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -38,17 +35,18 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     result = migrate(args.source, args.target, trust_sha256=args.trust_sha256,
                      nested=args.nested)
-    return out.result({"ok": True, "result": result}, lambda: _print(result, out))
 
+    def render() -> None:
+        out.line(f"migrated {result.source} -> {result.target}: {result.tensors} tensors, "
+                 f"read back bit for bit ({result.mode} unpickling)")
+        if result.placeholders:
+            out.line("  rebuilt as inert placeholders (nothing ran): "
+                     + ", ".join(result.placeholders))
+        if result.crc_checked:
+            out.line(f"  source tensor records match their zip CRC-32: {result.crc_checked}")
+        out.line(f"  sha256 {result.digest}")
+        out.line(f"  sidecar {result.sidecar}, meta {result.meta_path}")
+        for item in result.skipped:
+            out.warn(f"not migrated: {item}")
 
-def _print(result: MigrateResult, out: Output) -> None:
-    out.line(f"migrated {result.source} -> {result.target}: {result.tensors} tensors, "
-             f"read back bit for bit ({result.mode} unpickling)")
-    if result.placeholders:
-        out.line(f"  rebuilt as inert placeholders (nothing ran): {', '.join(result.placeholders)}")
-    if result.crc_checked:
-        out.line(f"  source tensor records match their zip CRC-32: {result.crc_checked}")
-    out.line(f"  sha256 {result.digest}")
-    out.line(f"  sidecar {result.sidecar}, meta {result.meta_path}")
-    for item in result.skipped:
-        out.warn(f"not migrated: {item}")
+    return out.result({"ok": True, "result": result}, render)

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-
-if TYPE_CHECKING:
-    from torchverity.report import EventReport
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -37,26 +34,26 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     report = summarize(args.events)
     png = plot(args.events, args.plot) if args.plot else None
+
+    def render() -> None:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items()))
+        out.line(f"{report.path}: {report.steps} steps, {len(report.anomalies)} anomalies"
+                 + (f" ({counts})" if counts else ""))
+        replays = ", ".join(f"{k} {v}" for k, v in sorted(report.replays.items())) or "none"
+        out.line(f"skipped {report.skipped}, rollbacks {report.rollbacks}, replays: {replays}, "
+                 f"checkpoints {report.checkpoints}")
+        if report.anomalies:
+            rows = [(a.get("step"), a.get("kind"), a.get("action"), a.get("replay", "-"),
+                     a.get("rank", 0), _suspects(a)) for a in report.anomalies]
+            out.table(["step", "kind", "action", "replay", "rank", "suspects"], rows)
+        if not report.finished:
+            out.warn(f"{report.path}: no summary event: the run did not finish (crashed or still "
+                     "running)" + ("; its last line is torn" if report.torn_last_line else ""))
+        if png:
+            out.info(f"plot written to {png}")
+
     return out.result({"ok": True, **_jsonable(report), "plot": str(png) if png else None},
-                      lambda: _print(report, png, out))
-
-
-def _print(report: EventReport, png: Path | None, out: Output) -> None:
-    counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items()))
-    out.line(f"{report.path}: {report.steps} steps, {len(report.anomalies)} anomalies"
-             + (f" ({counts})" if counts else ""))
-    replays = ", ".join(f"{k} {v}" for k, v in sorted(report.replays.items())) or "none"
-    out.line(f"skipped {report.skipped}, rollbacks {report.rollbacks}, replays: {replays}, "
-             f"checkpoints {report.checkpoints}")
-    if report.anomalies:
-        rows = [(a.get("step"), a.get("kind"), a.get("action"), a.get("replay", "-"),
-                 a.get("rank", 0), _suspects(a)) for a in report.anomalies]
-        out.table(["step", "kind", "action", "replay", "rank", "suspects"], rows)
-    if not report.finished:
-        out.warn(f"{report.path}: no summary event: the run did not finish (crashed or still "
-                 "running)" + ("; its last line is torn" if report.torn_last_line else ""))
-    if png:
-        out.info(f"plot written to {png}")
+                      render)
 
 
 def _jsonable(report: Any) -> dict[str, Any]:

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-
-if TYPE_CHECKING:
-    from torchverity.selftest import SelftestResult
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -30,17 +27,18 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.selftest import run_selftest
 
     result = run_selftest(args.device, args.seconds, memory_mb=args.memory_mb)
-    return out.result(result, lambda: _print(result, out))
 
+    def render() -> None:
+        columns, rows = result.table()
+        out.table(columns, rows, title=f"selftest {result.device} ({result.device_name})")
+        verdict = "passed" if result.ok else "FAILED"
+        out.line(f"selftest {verdict}: {len(result.checks)} checks, {result.rounds} round(s) "
+                 f"in {result.seconds:.1f} s")
+        for c in result.failures:
+            out.line(f"  {c.kernel} {c.dtype} {c.test}: {c.failures} of {c.runs} failed; "
+                     f"{c.detail}")
+        if not result.ok:
+            out.info(f"{result.device} returned wrong results: do not trust it for training or "
+                     "inference; rerun with --seconds 60 to confirm, then drain the machine")
 
-def _print(result: SelftestResult, out: Output) -> None:
-    columns, rows = result.table()
-    out.table(columns, rows, title=f"selftest {result.device} ({result.device_name})")
-    verdict = "passed" if result.ok else "FAILED"
-    out.line(f"selftest {verdict}: {len(result.checks)} checks, {result.rounds} round(s) "
-             f"in {result.seconds:.1f} s")
-    for c in result.failures:
-        out.line(f"  {c.kernel} {c.dtype} {c.test}: {c.failures} of {c.runs} failed; {c.detail}")
-    if not result.ok:
-        out.info(f"{result.device} returned wrong results: do not trust it for training or "
-                 "inference; rerun with --seconds 60 to confirm, then drain the machine")
+    return out.result(result, render)

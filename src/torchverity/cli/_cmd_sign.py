@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-
-if TYPE_CHECKING:
-    from torchverity.provenance import SignReport
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -37,15 +34,16 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     report = sign_model(args.model, private_key=args.key, signature=args.signature,
                         certificate=args.certificate, chain=args.chain)
-    return out.result({"ok": True, **report.__dict__}, lambda: _print(report, out))
 
+    def render() -> None:
+        out.line(f"{report.signature}: signed {len(report.files)} files of {report.target} "
+                 f"({report.mode} mode)")
+        if report.reused:
+            sources = sorted(set(report.reused.values()))
+            out.info(f"reused {len(report.reused)} recorded digests ({', '.join(sources)}); "
+                     f"hashed {len(report.hashed)} files")
+        trust = "--certificate CA.pem" if report.mode == "certificate" else "--public-key PUB.pem"
+        out.info(f"check it with: torchverity verify {report.target} "
+                 f"--signature {report.signature} {trust}")
 
-def _print(report: SignReport, out: Output) -> None:
-    out.line(f"{report.signature}: signed {len(report.files)} files of {report.target} "
-             f"({report.mode} mode)")
-    if report.reused:
-        sources = sorted(set(report.reused.values()))
-        out.info(f"reused {len(report.reused)} recorded digests ({', '.join(sources)}); "
-                 f"hashed {len(report.hashed)} files")
-    out.info(f"check it with: torchverity verify {report.target} --signature {report.signature} "
-             + ("--certificate CA.pem" if report.mode == "certificate" else "--public-key PUB.pem"))
+    return out.result({"ok": True, **report.__dict__}, render)
