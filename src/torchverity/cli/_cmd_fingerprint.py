@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, get_args
 
-from torchverity.checkpoint._fp_record import Fingerprint, NamedMode
+from torchverity.checkpoint._fp_record import NamedMode
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 
@@ -29,13 +29,13 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.checkpoint._file_fingerprint import fingerprint_file
 
     fp = fingerprint_file(args.path, mode=args.mode)
-    return out.result({"ok": True, "path": args.path, **fp.to_dict()},
-                      lambda: _print(fp, args, out))
 
+    def render() -> None:
+        out.line(f"{fp.root}  {args.path}  ({fp.algo}, {len(fp.entries)} entries)")
+        if args.tensors:
+            rows = [(e.name, e.dtype, "x".join(map(str, e.shape)) or "()", e.digest)
+                    for e in fp.entries]
+            out.table(("name", "dtype", "shape", "digest"), rows)
 
-def _print(fp: Fingerprint, args: argparse.Namespace, out: Output) -> None:
-    out.line(f"{fp.root}  {args.path}  ({fp.algo}, {len(fp.entries)} entries)")
-    if args.tensors:
-        rows = [(e.name, e.dtype, "x".join(map(str, e.shape)) or "()", e.digest)
-                for e in fp.entries]
-        out.table(("name", "dtype", "shape", "digest"), rows)
+    return out.result({"ok": True, "path": args.path, **fp.to_dict()}, render)
+

@@ -52,8 +52,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         if png:
             out.info(f"plot written to {png}")
 
-    return out.result({"ok": True, **_jsonable(report), "plot": str(png) if png else None},
-                      render)
+    return out.result({"ok": True, **_jsonable(report), "plot": str(png) if png else None}, render)
 
 
 def _jsonable(report: Any) -> dict[str, Any]:

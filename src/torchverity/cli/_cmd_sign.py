@@ -7,6 +7,7 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
+from torchverity.cli._signing_args import add_signing_args
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -20,13 +21,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "--public-key pub.pem (or model_signing verify key ...).",
     )
     p.add_argument("model", metavar="DIR|FILE")
-    p.add_argument("--key", required=True, metavar="KEY.pem", help="EC private key (PEM)")
+    add_signing_args(p, key_required=True)
     p.add_argument("--signature", metavar="SIG",
                    help="where to write it (default: DIR/model.sig, or FILE.sig)")
-    p.add_argument("--certificate", metavar="PEM",
-                   help="signing certificate for KEY (certificate mode)")
-    p.add_argument("--chain", metavar="PEM", action="append", default=[],
-                   help="intermediate/CA certificates to embed (repeatable)")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
