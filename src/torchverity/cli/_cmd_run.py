@@ -72,9 +72,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
                              hint=f"check the command; which {command[0]}") from None
         events = _read_log(log)
     summary = _summary(events, status, args.policy)
-    # The command's own failure is its exit status (killed by a signal: the shell's 128+N).
-    failed = (128 - status if status < 0 else status) or None
-    return out.result(summary, lambda: _print(summary, out), exit_code=failed)
+    # A command that failed exits with its own status (killed by signal N: 128+N, as shells do);
+    # one that succeeded, by the summary's verdict.
+    own = 128 - status if status < 0 else status
+    return out.result(summary, lambda: _print(summary, out), exit_code=own or None)
 
 
 def _read_log(log: Path) -> list[dict[str, Any]]:
