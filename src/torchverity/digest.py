@@ -29,12 +29,13 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 from torchverity.errors import FormatError, InputError, UsageError
 
-ALGORITHMS = ("sha256", "blake3", "xxh128")
-DEFAULT_ALGO = "sha256"
+Algorithm = Literal["sha256", "blake3", "xxh128"]
+ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
+DEFAULT_ALGO: Algorithm = "sha256"
 HEX_LENGTH = {"sha256": 64, "blake3": 64, "xxh128": 32}
 # Hashes that run faster than memory is copied: cheapest on the thread that just
 # read the bytes (still in its cache), where slower ones go to a second core.

@@ -14,7 +14,7 @@ import os
 import platform
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -26,11 +26,14 @@ FORCE_UNSAFE = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"
 _TRUE_VALUES = ("1", "y", "yes", "true")
 
 
+Level = Literal["ok", "info", "warn", "fail"]
+
+
 @dataclass(frozen=True)
 class Finding:
     """One observation. ``level`` is ``ok``, ``info``, ``warn`` or ``fail``."""
 
-    level: str
+    level: Level
     topic: str
     message: str
     hint: str | None = None
@@ -209,7 +212,7 @@ def _nvml_device(pynvml: Any, index: int) -> dict[str, Any]:
 
 def _gpu_findings(gpus: Mapping[str, Any]) -> list[Finding]:
     if not gpus.get("available"):
-        level = "warn" if torch.cuda.is_available() else "info"
+        level: Level = "warn" if torch.cuda.is_available() else "info"
         return [Finding(level, "gpu", f"GPU ECC counters not read: {gpus.get('reason')}")]
     findings = []
     for dev in gpus["devices"]:

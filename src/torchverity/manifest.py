@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, Literal
 
 from torchverity.digest import (
     ALGORITHMS,
@@ -38,6 +38,8 @@ from torchverity.errors import FormatError, InputError
 
 MANIFEST_NAME = "torchverity.manifest.json"
 SHA256SUM_NAME = "manifest-sha256.txt"
+# The manifest's own JSON (MANIFEST_NAME), or sha256sum lines (SHA256SUM_NAME).
+ManifestFormat = Literal["json", "sha256sum"]
 FORMAT_NAME = "torchverity-manifest"
 FORMAT_VERSION = 1
 PARAMS = {"scope": "whole-file", "paths": "relative-posix", "order": "utf8-bytes"}
@@ -131,7 +133,7 @@ def write_manifest(
     directory: str | os.PathLike[str],
     algo: str = DEFAULT_ALGO,
     *,
-    fmt: str = "json",
+    fmt: ManifestFormat = "json",
     progress: Callable[[int], None] | None = None,
 ) -> Manifest:
     """Build and atomically write the manifest into ``directory``."""

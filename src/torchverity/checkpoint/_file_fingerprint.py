@@ -10,6 +10,7 @@ from torchverity.checkpoint._fp_record import (
     EXACT,
     LEGACY_EXACT,
     Fingerprint,
+    Mode,
     TensorDigest,
     from_entries,
     plain_tensor_hasher,
@@ -17,7 +18,7 @@ from torchverity.checkpoint._fp_record import (
 
 
 def fingerprint_file(path: str | os.PathLike[str], *,
-                     mode: str = "exact") -> Fingerprint:
+                     mode: Mode | str = "exact") -> Fingerprint:
     """Fingerprint a checkpoint file, Hugging Face folder or index without executing code from it.
 
     A .safetensors file streams each tensor's bytes through its hash with one

@@ -47,7 +47,7 @@ import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -58,6 +58,7 @@ from torchverity.checkpoint._fp_record import (
     FINGERPRINT_VERSION,
     LEGACY_EXACT,
     Fingerprint,
+    Mode,
     TensorDigest,
     _header,
     from_entries,
@@ -67,9 +68,6 @@ from torchverity.errors import FormatError, UsageError
 
 __all__ = ["DEVICE", "EXACT", "FINGERPRINT_VERSION", "LEGACY_EXACT", "Fingerprint",
            "TensorDigest", "from_entries"]
-
-# "auto"/"exact"/"device", or a recorded algorithm name to rebuild that record.
-Mode = Literal["auto", "exact", "device", "blake3", "sha256", "tvsum64x2"]
 
 
 _WORD_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torchverity.errors import FormatError, UsageError
 
@@ -22,6 +22,11 @@ LEGACY_EXACT = "sha256"  # the exact mode of earlier records, still verified
 
 
 DEVICE = "tvsum64x2"
+
+# The modes a user names: exact (EXACT), device (DEVICE), sha256 (LEGACY_EXACT)...
+NamedMode = Literal["exact", "device", "sha256"]
+# ...plus "auto", and the algorithms by name to rebuild a record in the one it names.
+Mode = Literal[NamedMode, "auto", "blake3", "tvsum64x2"]
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,7 @@ def resolve_records(p: Path) -> Records:
             if recorded_digest(published) == (algo, hexd):
                 meta, mp = published, meta_path_for(p)
         return Records(side, algo, hexd, meta, mp, pending=True)
-    sidecars = {algo: read_sidecar(sidecar_path(p, algo))[1] for algo in ALGORITHMS
+    sidecars: dict[str, str] = {algo: read_sidecar(sidecar_path(p, algo))[1] for algo in ALGORITHMS
                 if sidecar_path(p, algo).is_file()}
     meta, mp = _pending_meta(p, set(sidecars.items()))
     if meta is None and meta_path_for(p).exists():

@@ -72,8 +72,7 @@ def _command_module(name: str) -> ModuleType:
 
 
 def _report_error(exc: TorchVerityError, out: Output) -> None:
-    if out.json_mode:
-        out.data({"ok": False, **exc.to_dict()})
+    out.result({"ok": False, **exc.to_dict()})
     out.err.write(f"torchverity: error: {exc.message}\n")
     if exc.hint:
         out.err.write(f"  next: {exc.hint}\n")

@@ -7,6 +7,7 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
+from torchverity.cli._signing_args import add_signing_args
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -24,10 +25,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="FILE",
                    help="where to write it (default: CKPT.intoto.json, or "
                    "DIR/attestation.intoto.json)")
-    p.add_argument("--key", metavar="KEY.pem", help="EC private key to sign with")
-    p.add_argument("--certificate", metavar="PEM", help="signing certificate for KEY")
-    p.add_argument("--chain", metavar="PEM", action="append", default=[],
-                   help="intermediate/CA certificates to embed (repeatable)")
+    add_signing_args(p, key_required=False)
     p.add_argument("--guard-log", metavar="EVENTS.jsonl",
                    help="TrainingGuard event log of the run: its steps and anomalies are recorded")
     p.add_argument("--training", metavar="JSON",
@@ -40,15 +38,15 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     path, statement = write_attestation(args.checkpoint, out=args.out, private_key=args.key,
                                         certificate=args.certificate, chain=args.chain,
                                         training=args.training, guard_log=args.guard_log)
-    subjects = statement["subject"]
-    if out.json_mode:
-        out.data({"ok": True, "attestation": str(path), "signed": bool(args.key),
-                  "statement": statement})
-        return 0
-    out.line(f"{path}: {'signed ' if args.key else ''}attestation over {len(subjects)} files "
-             f"of {args.checkpoint}")
-    for name, rec in statement["predicate"].get("checkpoint", {}).items():
-        out.line(f"  {name}: fingerprint {rec['fingerprint']['root']}")
-    out.info(f"check it with: torchverity verify {args.checkpoint} --attestation {path}"
-             + (" --public-key PUB.pem" if args.key else ""))
-    return 0
+
+    def render() -> None:
+        out.line(f"{path}: {'signed ' if args.key else ''}attestation over "
+                 f"{len(statement['subject'])} files of {args.checkpoint}")
+        for name, rec in statement["predicate"].get("checkpoint", {}).items():
+            out.line(f"  {name}: fingerprint {rec['fingerprint']['root']}")
+        out.info(f"check it with: torchverity verify {args.checkpoint} --attestation {path}"
+                 + (" --public-key PUB.pem" if args.key else ""))
+
+    return out.result({"ok": True, "attestation": str(path), "signed": bool(args.key),
+                       "statement": statement}, render)
+

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from torchverity.batch._item import DurabilityMode, EngineName
 from torchverity.cli._fit_args import add_fit_args, fit_kwargs
-from torchverity.cli._output import Output, _is_tty
+from torchverity.cli._output import Output
 
 if TYPE_CHECKING:
     from torchverity.batch import BatchReport, BatchVerifyResult
@@ -91,11 +91,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
             progress=progress, retry_failed=args.retry_failed, strip_prefix=args.strip_prefix,
             key_map=fit_kwargs(args)["key_map"],
         )
-    if out.json_mode:
-        out.data({"ok": report.ok, **_as_dict(report)})
-    else:
-        _print_report(report, out)
-    return 0 if report.ok else 1
+    return out.result({"ok": report.ok, **_as_dict(report)}, lambda: _print_report(report, out))
 
 
 def _as_dict(obj: Any) -> dict[str, Any]:
@@ -135,11 +131,7 @@ def _verify(args: argparse.Namespace, out: Output) -> int:
     from torchverity.batch import verify_batch
 
     result = verify_batch(args.out)
-    if out.json_mode:
-        out.data({"ok": result.ok, **_as_dict(result)})
-    else:
-        _print_verify(result, out)
-    return 0 if result.ok else 1
+    return out.result({"ok": result.ok, **_as_dict(result)}, lambda: _print_verify(result, out))
 
 
 def _print_verify(result: BatchVerifyResult, out: Output) -> None:
@@ -160,7 +152,7 @@ def _print_verify(result: BatchVerifyResult, out: Output) -> None:
 @contextmanager
 def _progress(out: Output) -> Iterator[Callable[[int, int], None]]:
     """A bar with items/s and ETA on stderr when it is a terminal; otherwise nothing."""
-    if out.json_mode or not _is_tty(out.err):
+    if not out.live:
         yield lambda done, total: None
         return
     from rich.console import Console

@@ -9,7 +9,6 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED
 
 
 def _names(text: str) -> list[str]:
@@ -40,16 +39,16 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         with tempfile.TemporaryDirectory(prefix="torchverity-demo-") as tmp:
             results = run_demo(Path(tmp), out, args.only, args.skip)
     ok = all(r.verdict != "failed" for r in results)
-    if out.json_mode:
-        out.data({"ok": ok, "steps": results})
-        return 0 if ok else EXIT_CHECK_FAILED
-    out.line("")
-    for r in results:
-        detail = f"{r.seconds:6.1f} s" if r.verdict == "passed" else r.reason
-        out.line(f"{r.verdict:8} {r.name:14} {r.title}  [{detail}]")
-    passed = sum(r.verdict == "passed" for r in results)
-    skipped = sum(r.verdict == "skipped" for r in results)
-    tail = f", {skipped} skipped" if skipped else ""
-    verdict = "finished" if ok else "FAILED"
-    out.line(f"demo {verdict}: {passed} of {len(results)} steps passed{tail}")
-    return 0 if ok else EXIT_CHECK_FAILED
+
+    def render() -> None:
+        out.line("")
+        for r in results:
+            detail = f"{r.seconds:6.1f} s" if r.verdict == "passed" else r.reason
+            out.line(f"{r.verdict:8} {r.name:14} {r.title}  [{detail}]")
+        passed = sum(r.verdict == "passed" for r in results)
+        skipped = sum(r.verdict == "skipped" for r in results)
+        tail = f", {skipped} skipped" if skipped else ""
+        verdict = "finished" if ok else "FAILED"
+        out.line(f"demo {verdict}: {passed} of {len(results)} steps passed{tail}")
+
+    return out.result({"ok": ok, "steps": results}, render)

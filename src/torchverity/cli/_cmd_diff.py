@@ -7,7 +7,6 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -30,17 +29,16 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.checkpoint._diff import diff
 
     result = diff(args.a, args.b, rtol=args.rtol, atol=args.atol)
-    code = 0 if result.equal else EXIT_CHECK_FAILED
-    if out.json_mode:
-        out.data({"ok": result.equal, **result.to_dict()})
-        return code
-    shown = result.entries if args.all else result.changed
-    if shown:
-        out.table(("tensor", "change", "detail"),
-                  [(e.name, e.kind if e.status == "values_changed" else e.status.replace("_", " "),
-                    e.describe()) for e in shown])
-    counts = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in result.counts.items() if n)
-    verdict = "equal" if result.equal else "DIFFERENT"
-    tolerance = f" within rtol={args.rtol} atol={args.atol}" if args.rtol or args.atol else ""
-    out.line(f"{verdict}{tolerance}: {len(result.entries)} entries ({counts})")
-    return code
+
+    def render() -> None:
+        shown = result.entries if args.all else result.changed
+        if shown:
+            out.table(("tensor", "change", "detail"), [
+                (e.name, e.kind if e.status == "values_changed" else e.status.replace("_", " "),
+                 e.describe()) for e in shown])
+        counts = ", ".join(f"{n} {s.replace('_', ' ')}" for s, n in result.counts.items() if n)
+        verdict = "equal" if result.equal else "DIFFERENT"
+        tolerance = f" within rtol={args.rtol} atol={args.atol}" if args.rtol or args.atol else ""
+        out.line(f"{verdict}{tolerance}: {len(result.entries)} entries ({counts})")
+
+    return out.result({"ok": result.equal, **result.to_dict()}, render)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED
 
-_MARK = {"ok": "ok", "info": "info", "warn": "WARN", "fail": "FAIL"}
+if TYPE_CHECKING:
+    from torchverity.doctor import Level
+
+_MARK: dict[Level, str] = {"ok": "ok", "info": "info", "warn": "WARN", "fail": "FAIL"}
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -28,17 +30,17 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.doctor import diagnose
 
     report = diagnose(selftest_seconds=args.seconds, selftest=not args.no_selftest)
-    if out.json_mode:
-        out.data(report)
-        return 0 if report.ok else EXIT_CHECK_FAILED
-    out.table(("component", "version"), [(k, v or "-") for k, v in report.versions.items()],
-              title="versions")
-    out.table(("setting", "value"), [(k, v) for k, v in report.determinism.items()],
-              title="determinism")
-    out.table(("", "topic", "finding"), [(_MARK[f.level], f.topic, f.message)
-                                         for f in report.findings], title="findings")
-    for f in report.findings:
-        if f.hint and f.level in ("warn", "fail"):
-            out.info(f"{f.topic}: next: {f.hint}")
-    out.line(f"doctor: {'ok' if report.ok else 'FAILED'}")
-    return 0 if report.ok else EXIT_CHECK_FAILED
+
+    def render() -> None:
+        out.table(("component", "version"), [(k, v or "-") for k, v in report.versions.items()],
+                  title="versions")
+        out.table(("setting", "value"), [(k, v) for k, v in report.determinism.items()],
+                  title="determinism")
+        out.table(("", "topic", "finding"), [(_MARK[f.level], f.topic, f.message)
+                                             for f in report.findings], title="findings")
+        for f in report.findings:
+            if f.hint and f.level in ("warn", "fail"):
+                out.info(f"{f.topic}: next: {f.hint}")
+        out.line(f"doctor: {'ok' if report.ok else 'FAILED'}")
+
+    return out.result(report, render)

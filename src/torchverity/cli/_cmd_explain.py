@@ -58,22 +58,21 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     text = _source_text(args)
     found = explain_text(text)
     unknown = unexplained(text)
-    if out.json_mode:
-        out.data({"ok": not unknown, "recognised": len(found), "explanations": found,
-                  "unexplained": unknown})
-        return 1 if unknown else 0
-    for item in found:
-        times = f" ({item.count} occurrences)" if item.count > 1 else ""
-        out.line(f"[{item.key}] {item.evidence}{times}")
-        out.line(f"  cause: {item.cause}")
-        out.line(f"  fix:   {item.fix}")
-        out.line(f"  check: {item.command}")
-    for line in unknown:
-        out.line(f"[unexplained] {line}")
-    if unknown:
-        out.warn(f"{len(unknown)} error(s) not recognised: torchverity doctor checks the "
-                 "environment; the message itself is the best lead")
-        return 1
-    if not found:
-        out.line("no save/load error found in the text")
-    return 0
+
+    def render() -> None:
+        for item in found:
+            times = f" ({item.count} occurrences)" if item.count > 1 else ""
+            out.line(f"[{item.key}] {item.evidence}{times}")
+            out.line(f"  cause: {item.cause}")
+            out.line(f"  fix:   {item.fix}")
+            out.line(f"  check: {item.command}")
+        for line in unknown:
+            out.line(f"[unexplained] {line}")
+        if unknown:
+            out.warn(f"{len(unknown)} error(s) not recognised: torchverity doctor checks the "
+                     "environment; the message itself is the best lead")
+        elif not found:
+            out.line("no save/load error found in the text")
+
+    return out.result({"ok": not unknown, "recognised": len(found), "explanations": found,
+                       "unexplained": unknown}, render)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, get_args
 
+from torchverity.checkpoint._fp_record import NamedMode
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 
@@ -19,7 +20,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("path", metavar="PATH", help="a .pt/.bin/.safetensors file or sharded folder")
     p.add_argument("--tensors", action="store_true", help="also list each tensor's digest")
-    p.add_argument("--mode", choices=("exact", "device", "sha256"), default="exact",
+    p.add_argument("--mode", choices=get_args(NamedMode), default="exact",
                    help="exact: BLAKE3 (default); device: the tvsum64x2 device checksum; "
                         "sha256: the exact mode of records made before BLAKE3")
 
@@ -28,12 +29,13 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.checkpoint._file_fingerprint import fingerprint_file
 
     fp = fingerprint_file(args.path, mode=args.mode)
-    if out.json_mode:
-        out.data({"ok": True, "path": args.path, **fp.to_dict()})
-        return 0
-    out.line(f"{fp.root}  {args.path}  ({fp.algo}, {len(fp.entries)} entries)")
-    if args.tensors:
-        rows = [(e.name, e.dtype, "x".join(map(str, e.shape)) or "()", e.digest)
-                for e in fp.entries]
-        out.table(("name", "dtype", "shape", "digest"), rows)
-    return 0
+
+    def render() -> None:
+        out.line(f"{fp.root}  {args.path}  ({fp.algo}, {len(fp.entries)} entries)")
+        if args.tensors:
+            rows = [(e.name, e.dtype, "x".join(map(str, e.shape)) or "()", e.digest)
+                    for e in fp.entries]
+            out.table(("name", "dtype", "shape", "digest"), rows)
+
+    return out.result({"ok": True, "path": args.path, **fp.to_dict()}, render)
+

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from torchverity.cli._fit_args import add_fit_args, fit_kwargs
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED, UsageError
+from torchverity.errors import UsageError
+
+if TYPE_CHECKING:
+    from torchverity.golden import GoldenRecord, GoldenResult
+    from torchverity.golden._compare import CompareMode
+
+# --mode: the compare modes (golden imports torch, so the names are checked by mypy, not
+# imported for --help), and auto: exact on the recorded environment, tolerance elsewhere.
+_EXACT: dict[CompareMode | Literal["auto"], bool | None] = {
+    "auto": None, "exact": True, "tolerance": False}
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -48,7 +57,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "NaN/Inf count, output structure, or the weights' fingerprint (compared whenever "
         "the record holds one).",
     )
-    chk.add_argument("--mode", choices=("auto", "exact", "tolerance"), default="auto",
+    chk.add_argument("--mode", choices=tuple(_EXACT), default="auto",
                      help="auto: exact on the recorded environment, tolerance elsewhere")
     chk.add_argument("--check-weights", action=argparse.BooleanOptionalAction, default=None,
                      help="compare the model's weights with the record's fingerprint even when "
@@ -112,42 +121,44 @@ def _record(args: argparse.Namespace, out: Output) -> int:
 
     model = build_model(args.model, args.weights, args.device, fit_kwargs(args))
     rec = golden.record(model, _inputs(args), args.golden, sample_size=args.sample_size)
-    if out.json_mode:
-        out.data({"ok": True, "record": rec})
-        return 0
+    return out.result({"ok": True, "record": rec}, lambda: _print_record(rec, args.golden, out))
+
+
+def _print_record(rec: GoldenRecord, path: Path, out: Output) -> None:
+    from torchverity.golden import STATS
+
     weights = rec.model_fingerprint.root[:16] if rec.model_fingerprint else "-"
-    out.line(f"recorded {args.golden}: {len(rec.outputs)} output(s) on "
+    out.line(f"recorded {path}: {len(rec.outputs)} output(s) on "
              f"{rec.environment['device']} ({rec.environment['device_name']})")
     out.table(("output", "dtype", "shape", "mean", "std", "min", "max"), [
-        (o.name, o.dtype, list(o.shape), *(f"{o.summary[s]:.6g}" for s in golden.STATS))
+        (o.name, o.dtype, list(o.shape), *(f"{o.summary[s]:.6g}" for s in STATS))
         for o in rec.outputs
     ])
     out.line(f"inputs {rec.input_fingerprint[:16]}…  weights {weights}…")
-    return 0
 
 
 def _check(args: argparse.Namespace, out: Output) -> int:
     from torchverity import golden
 
     model = build_model(args.model, args.weights, args.device, fit_kwargs(args))
-    exact = {"auto": None, "exact": True, "tolerance": False}[args.mode]
+    exact = _EXACT[args.mode]
     if args.check_weights:
         _require_fingerprint(args.golden)
     result = golden.check(model, args.golden, exact=exact, rtol=args.rtol, atol=args.atol,
                           weights=args.check_weights)
-    if out.json_mode:
-        out.data(result)
-        return 0 if result.ok else EXIT_CHECK_FAILED
+    return out.result(result, lambda: _print_check(result, args, out))
+
+
+def _print_check(result: GoldenResult, args: argparse.Namespace, out: Output) -> None:
     where = ("same environment" if not result.environment_differences
              else "environment differs: " + "; ".join(result.environment_differences))
     if result.ok:
         out.line(f"golden check passed: {args.golden} ({result.mode} mode, {where}): "
                  f"{len(result.outputs)} output(s) match")
-        return 0
+        return
     out.line(f"golden check FAILED: {args.golden} ({result.mode} mode, {where}); "
              f"failed parts: {', '.join(result.parts)}")
     out.table(("part", "output", "what"), [(f.part, f.output, f.message) for f in result.failures])
     out.info(f"{args.golden}: the model no longer reproduces its golden outputs; if the weights "
              "changed, verify the checkpoint (torchverity verify CKPT); if not, test the "
              f"hardware: torchverity selftest --device {args.device.split(':')[0]}")
-    return EXIT_CHECK_FAILED

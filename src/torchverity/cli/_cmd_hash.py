@@ -39,9 +39,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
                 **({"sidecar": str(sidecar)} if sidecar else {}),
             }
         )
-        out.line(f"{d.hexdigest}  {path}")
+        out.line(f"{d.hexdigest}  {path}")  # as each file is done, like sha256sum
         if sidecar:
             out.info(f"wrote {sidecar}")
-    if out.json_mode:
-        out.data({"ok": True, "files": results})
-    return 0
+    return out.result({"ok": True, "files": results})

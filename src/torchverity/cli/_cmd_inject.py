@@ -45,24 +45,14 @@ def _bitflip(args: argparse.Namespace, out: Output) -> int:
     if offset is not None and offset < 0 and os.path.isfile(args.file):
         offset += os.path.getsize(args.file)
     flip = flip_bit(args.file, offset, args.bit, seed=args.seed, output=args.output)
-    if out.json_mode:
-        out.data({"ok": True, "bitflip": flip})
-    else:
-        out.line(
-            f"flipped bit {flip.bit} of byte {flip.offset} in {flip.path}: "
-            f"0x{flip.before:02x} -> 0x{flip.after:02x}"
-        )
-    return 0
+    return out.result({"ok": True, "bitflip": flip}, lambda: out.line(
+        f"flipped bit {flip.bit} of byte {flip.offset} in {flip.path}: "
+        f"0x{flip.before:02x} -> 0x{flip.after:02x}"))
 
 
 def _truncate(args: argparse.Namespace, out: Output) -> int:
     from torchverity.inject import truncate
 
     cut = truncate(args.file, args.nbytes, output=args.output)
-    if out.json_mode:
-        out.data({"ok": True, "truncation": cut})
-    else:
-        out.line(
-            f"truncated {cut.path}: removed {cut.removed} bytes ({cut.old_size} -> {cut.new_size})"
-        )
-    return 0
+    return out.result({"ok": True, "truncation": cut}, lambda: out.line(
+        f"truncated {cut.path}: removed {cut.removed} bytes ({cut.old_size} -> {cut.new_size})"))

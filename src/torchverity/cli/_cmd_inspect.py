@@ -8,7 +8,6 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -36,13 +35,11 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     found = problems(result)
     bad = (result.sidecar.status == "mismatched" or result.fingerprint_matches_meta is False
            or (result.scan is not None and not result.scan.ok) or bool(found))
-    if out.json_mode:
-        out.data({"ok": not bad, "problems": found, **result.to_dict()})
-    else:
-        _print(result, args.limit, out)
+    code = out.result({"ok": not bad, "problems": found, **result.to_dict()},
+                      lambda: _print(result, args.limit, out))
     for text in found:
         out.err.write(f"torchverity: damaged: {text}\n")
-    return EXIT_CHECK_FAILED if bad else 0
+    return code
 
 
 def _print(r: Any, limit: int, out: Output) -> None:

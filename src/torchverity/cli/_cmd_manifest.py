@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, get_args
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.digest import ALGORITHMS, DEFAULT_ALGO
+from torchverity.manifest import ManifestFormat
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -20,7 +21,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     )
     p.add_argument("directory", metavar="DIR")
     p.add_argument("--algo", choices=ALGORITHMS, default=DEFAULT_ALGO)
-    p.add_argument("--format", choices=("json", "sha256sum"), default="json", dest="fmt")
+    p.add_argument("--format", choices=get_args(ManifestFormat), default="json", dest="fmt")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
@@ -32,22 +33,13 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     for link in manifest.skipped:
         out.warn(f"skipped symlink {link} (links are never followed)")
     total = sum(e.size for e in manifest.entries)
-    if out.json_mode:
-        out.data(
-            {
-                "ok": True,
-                "manifest": f"{args.directory}/{name}",
-                "algorithm": manifest.algo,
-                "root": manifest.root,
-                "files": len(manifest.entries),
-                "bytes": total,
-                "skipped": list(manifest.skipped),
-            }
-        )
-        return 0
-    out.line(f"{manifest.root}  {args.directory}")
-    out.info(
-        f"wrote {args.directory}/{name}: {len(manifest.entries)} files, {total} bytes, "
-        f"{manifest.algo} root above"
-    )
-    return 0
+    data = {"ok": True, "manifest": f"{args.directory}/{name}", "algorithm": manifest.algo,
+            "root": manifest.root, "files": len(manifest.entries), "bytes": total,
+            "skipped": list(manifest.skipped)}
+    return out.result(data, lambda: _print(data, args.directory, out))
+
+
+def _print(data: dict[str, Any], directory: str, out: Output) -> None:
+    out.line(f"{data['root']}  {directory}")
+    out.info(f"wrote {data['manifest']}: {data['files']} files, {data['bytes']} bytes, "
+             f"{data['algorithm']} root above")

@@ -35,17 +35,18 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     result = migrate(args.source, args.target, trust_sha256=args.trust_sha256,
                      nested=args.nested)
-    if out.json_mode:
-        out.data({"ok": True, "result": result})
-        return 0
-    out.line(f"migrated {result.source} -> {result.target}: {result.tensors} tensors, "
-             f"read back bit for bit ({result.mode} unpickling)")
-    if result.placeholders:
-        out.line(f"  rebuilt as inert placeholders (nothing ran): {', '.join(result.placeholders)}")
-    if result.crc_checked:
-        out.line(f"  source tensor records match their zip CRC-32: {result.crc_checked}")
-    out.line(f"  sha256 {result.digest}")
-    out.line(f"  sidecar {result.sidecar}, meta {result.meta_path}")
-    for item in result.skipped:
-        out.warn(f"not migrated: {item}")
-    return 0
+
+    def render() -> None:
+        out.line(f"migrated {result.source} -> {result.target}: {result.tensors} tensors, "
+                 f"read back bit for bit ({result.mode} unpickling)")
+        if result.placeholders:
+            out.line("  rebuilt as inert placeholders (nothing ran): "
+                     + ", ".join(result.placeholders))
+        if result.crc_checked:
+            out.line(f"  source tensor records match their zip CRC-32: {result.crc_checked}")
+        out.line(f"  sha256 {result.digest}")
+        out.line(f"  sidecar {result.sidecar}, meta {result.meta_path}")
+        for item in result.skipped:
+            out.warn(f"not migrated: {item}")
+
+    return out.result({"ok": True, "result": result}, render)

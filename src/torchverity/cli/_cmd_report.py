@@ -34,25 +34,25 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     report = summarize(args.events)
     png = plot(args.events, args.plot) if args.plot else None
-    if out.json_mode:
-        out.data({"ok": True, **_jsonable(report), "plot": str(png) if png else None})
-        return 0
-    counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items()))
-    out.line(f"{report.path}: {report.steps} steps, {len(report.anomalies)} anomalies"
-             + (f" ({counts})" if counts else ""))
-    replays = ", ".join(f"{k} {v}" for k, v in sorted(report.replays.items())) or "none"
-    out.line(f"skipped {report.skipped}, rollbacks {report.rollbacks}, replays: {replays}, "
-             f"checkpoints {report.checkpoints}")
-    if report.anomalies:
-        rows = [(a.get("step"), a.get("kind"), a.get("action"), a.get("replay", "-"),
-                 a.get("rank", 0), _suspects(a)) for a in report.anomalies]
-        out.table(["step", "kind", "action", "replay", "rank", "suspects"], rows)
-    if not report.finished:
-        out.warn(f"{report.path}: no summary event: the run did not finish (crashed or still "
-                 "running)" + ("; its last line is torn" if report.torn_last_line else ""))
-    if png:
-        out.info(f"plot written to {png}")
-    return 0
+
+    def render() -> None:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(report.counts.items()))
+        out.line(f"{report.path}: {report.steps} steps, {len(report.anomalies)} anomalies"
+                 + (f" ({counts})" if counts else ""))
+        replays = ", ".join(f"{k} {v}" for k, v in sorted(report.replays.items())) or "none"
+        out.line(f"skipped {report.skipped}, rollbacks {report.rollbacks}, replays: {replays}, "
+                 f"checkpoints {report.checkpoints}")
+        if report.anomalies:
+            rows = [(a.get("step"), a.get("kind"), a.get("action"), a.get("replay", "-"),
+                     a.get("rank", 0), _suspects(a)) for a in report.anomalies]
+            out.table(["step", "kind", "action", "replay", "rank", "suspects"], rows)
+        if not report.finished:
+            out.warn(f"{report.path}: no summary event: the run did not finish (crashed or still "
+                     "running)" + ("; its last line is torn" if report.torn_last_line else ""))
+        if png:
+            out.info(f"plot written to {png}")
+
+    return out.result({"ok": True, **_jsonable(report), "plot": str(png) if png else None}, render)
 
 
 def _jsonable(report: Any) -> dict[str, Any]:

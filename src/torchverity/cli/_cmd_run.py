@@ -13,10 +13,14 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED, InputError, UsageError
+from torchverity.errors import InputError, UsageError
+from torchverity.protection._state import POLICIES, EventKind, Policy
 
-_KINDS = ("verified", "saved", "mismatch", "refused", "unsafe-load", "fallback", "partial-load",
-          "load-failure", "swallowed")
+# What a run summary counts, in the order it lists them.
+_KINDS: tuple[EventKind, ...] = (
+    "verified", "saved", "mismatch", "refused", "unsafe-load", "fallback", "partial-load",
+    "load-failure", "swallowed")
+_PROBLEMS: tuple[EventKind, ...] = ("mismatch", "refused", "fallback", "partial-load")
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -29,7 +33,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "not re-raised. Exit status: the command's own, or 1 under --policy refuse when a "
         "load failure was swallowed.",
     )
-    p.add_argument("--policy", choices=("warn", "refuse"), default="warn",
+    p.add_argument("--policy", choices=POLICIES, default="warn",
                    help="refuse: a file that does not match its record raises, and a swallowed "
                         "load failure fails the run; warn (default): both are reported")
     p.add_argument("--log", type=Path, metavar="FILE",
@@ -68,15 +72,10 @@ def _run(args: argparse.Namespace, out: Output) -> int:
                              hint=f"check the command; which {command[0]}") from None
         events = _read_log(log)
     summary = _summary(events, status, args.policy)
-    if out.json_mode:
-        out.data(summary)
-    else:
-        _print(summary, out)
-    if status < 0:  # killed by a signal: the shell's convention
-        return 128 - status
-    if status != 0:
-        return status
-    return EXIT_CHECK_FAILED if args.policy == "refuse" and summary["swallowed"] else 0
+    # A command that failed exits with its own status (killed by signal N: 128+N, as shells do);
+    # one that succeeded, by the summary's verdict.
+    own = 128 - status if status < 0 else status
+    return out.result(summary, lambda: _print(summary, out), exit_code=own or None)
 
 
 def _read_log(log: Path) -> list[dict[str, Any]]:
@@ -93,7 +92,7 @@ def _read_log(log: Path) -> list[dict[str, Any]]:
     return events
 
 
-def _summary(events: list[dict[str, Any]], status: int, policy: str) -> dict[str, Any]:
+def _summary(events: list[dict[str, Any]], status: int, policy: Policy) -> dict[str, Any]:
     counts = {kind: sum(1 for e in events if e.get("kind") == kind) for kind in _KINDS}
     return {
         "ok": status == 0 and not (policy == "refuse" and counts["swallowed"]),
@@ -102,8 +101,7 @@ def _summary(events: list[dict[str, Any]], status: int, policy: str) -> dict[str
         "processes": sum(1 for e in events if e.get("kind") == "started"),
         "counts": counts,
         "swallowed": [e for e in events if e.get("kind") == "swallowed"],
-        "problems": [e for e in events
-                     if e.get("kind") in ("mismatch", "refused", "fallback", "partial-load")],
+        "problems": [e for e in events if e.get("kind") in _PROBLEMS],
     }
 
 

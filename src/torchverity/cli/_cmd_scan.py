@@ -10,7 +10,7 @@ from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 
 if TYPE_CHECKING:
-    from torchverity.pickles._scan import ScanResult
+    from torchverity.pickles._scan import ScanReport, ScanResult
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -89,17 +89,19 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.pickles._scan import scan
 
     report = scan(*args.paths)
-    if out.json_mode:
-        out.data({"ok": report.ok, "files": report.results, "skipped": report.skipped})
-    else:
-        for result in report.results:
-            _print_result(result, out, args.all)
-        for item in report.skipped:
-            out.line(f"{item.path}: skipped ({item.reason})")
+    code = out.result({"ok": report.ok, "files": report.results, "skipped": report.skipped},
+                      lambda: _print(report, out, args.all))
     counts: dict[str, int] = {}
     for r in report.results:
         counts[r.verdict] = counts.get(r.verdict, 0) + 1
     summary = ", ".join(f"{n} {v}" for v, n in counts.items())
     skipped = f"; skipped {len(report.skipped)} that hold no pickle" if report.skipped else ""
     out.info(f"scanned {len(report.results)} files: {summary}{skipped}")
-    return 0 if report.ok else 1
+    return code
+
+
+def _print(report: ScanReport, out: Output, show_all: bool) -> None:
+    for result in report.results:
+        _print_result(result, out, show_all)
+    for item in report.skipped:
+        out.line(f"{item.path}: skipped ({item.reason})")

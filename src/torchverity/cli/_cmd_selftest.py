@@ -7,7 +7,6 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -28,17 +27,18 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.selftest import run_selftest
 
     result = run_selftest(args.device, args.seconds, memory_mb=args.memory_mb)
-    if out.json_mode:
-        out.data(result)
-        return 0 if result.ok else EXIT_CHECK_FAILED
-    columns, rows = result.table()
-    out.table(columns, rows, title=f"selftest {result.device} ({result.device_name})")
-    verdict = "passed" if result.ok else "FAILED"
-    out.line(f"selftest {verdict}: {len(result.checks)} checks, {result.rounds} round(s) "
-             f"in {result.seconds:.1f} s")
-    for c in result.failures:
-        out.line(f"  {c.kernel} {c.dtype} {c.test}: {c.failures} of {c.runs} failed; {c.detail}")
-    if not result.ok:
-        out.info(f"{result.device} returned wrong results: do not trust it for training or "
-                 "inference; rerun with --seconds 60 to confirm, then drain the machine")
-    return 0 if result.ok else EXIT_CHECK_FAILED
+
+    def render() -> None:
+        columns, rows = result.table()
+        out.table(columns, rows, title=f"selftest {result.device} ({result.device_name})")
+        verdict = "passed" if result.ok else "FAILED"
+        out.line(f"selftest {verdict}: {len(result.checks)} checks, {result.rounds} round(s) "
+                 f"in {result.seconds:.1f} s")
+        for c in result.failures:
+            out.line(f"  {c.kernel} {c.dtype} {c.test}: {c.failures} of {c.runs} failed; "
+                     f"{c.detail}")
+        if not result.ok:
+            out.info(f"{result.device} returned wrong results: do not trust it for training or "
+                     "inference; rerun with --seconds 60 to confirm, then drain the machine")
+
+    return out.result(result, render)

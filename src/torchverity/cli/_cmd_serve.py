@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any, get_args
+from typing import Any, Literal, get_args
 
 from torchverity.cli._command import add_command
 from torchverity.cli._fit_args import add_fit_args, fit_kwargs
@@ -12,6 +12,8 @@ from torchverity.cli._output import Output
 from torchverity.errors import InputError, require_extra
 from torchverity.serve._digest_fields import Policy
 
+# uvicorn's log levels (the server is started here, nowhere else).
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 _UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2,
           "gb": 1000**3, "gib": 1024**3}
 
@@ -58,7 +60,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--check", action="store_true",
                    help="run the start-up checks, print the report and exit without serving")
     p.add_argument("--log-level", default="info",
-                   choices=("critical", "error", "warning", "info", "debug"))
+                   choices=get_args(LogLevel))
 
 
 def _size(text: str) -> int:
@@ -82,10 +84,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
                     "certificate_chain": args.certificate, "attestation": args.attestation},
     )
     report = _report(app.state.torchverity, args)
-    if out.json_mode:
-        out.data(report)
-    else:
-        _print_report(report, out)
+    out.result(report, lambda: _print_report(report, out))
     out.out.flush()
     if args.check:
         return 0

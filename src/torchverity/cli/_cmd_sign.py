@@ -7,6 +7,7 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
+from torchverity.cli._signing_args import add_signing_args
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -20,13 +21,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "--public-key pub.pem (or model_signing verify key ...).",
     )
     p.add_argument("model", metavar="DIR|FILE")
-    p.add_argument("--key", required=True, metavar="KEY.pem", help="EC private key (PEM)")
+    add_signing_args(p, key_required=True)
     p.add_argument("--signature", metavar="SIG",
                    help="where to write it (default: DIR/model.sig, or FILE.sig)")
-    p.add_argument("--certificate", metavar="PEM",
-                   help="signing certificate for KEY (certificate mode)")
-    p.add_argument("--chain", metavar="PEM", action="append", default=[],
-                   help="intermediate/CA certificates to embed (repeatable)")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
@@ -34,15 +31,16 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     report = sign_model(args.model, private_key=args.key, signature=args.signature,
                         certificate=args.certificate, chain=args.chain)
-    if out.json_mode:
-        out.data({"ok": True, **report.__dict__})
-        return 0
-    out.line(f"{report.signature}: signed {len(report.files)} files of {report.target} "
-             f"({report.mode} mode)")
-    if report.reused:
-        sources = sorted(set(report.reused.values()))
-        out.info(f"reused {len(report.reused)} recorded digests ({', '.join(sources)}); "
-                 f"hashed {len(report.hashed)} files")
-    out.info(f"check it with: torchverity verify {report.target} --signature {report.signature} "
-             + ("--certificate CA.pem" if report.mode == "certificate" else "--public-key PUB.pem"))
-    return 0
+
+    def render() -> None:
+        out.line(f"{report.signature}: signed {len(report.files)} files of {report.target} "
+                 f"({report.mode} mode)")
+        if report.reused:
+            sources = sorted(set(report.reused.values()))
+            out.info(f"reused {len(report.reused)} recorded digests ({', '.join(sources)}); "
+                     f"hashed {len(report.hashed)} files")
+        trust = "--certificate CA.pem" if report.mode == "certificate" else "--public-key PUB.pem"
+        out.info(f"check it with: torchverity verify {report.target} "
+                 f"--signature {report.signature} {trust}")
+
+    return out.result({"ok": True, **report.__dict__}, render)

@@ -8,7 +8,7 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED, UsageError
+from torchverity.errors import UsageError
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -44,12 +44,12 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         results = [_verify_one(path, out, args.exclude) for path in args.paths]
     # A file intact on disk but saved while the guard had doubts about its weights fails.
     ok = all(r.ok and getattr(r, "certified", None) is not False for r in results)
-    if out.json_mode:
-        out.data({"ok": ok, "results": results})
-    else:
-        for r in results:
-            _print_any(r, out)
-    return 0 if ok else EXIT_CHECK_FAILED
+    return out.result({"ok": ok, "results": results}, lambda: _print(results, out))
+
+
+def _print(results: list[Any], out: Output) -> None:
+    for r in results:
+        _print_any(r, out)
 
 
 def _default_signature(paths: list[str]) -> str:

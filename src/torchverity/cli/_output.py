@@ -1,8 +1,10 @@
 """Output conventions shared by every command.
 
-Data goes to stdout, diagnostics to stderr. ``--json`` turns stdout into one
-JSON document. Rich tables and progress bars appear only when the stream is a
-terminal, so pipes and CI logs stay plain and stable.
+Data goes to stdout, diagnostics to stderr. A command builds its result once and
+hands it to :meth:`Output.result`: with ``--json`` stdout becomes that one JSON
+document, otherwise the command's renderer writes it for people. Rich tables and
+progress bars appear only when the stream is a terminal, so pipes and CI logs
+stay plain and stable.
 """
 
 from __future__ import annotations
@@ -10,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from torchverity._jsonable import to_jsonable
+from torchverity.errors import EXIT_CHECK_FAILED, EXIT_OK
 
 
 def _is_tty(stream: TextIO) -> bool:
@@ -50,10 +53,29 @@ class Output:
         """Rich rendering for people: stdout is a terminal and JSON was not asked for."""
         return not self.json_mode and _is_tty(self.out) and not os.environ.get("NO_COLOR")
 
-    def data(self, obj: Any) -> None:
-        """Write the command's JSON result (only in ``--json`` mode)."""
-        self.out.write(dumps(obj) + "\n")
-        self.out.flush()
+    @property
+    def live(self) -> bool:
+        """Progress bars on stderr: it is a terminal and JSON was not asked for."""
+        return not self.json_mode and _is_tty(self.err)
+
+    def result(self, data: Any, render: Callable[[], object] | None = None, *,
+               exit_code: int | None = None) -> int:
+        """Finish a command with its result and return its exit code.
+
+        With ``--json``, ``data`` is written as the one JSON document on stdout; otherwise
+        ``render()`` writes it for people (lines, tables, advice on stderr). ``data`` holds
+        ``ok`` (a key or an attribute): the exit code is 0 when it is true and 1 (a check
+        failed) when not, unless ``exit_code`` says otherwise.
+        """
+        if self.json_mode:
+            self.out.write(dumps(data) + "\n")
+            self.out.flush()
+        elif render is not None:
+            render()
+        if exit_code is not None:
+            return exit_code
+        ok = data["ok"] if isinstance(data, Mapping) else data.ok
+        return EXIT_OK if ok else EXIT_CHECK_FAILED
 
     def line(self, text: str = "") -> None:
         """Write one line of human-readable data to stdout (suppressed in JSON mode)."""
@@ -86,7 +108,7 @@ class Output:
     @contextmanager
     def progress(self, total: int | None, description: str) -> Iterator[Callable[[int], None]]:
         """Yield ``advance(n)``; draws a rich progress bar on stderr when it is a terminal."""
-        if self.json_mode or not _is_tty(self.err):
+        if not self.live:
             yield lambda n: None
             return
         from rich.console import Console

@@ -13,6 +13,8 @@ from torchverity._tensors import dtype_name
 from torchverity.errors import UsageError
 
 Scope = Literal["repeat", "cross"]
+# exact: any bit difference fails; tolerance: within the dtype's (rtol, atol) below.
+CompareMode = Literal["exact", "tolerance"]
 
 
 # (rtol, atol) per dtype. "repeat": the same computation twice on one device,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from torchverity.errors import UsageError
-from torchverity.golden._compare import Comparison, compare_tensors, tolerance
+from torchverity.golden._compare import CompareMode, Comparison, compare_tensors, tolerance
 from torchverity.golden._run import (
     _to_device,
     call_model,
@@ -31,7 +31,7 @@ class ConsistencyResult:
     """
 
     ok: bool
-    mode: str
+    mode: CompareMode
     runs: int
     identical: bool
     within_tolerance: bool
@@ -107,7 +107,7 @@ def _compare_runs(
 def _consistency_result(
     runs: int, exact: bool, first_bad: tuple[int, list[Comparison]] | None
 ) -> ConsistencyResult:
-    mode = "exact" if exact else "tolerance"
+    mode: CompareMode = "exact" if exact else "tolerance"
     if first_bad is None:
         return ConsistencyResult(True, mode, runs, True, True, 0.0, None, None, None, None, ())
     run, comps = first_bad

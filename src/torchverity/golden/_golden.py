@@ -17,7 +17,13 @@ import torch
 from torchverity._tensors import dtype_name
 from torchverity.checkpoint._fingerprint import Fingerprint, fingerprint
 from torchverity.errors import UsageError
-from torchverity.golden._compare import _fmt_index, compare_tensors, tolerance, unravel
+from torchverity.golden._compare import (
+    CompareMode,
+    _fmt_index,
+    compare_tensors,
+    tolerance,
+    unravel,
+)
 from torchverity.golden._environment import environment, environment_differences
 from torchverity.golden._record_file import STATS, GoldenRecord, OutputRecord, _write, load_record
 from torchverity.golden._run import (
@@ -59,7 +65,7 @@ class GoldenResult:
     ok: bool
     failures: list[GoldenFailure]
     path: str
-    mode: str
+    mode: CompareMode
     environment_differences: tuple[str, ...]
     outputs: tuple[str, ...]
     weights_changed: tuple[str, ...] | None

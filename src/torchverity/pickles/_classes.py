@@ -11,12 +11,23 @@ from __future__ import annotations
 import re
 import sys
 from functools import lru_cache
+from typing import Final, Literal
 
 from torchverity.pickles._ops import GlobalRef
 
-SAFE, NEEDS_ALLOWLIST, NEEDS_REVIEW, UNSAFE, MALFORMED = (
-    "safe", "needs-allowlist", "needs-review", "unsafe", "malformed")
-TORCH, BENIGN, DANGEROUS, UNKNOWN = "torch", "benign", "dangerous", "unknown"
+# A file's verdict (torchverity.pickles._verdict says which, worst first).
+Verdict = Literal["safe", "needs-allowlist", "needs-review", "unsafe", "malformed"]
+SAFE: Final = "safe"
+NEEDS_ALLOWLIST: Final = "needs-allowlist"
+NEEDS_REVIEW: Final = "needs-review"
+UNSAFE: Final = "unsafe"
+MALFORMED: Final = "malformed"
+# A global's class (this module's docstring says which).
+Category = Literal["torch", "benign", "dangerous", "unknown"]
+TORCH: Final = "torch"
+BENIGN: Final = "benign"
+DANGEROUS: Final = "dangerous"
+UNKNOWN: Final = "unknown"
 NESTED_LOADER = "torch.storage._load_from_bytes"
 
 # Opcodes torch's weights_only unpickler implements (protocol 2 and below).
@@ -235,7 +246,7 @@ def _python_name(ref: GlobalRef, protocol: int) -> tuple[str, str]:
     return _compat_pickle.IMPORT_MAPPING.get(ref.module, ref.module), ref.name
 
 
-def classify(ref: GlobalRef, protocol: int = 0) -> tuple[str, str]:
+def classify(ref: GlobalRef, protocol: int = 0) -> tuple[Category, str]:
     """The (category, reason) of one global. Fail-closed: unrecognised means unknown."""
     module, name = _python_name(ref, protocol)
     if ref.dynamic:

@@ -47,6 +47,8 @@ from torchverity.pickles._classes import (
     TORCH,
     UNKNOWN,
     UNSAFE,
+    Category,
+    Verdict,
     classify,
     torch_allowlist,
 )
@@ -83,10 +85,10 @@ class LoadPlan:
 
 @dataclass(frozen=True)
 class ScanResult:
-    """The verdict on one file (``safe | needs-allowlist | unsafe | malformed``)."""
+    """The verdict on one file (``safe | needs-allowlist | needs-review | unsafe | malformed``)."""
 
     path: str
-    verdict: str
+    verdict: Verdict
     globals: tuple[GlobalFinding, ...]
     plan: LoadPlan | None
     reason: str
@@ -97,7 +99,7 @@ class ScanResult:
     def ok(self) -> bool:
         return self.verdict in (SAFE, NEEDS_ALLOWLIST)
 
-    def names(self, category: str | None = None) -> list[str]:
+    def names(self, category: Category | None = None) -> list[str]:
         """Distinct global names, optionally of one category, in order of appearance."""
         seen = (g.name for g in self.globals if category in (None, g.category))
         return list(dict.fromkeys(seen))

@@ -22,6 +22,8 @@ from torchverity.pickles._classes import (
     SAFE,
     UNKNOWN,
     UNSAFE,
+    Category,
+    Verdict,
     classify,
     importable,
 )
@@ -40,23 +42,27 @@ class GlobalFinding:
     stream: int
     offset: int
     opcode: str
-    category: str
+    category: Category
     reason: str
 
 
-_NESTED_OK = (BENIGN, "inline torch.save archive (pickle.dumps of a tensor); scanned in place")
-_NESTED_ABSENT = (DANGEROUS, "runs torch.load(weights_only=False) on bytes that are not in the "
-                             "file")
-_NESTED_SCRIPT = (DANGEROUS, "loads a nested TorchScript archive: torch.load hands it to "
-                             "torch.jit.load, which runs its scripted code")
-_NESTED_ESCAPED = (DANGEROUS, "the nested loader is passed on instead of called on bytes of the "
-                              "file: it may load anything")
+_Class = tuple[Category, str]
+_NESTED_OK: _Class = (
+    BENIGN, "inline torch.save archive (pickle.dumps of a tensor); scanned in place")
+_NESTED_ABSENT: _Class = (
+    DANGEROUS, "runs torch.load(weights_only=False) on bytes that are not in the file")
+_NESTED_SCRIPT: _Class = (
+    DANGEROUS, "loads a nested TorchScript archive: torch.load hands it to torch.jit.load, "
+    "which runs its scripted code")
+_NESTED_ESCAPED: _Class = (
+    DANGEROUS, "the nested loader is passed on instead of called on bytes of the file: it may "
+    "load anything")
 
 
-def _nested_classes(container: Container) -> dict[int, tuple[str, str]]:
+def _nested_classes(container: Container) -> dict[int, _Class]:
     """The class of each nested-loader global: benign only when every call it makes loads
     bytes of the file that were scanned, and it reaches nothing else."""
-    out: dict[int, tuple[str, str]] = {}
+    out: dict[int, _Class] = {}
     for nested in container.nested:
         if nested.container is None:
             found = _NESTED_ABSENT
@@ -92,7 +98,7 @@ def _call_findings(container: Container, prefix: str) -> list[GlobalFinding]:
     return out
 
 
-def _entry_findings(entry: Entry, classes: dict[int, tuple[str, str]], prefix: str,
+def _entry_findings(entry: Entry, classes: dict[int, _Class], prefix: str,
                     torchscript: bool) -> list[GlobalFinding]:
     out: list[GlobalFinding] = []
     for index, report in enumerate(entry.streams):
@@ -180,7 +186,7 @@ _NO_PICKLE = {
 
 
 def verdict_of(container: Container, findings: Sequence[GlobalFinding],
-               problems: Sequence[str]) -> tuple[str, str]:
+               problems: Sequence[str]) -> tuple[Verdict, str]:
     dangerous = [f for f in findings if f.category == DANGEROUS]
     if dangerous:
         names = ", ".join(dict.fromkeys(f"{f.name} ({f.reason})" for f in dangerous[:5]))

@@ -12,10 +12,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Policy = Literal["warn", "refuse"]
-POLICIES: tuple[Policy, ...] = ("warn", "refuse")
+POLICIES: tuple[Policy, ...] = get_args(Policy)
 EventKind = Literal[
     "started", "verified", "mismatch", "refused", "unsafe-load", "fallback", "partial-load",
     "load-failure", "saved", "swallowed", "summary",

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from torchverity.errors import FormatError, InputError, UsageError, require_extra
 from torchverity.manifest import MANIFEST_FILES
@@ -40,13 +40,17 @@ def _library() -> Any:
     return require_extra("model_signing", extra="sign", feature=_FEATURE)
 
 
+# key: signed with a bare elliptic-curve key; certificate: with its certificate (and chain).
+SigningMode = Literal["key", "certificate"]
+
+
 @dataclass(frozen=True)
 class SignReport:
     """What a signature was written for, and which digests were reused."""
 
     target: str
     signature: str
-    mode: str
+    mode: SigningMode
     files: tuple[str, ...]
     reused: dict[str, str]
     hashed: tuple[str, ...]
@@ -178,7 +182,7 @@ def _build_manifest(root: Path, sha256: dict[str, str], ignore: Sequence[str]) -
 
 
 def _signer_config(private_key: Path, certificate: Path | None, chain: Sequence[Path],
-                   password: str | None) -> tuple[Any, str]:
+                   password: str | None) -> tuple[Any, SigningMode]:
     ms = _library()
     key = load_private_key(private_key, password)
     if certificate is None:
