@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import heapq
 import json
 import os
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from torchverity.batch._bag import BAG_INFO_TXT, BAGIT_TXT, write_bag
+from torchverity.batch._bag import BAG_INFO_TXT, BAGIT_TXT, write_bag, write_text
 from torchverity.batch._inputs import list_inputs, manifest_lines, manifest_root
 from torchverity.batch._item import (
     TMP_SUFFIX,
@@ -59,10 +58,10 @@ from torchverity.batch._journal import (
     Outcome,
     WorkItem,
 )
+from torchverity.batch._journal_check import fingerprint_of
 from torchverity.batch._model import ModelFactory
 from torchverity.batch._options import BatchOptions
 from torchverity.batch._paths import DATA_DIR
-from torchverity.digest import atomic_write_text
 from torchverity.errors import BatchError, IntegrityError
 from torchverity.manifest import SHA256SUM_NAME, ManifestEntry
 
@@ -145,8 +144,7 @@ def job_fingerprint(inputs: Path, options: BatchOptions,
         "suffix": options.suffix,
         "settings": dict(options.setting_pairs),
     }
-    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest(), doc
+    return fingerprint_of(doc), doc
 
 
 def execute(inputs: Path, out: Path, options: BatchOptions, factory: ModelFactory,
@@ -261,7 +259,15 @@ def _exclusive(out: Path) -> Iterator[None]:
     """One driver per output folder: a second one would delete the first one's work."""
     import fcntl
 
-    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise BatchError(
+            f"{out / LOCK_NAME}: cannot open the job's lock file: {exc.strerror or exc}",
+            out=out,
+            hint=f"remove what is at {out / LOCK_NAME} (a run creates it as an empty file), "
+            "then rerun",
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -339,7 +345,7 @@ def _create(job: _Job) -> Journal:
         fsync_dirs(ancestors)
     except (OSError, OutputWriteError) as exc:
         raise BatchError(f"{out}: cannot create the output folders: {exc}", out=out) from None
-    atomic_write_text(out / INPUTS_MANIFEST, "".join(manifest_lines(records)))
+    write_text(out, INPUTS_MANIFEST, "".join(manifest_lines(records)))
     values = {
         "fingerprint": job.fingerprint,
         "job": json.dumps(job.doc, sort_keys=True),
