@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from torchverity.batch._inputs import JOURNAL_NAME, InputRecord
-from torchverity.batch._journal_check import check_records
+from torchverity.batch._journal_check import check_records, damaged
 from torchverity.batch._paths import DATA_DIR, check_outputs
 from torchverity.digest import fsync_path
 from torchverity.errors import BatchError, FormatError
@@ -380,12 +380,7 @@ def _connect_immutable(path: Path) -> sqlite3.Connection:
 
 
 def _corrupt(path: Path, detail: str) -> FormatError:
-    return FormatError(
-        f"{path}: the batch journal is damaged ({detail})",
-        path=path,
-        hint="restore it from a backup, or start the job again in an empty --out folder; "
-        "never trust outputs whose journal is gone",
-    )
+    return damaged(path, f"SQLite says: {detail}")
 
 
 def _write_failed(path: Path, error: sqlite3.Error) -> BatchError:

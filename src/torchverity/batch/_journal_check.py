@@ -42,7 +42,7 @@ def check_records(path: Path, query: Query, states: Sequence[str], data_dir: str
     _check_rows(path, query, "items", _item_rules(states, data_dir, doc["suffix"]))
     for column in ("id", "key", "output"):
         if query(f"SELECT 1 FROM items GROUP BY {column} HAVING COUNT(*) > 1 LIMIT 1"):
-            raise _bad(path, f"two items share one {column}")
+            raise damaged(path, f"two items share one {column}")
     _check_rows(path, query, "events", _EVENT_RULES)
 
 
@@ -98,7 +98,7 @@ def _check_rows(path: Path, query: Query, table: str, rules: list[tuple[str, str
     column, _, wanted = next(r for r, good in zip(rules, ok, strict=True) if not good)
     kind = query(f"SELECT typeof({column}) FROM {table} WHERE rowid = {int(rowid)}")[0][0]
     found_kind = "nothing" if kind == "null" else f"a {kind} value that does not fit"
-    raise _bad(path, f"{table} row {rowid}: {column} should be {wanted}, not {found_kind}")
+    raise damaged(path, f"{table} row {rowid}: {column} should be {wanted}, not {found_kind}")
 
 
 def _check_job(path: Path, query: Query) -> dict[str, Any]:
@@ -107,33 +107,35 @@ def _check_job(path: Path, query: Query) -> dict[str, Any]:
     for key in JOB_KEYS:
         if rows.get(key) != "text":
             held = "is missing" if key not in rows else f"holds a value of type {rows[key]}"
-            raise _bad(path, f"job value '{key}' {held}, not text")
+            raise damaged(path, f"job value '{key}' {held}, not text")
     job: dict[str, str] = dict(query("SELECT key, value FROM job"))
     for key in ("fingerprint", "inputs_root"):
         if len(job[key]) != 64 or job[key].strip("0123456789abcdef"):
-            raise _bad(path, f"job value '{key}' is not {_SHA}")
+            raise damaged(path, f"job value '{key}' is not {_SHA}")
     try:
         float(job["created"])
         doc = json.loads(job["job"])
     except ValueError:
-        raise _bad(path, "job value 'created' or 'job' does not parse (a Unix time, "
-                         "a JSON object)") from None
+        raise damaged(path, "job value 'created' or 'job' does not parse (a Unix time, "
+                            "a JSON object)") from None
     except RecursionError:
-        raise _bad(path, "job value 'job' is nested too deeply to be a job description") from None
+        raise damaged(path, "job value 'job' is nested too deeply to be a job "
+                            "description") from None
     wanted = {"inputs": str, "suffix": str, "model": dict, "settings": dict}
     if not isinstance(doc, dict) or any(not isinstance(doc.get(k), t) for k, t in wanted.items()):
-        raise _bad(path, "job value 'job' is not a job description (a JSON object with "
-                         "inputs, suffix, model and settings)")
+        raise damaged(path, "job value 'job' is not a job description (a JSON object with "
+                            "inputs, suffix, model and settings)")
     if fingerprint_of(doc) != job["fingerprint"]:
-        raise _bad(path, "job value 'job' does not hash to the job's fingerprint: the job "
-                         "description was changed")
+        raise damaged(path, "job value 'job' does not hash to the job's fingerprint: the job "
+                            "description was changed")
     return doc
 
 
-def _bad(path: Path, detail: str) -> FormatError:
+def damaged(path: Path, detail: str) -> FormatError:
+    """The journal at ``path`` cannot be trusted: nothing says which outputs are complete."""
     return FormatError(
         f"{path}: the batch journal is damaged: {detail}",
         path=path,
         hint="restore the journal from a backup, or rerun with --force to start the job "
-        "again in this folder",
+        "again in this folder (never trust outputs whose journal is gone)",
     )
