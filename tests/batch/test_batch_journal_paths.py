@@ -5,6 +5,7 @@ deleted or written. A clean journal still resumes and verifies (exit 0).
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -87,3 +88,45 @@ def test_a_clean_journal_still_resumes_and_verifies(job: tuple[list[str], Path],
 ])
 def test_output_paths_judged(rel: object, ok: bool) -> None:
     assert (output_problem(rel) is None) is ok
+
+
+@pytest.mark.parametrize(("sql", "named"), [
+    ("UPDATE items SET size = 'many' WHERE id = 2",
+     "items row 2: size should be a byte count (an integer, 0 or more), not a text value"),
+    ("UPDATE items SET output_digest = NULL WHERE id = 1",
+     "items row 1: output_digest should be a SHA-256 (64 hex digits) (every committed item "
+     "has one), not nothing"),
+    ("UPDATE job SET value = '{\"inputs\": \"/elsewhere\"}' WHERE key = 'job'",
+     "job value 'job' is not a job description"),
+])
+def test_a_bad_journal_field_is_named(job: tuple[list[str], Path], run_cli: Callable[..., Any],
+                                      sql: str, named: str) -> None:
+    args, out = job
+    with sqlite3.connect(out / "batch-journal.sqlite") as conn:
+        conn.execute(sql)
+    for command in (args, ["batch", "verify", str(out)]):
+        result = run_cli(*command)
+        assert result.code == 2 and named in result.err, result.err
+        assert "next: restore the journal from a backup" in result.err
+
+
+@pytest.mark.parametrize("kind", ["output-is-a-folder", "data-is-a-file"])
+def test_something_else_at_an_output_name_is_refused(job: tuple[list[str], Path],
+                                                     run_cli: Callable[..., Any],
+                                                     kind: str) -> None:
+    args, out = job
+    target = next((out / "data").rglob("*.out"))
+    if kind == "output-is-a-folder":
+        target.unlink()
+        target.mkdir()
+        (target / "keep.txt").write_text("yours")
+        named = "is a folder where an output file belongs"
+    else:
+        target = out / "data"
+        shutil.rmtree(target)
+        target.write_text("yours")
+        named = "data is a file where the folder of outputs belongs"
+    for command in (args, ["batch", "verify", str(out)]):
+        result = run_cli(*command)
+        assert result.code == 2 and named in result.err, result.err
+    assert target.exists()  # nothing of the user's was deleted

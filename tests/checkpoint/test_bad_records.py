@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import sqlite3
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -320,3 +321,196 @@ def test_inspect_fails_on_a_missing_or_extra_shard(tmp_path: Path,
     shard.rename(tmp_path / "away")
     result = run_cli("inspect", str(folder))
     assert result.code != 0 and "internal error" not in result.err
+
+
+# ------------------------------------------------------------------ batch journals and bags
+
+JOURNAL = "batch-journal.sqlite"
+BATCH_MODEL = "def build():\n    return lambda item: item.data[::-1]\n"
+SQL_VALUES = {"NULL": "NULL", "blob": "x'00ff'", "non-utf8": "CAST(x'fffe80' AS TEXT)",
+              "text": "'x'", "real": "1.5", "negative": "-1"}
+_ALL = tuple(SQL_VALUES)
+_NOT_TEXT = ("NULL", "blob", "non-utf8")  # in a TEXT column a number is stored as text
+# Column: its wrong values. Left out as valid: a negative id or mtime (a file from before
+# 1970), no error and no update time; any text in key, path and output is judged by the
+# output-name and path checks (tests/batch/test_batch_journal_paths.py).
+ITEM_COLUMNS = {
+    "id": ("NULL", "blob", "non-utf8", "text", "real"),
+    "size": _ALL, "attempts": _ALL, "interrupted": _ALL, "output_size": _ALL,
+    "mtime_ns": ("NULL", "blob", "non-utf8", "text", "real"),
+    "key": _NOT_TEXT, "path": _NOT_TEXT, "output": _NOT_TEXT,
+    "digest": (*_NOT_TEXT, "text"), "output_digest": (*_NOT_TEXT, "text"),
+    "state": (*_NOT_TEXT, "text"),
+    "error": ("blob", "non-utf8"), "updated": ("blob", "non-utf8", "text"),
+}
+JOB_KEYS = ("schema", "fingerprint", "job", "inputs_root", "created")
+Mutation = Callable[[Path], None]
+
+
+@pytest.fixture
+def batch_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+              run_cli: Callable[..., Any]) -> tuple[Callable[[Path], list[str]], Path]:
+    """A finished three-item job (its ``batch run`` arguments for an --out, and that folder)."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "tvbadrec_model.py").write_text(BATCH_MODEL)
+    monkeypatch.syspath_prepend(str(code))
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for i in range(3):
+        (inputs / f"item{i}.bin").write_bytes(f"input {i}".encode())
+
+    def args(out: Path) -> list[str]:
+        return ["batch", "run", "--inputs", str(inputs), "--model", "tvbadrec_model:build",
+                "--out", str(out)]
+
+    good = tmp_path / "good"
+    assert _cli_code(run_cli, *args(good)) == 0
+    return args, good
+
+
+def _sql(out: Path, *statements: str, params: tuple[Any, ...] = ()) -> None:
+    conn = sqlite3.connect(out / JOURNAL)
+    try:
+        for statement in statements:
+            conn.execute(statement, params if "?" in statement else ())
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def _loosened(out: Path, table: str, drop: str | None = None) -> None:
+    """``table`` rebuilt without its constraints (as other code could write it), less ``drop``."""
+    conn = sqlite3.connect(out / JOURNAL)
+    try:
+        columns = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")
+                   if row[1] != drop]
+        conn.executescript(f"CREATE TABLE loose AS SELECT {', '.join(columns)} FROM {table};"
+                           f"DROP TABLE {table}; ALTER TABLE loose RENAME TO {table};")
+    finally:
+        conn.close()
+
+
+def _file_mutation(name: str, data: bytes | Literal[False] | None) -> Mutation:
+    """Replace ``OUT/name``: by bytes, by a folder (None), or remove it (False)."""
+    def mutate(out: Path) -> None:
+        if data is False:
+            (out / name).unlink()
+        else:
+            _apply(out / name, data)
+    return mutate
+
+
+def _journal_mutations(good: Path) -> Iterator[tuple[str, Mutation]]:
+    raw = (good / JOURNAL).read_bytes()
+    for label, data in [("folder", None), ("empty", b""), ("non-sqlite", b"\xff\xfe\x80" * 99),
+                        ("torn", raw[:len(raw) // 2]), ("header only", raw[:100])]:
+        yield f"journal {label}", _file_mutation(JOURNAL, data)
+    yield "journal wal is a folder", _file_mutation(f"{JOURNAL}-wal", None)
+    for column, wrong in ITEM_COLUMNS.items():
+        yield f"items missing {column}", lambda out, c=column: _loosened(out, "items", c)
+        for name in wrong:
+            where = "key = 'item0.bin'" if column == "id" else "id = 1"
+            sql = f"UPDATE items SET {column} = {SQL_VALUES[name]} WHERE {where}"
+            yield f"items {column}={name}", lambda out, s=sql: (_loosened(out, "items"),
+                                                                 _sql(out, s))
+    yield "two items, one key", lambda out: (_loosened(out, "items"), _sql(
+        out, "UPDATE items SET key = 'item1.bin', output = 'data/item1.bin.out' WHERE id = 1"))
+    yield "an unknown state", lambda out: (_loosened(out, "items"), _sql(
+        out, "UPDATE items SET state = 'done' WHERE id = 2"))
+    for key in JOB_KEYS:
+        yield f"job missing {key}", lambda out, k=key: _sql(out, f"DELETE FROM job WHERE key='{k}'")
+        for name in ("NULL", "blob", "non-utf8", "text"):
+            sql = f"UPDATE job SET value = {SQL_VALUES[name]} WHERE key = '{key}'"
+            yield f"job {key}={name}", lambda out, s=sql: (_loosened(out, "job"), _sql(out, s))
+    conn = sqlite3.connect(good / JOURNAL)
+    doc = json.loads(dict(conn.execute("SELECT key, value FROM job"))["job"])
+    conn.close()
+    for label, data in _json_mutations(doc):
+        if data is not None:
+            yield f"job description {label}", lambda out, d=data: _sql(
+                out, "UPDATE job SET value = CAST(? AS TEXT) WHERE key = 'job'", params=(d,))
+    yield "events table missing", lambda out: _sql(out, "DROP TABLE events")
+    yield "events missing detail", lambda out: _loosened(out, "events", "detail")
+    yield "event of wrong types", lambda out: (_loosened(out, "events"), _sql(
+        out, "INSERT INTO events VALUES ('x', 'y', NULL, x'00')"))
+
+
+def _fresh(args: Callable[[Path], list[str]], good: Path, tmp_path: Path,
+           mutate: Mutation) -> Path:
+    out = tmp_path / "mutated"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(good, out)
+    mutate(out)
+    return out
+
+
+def test_every_bad_batch_journal_is_refused(tmp_path: Path, run_cli: Callable[..., Any],
+                                            batch_job: tuple[Callable[[Path], list[str]], Path]
+                                            ) -> None:
+    args, good = batch_job
+    assert _cli_code(run_cli, "batch", "verify", str(good)) == 0
+    assert _cli_code(run_cli, *args(good)) == 0  # the clean journal resumes
+    accepted = []
+    for label, mutate in _journal_mutations(good):
+        for command in (args, lambda out: ["batch", "verify", str(out)]):
+            out = _fresh(args, good, tmp_path, mutate)
+            result = run_cli(*command(out))
+            assert "internal error" not in result.err and "Traceback" not in result.err, (
+                label, result.err)
+            if result.code == 0:
+                accepted.append(f"{label} ({command(out)[1]})")
+            elif result.code == 2:  # what, where, and what to do
+                assert str(out) in result.err and "next:" in result.err, (label, result.err)
+    assert not accepted, accepted
+
+
+def test_every_bad_batch_bag_or_output_folder_gets_a_verdict(
+        tmp_path: Path, run_cli: Callable[..., Any],
+        batch_job: tuple[Callable[[Path], list[str]], Path]) -> None:
+    """``batch verify`` fails a damaged bag (exit 1; a missing manifest it writes, as documented);
+    ``batch run`` writes the bag files again, or refuses what it cannot replace (exit 2)."""
+    args, good = batch_job
+    mutations: list[tuple[str, Mutation]] = []
+    for name in ("manifest-sha256.txt", "bagit.txt", "bag-info.txt"):
+        text = (good / name).read_bytes()
+        for label, data in [("folder", None), ("missing", False), ("empty", b""),
+                            ("non-utf8", b"\xff\xfe\x80\n"), ("torn", text[:len(text) // 2]),
+                            ("deep", DEEP.encode()), ("doubled", text + text)]:
+            mutations.append((f"{name} {label}", _file_mutation(name, data)))
+    mutations += [
+        ("Payload-Oxum of other outputs", _file_mutation("bag-info.txt", b"Payload-Oxum: 5.3\n")),
+        ("no BagIt version", _file_mutation("bagit.txt", b"BagIt-Version: one\n")),
+        ("an output is a folder", _file_mutation("data/item0.bin.out", None)),
+        ("data is a file", lambda out: (shutil.rmtree(out / "data"),
+                                        (out / "data").write_bytes(b"x"))),
+        ("the lock is a folder", _file_mutation(".batch.lock", None)),
+    ]
+    for label, mutate in mutations:
+        out = _fresh(args, good, tmp_path, mutate)
+        expected = 1
+        if label in ("manifest-sha256.txt missing", "the lock is a folder"):
+            expected = 0  # verify writes an absent bag; it reads, and takes no lock
+        elif label in ("an output is a folder", "data is a file"):
+            expected = 2  # refused when the journal is opened: nothing is read there
+        assert _cli_code(run_cli, "batch", "verify", str(out)) == expected, label
+        out = _fresh(args, good, tmp_path, mutate)
+        result = run_cli(*args(out))
+        assert "internal error" not in result.err, (label, result.err)
+        if result.code == 0:  # the run rewrote the bag: it verifies again
+            assert _cli_code(run_cli, "batch", "verify", str(out)) == 0, label
+        else:
+            assert result.code == 2 and "next:" in result.err, (label, result.err)
+
+
+def test_a_folder_left_where_the_journal_is_built_is_refused(
+        tmp_path: Path, run_cli: Callable[..., Any],
+        batch_job: tuple[Callable[[Path], list[str]], Path]) -> None:
+    args, _good = batch_job
+    for name in (f".{JOURNAL}.building", "inputs-sha256.txt"):
+        out = tmp_path / name.strip(".")
+        (out / name).mkdir(parents=True)
+        result = run_cli(*args(out))
+        assert result.code == 2 and name in result.err and "next:" in result.err, result.err
+        (out / name).rmdir()
+        assert _cli_code(run_cli, *args(out)) == 0

@@ -19,7 +19,9 @@ The per-item function receives a :class:`BatchItem` (``key``, ``path``,
 bytes-like, ``str`` (stored UTF-8) or tensors/state (stored with
 ``torch.save``). An exception fails the attempt; it is retried with backoff
 up to ``retries`` times, then recorded with its error. Engines: ``"local"``
-(threads) and ``"ray"`` (actors, extra ``ray``). See docs/batch.md.
+(threads) and ``"ray"`` (actors, extra ``ray``). How a job runs (workers,
+retries, engine, durability, ...) is a :class:`BatchOptions`, given as
+``options=`` or as keyword arguments. See docs/batch.md.
 """
 
 from __future__ import annotations
@@ -27,19 +29,21 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torchverity.batch._item import BatchItem, DurabilityMode, EngineName, ItemFn
+from torchverity.batch._item import BatchItem, ItemFn
 from torchverity.batch._model import GivenFn, ModelSpec
-from torchverity.batch._run import (
-    BatchReport,
-    ItemProblem,
-    JobConfig,
-    execute,
-)
+from torchverity.batch._options import BatchFields, BatchOptions, PathLike
+from torchverity.batch._run import BatchReport, ItemProblem, execute
 from torchverity.batch._verify import BatchProblem, BatchVerifyResult, verify_batch
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = [
+    "BatchFields",
     "BatchItem",
+    "BatchOptions",
     "BatchProblem",
     "BatchReport",
     "BatchVerifyResult",
@@ -50,102 +54,68 @@ __all__ = [
 ]
 
 Progress = Callable[[int, int], None]
-PathLike = str | os.PathLike[str]
 
 
 def run_batch(
     inputs: PathLike,
     fn: ItemFn,
     out: PathLike,
+    options: BatchOptions | None = None,
     *,
-    workers: int = 1,
-    retries: int = 2,
-    backoff: float = 0.1,
-    engine: EngineName = "local",
-    ray_address: str | None = None,
-    force: bool = False,
-    suffix: str = ".out",
-    durability: DurabilityMode = "group",
     name: str | None = None,
     model_fingerprint: str | None = None,
-    golden: PathLike | None = None,
-    settings: Mapping[str, str] | None = None,
     progress: Progress | None = None,
-    retry_failed: bool = False,
+    **fields: Unpack[BatchFields],
 ) -> BatchReport:
     """Run (or resume) ``fn`` over every file of ``inputs`` (a folder or a list file).
 
+    ``options`` (a :class:`BatchOptions`; its fields may also be given as
+    keyword arguments, which replace its values) says how the job runs.
     ``name`` (default ``module:qualname`` of ``fn``), ``model_fingerprint``
-    and ``settings`` identify the job: resuming with other values is refused
-    unless ``force=True``, which deletes the previous outputs and starts over.
-    ``progress(done, total)`` is called as items reach a final state.
-    ``golden`` (a file from ``torchverity.golden.record``) gates the job: the
-    model behind ``fn`` (``fn.model``) must pass ``golden.check`` before the
-    first item and again after the run, or this run's outputs are discarded.
-    ``durability="group"`` (default) makes outputs durable with one ``syncfs``
-    of the output filesystem per commit point (Linux; elsewhere it is
-    ``"file"``); ``"file"`` fsyncs every output before its rename; both keep
-    committed outputs through a power cut. ``"lazy"`` flushes nothing but the
-    journal and relies on the re-hash of committed outputs that every rerun
-    does (see docs/batch.md). With
-    ``engine="ray"`` the function must be picklable.
+    and ``options.settings`` identify the job: resuming with other values is
+    refused unless ``force=True``, which deletes the previous outputs and
+    starts over. ``progress(done, total)`` is called as items reach a final
+    state. ``golden`` (a file from ``torchverity.golden.record``) gates the
+    job: the model behind ``fn`` (``fn.model``) must pass ``golden.check``
+    before the first item and again after the run, or this run's outputs are
+    discarded. ``durability="group"`` (default) makes outputs durable with one
+    ``syncfs`` of the output filesystem per commit point (Linux; elsewhere it
+    is ``"file"``); ``"file"`` fsyncs every output before its rename; both
+    keep committed outputs through a power cut. ``"lazy"`` flushes nothing but
+    the journal and relies on the re-hash of committed outputs that every
+    rerun does (see docs/batch.md). With ``engine="ray"`` the function must be
+    picklable.
     """
+    opts = (options or BatchOptions()).replaced(fields)
     label = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-    gate = os.fspath(golden) if golden is not None else None
-    factory = GivenFn(fn, label, model_fingerprint, gate)
-    return execute(_config(inputs, out, workers, retries, backoff, engine, ray_address, force,
-                           suffix, durability, gate, settings, retry_failed), factory,
-                           progress)
+    factory = GivenFn(fn, label, model_fingerprint, opts.golden_file)
+    return execute(Path(inputs), Path(out), opts, factory, progress)
 
 
 def run_model_batch(
     inputs: PathLike,
     model: str,
     out: PathLike,
+    options: BatchOptions | None = None,
     *,
     weights: PathLike | None = None,
-    workers: int = 1,
-    retries: int = 2,
-    backoff: float = 0.1,
-    engine: EngineName = "local",
-    ray_address: str | None = None,
-    force: bool = False,
-    suffix: str = ".out",
-    durability: DurabilityMode = "group",
-    golden: PathLike | None = None,
-    settings: Mapping[str, str] | None = None,
-    progress: Progress | None = None,
-    retry_failed: bool = False,
     strip_prefix: Sequence[str] = (),
     key_map: Mapping[str, str] | None = None,
+    progress: Progress | None = None,
+    **fields: Unpack[BatchFields],
 ) -> BatchReport:
     """``torchverity batch run``: ``model`` is ``module:build``, ``build(state) -> fn``.
 
-    The weights are loaded with ``torchverity.load(weights, sidecar="require")``
-    before the first item; their SHA-256 and content fingerprint enter the job
+    ``options`` and keyword arguments as for :func:`run_batch`. The weights
+    are loaded with ``torchverity.load(weights, sidecar="require")`` before
+    the first item; their SHA-256 and content fingerprint enter the job
     fingerprint. Without ``weights``, ``build()`` is called with no argument.
     With ``golden``, the returned function's ``model`` attribute is checked
     against the golden file before the first item and after the run.
     ``strip_prefix`` and ``key_map`` rename the state's keys before ``build``
     sees them, as :func:`torchverity.load` does.
     """
-    gate = os.fspath(golden) if golden is not None else None
-    factory = ModelSpec(model, os.fspath(weights) if weights is not None else None, gate,
-                        tuple(strip_prefix), tuple((key_map or {}).items()))
-    return execute(_config(inputs, out, workers, retries, backoff, engine, ray_address, force,
-                           suffix, durability, gate, settings, retry_failed), factory,
-                           progress)
-
-
-def _config(inputs: PathLike, out: PathLike, workers: int, retries: int, backoff: float,
-            engine: EngineName, ray_address: str | None, force: bool, suffix: str,
-            durability: DurabilityMode,
-            golden: str | None, settings: Mapping[str, str] | None,
-            retry_failed: bool = False) -> JobConfig:
-    return JobConfig(
-        inputs=Path(inputs), out=Path(out), suffix=suffix, workers=workers, retries=retries,
-        backoff=backoff, engine=engine, ray_address=ray_address, force=force,
-        durability=durability, golden=golden,
-        settings=tuple(sorted((str(k), str(v)) for k, v in (settings or {}).items())),
-        retry_failed=retry_failed,
-    )
+    opts = (options or BatchOptions()).replaced(fields)
+    factory = ModelSpec(model, os.fspath(weights) if weights is not None else None,
+                        opts.golden_file, tuple(strip_prefix), tuple((key_map or {}).items()))
+    return execute(Path(inputs), Path(out), opts, factory, progress)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from torchverity.batch._bag import write_text
 from torchverity.batch._inputs import InputRecord, list_inputs, manifest_lines, manifest_root
 from torchverity.batch._journal import FAILED, ItemRow, Journal
-from torchverity.digest import atomic_write_text
 from torchverity.errors import InputError
 
 ChangeKind = Literal["new-input", "input-edited"]
@@ -66,7 +66,7 @@ def apply_input_changes(journal: Journal, out: Path, inputs: Path, suffix: str,
     journal.relist([(c.row.id, c.record) for c in edited if c.row is not None],
                    "input edited after it was listed: redone")
     records = sorted((r for r in _current(journal)), key=lambda r: r.key)
-    atomic_write_text(out / manifest_name, "".join(manifest_lines(records)))
+    write_text(out, manifest_name, "".join(manifest_lines(records)))
     journal.set_job({"inputs_root": manifest_root(records)})
     return changes
 

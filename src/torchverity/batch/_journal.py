@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from torchverity.batch._inputs import JOURNAL_NAME, InputRecord
-from torchverity.batch._paths import check_outputs
+from torchverity.batch._journal_check import check_records, damaged
+from torchverity.batch._paths import DATA_DIR, check_outputs
 from torchverity.digest import fsync_path
 from torchverity.errors import BatchError, FormatError
 
@@ -179,8 +180,13 @@ class Journal:
             journal = cls(path, _connect_immutable(path))
         else:
             journal = cls(path, _connect(path, out))
-        journal._check()
-        check_outputs(path, out, (row[0] for row in journal._query("SELECT output FROM items")))
+        try:
+            journal._check()
+            check_outputs(path, out, (row[0] for row in journal._query("SELECT output FROM items")))
+            check_records(path, journal._query, STATES, DATA_DIR)
+        except BaseException:
+            journal.close()
+            raise
         return journal
 
     def _check(self) -> None:
@@ -345,7 +351,13 @@ class _Transaction:
 def discard_building(out: Path) -> None:
     """Remove a journal that a crash left half-built (and its WAL files)."""
     for suffix in ("", "-wal", "-shm"):
-        (out / f".{JOURNAL_NAME}.building{suffix}").unlink(missing_ok=True)
+        path = out / f".{JOURNAL_NAME}.building{suffix}"
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            raise BatchError(f"{path}: cannot remove a half-built journal: "
+                             f"{exc.strerror or exc}", out=out,
+                             hint=f"move {path} away, then rerun the same command") from None
 
 
 def _connect(path: Path, out: Path, mode: str = "WAL") -> sqlite3.Connection:
@@ -368,12 +380,7 @@ def _connect_immutable(path: Path) -> sqlite3.Connection:
 
 
 def _corrupt(path: Path, detail: str) -> FormatError:
-    return FormatError(
-        f"{path}: the batch journal is damaged ({detail})",
-        path=path,
-        hint="restore it from a backup, or start the job again in an empty --out folder; "
-        "never trust outputs whose journal is gone",
-    )
+    return damaged(path, f"SQLite says: {detail}")
 
 
 def _write_failed(path: Path, error: sqlite3.Error) -> BatchError:

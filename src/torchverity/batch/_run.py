@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import heapq
 import json
 import os
@@ -36,13 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from torchverity.batch._bag import BAG_INFO_TXT, BAGIT_TXT, write_bag
+from torchverity.batch._bag import BAG_INFO_TXT, BAGIT_TXT, write_bag, write_text
 from torchverity.batch._inputs import list_inputs, manifest_lines, manifest_root
 from torchverity.batch._item import (
-    DURABILITY,
     TMP_SUFFIX,
     Durability,
-    DurabilityMode,
     EngineName,
     ItemFn,
     ItemResult,
@@ -61,10 +58,11 @@ from torchverity.batch._journal import (
     Outcome,
     WorkItem,
 )
+from torchverity.batch._journal_check import fingerprint_of
 from torchverity.batch._model import ModelFactory
+from torchverity.batch._options import BatchOptions
 from torchverity.batch._paths import DATA_DIR
-from torchverity.digest import atomic_write_text
-from torchverity.errors import BatchError, IntegrityError, UsageError
+from torchverity.errors import BatchError, IntegrityError
 from torchverity.manifest import SHA256SUM_NAME, ManifestEntry
 
 JOB_FORMAT = "torchverity-batch-job/1"
@@ -133,26 +131,8 @@ class BatchReport:
         return self.committed == self.total
 
 
-@dataclass(frozen=True)
-class JobConfig:
-    """What a run is asked to do (the parts that define outputs enter the fingerprint)."""
-
-    inputs: Path
-    out: Path
-    suffix: str = ".out"
-    workers: int = 1
-    retries: int = 2
-    backoff: float = 0.1
-    engine: EngineName = "local"
-    ray_address: str | None = None
-    force: bool = False
-    durability: DurabilityMode = "group"
-    golden: str | None = None
-    settings: tuple[tuple[str, str], ...] = ()
-    retry_failed: bool = False  # on resume, failed items get a new round of attempts
-
-
-def job_fingerprint(config: JobConfig, identity: dict[str, str]) -> tuple[str, dict[str, Any]]:
+def job_fingerprint(inputs: Path, options: BatchOptions,
+                    identity: dict[str, str]) -> tuple[str, dict[str, Any]]:
     """SHA-256 of the canonical JSON job description, and that description."""
     from torchverity import __version__
 
@@ -160,67 +140,79 @@ def job_fingerprint(config: JobConfig, identity: dict[str, str]) -> tuple[str, d
         "format": JOB_FORMAT,
         "torchverity": __version__,
         "model": identity,
-        "inputs": os.fspath(config.inputs.resolve()),
-        "suffix": config.suffix,
-        "settings": dict(config.settings),
+        "inputs": os.fspath(inputs.resolve()),
+        "suffix": options.suffix,
+        "settings": dict(options.setting_pairs),
     }
-    text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest(), doc
+    return fingerprint_of(doc), doc
 
 
-def execute(config: JobConfig, factory: ModelFactory,
+def execute(inputs: Path, out: Path, options: BatchOptions, factory: ModelFactory,
             progress: Callable[[int, int], None] | None = None) -> BatchReport:
     """Run (or resume) a job to the end; see the module docstring for the guarantees."""
-    _check_config(config)
     start = time.perf_counter()
-    out = config.out.resolve()
+    out = out.resolve()
     # Weights verified (and, locally, the model built and golden-checked) before
     # anything is written. Ray actors each build and check their own copy later.
     make: Callable[[bool], Engine]
-    if config.engine == "local":
+    if options.engine == "local":
         fn, identity = factory.load()
-        make = functools.partial(_local_engine, fn, config, out)
+        make = functools.partial(_local_engine, fn, options, out)
     else:
         identity = factory.identity()
-        make = functools.partial(_ray_engine, factory, identity, config, out)
-    fingerprint, doc = job_fingerprint(config, identity)
+        make = functools.partial(_ray_engine, factory, identity, options, out)
+    fingerprint, doc = job_fingerprint(inputs, options, identity)
     _prepare_out(out)
     with _exclusive(out):
-        return _run_locked(config, make, progress, out, fingerprint, doc, start)
+        job = _Job(inputs, out, options, fingerprint, doc)
+        return _run_locked(job, make, progress, start)
 
 
-def _run_locked(config: JobConfig, make: Callable[[bool], Engine],
-                progress: Callable[[int, int], None] | None, out: Path, fingerprint: str,
-                doc: dict[str, Any], start: float) -> BatchReport:
-    journal, resumed = _open_or_create(config, out, fingerprint, doc)
+@dataclass(frozen=True)
+class _Job:
+    """One run's job: where it reads and writes, how, and its fingerprint."""
+
+    inputs: Path
+    out: Path  # resolved
+    options: BatchOptions
+    fingerprint: str
+    doc: dict[str, Any]
+
+
+def _run_locked(job: _Job, make: Callable[[bool], Engine],
+                progress: Callable[[int, int], None] | None, start: float) -> BatchReport:
+    out, options = job.out, job.options
+    journal, resumed = _open_or_create(job)
     try:
         interrupted, orphans, repaired = _recover(journal, out) if resumed else (0, 0, [])
         if resumed:
-            _resume_changes(journal, out, config)
-        durability = Durability(out, config.durability)
+            _resume_changes(journal, job)
+        durability = Durability(out, options.durability)
         engine = make(durability.per_file)
         try:
             work_start = time.perf_counter()
-            scheduler = _Scheduler(journal, engine, out, config, durability, progress)
+            scheduler = _Scheduler(journal, engine, out, options, durability, progress)
             processed, retries = scheduler.run()
             work_seconds = time.perf_counter() - work_start
-            if config.golden and scheduler.committed_ids:
-                _golden_after(engine, config.golden, journal, out, scheduler.committed_ids)
+            golden = options.golden_file
+            if golden and scheduler.committed_ids:
+                _golden_after(engine, golden, journal, out, scheduler.committed_ids)
         finally:
             engine.close()
         manifest = _finish(journal, out)
         seconds = time.perf_counter() - start
-        return _report(journal, out, fingerprint, engine.name, resumed, interrupted, orphans,
+        return _report(journal, out, job.fingerprint, engine.name, resumed, interrupted, orphans,
                        repaired, processed, retries, seconds, work_seconds, manifest)
     finally:
         journal.close()
 
 
-def _resume_changes(journal: Journal, out: Path, config: JobConfig) -> None:
+def _resume_changes(journal: Journal, job: _Job) -> None:
     from torchverity.batch._changes import apply_input_changes, retry_failed
 
-    apply_input_changes(journal, out, config.inputs, config.suffix, DATA_DIR, INPUTS_MANIFEST)
-    if config.retry_failed:
+    apply_input_changes(journal, job.out, job.inputs, job.options.suffix, DATA_DIR,
+                        INPUTS_MANIFEST)
+    if job.options.retry_failed:
         retry_failed(journal)
 
 
@@ -246,24 +238,6 @@ def _golden_after(engine: Engine, golden: str, journal: Journal, out: Path,
         ) from None
 
 
-def _check_config(config: JobConfig) -> None:
-    if config.workers < 1:
-        raise UsageError(f"--workers must be at least 1, not {config.workers}")
-    if config.retries < 0:
-        raise UsageError(f"--retries must be 0 or more, not {config.retries}")
-    if config.durability not in DURABILITY:
-        raise UsageError(f"unknown durability '{config.durability}'",
-                         hint=f"use one of: {', '.join(DURABILITY)}")
-    if config.engine not in ("local", "ray"):
-        raise UsageError(f"unknown engine '{config.engine}'", hint="use --engine local or ray")
-    bad_suffix = not config.suffix or "/" in config.suffix or config.suffix.endswith(TMP_SUFFIX)
-    if bad_suffix:
-        raise UsageError(
-            f"output suffix '{config.suffix}' cannot work",
-            hint=f"use a non-empty suffix without '/' that does not end in {TMP_SUFFIX}",
-        )
-
-
 def _prepare_out(out: Path) -> None:
     """Create the output folder and prove it takes a file, before any work is done."""
     probe = out / f".torchverity-write-probe-{os.getpid()}"
@@ -285,7 +259,15 @@ def _exclusive(out: Path) -> Iterator[None]:
     """One driver per output folder: a second one would delete the first one's work."""
     import fcntl
 
-    fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise BatchError(
+            f"{out / LOCK_NAME}: cannot open the job's lock file: {exc.strerror or exc}",
+            out=out,
+            hint=f"remove what is at {out / LOCK_NAME} (a run creates it as an empty file), "
+            "then rerun",
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -300,13 +282,13 @@ def _exclusive(out: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _open_or_create(config: JobConfig, out: Path, fingerprint: str,
-                    doc: dict[str, Any]) -> tuple[Journal, bool]:
-    if config.force:
+def _open_or_create(job: _Job) -> tuple[Journal, bool]:
+    out = job.out
+    if job.options.force:
         _discard_job(out)
     elif (out / JOURNAL_NAME).exists():
         journal = Journal.open(out)
-        _check_same_job(journal, out, fingerprint, doc)
+        _check_same_job(journal, out, job.fingerprint, job.doc)
         return journal, True
     elif _has_files(out / DATA_DIR):
         raise BatchError(
@@ -316,7 +298,7 @@ def _open_or_create(config: JobConfig, out: Path, fingerprint: str,
             hint="move the folder away and rerun, or rerun with --force to delete those "
             "outputs and start the job again",
         )
-    return _create(config, out, fingerprint, doc), False
+    return _create(job), False
 
 
 def _check_same_job(journal: Journal, out: Path, fingerprint: str, doc: dict[str, Any]) -> None:
@@ -347,9 +329,10 @@ def _has_files(folder: Path) -> bool:
     return folder.is_dir() and any(files for _, _, files in os.walk(folder))
 
 
-def _create(config: JobConfig, out: Path, fingerprint: str, doc: dict[str, Any]) -> Journal:
-    records = list_inputs(config.inputs, exclude=out)
-    outputs = [f"{DATA_DIR}/{r.key}{config.suffix}" for r in records]
+def _create(job: _Job) -> Journal:
+    out = job.out
+    records = list_inputs(job.inputs, exclude=out)
+    outputs = [f"{DATA_DIR}/{r.key}{job.options.suffix}" for r in records]
     # Strings first: a Path per output costs milliseconds per thousand items, at start-up.
     folders = {out / d for d in {os.path.dirname(o) for o in outputs}}
     # Every new folder's entry lives in its parent: all of them up to OUT must be synced
@@ -362,14 +345,14 @@ def _create(config: JobConfig, out: Path, fingerprint: str, doc: dict[str, Any])
         fsync_dirs(ancestors)
     except (OSError, OutputWriteError) as exc:
         raise BatchError(f"{out}: cannot create the output folders: {exc}", out=out) from None
-    atomic_write_text(out / INPUTS_MANIFEST, "".join(manifest_lines(records)))
-    job = {
-        "fingerprint": fingerprint,
-        "job": json.dumps(doc, sort_keys=True),
+    write_text(out, INPUTS_MANIFEST, "".join(manifest_lines(records)))
+    values = {
+        "fingerprint": job.fingerprint,
+        "job": json.dumps(job.doc, sort_keys=True),
         "inputs_root": manifest_root(records),
         "created": str(time.time()),
     }
-    return Journal.create(out, job, records, outputs)
+    return Journal.create(out, values, records, outputs)
 
 
 def _recover(journal: Journal, out: Path) -> tuple[int, int, list[str]]:
@@ -403,17 +386,17 @@ def stored_digests(out: Path, rows: list[ItemRow]) -> list[tuple[str, int] | Non
         return list(pool.map(lambda r: file_sha256(out / r.output), rows))
 
 
-def _local_engine(fn: ItemFn, config: JobConfig, out: Path, fsync: bool) -> Engine:
+def _local_engine(fn: ItemFn, options: BatchOptions, out: Path, fsync: bool) -> Engine:
     from torchverity.batch._engine_local import LocalEngine
 
-    return LocalEngine(fn, out, config.workers, fsync=fsync)
+    return LocalEngine(fn, out, options.workers, fsync=fsync)
 
 
-def _ray_engine(factory: ModelFactory, identity: dict[str, str], config: JobConfig, out: Path,
-                fsync: bool) -> Engine:
+def _ray_engine(factory: ModelFactory, identity: dict[str, str], options: BatchOptions,
+                out: Path, fsync: bool) -> Engine:
     from torchverity.batch._engine_ray import RayEngine
 
-    return RayEngine(factory, identity, out, config.workers, config.ray_address, fsync=fsync)
+    return RayEngine(factory, identity, out, options.workers, options.ray_address, fsync=fsync)
 
 
 @runtime_checkable
@@ -477,13 +460,13 @@ class _Committer:
 class _Scheduler:
     """Feeds the engine, applies retries with backoff, and groups outcomes into commit points."""
 
-    def __init__(self, journal: Journal, engine: Engine, out: Path, config: JobConfig,
+    def __init__(self, journal: Journal, engine: Engine, out: Path, options: BatchOptions,
                  durability: Durability, progress: Callable[[int, int], None] | None) -> None:
         self.journal = journal
         self.committer = _Committer(journal, durability)
         self.engine = engine
         self.out = out
-        self.config = config
+        self.options = options
         self.progress = progress or (lambda done, total: None)
         self.todo: deque[WorkItem] = deque()
         self.delayed: list[tuple[float, int, WorkItem]] = []
@@ -608,10 +591,10 @@ class _Scheduler:
         if result.status == FAILED:
             failures = self.failures.get(work.id, 0) + 1
             self.failures[work.id] = failures
-            if failures <= self.config.retries:
+            if failures <= self.options.retries:
                 self.retries += 1
                 self.buffer.append(Outcome(work.id, PENDING, error=result.error))
-                delay = min(MAX_BACKOFF_S, self.config.backoff * 2 ** (failures - 1))
+                delay = min(MAX_BACKOFF_S, self.options.backoff * 2 ** (failures - 1))
                 retry = WorkItem(work.id, work.key, work.path, work.size, work.digest,
                                  work.output, work.attempt + 1)
                 heapq.heappush(self.delayed, (time.monotonic() + delay, work.id, retry))

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchverity.batch._bag import write_bag
+from torchverity.batch._bag import bag_problems, write_bag
 from torchverity.batch._changes import input_changes, inputs_of
 from torchverity.batch._journal import CHANGED, COMMITTED, ItemRow, Journal
 from torchverity.batch._paths import DATA_DIR
@@ -23,8 +23,8 @@ from torchverity.manifest import SHA256SUM_NAME, ManifestEntry, read_manifest
 
 # Problem kinds, in the order a reader should fix them.
 KINDS = (
-    "missing-output", "output-mismatch", "extra-output", "manifest-mismatch", "failed",
-    "input-changed", "new-input", "not-done",
+    "missing-output", "output-mismatch", "extra-output", "manifest-mismatch", "bag-mismatch",
+    "failed", "input-changed", "new-input", "not-done",
 )
 
 
@@ -67,12 +67,15 @@ def verify_batch(out: str | os.PathLike[str]) -> BatchVerifyResult:
     problems = [*_check_items(root, rows, committed), *_extra_files(root, rows),
                 *_input_problems(inputs, root, rows)]
     manifest_path = root / SHA256SUM_NAME
+    entries = [ManifestEntry(r.output, int(r.output_size or 0), str(r.output_digest))
+               for r in committed]
     written = False
-    if manifest_path.is_file():
+    if manifest_path.exists():
         problems += _check_manifest(manifest_path, committed)
+        problems += [BatchProblem("bag-mismatch", None, name, detail)
+                     for name, detail in bag_problems(root, entries)]
     elif not problems and committed and os.access(root, os.W_OK):
-        write_bag(root, [ManifestEntry(r.output, int(r.output_size or 0), str(r.output_digest))
-                         for r in committed])
+        write_bag(root, entries)
         written = True
     problems.sort(key=lambda p: (KINDS.index(p.kind), p.key or "", p.path or ""))
     return BatchVerifyResult(
@@ -138,6 +141,10 @@ def _extra_files(root: Path, rows: list[ItemRow]) -> list[BatchProblem]:
 
 
 def _check_manifest(path: Path, committed: list[ItemRow]) -> list[BatchProblem]:
+    if not path.is_file():
+        return [BatchProblem("manifest-mismatch", None, SHA256SUM_NAME,
+                             "is not a file: move it away and rerun verify to write the "
+                             "manifest")]
     try:
         listed = {e.path: e.digest for e in read_manifest(path).entries}
     except TorchVerityError as exc:

@@ -268,8 +268,9 @@ def _build_app(state: ServiceState, interval: float | None) -> "FastAPI":
         finally:
             runtime.close()
 
+    # FastAPI's own schema route leaves itself out of the schema; ours is listed with the rest.
     app = FastAPI(title=f"torchverity serve: {state.name}", version=__version__,
-                  lifespan=lifespan, docs_url=None, redoc_url=None)
+                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.torchverity = state
     _add_error_handlers(app)
     _add_routes(app, state, runtime)
@@ -328,14 +329,17 @@ def _add_routes(app: "FastAPI", state: ServiceState, runtime: _Runtime) -> None:
 
     @app.get("/health", response_model=models.Health, responses=docs, summary="Liveness")
     @app.get("/v2/health/live", response_model=models.Health, responses=docs,
-             include_in_schema=False)
+             summary="Liveness (Open Inference Protocol v2 path)")
     async def health() -> Response:
         return _json_response({"status": "alive"})
 
-    @app.get("/ready", response_model=models.Ready, responses=_problem_docs(400, 413, 503),
-             summary="200 only while the weights hold their verified fingerprint and the "
+    ready_docs = _problem_docs(400, 413, 503)
+    ready_summary = ("200 only while the weights hold their verified fingerprint and the "
                      "last golden check passed")
-    @app.get("/v2/health/ready", response_model=models.Ready, include_in_schema=False)
+
+    @app.get("/ready", response_model=models.Ready, responses=ready_docs, summary=ready_summary)
+    @app.get("/v2/health/ready", response_model=models.Ready, responses=ready_docs,
+             summary=f"{ready_summary} (Open Inference Protocol v2 path)")
     async def ready() -> Response:
         runtime.ensure()
         status = state.readiness()
@@ -348,6 +352,10 @@ def _add_routes(app: "FastAPI", state: ServiceState, runtime: _Runtime) -> None:
              "shape, provenance in parameters)")
     async def metadata() -> Response:
         return _json_response(_metadata(state))
+
+    @app.get("/openapi.json", responses=docs, summary="This OpenAPI schema")
+    async def openapi() -> Response:
+        return _json_response(app.openapi())
 
     @app.post("/predict", response_model=models.InferResponse,
               responses=_problem_docs(400, 413, 415, 422, 503),
