@@ -14,6 +14,8 @@ import pytest
 from protect_helpers import SRC
 
 ROOT = SRC.parent
+# Keys, certificates and model folders are made as the provenance tests make them.
+sys.path.append(str(Path(__file__).parents[1] / "provenance"))
 
 
 @pytest.fixture
