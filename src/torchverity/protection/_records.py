@@ -92,7 +92,7 @@ def signatures_near(path: str) -> list[tuple[str, str]]:
     return found
 
 
-def _unrecorded(path: str) -> bool:
+def unrecorded(path: str) -> bool:
     """Whether no record can exist for ``path``: a dozen ``stat`` calls, or two when cached.
 
     A negative answer is remembered with the modification times of the two folders a
@@ -117,7 +117,7 @@ def _unrecorded(path: str) -> bool:
 
 def find_record(path: Path) -> Record | None:
     """The record for ``path``, or None. A record that contradicts itself raises IntegrityError."""
-    if _unrecorded(os.fspath(path)):
+    if unrecorded(os.fspath(path)):
         return None
     if not path.is_file():
         return None

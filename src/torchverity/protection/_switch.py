@@ -85,10 +85,22 @@ def _patch_safetensors(module: ModuleType) -> None:
         _replace(module, "save_file", ws.watch_save_file)
 
 
+def _patch_checkpoint_io(module: ModuleType) -> None:
+    """Lightning's checkpoint writer (``lightning`` and the standalone ``lightning_fabric``)."""
+    from torchverity.protection import _watch_save as ws
+
+    io_class = getattr(module, "TorchCheckpointIO", None)
+    if io_class is not None:
+        _replace(io_class, "save_checkpoint", ws.watch_checkpoint_io_save)
+        _replace(io_class, "remove_checkpoint", ws.watch_checkpoint_io_remove)
+
+
 _PATCHERS: dict[str, Callable[[ModuleType], None]] = {
     "torch": _patch_torch,
     "safetensors": _patch_safetensors,
     "safetensors.torch": _patch_safetensors,
+    "lightning.fabric.plugins.io.torch_io": _patch_checkpoint_io,
+    "lightning_fabric.plugins.io.torch_io": _patch_checkpoint_io,
 }
 
 

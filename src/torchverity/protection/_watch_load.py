@@ -21,7 +21,13 @@ from typing import Any
 
 from torchverity.errors import FormatError, IntegrityError, TorchVerityError
 from torchverity.protection._failures import describe
-from torchverity.protection._records import Record, check_bytes, find_record, load_hashing
+from torchverity.protection._records import (
+    Record,
+    check_bytes,
+    find_record,
+    load_hashing,
+    unrecorded,
+)
 from torchverity.protection._session import Session, active
 from torchverity.protection._signatures import signature_record
 from torchverity.protection._state import Event, caller_site, inside
@@ -75,7 +81,7 @@ def gate(session: Session, exc: TorchVerityError, api: str, path: Path | None,
 
 def _record_or_gate(session: Session, api: str, path: Path | None,
                     where: str | None) -> Record | None:
-    if path is None:
+    if path is None or unrecorded(os.fspath(path)):  # no sidecar, manifest or signature near
         return None
     try:
         record = find_record(path)
