@@ -329,12 +329,14 @@ def _mode_mismatch(bundle: Any, with_key: bool) -> str:
     return ""
 
 
-def _expected(sig: Path, public_key: Path | None, chain: Sequence[Path]) -> tuple[Any, str, str]:
+def _expected(sig: Path, public_key: str | os.PathLike[str] | None,
+              chain: Sequence[str | os.PathLike[str]]) -> tuple[Any, str, str]:
     """The signed manifest, the signer, and why it was refused (None when it verified)."""
     from cryptography.exceptions import InvalidSignature
 
-    bundle, verifier, signer = open_bundle(sig, public_key, chain)
-    mismatch = _mode_mismatch(bundle.bundle, public_key is not None)
+    bundle, verifier, signer = open_bundle(sig, Path(public_key) if public_key else None,
+                                           [Path(c) for c in chain])
+    mismatch = _mode_mismatch(bundle.bundle, bool(public_key))
     if mismatch:
         return None, signer, mismatch
     try:
@@ -354,8 +356,7 @@ def verify_model(
 ) -> SignatureResult:
     """Check the signature, then every file it lists: ok, mismatched, missing, extra."""
     root, sig = existing(model), Path(signature)
-    expected, signer, reason = _expected(sig, Path(public_key) if public_key else None,
-                                         [Path(c) for c in certificate_chain])
+    expected, signer, reason = _expected(sig, public_key, certificate_chain)
     if expected is None:
         return SignatureResult(os.fspath(root), os.fspath(sig), False, signer, {}, "",
                                (), reason=reason)
@@ -468,8 +469,7 @@ def signed_digests(
     from torchverity.errors import IntegrityError
 
     p, sig = Path(path), Path(signature)
-    expected, signer, reason = _expected(sig, Path(public_key) if public_key else None,
-                                         [Path(c) for c in certificate_chain])
+    expected, signer, reason = _expected(sig, public_key, certificate_chain)
     if expected is None:
         raise IntegrityError(
             f"{p}: signature {sig} does not verify ({reason}); refusing to load", path=p,
