@@ -162,3 +162,25 @@ def test_the_startup_hook_and_torchverity_run_take_the_key(
     assert run.returncode == 3, run.stderr
     summary = json.loads(run.stdout)
     assert summary["counts"]["verified"] == 1 and summary["counts"]["refused"] == 1
+
+
+def test_a_signature_over_pieces_of_files_checks_the_whole_folder_once(
+        tmp_path: Path, keys: tuple[Path, Path]) -> None:
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    for i, name in enumerate(SHARDS):
+        PLAIN_SAVE(_state(i), folder / name)
+    config = model_signing.signing.Config().use_elliptic_key_signer(private_key=keys[0])
+    config.set_hashing_config(model_signing.hashing.Config().use_shard_serialization(
+        shard_size=1024))
+    config.sign(folder, folder / "model.sig")
+    log = tmp_path / "log.jsonl"
+    with protected("refuse", log=log, public_key=keys[1]):
+        for name in SHARDS:
+            torch.load(folder / name)
+    assert not {"mismatch", "refused"} & {str(e["kind"]) for e in _events(log)}
+    flip_tensor_bit(folder / SHARDS[2])
+    with pytest.raises(IntegrityError, match=rf"refuses these weights: {SHARDS[2]}:0:1024 "
+                                             "mismatched"), \
+            protected("refuse", public_key=keys[1]):
+        torch.load(folder / SHARDS[0])  # the folder is refused as a whole

@@ -57,20 +57,20 @@ def _from_signature(session: Session, path: Path, record: Record | None, sig: st
             {"signature": sig}), loud=first)
         return record
     signed = _verified(session, path, sig, key)
-    if signed.method != "files":
-        _check_folder(session, path, sig, key, rel)
-        return record
-    found = signed.digests.get(rel)
-    if found is None or found[0] not in ALGORITHMS:
+    found = signed.digests.get(rel) if signed.method == "files" else None
+    if signed.method == "files" and found is None:
         raise IntegrityError(
             f"{path}: not covered by signature {sig} (signed by {signed.signer}): the file "
             "was added after the model was signed", path=path,
             hint=f"torchverity verify {os.path.dirname(sig)} --signature {sig} "
                  f"--{'public-key' if trust.public_key else 'certificate'} PEM lists every file")
+    if found is None or found[0] not in ALGORITHMS:  # pieces of files, or blake2
+        _check_folder(session, path, sig, key, rel)
+        return record
     algo, hexdigest = found
-    meta = record.meta if record is not None and record.hexdigest == hexdigest else None
+    same = record is not None and (record.algo, record.hexdigest) == found
     return Record(path, algo, hexdigest, "signature", f"{os.path.basename(sig)} (signed by "
-                  f"{signed.signer})", meta)
+                  f"{signed.signer})", record.meta if same and record is not None else None)
 
 
 def _verified(session: Session, path: Path, sig: str, key: tuple[int, int, int]) -> Any:
@@ -90,7 +90,8 @@ def _verified(session: Session, path: Path, sig: str, key: tuple[int, int, int])
 
 def _check_folder(session: Session, path: Path, sig: str, key: tuple[int, int, int],
                   rel: str) -> None:
-    """A signature over pieces of files: the whole signed folder is checked, once."""
+    """A signature without a digest per file torchverity computes: the whole signed folder
+    is checked by the signing library's own hashing, once per signature file."""
     from torchverity.provenance import require_signed_folder
 
     cache = session.signatures
