@@ -14,6 +14,8 @@ import pytest
 from protect_helpers import SRC
 
 ROOT = SRC.parent
+# Keys, certificates and model folders are made as the provenance tests make them.
+sys.path.append(str(Path(__file__).parents[1] / "provenance"))
 
 
 @pytest.fixture
@@ -28,13 +30,19 @@ def off_after() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def built_wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The package built as users get it: a wheel and an editable wheel (setuptools' PEP 517)."""
+    """The package built as users get it: a wheel and an editable wheel (PEP 517)."""
     out = tmp_path_factory.mktemp("wheels")
     tree = tmp_path_factory.mktemp("source-tree")
-    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "MANIFEST.in", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, tree / name)
+    shutil.copytree(ROOT / "build_backend", tree / "build_backend",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(SRC, tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    code = (f"from setuptools import build_meta as b; w = b.build_wheel({str(out)!r}); "
+    # The backend pyproject.toml names, called as a PEP 517 front end calls it.
+    code = ("import importlib, sys, tomllib; s = tomllib.load(open('pyproject.toml', 'rb'))"
+            "['build-system']; sys.path[:0] = s.get('backend-path', []); "
+            "b = importlib.import_module(s['build-backend']); "
+            f"w = b.build_wheel({str(out)!r}); "
             f"e = b.build_editable({str(out)!r}); print('WHEELS', w, e)")
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, capture_output=True,
                           text=True, timeout=600)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import subprocess
+import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -20,7 +25,12 @@ def test_both_wheels_install_the_pth_into_site_packages(
         assert "torchverity-protect.pth" in names  # the wheel's root is site-packages
         line = zf.read("torchverity-protect.pth")
         record = next(n for n in names if n.endswith(".dist-info/RECORD"))
-        assert b"torchverity-protect.pth," in zf.read(record)  # pip uninstall removes it
+        listed = [r for r in zf.read(record).decode().splitlines()
+                  if r.startswith("torchverity-protect.pth,")]
+        assert len(names) == len(set(names))
+    digest = base64.urlsafe_b64encode(hashlib.sha256(line).digest()).rstrip(b"=").decode()
+    # pip checks the hash as it installs and removes the file on uninstall.
+    assert listed == [f"torchverity-protect.pth,sha256={digest},{len(line)}"]
     assert line == (SRC / "torchverity-protect.pth").read_bytes()
     assert line.startswith(b"import os; os.environ.get(\"TORCHVERITY_PROTECT\") and ")
 
@@ -67,3 +77,28 @@ def test_an_unknown_value_protects_with_warn_and_says_so(hooked_python: str) -> 
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
     assert "TORCHVERITY_PROTECT='yes' is not a policy" in done.stderr
+
+
+def test_pip_editable_install_into_a_fresh_venv_protects_from_the_environment(
+        built_wheels: dict[str, Path], tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True).stdout.strip())
+    (site / "shared-libraries.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
+                           "--no-deps", "--no-index", str(built_wheels["editable"])],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (site / "torchverity-protect.pth").is_file()
+    check = subprocess.run(
+        [str(python), "-c", "import torchverity.protection as p; print(p.is_protected(), "
+         "p.__file__)"], capture_output=True, text=True, timeout=120,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "TORCHVERITY_PROTECT": "refuse"})
+    assert check.returncode == 0, check.stderr
+    protected, where = check.stdout.split()
+    assert protected == "True"
+    assert "source-tree" in where  # imported from the tree the editable wheel points at

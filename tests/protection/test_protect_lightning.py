@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import torchverity  # noqa: E402
 from torchverity.errors import IntegrityError  # noqa: E402
 from torchverity.protection import protected  # noqa: E402
+from torchverity.verify import verify_file  # noqa: E402
 
 
 class Regressor(L.LightningModule):
@@ -98,3 +99,43 @@ def test_a_damaged_checkpoint_is_refused_under_refuse_and_reported_under_warn(
     log = tmp_path / "warn.jsonl"
     _resume(root, ckpt, "warn", log)  # the run goes on ...
     assert "mismatch" in _kinds(log)  # ... and says what it loaded
+
+
+def test_checkpoints_saved_under_the_switch_get_records_and_a_damaged_one_is_refused(
+        tmp_path: Path) -> None:
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    log = tmp_path / "save.jsonl"
+    torch.manual_seed(0)
+    with protected("refuse", log=log):
+        _trainer(tmp_path, 1).fit(Regressor(omegaconf.OmegaConf.create({"lr": 0.1})), _data())
+    [ckpt] = (tmp_path / "checkpoints").glob("*.ckpt")
+    names = {p.name for p in ckpt.parent.iterdir()}
+    assert f"{ckpt.name}.sha256" in names  # and no temp or pending file is left behind
+    assert names <= {ckpt.name, f"{ckpt.name}.sha256", f"{ckpt.name}.meta.json"}
+    [saved] = [json.loads(x) for x in log.read_text().splitlines()
+               if json.loads(x)["kind"] == "saved"]
+    assert saved["api"] == "TorchCheckpointIO.save_checkpoint" and saved["path"] == str(ckpt)
+    assert verify_file(ckpt).ok  # the sidecar is torchverity's own
+
+    _resume(tmp_path, ckpt, "refuse", tmp_path / "clean.jsonl")  # a clean resume verifies
+    assert "verified" in _kinds(tmp_path / "clean.jsonl")
+    [ckpt] = (tmp_path / "checkpoints").glob("epoch=1-*.ckpt")  # the resumed run's own
+    assert (ckpt.parent / f"{ckpt.name}.sha256").is_file()
+    flip_tensor_bit(ckpt, bit=4)
+    with pytest.raises(IntegrityError, match=rf"{ckpt.name}\.sha256"):
+        _resume(tmp_path, ckpt, "refuse", tmp_path / "refuse.jsonl")
+
+
+def test_checkpoints_removed_by_lightning_take_their_records_along(tmp_path: Path) -> None:
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    keep_last = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=1,
+                                                    every_n_epochs=1)
+    trainer = L.Trainer(default_root_dir=tmp_path, max_epochs=3, logger=False,
+                        accelerator="cpu", enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[keep_last])
+    with protected("refuse"):
+        trainer.fit(Regressor(omegaconf.OmegaConf.create({"lr": 0.1})), _data())
+    names = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+    [ckpt] = [n for n in names if n.endswith(".ckpt")]
+    assert all(n.startswith(ckpt) for n in names), names  # no orphaned sidecars
+    assert f"{ckpt}.sha256" in names

@@ -38,6 +38,11 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                         "load failure fails the run; warn (default): both are reported")
     p.add_argument("--log", type=Path, metavar="FILE",
                    help="keep the JSONL event log of every protected process here (replaced)")
+    p.add_argument("--public-key", type=Path, metavar="PEM",
+                   help="OpenSSF model signatures (model.sig, FILE.sig) beside loaded files must "
+                        "verify with this public key")
+    p.add_argument("--certificate", type=Path, action="append", default=[], metavar="PEM",
+                   help="or with these CA certificates, for certificate signatures (repeatable)")
     p.add_argument("-m", dest="module", nargs=argparse.REMAINDER, metavar="MODULE ...",
                    help="run a Python module and its arguments with this interpreter "
                         "(like python -m)")
@@ -57,6 +62,22 @@ def _command(args: argparse.Namespace) -> list[str]:
     return command
 
 
+def _trust(args: argparse.Namespace) -> dict[str, str]:
+    """The startup hook's variables for what model signatures must verify with."""
+    if args.public_key and args.certificate:
+        raise UsageError("give --public-key or --certificate, not both",
+                         hint="torchverity run --public-key pub.pem -- python train.py")
+    for pem in [args.public_key, *args.certificate]:
+        if pem is not None and not pem.is_file():
+            raise InputError(f"{pem}: no such key or certificate file", path=pem)
+    if args.public_key:
+        return {"TORCHVERITY_PUBLIC_KEY": os.fspath(args.public_key.resolve())}
+    if args.certificate:
+        return {"TORCHVERITY_CERTIFICATE_CHAIN": os.pathsep.join(
+            os.fspath(c.resolve()) for c in args.certificate)}
+    return {}
+
+
 def _run(args: argparse.Namespace, out: Output) -> int:
     command = _command(args)
     with tempfile.TemporaryDirectory(prefix="torchverity-run-") as tmp:
@@ -64,7 +85,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         if args.log:
             log.unlink(missing_ok=True)
         env = {**os.environ, "TORCHVERITY_PROTECT": args.policy,
-               "TORCHVERITY_PROTECT_LOG": os.fspath(log.resolve())}
+               "TORCHVERITY_PROTECT_LOG": os.fspath(log.resolve()), **_trust(args)}
         try:
             status = subprocess.call(command, env=env)
         except FileNotFoundError:

@@ -4,7 +4,9 @@ The rules are ``torchverity.load``'s: an interrupted save's pending records,
 then the sidecar, then the digest in meta.json. Beyond those, a file listed in
 a torchverity manifest of its folder (or the folder above) is checked against
 that entry, and a file that resolves to a Hugging Face cache blob named by a
-SHA-256 is checked against its name. Looking for records costs a few ``stat``
+SHA-256 is checked against its name. An OpenSSF model signature beside the
+file (``FILE.sig``, or ``model.sig`` in its folder or the one above) is found
+here too and checked by :mod:`._signatures`. Looking for records costs a few ``stat``
 calls (two for a file already found without any); a file without one is never
 read here.
 """
@@ -18,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from torchverity.checkpoint import meta_path_for
 from torchverity.checkpoint._damage import _locate_pt_damage
@@ -29,13 +31,14 @@ from torchverity.checkpoint._load_file import (
     current_expectation,
 )
 from torchverity.checkpoint._meta import META_SUFFIX
-from torchverity.checkpoint._results import ExpectedDigest
+from torchverity.checkpoint._results import DigestSource, ExpectedDigest
 from torchverity.digest import ALGORITHMS, FASTER_THAN_COPY, digest_file, new_hasher
 from torchverity.errors import InputError, IntegrityError
 from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, find_manifest, read_manifest
 
 _BLOB = re.compile(r"^[0-9a-f]{64}$")
 _MANIFEST_LEVELS = 2  # the file's folder and the one above it
+SIGNATURE = "model.sig"  # where model_signing and torchverity sign put a folder's signature
 _SETTLED_NS = 1_000_000_000
 _NEGATIVE_MAX = 100_000
 _negative: dict[str, tuple[int, int]] = {}  # path -> its two folders' mtimes when it had none
@@ -43,7 +46,7 @@ _negative: dict[str, tuple[int, int]] = {}  # path -> its two folders' mtimes wh
 
 @dataclass(frozen=True)
 class Record:
-    """What a file must hash to: ``source`` is sidecar, meta, manifest or hf-blob."""
+    """What a file must hash to: ``source`` is sidecar, meta, manifest, hf-blob or signature."""
 
     path: Path
     algo: str
@@ -54,11 +57,9 @@ class Record:
 
     @property
     def expected(self) -> ExpectedDigest | None:
-        """As ``torchverity.load`` names it (for records it reads: sidecar and meta)."""
-        if self.source == "sidecar":
-            return ExpectedDigest(self.algo, self.hexdigest, "sidecar")
-        if self.source == "meta":
-            return ExpectedDigest(self.algo, self.hexdigest, "meta")
+        """As ``torchverity.load`` names it (for the records it reads, and signatures)."""
+        if self.source in ("sidecar", "meta", "signature"):
+            return ExpectedDigest(self.algo, self.hexdigest, cast(DigestSource, self.source))
         return None
 
     @property
@@ -75,10 +76,23 @@ def _candidates(path: str) -> list[str]:
     names += [os.path.join(folder, f".{name}.{algo}.pending") for algo in ALGORITHMS]
     names.append(f"{path}{META_SUFFIX}")
     names += [os.path.join(d, m) for d in (folder, up) for m in (MANIFEST_NAME, SHA256SUM_NAME)]
+    names += [sig for sig, _rel in signatures_near(path)]
     return names
 
 
-def _unrecorded(path: str) -> bool:
+def signatures_near(path: str) -> list[tuple[str, str]]:
+    """Where a signature of ``path`` could be, with the file's path relative to what it signs."""
+    folder, name = os.path.split(path)
+    found = [(f"{path}.sig", ".")]
+    rel = name
+    for _ in range(_MANIFEST_LEVELS):
+        found.append((os.path.join(folder, SIGNATURE), rel))
+        folder, up = os.path.split(folder)
+        rel = f"{up}/{rel}"
+    return found
+
+
+def unrecorded(path: str) -> bool:
     """Whether no record can exist for ``path``: a dozen ``stat`` calls, or two when cached.
 
     A negative answer is remembered with the modification times of the two folders a
@@ -103,7 +117,7 @@ def _unrecorded(path: str) -> bool:
 
 def find_record(path: Path) -> Record | None:
     """The record for ``path``, or None. A record that contradicts itself raises IntegrityError."""
-    if _unrecorded(os.fspath(path)):
+    if unrecorded(os.fspath(path)):
         return None
     if not path.is_file():
         return None

@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchverity.protection._failures import Ledger, Swallowed
-from torchverity.protection._state import Event, Policy, append_jsonl, depth, say
+from torchverity.protection._state import (
+    Event,
+    Policy,
+    SignatureCache,
+    Trust,
+    append_jsonl,
+    depth,
+    say,
+)
 
 
 @dataclass
@@ -24,6 +32,8 @@ class Session:
     ledger: Ledger = field(default_factory=Ledger)
     lock: threading.Lock = field(default_factory=threading.Lock)
     said: set[tuple[str, str | None]] = field(default_factory=set)  # (kind, line) printed
+    trust: Trust = field(default_factory=Trust)  # what model signatures must verify with
+    signatures: SignatureCache = field(default_factory=SignatureCache)
 
     def emit(self, event: Event, *, loud: bool, once: bool = False) -> None:
         """Log ``event``; print it if ``loud`` (``once``: first time per kind and line only)."""

@@ -1,4 +1,4 @@
-"""The bottom of the protect package: events, the re-entrancy guard, the calling line.
+"""The bottom of the protect package: events, trust, the re-entrancy guard, the calling line.
 
 Standard library only: the interpreter-start hook imports it before torch.
 """
@@ -18,8 +18,10 @@ Policy = Literal["warn", "refuse"]
 POLICIES: tuple[Policy, ...] = get_args(Policy)
 EventKind = Literal[
     "started", "verified", "mismatch", "refused", "unsafe-load", "fallback", "partial-load",
-    "load-failure", "saved", "swallowed", "summary",
+    "load-failure", "saved", "swallowed", "summary", "unchecked-signature",
 ]
+PUBLIC_KEY_ENV = "TORCHVERITY_PUBLIC_KEY"  # the startup hook's key for model signatures
+CHAIN_ENV = "TORCHVERITY_CERTIFICATE_CHAIN"  # or its CA certificates, os.pathsep-separated
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -42,6 +44,27 @@ class Event:
             data["where"] = self.where
         data.update(self.detail)
         return data
+
+
+@dataclass(frozen=True)
+class Trust:
+    """The key, or the certificate chain, that signatures must verify with."""
+
+    public_key: Path | None = None
+    certificate_chain: tuple[Path, ...] = ()
+
+    @property
+    def given(self) -> bool:
+        return self.public_key is not None or bool(self.certificate_chain)
+
+
+@dataclass
+class SignatureCache:
+    """Verified signatures by path, with the ``stat`` of the signature file they came from."""
+
+    entries: dict[str, tuple[tuple[int, int, int], Any]] = field(default_factory=dict)
+    folders_checked: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    unchecked: set[str] = field(default_factory=set)  # signatures found with no key to check
 
 
 _local = threading.local()

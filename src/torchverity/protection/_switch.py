@@ -21,10 +21,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from torchverity.errors import CheckFailedError, UsageError
+from torchverity.errors import CheckFailedError, InputError, UsageError
 from torchverity.protection import _session
 from torchverity.protection._failures import Swallowed
-from torchverity.protection._state import POLICIES, Event, Policy
+from torchverity.protection._state import POLICIES, Event, Policy, SignatureCache, Trust
 
 _OWN_PREFIX = "torchverity.protection"
 
@@ -85,10 +85,22 @@ def _patch_safetensors(module: ModuleType) -> None:
         _replace(module, "save_file", ws.watch_save_file)
 
 
+def _patch_checkpoint_io(module: ModuleType) -> None:
+    """Lightning's checkpoint writer (``lightning`` and the standalone ``lightning_fabric``)."""
+    from torchverity.protection import _watch_save as ws
+
+    io_class = getattr(module, "TorchCheckpointIO", None)
+    if io_class is not None:
+        _replace(io_class, "save_checkpoint", ws.watch_checkpoint_io_save)
+        _replace(io_class, "remove_checkpoint", ws.watch_checkpoint_io_remove)
+
+
 _PATCHERS: dict[str, Callable[[ModuleType], None]] = {
     "torch": _patch_torch,
     "safetensors": _patch_safetensors,
     "safetensors.torch": _patch_safetensors,
+    "lightning.fabric.plugins.io.torch_io": _patch_checkpoint_io,
+    "lightning_fabric.plugins.io.torch_io": _patch_checkpoint_io,
 }
 
 
@@ -163,23 +175,51 @@ def is_protected() -> bool:
     return _session.current() is not None
 
 
-def protect(policy: Policy = "warn", *, log: str | os.PathLike[str] | None = None) -> None:
+def _trust(public_key: str | os.PathLike[str] | None,
+           certificate_chain: Sequence[str | os.PathLike[str]]) -> Trust:
+    if public_key is not None and certificate_chain:
+        raise UsageError("give model signatures one thing to trust: public_key or "
+                         "certificate_chain, not both",
+                         hint="protect(public_key='pub.pem') for key-signed models")
+    trust = Trust(Path(public_key) if public_key is not None else None,
+                  tuple(Path(c) for c in certificate_chain))
+    for path in [trust.public_key, *trust.certificate_chain]:
+        if path is not None and not path.is_file():
+            raise InputError(f"{path}: no such key or certificate file", path=path,
+                             hint="give the PEM file the model's publisher gave you")
+    return trust
+
+
+def protect(policy: Policy = "warn", *, log: str | os.PathLike[str] | None = None,
+            public_key: str | os.PathLike[str] | None = None,
+            certificate_chain: Sequence[str | os.PathLike[str]] = ()) -> None:
     """Watch every checkpoint load and save in this process (see docs/protect.md).
 
     ``policy="refuse"`` raises on a file that does not match its record and
     makes the process exit with status 1 when a load failure was swallowed;
     ``"warn"`` reports both. ``log`` names a JSONL file that receives every
-    event. Calling it again changes the policy and log of the running session.
+    event. ``public_key`` (PEM), or ``certificate_chain`` (CA certificates),
+    is what OpenSSF model signatures found beside loaded files must verify
+    with. Calling it again changes the policy, log and trust of the running
+    session.
     """
-    global _finder, _atexit_registered
     if policy not in POLICIES:
         raise UsageError(f"unknown protect policy '{policy}'", hint="use warn or refuse")
     log_path = Path(log) if log is not None else None
+    trust = _trust(public_key, certificate_chain)
     existing = _session.current()
     if existing is not None:
         existing.policy, existing.log_path = policy, log_path
+        if existing.trust != trust:
+            existing.trust, existing.signatures = trust, SignatureCache()
         return
     session = _session.start(policy, log_path)
+    session.trust = trust
+    _install(session)
+
+
+def _install(session: _session.Session) -> None:
+    global _finder, _atexit_registered
     session.ledger.install_hooks()
     for name, patcher in _PATCHERS.items():
         module = sys.modules.get(name)
@@ -192,8 +232,12 @@ def protect(policy: Policy = "warn", *, log: str | os.PathLike[str] | None = Non
         atexit.register(_at_exit)
         _atexit_registered = True
     argv = list(getattr(sys, "argv", []))  # not set yet when the startup hook runs early
-    session.emit(Event("started", "protect", f"protecting this process (policy {policy})",
-                       detail={"policy": policy, "argv": argv}), loud=False)
+    session.emit(Event("started", "protect",
+                       f"protecting this process (policy {session.policy})",
+                       detail={"policy": session.policy, "argv": argv,
+                               "public_key": session.trust.public_key,
+                               "certificate_chain": list(session.trust.certificate_chain)}),
+                 loud=False)
 
 
 def unprotect() -> list[Swallowed]:
@@ -216,8 +260,9 @@ def unprotect() -> list[Swallowed]:
 
 
 @contextmanager
-def protected(policy: Policy = "warn", *,
-              log: str | os.PathLike[str] | None = None) -> Iterator[None]:
+def protected(policy: Policy = "warn", *, log: str | os.PathLike[str] | None = None,
+              public_key: str | os.PathLike[str] | None = None,
+              certificate_chain: Sequence[str | os.PathLike[str]] = ()) -> Iterator[None]:
     """``with protected(): ...``: the switch on for the block, everything restored after.
 
     Under ``refuse``, load failures swallowed inside the block raise
@@ -226,7 +271,7 @@ def protected(policy: Policy = "warn", *,
     if _session.current() is not None:
         raise UsageError("torchverity protect is already on in this process",
                          hint="call torchverity.unprotect() first, or drop the inner protect")
-    protect(policy, log=log)
+    protect(policy, log=log, public_key=public_key, certificate_chain=certificate_chain)
     try:
         yield
     except BaseException as exc:

@@ -21,8 +21,15 @@ from typing import Any
 
 from torchverity.errors import FormatError, IntegrityError, TorchVerityError
 from torchverity.protection._failures import describe
-from torchverity.protection._records import Record, check_bytes, find_record, load_hashing
+from torchverity.protection._records import (
+    Record,
+    check_bytes,
+    find_record,
+    load_hashing,
+    unrecorded,
+)
 from torchverity.protection._session import Session, active
+from torchverity.protection._signatures import signature_record
 from torchverity.protection._state import Event, caller_site, inside
 
 MARK = "__torchverity_protect__"  # set on every wrapper: the function it wraps
@@ -74,13 +81,18 @@ def gate(session: Session, exc: TorchVerityError, api: str, path: Path | None,
 
 def _record_or_gate(session: Session, api: str, path: Path | None,
                     where: str | None) -> Record | None:
-    if path is None:
+    if path is None or unrecorded(os.fspath(path)):  # no sidecar, manifest or signature near
         return None
     try:
-        return find_record(path)
+        record = find_record(path)
     except TorchVerityError as exc:  # contradictory or unreadable records
         gate(session, exc, api, path, where)
-        return None
+        record = None
+    try:
+        return signature_record(session, path, record)
+    except TorchVerityError as exc:  # a signature that does not verify, or leaves the file out
+        gate(session, exc, api, path, where)
+        return record
 
 
 def _failed(session: Session, exc: BaseException, api: str, path: Path | None,

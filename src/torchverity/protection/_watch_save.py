@@ -1,5 +1,11 @@
 """Watched writes: ``torch.save`` and ``safetensors.torch.save_file`` to a path.
 
+Lightning (Trainer and Fabric) serializes a checkpoint into memory and copies
+the bytes to the file, so it is watched one level up, where the path is
+known: ``TorchCheckpointIO.save_checkpoint`` to a local path runs the real
+``torch.save`` straight into the staged temp file (no copy in memory), and
+``remove_checkpoint`` takes the checkpoint's records with it.
+
 The real serializer writes into ``torchverity.save``'s machinery: a temp file
 beside the target, every byte hashed on its way to disk, fsync, the sidecar
 and meta.json staged as pending files, then the renames. A process killed at
@@ -65,6 +71,55 @@ def watch_save_file(original: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(save_file, MARK, original)
     return save_file
+
+
+def _local_path(path: Any) -> Path | None:
+    """A local file path (``file://`` included); None for other file systems."""
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    text = os.fspath(path)
+    text = text.removeprefix("file://")
+    return None if "://" in text else Path(text)
+
+
+def watch_checkpoint_io_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def save_checkpoint(self: Any, checkpoint: Any, path: Any,
+                        storage_options: Any = None) -> Any:
+        session = active()
+        local = _local_path(path) if session is not None and storage_options is None else None
+        if session is None or local is None:
+            return original(self, checkpoint, path, storage_options)
+        local.parent.mkdir(parents=True, exist_ok=True)  # as Lightning does
+        target = _target(local)
+        if target is None:
+            return original(self, checkpoint, path, storage_options)
+        import torch
+
+        with inside():
+            atomic_save(session, checkpoint, target, "pt", "TorchCheckpointIO.save_checkpoint",
+                        lambda writer: torch.save(checkpoint, writer))
+        return None
+
+    setattr(save_checkpoint, MARK, original)
+    return save_checkpoint
+
+
+def watch_checkpoint_io_remove(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def remove_checkpoint(self: Any, path: Any) -> Any:
+        result = original(self, path)
+        local = _local_path(path) if active() is not None else None
+        if local is not None and not local.exists():
+            from torchverity.checkpoint import meta_path_for
+            from torchverity.digest import ALGORITHMS, sidecar_path
+
+            for record in [*(sidecar_path(local, a) for a in ALGORITHMS), meta_path_for(local)]:
+                record.unlink(missing_ok=True)
+        return result
+
+    setattr(remove_checkpoint, MARK, original)
+    return remove_checkpoint
 
 
 def atomic_save(session: Session, payload: Any, target: Path, fmt: str, api: str,

@@ -14,7 +14,8 @@ the checks that hold against such a writer, and the ones that need no setup:
   one file, and :func:`hub_record` hands ``torchverity.load`` the digest a hub
   file must have, so it is checked in the pass that reads it;
 - :func:`signed_record` / :func:`require_signed_folder`: the same for a model
-  signature (``torchverity.load(..., signature=...)``);
+  signature (``torchverity.load(..., signature=...)``); :func:`signed_digests`
+  gives every signed file's digest once the signature verifies;
 - :func:`write_attestation` / :func:`verify_attestation`: an in-toto Statement v1
   over a checkpoint's files with its fingerprint and training record.
 
@@ -50,10 +51,12 @@ if TYPE_CHECKING:
     from torchverity.provenance._oms import (
         DEFAULT_SIGNATURE,
         SignatureResult,
+        SignedDigests,
         SignReport,
         default_signature_path,
         require_signed_folder,
         sign_model,
+        signed_digests,
         signed_record,
         verify_model,
     )
@@ -65,6 +68,7 @@ __all__ = [
     "HubResult",
     "SignReport",
     "SignatureResult",
+    "SignedDigests",
     "build_statement",
     "default_signature_path",
     "hub_blob_check",
@@ -73,6 +77,7 @@ __all__ = [
     "require_hub_blob",
     "require_signed_folder",
     "sign_model",
+    "signed_digests",
     "signed_record",
     "verify_attestation",
     "verify_hub_cache",

@@ -329,12 +329,14 @@ def _mode_mismatch(bundle: Any, with_key: bool) -> str:
     return ""
 
 
-def _expected(sig: Path, public_key: Path | None, chain: Sequence[Path]) -> tuple[Any, str, str]:
+def _expected(sig: Path, public_key: str | os.PathLike[str] | None,
+              chain: Sequence[str | os.PathLike[str]]) -> tuple[Any, str, str]:
     """The signed manifest, the signer, and why it was refused (None when it verified)."""
     from cryptography.exceptions import InvalidSignature
 
-    bundle, verifier, signer = open_bundle(sig, public_key, chain)
-    mismatch = _mode_mismatch(bundle.bundle, public_key is not None)
+    bundle, verifier, signer = open_bundle(sig, Path(public_key) if public_key else None,
+                                           [Path(c) for c in chain])
+    mismatch = _mode_mismatch(bundle.bundle, bool(public_key))
     if mismatch:
         return None, signer, mismatch
     try:
@@ -354,8 +356,7 @@ def verify_model(
 ) -> SignatureResult:
     """Check the signature, then every file it lists: ok, mismatched, missing, extra."""
     root, sig = existing(model), Path(signature)
-    expected, signer, reason = _expected(sig, Path(public_key) if public_key else None,
-                                         [Path(c) for c in certificate_chain])
+    expected, signer, reason = _expected(sig, public_key, certificate_chain)
     if expected is None:
         return SignatureResult(os.fspath(root), os.fspath(sig), False, signer, {}, "",
                                (), reason=reason)
@@ -441,6 +442,44 @@ def _compare(root: Path, want: dict[str, Any],
 # ------------------------------------------------------------------ loading
 
 
+@dataclass(frozen=True)
+class SignedDigests:
+    """What a verified signature vouches for: each signed file's digest by relative path.
+
+    ``method`` is the signature's serialization: ``files`` (one digest per file,
+    ``digests`` maps each path to ``(algo, hex)``) or ``shards`` (pieces of files,
+    checked with :func:`verify_model`).
+    """
+
+    signature: str
+    signer: str
+    model_name: str
+    method: str
+    digests: dict[str, tuple[str, str]]
+
+
+def signed_digests(
+    path: str | os.PathLike[str],
+    signature: str | os.PathLike[str],
+    *,
+    public_key: str | os.PathLike[str] | None = None,
+    certificate_chain: Sequence[str | os.PathLike[str]] = (),
+) -> SignedDigests:
+    """Check the signature only (no file is hashed); IntegrityError naming ``path`` if it fails."""
+    from torchverity.errors import IntegrityError
+
+    p, sig = Path(path), Path(signature)
+    expected, signer, reason = _expected(sig, public_key, certificate_chain)
+    if expected is None:
+        raise IntegrityError(
+            f"{p}: signature {sig} does not verify ({reason}); refusing to load", path=p,
+            hint=f"torchverity verify {p.parent} --signature {sig} --public-key PUB.pem")
+    digests = {rd.identifier: (rd.digest.algorithm, rd.digest.digest_hex)
+               for rd in expected.resource_descriptors()}
+    method = str(expected.serialization_type.get("method", "files"))
+    return SignedDigests(os.fspath(sig), signer, expected.model_name, method, digests)
+
+
 def signed_record(
     path: str | os.PathLike[str],
     signature: str | os.PathLike[str],
@@ -457,23 +496,17 @@ def signed_record(
     from torchverity.errors import IntegrityError
 
     p, sig = Path(path), Path(signature)
-    expected, signer, reason = _expected(sig, Path(public_key) if public_key else None,
-                                         [Path(c) for c in certificate_chain])
-    if expected is None:
-        raise IntegrityError(
-            f"{p}: signature {sig} does not verify ({reason}); refusing to load", path=p,
-            hint=f"torchverity verify {p.parent} --signature {sig} --public-key PUB.pem")
-    want = {rd.identifier: rd.digest for rd in expected.resource_descriptors()}
+    signed = signed_digests(p, sig, public_key=public_key, certificate_chain=certificate_chain)
     absolute = Path(os.path.abspath(p))
     candidates = ["."] + [absolute.relative_to(a).as_posix() for a in absolute.parents
-                          if a.name == expected.model_name]
+                          if a.name == signed.model_name]
     for rel in candidates:
-        digest = want.get(rel)
-        if digest is not None and digest.algorithm == "sha256":
-            return "sha256", digest.digest_hex, "signature"
+        found = signed.digests.get(rel)
+        if found is not None and found[0] == "sha256":
+            return "sha256", found[1], "signature"
     raise IntegrityError(
-        f"{p}: not covered by signature {sig} (signed by {signer}, over "
-        f"'{expected.model_name}')", path=p,
+        f"{p}: not covered by signature {sig} (signed by {signed.signer}, over "
+        f"'{signed.model_name}')", path=p,
         hint=f"pass the signature of this model, or check the folder: torchverity verify "
              f"DIR --signature {sig}")
 
