@@ -26,7 +26,6 @@ import queue
 import re
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, get_args
@@ -225,6 +224,8 @@ def digest_files(
     progress: Callable[[int], None] | None = None,
 ) -> list[FileDigest]:
     """Digest many files in parallel threads (both hashes release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor  # off the start-up of one-file commands
+
     items = list(paths)
     workers = workers or min(len(items), os.cpu_count() or 1) or 1
     # With several files in flight, one thread per file already fills the cores.

@@ -16,6 +16,9 @@ from torchverity.checkpoint._fp_record import (
     plain_tensor_hasher,
 )
 
+# Below this, starting blake3's thread pool and splitting the work costs more than it saves.
+_THREADED_BYTES = 1 << 20
+
 
 def fingerprint_file(path: str | os.PathLike[str], *,
                      mode: Mode | str = "exact") -> Fingerprint:
@@ -35,9 +38,9 @@ def fingerprint_file(path: str | os.PathLike[str], *,
     onnx = target.index is None and is_onnx(target.file)
     if target.index is None and not onnx and algo in (EXACT, LEGACY_EXACT) \
             and file_format(target.file) == "safetensors":
-        from torchverity.pickles._limits import check_limits
+        from torchverity.pickles._limits import check_safetensors_limits
 
-        check_limits(target.file)  # a huge header is refused before it is parsed
+        check_safetensors_limits(target.file)  # a huge header is refused before it is parsed
         return fingerprint_safetensors(target.file, algo)
     from torchverity.checkpoint._fingerprint import fingerprint
     from torchverity.checkpoint._onnx import onnx_initializers
@@ -47,13 +50,28 @@ def fingerprint_file(path: str | os.PathLike[str], *,
     return fingerprint(obj, mode=DEVICE if algo == DEVICE else mode)
 
 
+def safetensors_files(path: str | os.PathLike[str]) -> list[Path] | None:
+    """The .safetensors files of a checkpoint file, Hugging Face folder or index (shards in
+    name order); None when one of them is missing or not .safetensors."""
+    from torchverity._formats import file_format
+    from torchverity.checkpoint._folders import resolve
+    from torchverity.checkpoint._index import read_index
+
+    target = resolve(path)
+    files = ([target.file] if target.index is None else
+             [target.folder / s for s in sorted(set(read_index(target.index).values()))])
+    if all(f.is_file() and file_format(f) == "safetensors" for f in files):
+        return files
+    return None
+
+
 def fingerprint_safetensors(path: Path, algo: str = EXACT) -> Fingerprint:
     """Stream a .safetensors file's tensor bytes through their entry hashes (no torch)."""
     from torchverity.checkpoint._st_header import parse_header, stream_tensor_bytes
 
     header = parse_header(path)
     hashers = {e.name: plain_tensor_hasher(e.name, e.dtype_name, e.shape, e.nbytes, algo,
-                                           threads=True)
+                                           threads=e.nbytes >= _THREADED_BYTES)
                for e in header.entries}
     stream_tensor_bytes(path, header.data_start, header.entries,
                         lambda name, chunk: hashers[name].update(chunk))

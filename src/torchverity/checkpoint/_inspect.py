@@ -97,8 +97,8 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     code from it."""
     from torchverity._formats import file_format
     from torchverity.checkpoint._folders import resolve
-    from torchverity.checkpoint._meta import meta_path_for
     from torchverity.checkpoint._onnx import is_onnx
+    from torchverity.checkpoint._records import meta_path_for
 
     p = Path(path)
     target = resolve(p)
@@ -119,7 +119,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     recorded = (meta or {}).get("fingerprint_algo")
     algo = recorded if recorded in (EXACT, LEGACY_EXACT) else EXACT
     scan = _scan(record) if fmt in ("pt", "pt-legacy") else None
-    listed = _safetensors_contents(target, algo) if fmt in ("safetensors", "sharded") else None
+    listed = _safetensors_contents(p, algo) if fmt in ("safetensors", "sharded") else None
     if listed is not None:
         (rows, values, root), not_loaded = listed, None
     else:
@@ -165,22 +165,19 @@ def _open_onnx(path: Path) -> tuple[Any, str | None]:
         return None, f"cannot list initializers: {exc.message}"
 
 
-def _safetensors_contents(target: Any, algo: str,
+def _safetensors_contents(path: Path, algo: str,
                           ) -> tuple[tuple[TensorRow, ...], dict[str, str], str | None] | None:
     """Rows and fingerprint from .safetensors headers and streamed bytes, without torch.
 
     None when some file is not .safetensors (then tensors are opened the usual way).
     """
-    from torchverity._formats import file_format
-    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors
+    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors, safetensors_files
     from torchverity.checkpoint._fp_record import from_entries
-    from torchverity.checkpoint._index import read_index
     from torchverity.checkpoint._st_header import parse_header
 
-    files = ([target.file] if target.index is None else
-             [target.folder / s for s in sorted(set(read_index(target.index).values()))])
     try:
-        if not all(f.is_file() and file_format(f) == "safetensors" for f in files):
+        files = safetensors_files(path)
+        if files is None:
             return None
         rows = [TensorRow(e.name, e.dtype_name, e.shape, e.nbytes)
                 for f in files for e in parse_header(f).entries]
