@@ -3,15 +3,20 @@
 Targets: ``verify`` of a folder with a damaged plain file within 1.5x of ``verify``
 of the intact folder (torch is not imported to locate damage in a file that has no
 meta.json); ``inspect`` and ``fingerprint`` of a .safetensors file at most 3x
-``python -c pass`` (headers and bytes are read without torch).
+``python -c pass`` (headers and bytes are read without torch). ``diff`` of two
+.safetensors files and the standard library these commands are built on are shown
+beside them.
 
 Each case runs in a new interpreter; the cases are interleaved in a shuffled order
-every round, and the best and the median of the rounds are reported.
+every round, and the best and the median of the rounds are reported. The package is
+byte-compiled first, as an installed one is (a run with PYTHONDONTWRITEBYTECODE set
+would otherwise compile every module from source in every process).
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import random
 import resource
@@ -50,15 +55,22 @@ def build(work: Path) -> dict[str, Path]:
     return {"intact": intact, "damaged": damaged, "weights": intact / "model.safetensors"}
 
 
+STDLIB = "re, typing, pathlib, dataclasses, argparse, json, hashlib, blake3"
+FLOOR = f"python -c 'import {STDLIB}'"
+
+
 def cases(paths: dict[str, Path]) -> dict[str, list[str]]:
     tv = [PY, "-m", "torchverity"]
     return {
         "python -c pass": [PY, "-c", "pass"],
+        FLOOR: [PY, "-c", f"import {STDLIB}"],
         "torchverity verify <intact folder>": [*tv, "verify", str(paths["intact"])],
         "torchverity verify <folder, damaged config.json>": [*tv, "verify",
                                                              str(paths["damaged"])],
         "torchverity inspect model.safetensors": [*tv, "inspect", str(paths["weights"])],
         "torchverity fingerprint model.safetensors": [*tv, "fingerprint", str(paths["weights"])],
+        "torchverity diff model.safetensors <its copy>": [
+            *tv, "diff", str(paths["weights"]), str(paths["damaged"] / "model.safetensors")],
         "python -c 'import torch'": [PY, "-c", "import torch"],
     }
 
@@ -92,6 +104,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=15)
     args = parser.parse_args()
     paths = build(WORK / "startup")
+    import torchverity
+
+    compileall.compile_dir(Path(torchverity.__file__).parent, quiet=1)
     cpu: dict[str, list[float]] = {}
     times = run(cases(paths), args.repeat, cpu)
     med = {name: statistics.median(ts) for name, ts in times.items()}

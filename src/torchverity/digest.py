@@ -22,15 +22,16 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import queue
 import re
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 from torchverity.errors import FormatError, InputError, UsageError
+
+if TYPE_CHECKING:
+    import queue
 
 Algorithm = Literal["sha256", "blake3", "xxh128"]
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
@@ -126,6 +127,9 @@ def hash_stream(
 def _hash_pipelined(
     fh: io.RawIOBase, hasher: Hasher, progress: Callable[[int], None] | None
 ) -> int:
+    import queue  # with threading: only files of READ_SIZE or more take this path
+    import threading
+
     free: queue.Queue[bytearray] = queue.Queue()
     filled: queue.Queue[tuple[bytearray, int] | BaseException] = queue.Queue()
     for _ in range(_BUFFERS):
