@@ -29,11 +29,14 @@ each tensor's bytes, without torch: only tensors whose bytes differ are opened.
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 from typing import Any
 
 from torchverity.checkpoint._diff_result import DiffResult, Status, TensorDiff
 from torchverity.checkpoint._fp_record import EXACT
+from torchverity.errors import TorchVerityError
 
 
 def diff(a: Any, b: Any, *, rtol: float = 0.0, atol: float = 0.0) -> DiffResult:
@@ -42,9 +45,11 @@ def diff(a: Any, b: Any, *, rtol: float = 0.0, atol: float = 0.0) -> DiffResult:
     Files are read without executing code from them (see
     :func:`torchverity.checkpoint.read_unverified`).
     """
-    listed = _listed(a), _listed(b)
-    if listed[0] is not None and listed[1] is not None:
-        return _diff_listed(a, b, listed[0], listed[1], rtol, atol)
+    files_a, files_b = _safetensors_files(a), _safetensors_files(b)
+    if files_a is not None and files_b is not None:
+        listed_a, listed_b = _listing(files_a), _listing(files_b)
+        if listed_a is not None and listed_b is not None:
+            return _diff_listed(a, b, listed_a, listed_b, rtol, atol)
     from torchverity.checkpoint._diff_values import ABSENT, compare
 
     leaves_a, label_a = _leaves(a)
@@ -69,23 +74,29 @@ def _leaves(obj: Any) -> tuple[dict[str, Any], str]:
 _Listing = dict[str, tuple[str, tuple[int, ...], str]]
 
 
-def _listed(obj: Any) -> _Listing | None:
-    """A .safetensors checkpoint's tensors from its headers and hashed bytes (no torch);
-    None for anything else (loaded objects, .pt files), compared tensor by tensor."""
-    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors, safetensors_files
-    from torchverity.errors import TorchVerityError
+def _safetensors_files(obj: Any) -> list[Path] | None:
+    """The files of a .safetensors checkpoint path; None for anything else (loaded objects,
+    .pt files, paths that do not resolve), compared tensor by tensor."""
+    from torchverity.checkpoint._file_fingerprint import safetensors_files
 
     if not isinstance(obj, (str, os.PathLike)):
         return None
     try:
-        files = safetensors_files(obj)
-        if files is None:
-            return None
+        return safetensors_files(obj)
+    except TorchVerityError:
+        return None  # reported by the usual path, with its own wording
+
+
+def _listing(files: list[Path]) -> _Listing | None:
+    """The tensors of .safetensors files from their headers and hashed bytes (no torch)."""
+    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors
+
+    try:
         # Later shards win a name two shards share, as in read_unverified.
         return {e.name: (e.dtype, e.shape, e.digest) for f in files
                 for e in fingerprint_safetensors(f, EXACT).entries}
     except TorchVerityError:
-        return None  # reported by the usual path, with its own wording
+        return None
 
 
 def _diff_listed(a: Any, b: Any, listed_a: _Listing, listed_b: _Listing, rtol: float,
@@ -105,7 +116,7 @@ def _diff_listed(a: Any, b: Any, listed_a: _Listing, listed_b: _Listing, rtol: f
                                        shape_a=one[1], shape_b=two[1])
         elif one[2] == two[2]:
             entries[name] = TensorDiff(name, "identical", dtype_a=one[0], dtype_b=two[0],
-                                       shape_a=one[1], shape_b=two[1], numel=_numel(one[1]))
+                                       shape_a=one[1], shape_b=two[1], numel=math.prod(one[1]))
         else:
             changed.append(name)
     if changed:  # only the tensors whose bytes differ are opened (torch imported then)
@@ -122,10 +133,3 @@ def _compare_opened(a: Any, b: Any, names: list[str], rtol: float, atol: float,
 
     opened_a, opened_b = (dict(iter_leaves(read_unverified(p))) for p in (a, b))  # mmapped
     return {n: compare(n, opened_a[n], opened_b[n], rtol, atol) for n in names}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
