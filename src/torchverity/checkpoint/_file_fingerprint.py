@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchverity.checkpoint._fp_record import (
     DEVICE,
@@ -15,6 +16,10 @@ from torchverity.checkpoint._fp_record import (
     from_entries,
     plain_tensor_hasher,
 )
+
+if TYPE_CHECKING:
+    from torchverity.checkpoint._st_header import RawHeader
+    from torchverity.digest import Hasher
 
 # Below this, starting blake3's thread pool and splitting the work costs more than it saves.
 _THREADED_BYTES = 1 << 20
@@ -65,17 +70,34 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[Path] | None:
     return None
 
 
-def fingerprint_safetensors(path: Path, algo: str = EXACT) -> Fingerprint:
-    """Stream a .safetensors file's tensor bytes through their entry hashes (no torch)."""
+def fingerprint_safetensors(path: Path, algo: str = EXACT, *, header: RawHeader | None = None,
+                            whole: Hasher | None = None) -> Fingerprint:
+    """Stream a .safetensors file's tensor bytes through their entry hashes (no torch).
+
+    ``header`` is the file's parsed header when the caller has it; ``whole`` is also fed
+    every byte of the file in order, header included, so one read gives the file's digest
+    too (the header's layout checks leave no byte outside a tensor).
+    """
     from torchverity.checkpoint._st_header import parse_header, stream_tensor_bytes
 
-    header = parse_header(path)
+    header = header or parse_header(path)
     hashers = {e.name: plain_tensor_hasher(e.name, e.dtype_name, e.shape, e.nbytes, algo,
                                            threads=e.nbytes >= _THREADED_BYTES)
                for e in header.entries}
-    stream_tensor_bytes(path, header.data_start, header.entries,
-                        lambda name, chunk: hashers[name].update(chunk))
+    if whole is None:
+        stream_tensor_bytes(path, header.data_start, header.entries,
+                            lambda name, chunk: hashers[name].update(chunk))
+    else:
+        with open(path, "rb") as fh:
+            whole.update(fh.read(header.data_start))
+        stream_tensor_bytes(path, header.data_start, header.entries,
+                            lambda name, chunk: _feed(hashers[name], whole, chunk))
     return from_entries(algo, [
         TensorDigest(e.name, e.dtype_name, e.shape, hashers[e.name].hexdigest())
         for e in header.entries
     ])
+
+
+def _feed(tensor: Hasher, whole: Hasher, chunk: memoryview) -> None:
+    tensor.update(chunk)
+    whole.update(chunk)
