@@ -9,10 +9,8 @@ first access to one of its names, the way scientific Python's ``lazy_loader`` re
 
 from __future__ import annotations
 
-import ast
 import importlib
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 
@@ -21,6 +19,8 @@ def _type_checking_imports(source: str, package: str) -> dict[str, tuple[str, st
 
     ``from <package> import sub`` in a package's own ``__init__`` names a submodule.
     """
+    import ast  # parsed on first use: the CLI's start-up never needs the table
+
     exports: dict[str, tuple[str, str | None]] = {}
     for node in ast.parse(source).body:
         if not (isinstance(node, ast.If) and isinstance(node.test, ast.Name)
@@ -37,18 +37,24 @@ def _type_checking_imports(source: str, package: str) -> dict[str, tuple[str, st
 
 def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for the package whose ``__init__`` is ``init_file``."""
-    exports = _type_checking_imports(Path(init_file).read_text(encoding="utf-8"), package)
+    table: dict[str, tuple[str, str | None]] = {}
+
+    def exports() -> dict[str, tuple[str, str | None]]:
+        if not table:
+            with open(init_file, encoding="utf-8") as fh:
+                table.update(_type_checking_imports(fh.read(), package))
+        return table
 
     def __getattr__(name: str) -> Any:
-        if name not in exports:
+        if name not in exports():
             raise AttributeError(f"module '{package}' has no attribute '{name}'")
-        module, attribute = exports[name]
+        module, attribute = exports()[name]
         imported = importlib.import_module(module)
         value = imported if attribute is None else getattr(imported, attribute)
         importlib.import_module(package).__dict__[name] = value
         return value
 
     def __dir__() -> list[str]:
-        return sorted(exports)
+        return sorted(exports())
 
     return __getattr__, __dir__

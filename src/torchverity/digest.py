@@ -22,16 +22,16 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import queue
 import re
-import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 from torchverity.errors import FormatError, InputError, UsageError
+
+if TYPE_CHECKING:
+    import queue
 
 Algorithm = Literal["sha256", "blake3", "xxh128"]
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
@@ -127,6 +127,9 @@ def hash_stream(
 def _hash_pipelined(
     fh: io.RawIOBase, hasher: Hasher, progress: Callable[[int], None] | None
 ) -> int:
+    import queue  # with threading: only files of READ_SIZE or more take this path
+    import threading
+
     free: queue.Queue[bytearray] = queue.Queue()
     filled: queue.Queue[tuple[bytearray, int] | BaseException] = queue.Queue()
     for _ in range(_BUFFERS):
@@ -225,6 +228,8 @@ def digest_files(
     progress: Callable[[int], None] | None = None,
 ) -> list[FileDigest]:
     """Digest many files in parallel threads (both hashes release the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor  # off the start-up of one-file commands
+
     items = list(paths)
     workers = workers or min(len(items), os.cpu_count() or 1) or 1
     # With several files in flight, one thread per file already fills the cores.

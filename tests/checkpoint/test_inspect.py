@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import torchverity
@@ -159,3 +160,20 @@ def test_limit_caps_plain_values_too(tmp_path, run_cli):
     assert "25 more values (--limit 0 lists all)" in capped.out
     full = run_cli("inspect", tmp_path / "c.pt", "--limit", "0")
     assert sum(line.startswith("  hparam_") for line in full.out.splitlines()) == 30
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake3", "xxh128"])
+def test_safetensors_digest_comes_from_the_fingerprint_read(tmp_path: Path, algo: str) -> None:
+    """The file's digest, taken while its tensors are hashed, is the file's whole digest."""
+    from safetensors.torch import save_file
+
+    from torchverity.digest import digest_file, write_sidecar
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(300, 70), "b": torch.ones(3, dtype=torch.bfloat16)}, path,
+              metadata={"format": "pt"})
+    want = digest_file(path, algo).hexdigest
+    assert inspect(path).sidecar.actual == digest_file(path, "sha256").hexdigest
+    write_sidecar(path, digest_file(path, algo))
+    r = inspect(path)
+    assert (r.sidecar.status, r.sidecar.algo, r.sidecar.actual) == ("ok", algo, want)

@@ -72,3 +72,47 @@ def test_verify_of_a_changed_plain_file_without_torch(folder: Path, tmp_path: Pa
     damaged = _cli("verify", copy)
     assert damaged["code"] == 1 and "damaged tensors (from its meta.json): b" in str(
         damaged["out"])
+
+
+def test_diff_of_safetensors_files_and_folders_without_torch(folder: Path,
+                                                            tmp_path: Path) -> None:
+    """Equal tensors, renamed, reshaped and retyped ones are found from headers and hashes;
+    torch is imported only to tell how the bytes of a tensor differ."""
+    from safetensors.torch import load_file, save_file
+
+    from torchverity.checkpoint import diff
+
+    same = _cli("diff", folder / "model.safetensors", folder / "tv.safetensors")
+    assert same["code"] == 0 and same["torch"] is False
+    assert "equal: 2 entries (2 identical)" in str(same["out"])
+    tensors = load_file(folder / "model.safetensors")
+    save_file({"w": tensors["w"].reshape(4, 8), "b": tensors["b"].float(),
+               "extra": torch.ones(2)}, tmp_path / "other.safetensors")
+    other = _cli("diff", "--json", folder / "model.safetensors", tmp_path / "other.safetensors")
+    assert other["code"] == 1 and other["torch"] is False
+    got = json.loads(str(other["out"]))
+    assert {e["name"]: e["status"] for e in got["entries"]} == {
+        "b": "dtype_changed", "extra": "only_in_b", "w": "shape_changed"}
+    # The same entries as comparing the loaded tensors.
+    want = diff(tensors, load_file(tmp_path / "other.safetensors")).to_dict()
+    assert got["entries"] == json.loads(json.dumps(want["entries"]))
+    for name in ("a", "b"):
+        torchverity.save(tensors, tmp_path / name, shard_bytes=64)
+    assert len(list((tmp_path / "a").glob("*.safetensors"))) == 2
+    shards = _cli("diff", tmp_path / "a", tmp_path / "b")
+    assert shards["code"] == 0 and shards["torch"] is False
+    assert "equal: 2 entries (2 identical)" in str(shards["out"])
+
+
+def test_diff_opens_only_tensors_whose_bytes_differ(folder: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    flipped = {k: v.clone() for k, v in tensors.items()}
+    flipped["w"].view(-1).view(torch.int32)[5] ^= 1 << 30
+    save_file(flipped, tmp_path / "flipped.safetensors")
+    r = _cli("diff", "--json", folder / "model.safetensors", tmp_path / "flipped.safetensors")
+    assert r["code"] == 1 and r["torch"] is True
+    (entry,) = json.loads(str(r["out"]))["entries"]
+    assert (entry["name"], entry["kind"], entry["bit"], entry["field"], entry["first_index"]) \
+        == ("w", "bit-flip", 30, "exponent", [1, 1])

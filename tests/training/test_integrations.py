@@ -77,11 +77,13 @@ def test_lightning_callback_catches_a_nan_gradient_and_names_it(tmp_path: Path) 
     assert records[-1]["event"] == "summary"
 
 
-def test_lightning_clean_run_is_silent_and_checkpoints_are_verifiable(tmp_path: Path) -> None:
-    guard, _, _ = _lightning_run(tmp_path, fault_step=None)
+def test_lightning_clean_run_is_silent_and_checkpoints_are_verifiable(tmp_path: Path,
+                                                                      run_cli: Any) -> None:
+    guard, _, log = _lightning_run(tmp_path, fault_step=None)
     assert guard.guard.events == [] and guard.summary.clean
     saved = sorted((tmp_path / "ckpt").glob("*.ckpt"))
     assert len(saved) == 3 and len(guard.checkpoints) == 3
+    _assert_reported(run_cli, log, saved, [10, 20, 30])
     for path in saved:
         assert torchverity.verify_file(path).ok
         meta = json.loads(Path(f"{path}.meta.json").read_text())
@@ -144,7 +146,8 @@ def _hf_run(tmp_path: Path, fault_step: int | None) -> Any:
     return guard
 
 
-def test_hf_callback_catches_an_inf_gradient_and_records_checkpoints(tmp_path: Path) -> None:
+def test_hf_callback_catches_an_inf_gradient_and_records_checkpoints(tmp_path: Path,
+                                                                     run_cli: Any) -> None:
     guard = _hf_run(tmp_path, fault_step=7)
     events = [(e.step, e.kind, e.suspects[:1]) for e in guard.guard.events]
     assert events == [(7, "nonfinite_grad", ("transformer.h.0.mlp.c_fc.weight",))]
@@ -158,6 +161,23 @@ def test_hf_callback_catches_an_inf_gradient_and_records_checkpoints(tmp_path: P
         assert report.fingerprint_verified
         assert torchverity.verify_path(folder).ok  # the manifest covers the whole folder
     assert len(guard.checkpoints) >= 2
+    _assert_reported(run_cli, tmp_path / "events.jsonl",
+                     [f / "model.safetensors" for f in folders], [10, 20])
+
+
+def _assert_reported(run_cli: Any, log: Path, files: list[Path], steps: list[int]) -> None:
+    """The checkpoints the trainer saved are in the guard's log, its summary and the report."""
+    from torchverity.report import summarize
+
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    events = [r for r in records if r["event"] == "checkpoint"]
+    assert sorted(e["path"] for e in events) == sorted(map(str, files))
+    assert [e["step"] for e in events] == steps
+    assert all(e["fingerprint"] and e["certified"] and len(e["digest"]) == 64 for e in events)
+    assert records[-1]["event"] == "summary" and records[-1]["checkpoints"] == len(files)
+    assert summarize(log).checkpoints == len(files)
+    res = run_cli("report", log)
+    assert res.code == 0 and f"checkpoints {len(files)}" in res.out
 
 
 def test_hf_clean_run_is_silent(tmp_path: Path) -> None:

@@ -27,7 +27,8 @@ from torchverity._lazy import attach
 
 if TYPE_CHECKING:
     from torchverity.checkpoint._damage import locate_damage
-    from torchverity.checkpoint._diff import DiffResult, TensorDiff, diff
+    from torchverity.checkpoint._diff import diff
+    from torchverity.checkpoint._diff_result import DiffResult, TensorDiff
     from torchverity.checkpoint._file_fingerprint import fingerprint_file
     from torchverity.checkpoint._fingerprint import (
         DEVICE,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchverity.checkpoint._fp_record import (
     DEVICE,
@@ -15,6 +16,13 @@ from torchverity.checkpoint._fp_record import (
     from_entries,
     plain_tensor_hasher,
 )
+
+if TYPE_CHECKING:
+    from torchverity.checkpoint._st_header import RawHeader
+    from torchverity.digest import Hasher
+
+# Below this, starting blake3's thread pool and splitting the work costs more than it saves.
+_THREADED_BYTES = 1 << 20
 
 
 def fingerprint_file(path: str | os.PathLike[str], *,
@@ -35,9 +43,9 @@ def fingerprint_file(path: str | os.PathLike[str], *,
     onnx = target.index is None and is_onnx(target.file)
     if target.index is None and not onnx and algo in (EXACT, LEGACY_EXACT) \
             and file_format(target.file) == "safetensors":
-        from torchverity.pickles._limits import check_limits
+        from torchverity.pickles._limits import check_safetensors_limits
 
-        check_limits(target.file)  # a huge header is refused before it is parsed
+        check_safetensors_limits(target.file)  # a huge header is refused before it is parsed
         return fingerprint_safetensors(target.file, algo)
     from torchverity.checkpoint._fingerprint import fingerprint
     from torchverity.checkpoint._onnx import onnx_initializers
@@ -47,17 +55,49 @@ def fingerprint_file(path: str | os.PathLike[str], *,
     return fingerprint(obj, mode=DEVICE if algo == DEVICE else mode)
 
 
-def fingerprint_safetensors(path: Path, algo: str = EXACT) -> Fingerprint:
-    """Stream a .safetensors file's tensor bytes through their entry hashes (no torch)."""
+def safetensors_files(path: str | os.PathLike[str]) -> list[Path] | None:
+    """The .safetensors files of a checkpoint file, Hugging Face folder or index (shards in
+    name order); None when one of them is missing or not .safetensors."""
+    from torchverity._formats import file_format
+    from torchverity.checkpoint._folders import resolve
+    from torchverity.checkpoint._index import read_index
+
+    target = resolve(path)
+    files = ([target.file] if target.index is None else
+             [target.folder / s for s in sorted(set(read_index(target.index).values()))])
+    if all(f.is_file() and file_format(f) == "safetensors" for f in files):
+        return files
+    return None
+
+
+def fingerprint_safetensors(path: Path, algo: str = EXACT, *, header: RawHeader | None = None,
+                            whole: Hasher | None = None) -> Fingerprint:
+    """Stream a .safetensors file's tensor bytes through their entry hashes (no torch).
+
+    ``header`` is the file's parsed header when the caller has it; ``whole`` is also fed
+    every byte of the file in order, header included, so one read gives the file's digest
+    too (the header's layout checks leave no byte outside a tensor).
+    """
     from torchverity.checkpoint._st_header import parse_header, stream_tensor_bytes
 
-    header = parse_header(path)
+    header = header or parse_header(path)
     hashers = {e.name: plain_tensor_hasher(e.name, e.dtype_name, e.shape, e.nbytes, algo,
-                                           threads=True)
+                                           threads=e.nbytes >= _THREADED_BYTES)
                for e in header.entries}
-    stream_tensor_bytes(path, header.data_start, header.entries,
-                        lambda name, chunk: hashers[name].update(chunk))
+    if whole is None:
+        stream_tensor_bytes(path, header.data_start, header.entries,
+                            lambda name, chunk: hashers[name].update(chunk))
+    else:
+        with open(path, "rb") as fh:
+            whole.update(fh.read(header.data_start))
+        stream_tensor_bytes(path, header.data_start, header.entries,
+                            lambda name, chunk: _feed(hashers[name], whole, chunk))
     return from_entries(algo, [
         TensorDigest(e.name, e.dtype_name, e.shape, hashers[e.name].hexdigest())
         for e in header.entries
     ])
+
+
+def _feed(tensor: Hasher, whole: Hasher, chunk: memoryview) -> None:
+    tensor.update(chunk)
+    whole.update(chunk)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchverity.checkpoint._fp_record import EXACT, LEGACY_EXACT
-from torchverity.digest import digest_file, find_sidecar, read_sidecar
+from torchverity.digest import digest_file, find_sidecar, new_hasher, read_sidecar
 from torchverity.errors import TorchVerityError
 
 SidecarStatus = Literal["ok", "mismatched", "missing"]
@@ -97,8 +97,8 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     code from it."""
     from torchverity._formats import file_format
     from torchverity.checkpoint._folders import resolve
-    from torchverity.checkpoint._meta import meta_path_for
     from torchverity.checkpoint._onnx import is_onnx
+    from torchverity.checkpoint._records import meta_path_for
 
     p = Path(path)
     target = resolve(p)
@@ -113,30 +113,38 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
         record = target.file
         fmt = "onnx" if is_onnx(record) else file_format(record)
         size = record.stat().st_size
-    sidecar = _check_sidecar(record)
+    found = find_sidecar(record)
+    recorded_side = read_sidecar(found)[:2] if found is not None else None
     meta = _meta_summary(meta_path_for(record)) if meta_path_for(record).exists() else None
     # Compared with meta.json, so rebuilt with the algorithm the record names.
     recorded = (meta or {}).get("fingerprint_algo")
     algo = recorded if recorded in (EXACT, LEGACY_EXACT) else EXACT
     scan = _scan(record) if fmt in ("pt", "pt-legacy") else None
-    listed = _safetensors_contents(target, algo) if fmt in ("safetensors", "sharded") else None
+    # One read of a .safetensors file gives both its digest and its fingerprint.
+    whole = new_hasher(recorded_side[0] if recorded_side else "sha256", threads=True) \
+        if fmt == "safetensors" else None
+    listed = _safetensors_contents(p, algo, whole) if fmt in ("safetensors", "sharded") else None
     if listed is not None:
         (rows, values, root), not_loaded = listed, None
     else:
         obj, not_loaded = _open_onnx(record) if fmt == "onnx" else _open(p, scan)
         rows, values, root = _contents(obj, algo)
+    actual = whole.hexdigest() if whole is not None and listed is not None else None
+    sidecar = _check_sidecar(record, found, recorded_side, actual)
     return InspectResult(os.fspath(p), fmt, size, sidecar, rows, values, root, meta, scan,
                          not_loaded, shards)
 
 
-def _check_sidecar(path: Path) -> SidecarCheck:
-    found = find_sidecar(path)
-    if found is None:
-        return SidecarCheck("missing", "sha256", digest_file(path, "sha256").hexdigest)
-    algo, expected, _ = read_sidecar(found)
-    actual = digest_file(path, algo).hexdigest
-    status: SidecarStatus = "ok" if actual == expected else "mismatched"
-    return SidecarCheck(status, algo, actual, expected, os.fspath(found))
+def _check_sidecar(path: Path, found: Path | None, recorded: tuple[str, str] | None,
+                   actual: str | None) -> SidecarCheck:
+    """``path`` against its sidecar ``found`` (``recorded``: its algorithm and digest);
+    ``actual`` is the file's digest when it was computed while reading the tensors."""
+    algo = recorded[0] if recorded else "sha256"
+    actual = actual or digest_file(path, algo).hexdigest
+    if found is None or recorded is None:
+        return SidecarCheck("missing", algo, actual)
+    status: SidecarStatus = "ok" if actual == recorded[1] else "mismatched"
+    return SidecarCheck(status, algo, actual, recorded[1], os.fspath(found))
 
 
 def _scan(path: Path) -> Any:
@@ -165,26 +173,26 @@ def _open_onnx(path: Path) -> tuple[Any, str | None]:
         return None, f"cannot list initializers: {exc.message}"
 
 
-def _safetensors_contents(target: Any, algo: str,
+def _safetensors_contents(path: Path, algo: str, whole: Any = None,
                           ) -> tuple[tuple[TensorRow, ...], dict[str, str], str | None] | None:
-    """Rows and fingerprint from .safetensors headers and streamed bytes, without torch.
+    """Rows and fingerprint from .safetensors headers and streamed bytes, without torch;
+    ``whole`` (a single file's) is fed the file's bytes on the way.
 
     None when some file is not .safetensors (then tensors are opened the usual way).
     """
-    from torchverity._formats import file_format
-    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors
+    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors, safetensors_files
     from torchverity.checkpoint._fp_record import from_entries
-    from torchverity.checkpoint._index import read_index
     from torchverity.checkpoint._st_header import parse_header
 
-    files = ([target.file] if target.index is None else
-             [target.folder / s for s in sorted(set(read_index(target.index).values()))])
     try:
-        if not all(f.is_file() and file_format(f) == "safetensors" for f in files):
+        files = safetensors_files(path)
+        if files is None:
             return None
+        headers = [(f, parse_header(f)) for f in files]
         rows = [TensorRow(e.name, e.dtype_name, e.shape, e.nbytes)
-                for f in files for e in parse_header(f).entries]
-        entries = [e for f in files for e in fingerprint_safetensors(f, algo).entries]
+                for _, h in headers for e in h.entries]
+        entries = [e for f, h in headers
+                   for e in fingerprint_safetensors(f, algo, header=h, whole=whole).entries]
     except TorchVerityError:
         return None  # reported by the usual path, with its own wording
     rows.sort(key=lambda r: r.name)

@@ -18,12 +18,13 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from torchverity.cli._command import Parser
 from torchverity.cli._output import Output
 from torchverity.errors import EXIT_INTERNAL, EXIT_USAGE, TorchVerityError
 
 
 def _common_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument(
         "--json", action="store_true", help="write the result as one JSON document on stdout"
     )
@@ -35,7 +36,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     a command's start-up then pays for its own options, not every command's."""
     from torchverity import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="torchverity",
         description="Make silent data corruption in PyTorch loud, located and recoverable.",
     )

@@ -41,6 +41,20 @@ class GuardCallbackBase:
         """The guard's at-rest verification of the weights as they are now (being saved)."""
         return self.guard.certify() if self.guard is not None else None
 
+    def _record(self, records: list[CheckpointRecord],
+                certification: dict[str, Any] | None) -> None:
+        """Keep the records of one checkpoint the trainer saved and log it in the guard's event
+        log and summary, as the guard's own saves are (``torchverity report`` counts them).
+        The event names its first file with a fingerprint (the weights), else its first."""
+        self.checkpoints.extend(records)
+        if self.guard is None or not records:
+            return
+        from torchverity.training._recovery import log_checkpoint
+
+        main = next((r for r in records if r.fingerprint is not None), records[0])
+        log_checkpoint(self.guard, Path(main.path), main.digest, main.fingerprint,
+                       bool(certification and certification.get("certified")))
+
     def _start_guard(self, guard: TrainingGuard) -> None:
         self.guard = guard
         if self._restored is not None:

@@ -99,8 +99,8 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
                 from torchverity.checkpoint._save import save
 
                 save(self.guard.state_dict(), folder / GUARD_STATE)
-            self.checkpoints.extend(record_checkpoint_folder(folder, state.global_step,
-                                                             certification))
+            self._record(record_checkpoint_folder(folder, state.global_step, certification),
+                         certification)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hook is not None:

@@ -51,8 +51,9 @@ class _RecordingIO(_CheckpointIO):
         # verifies what was just written.
         certification = self.callback.certification()
         user = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
-        self.callback.checkpoints.append(record_checkpoint_file(
-            path, checkpoint, source="lightning", user=user, certification=certification))
+        self.callback._record([record_checkpoint_file(
+            path, checkpoint, source="lightning", user=user, certification=certification)],
+            certification)
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> Any:
         return self.inner.load_checkpoint(path, *args, **kwargs)

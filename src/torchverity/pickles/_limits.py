@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from torchverity.pickles._containers import Container, scan_fh
-from torchverity.pickles._ops import Limits, PickleError
-from torchverity.pickles._zip import inflation_problems, zip_views
+from torchverity.pickles._source import Limits
+
+if TYPE_CHECKING:
+    from torchverity.pickles._containers import Container
 
 
 def _refuse(path: Path, what: str) -> None:
@@ -54,8 +56,21 @@ def _check_safetensors(path: Path, limits: Limits) -> None:
                           "bound")
 
 
+def check_safetensors_limits(path: str | os.PathLike[str], *,
+                             limits: Limits | None = None) -> None:
+    """The bound for a reader that parses a .safetensors file itself (never a pickle
+    reader): its header's size. Cheaper than :func:`check_limits`, which also walks every
+    reading torch's loaders could make of the bytes."""
+    _check_safetensors(Path(path), limits or Limits())
+
+
 def check_limits(path: str | os.PathLike[str], *, limits: Limits | None = None) -> None:
     """Raise FormatError if loading ``path`` would exceed the scan's bounds; else return."""
+    # The scan's walkers (pickle, zip) load only for a file that needs them.
+    from torchverity.pickles._containers import scan_fh
+    from torchverity.pickles._ops import PickleError
+    from torchverity.pickles._zip import inflation_problems, zip_views
+
     p = Path(path)
     bounds = limits or Limits()
     if p.is_dir() or not p.exists():

@@ -28,6 +28,15 @@ CORRUPTING = frozenset({"weights_changed", "nonfinite_loss", "nonfinite_grad",
 _LET_STAND = frozenset({"recorded", "warned"})
 
 
+def log_checkpoint(guard: TrainingGuard, path: Path, digest: str, fingerprint: str | None,
+                   certified: bool) -> None:
+    """Count a checkpoint in the guard's summary and write its ``checkpoint`` event: the
+    guard's own saves, and those a trainer callback records for the trainer."""
+    guard._tally.checkpoints += 1
+    guard._log.write({"event": "checkpoint", "step": guard.global_step, "path": str(path),
+                      "digest": digest, "fingerprint": fingerprint, "certified": certified})
+
+
 class Recovery:
     """Saves, certifies and rolls back to checkpoints of one guard's model and optimizer."""
 
@@ -140,11 +149,8 @@ class Recovery:
         self.checkpoints.append(path)
         if certification["certified"]:
             self.certified.append(path)
-        g._tally.checkpoints += 1
         self.since_checkpoint = 0
-        g._log.write({"event": "checkpoint", "step": g.global_step, "path": str(path),
-                      "digest": report.digest, "fingerprint": report.fingerprint,
-                      "certified": certification["certified"]})
+        log_checkpoint(g, path, report.digest, report.fingerprint, certification["certified"])
         self._prune()
         return path
 

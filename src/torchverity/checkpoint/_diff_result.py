@@ -1,0 +1,108 @@
+"""What ``diff`` reports: one :class:`TensorDiff` per named entry, gathered in a
+:class:`DiffResult` (torch-free: the CLI builds them from safetensors headers and hashes).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Status = Literal[
+    "identical", "only_in_a", "only_in_b", "shape_changed", "dtype_changed", "values_changed"
+]
+Kind = Literal["bit-flip", "few-bits", "drift", "large", "value"]
+STATUSES: tuple[Status, ...] = (
+    "identical", "only_in_a", "only_in_b", "shape_changed", "dtype_changed", "values_changed"
+)
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """How one named entry differs between A and B."""
+
+    name: str
+    status: Status
+    dtype_a: str | None = None
+    dtype_b: str | None = None
+    shape_a: tuple[int, ...] | None = None
+    shape_b: tuple[int, ...] | None = None
+    numel: int = 0
+    differing: int = 0
+    flipped_bits: int = 0
+    max_abs: float | None = None
+    max_rel: float | None = None
+    first_index: tuple[int, ...] | None = None
+    kind: Kind | None = None
+    bit: int | None = None  # bit-flip: position in the element, 0 = least significant
+    field: str | None = None  # bit-flip: sign, exponent or mantissa (value for integers)
+    within_tolerance: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "identical" or (
+            self.status == "values_changed" and self.within_tolerance
+        )
+
+    def describe(self) -> str:
+        """One line for people: what changed and how."""
+        if self.status == "identical":
+            return f"{self.dtype_a}{list(self.shape_a or ())}" if self.dtype_a else "same value"
+        if self.status in ("only_in_a", "only_in_b"):
+            side = "A" if self.status == "only_in_a" else "B"
+            shape, dtype = (self.shape_a, self.dtype_a) if side == "A" else (
+                self.shape_b, self.dtype_b)
+            return f"only in {side} ({dtype}{list(shape or ())})"
+        if self.status in ("shape_changed", "dtype_changed"):
+            return (f"{self.dtype_a}{list(self.shape_a or ())} -> "
+                    f"{self.dtype_b}{list(self.shape_b or ())}")
+        if self.kind == "value":
+            return "value changed"
+        text = (f"{self.differing} of {self.numel} elements differ, first at "
+                f"{list(self.first_index or ())}; {self.kind}")
+        if self.kind == "bit-flip":
+            text += f": bit {self.bit} ({self.field})"
+        elif self.kind == "few-bits":
+            text += f": {self.flipped_bits} bits"
+        return text + f"; max abs {_num(self.max_abs)}, max rel {_num(self.max_rel)}"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+@dataclass(frozen=True)
+class DiffResult:
+    """Every entry of A and B, sorted by name."""
+
+    a: str
+    b: str
+    rtol: float
+    atol: float
+    entries: tuple[TensorDiff, ...]
+
+    @property
+    def equal(self) -> bool:
+        """True when every entry is identical or within ``rtol``/``atol``."""
+        return all(e.ok for e in self.entries)
+
+    @property
+    def changed(self) -> tuple[TensorDiff, ...]:
+        return tuple(e for e in self.entries if e.status != "identical")
+
+    @property
+    def by_name(self) -> Mapping[str, TensorDiff]:
+        return {e.name: e for e in self.entries}
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counted = Counter(e.status for e in self.entries)
+        return {s: counted.get(s, 0) for s in STATUSES}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.a, "b": self.b, "rtol": self.rtol, "atol": self.atol,
+            "equal": self.equal, "counts": self.counts,
+            "entries": [dict(vars(e), ok=e.ok) for e in self.changed],
+        }
