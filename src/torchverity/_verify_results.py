@@ -23,8 +23,26 @@ class VerifyEntry:
     tensors: tuple[str, ...] = ()
 
 
+class EntryTally:
+    """What every per-file result derives from its entries: counts, problems, JSON rows."""
+
+    entries: tuple[VerifyEntry, ...]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counted = Counter(e.status for e in self.entries)
+        return {s: counted.get(s, 0) for s in STATUSES}
+
+    @property
+    def problems(self) -> tuple[VerifyEntry, ...]:
+        return tuple(e for e in self.entries if e.status != "ok")
+
+    def entries_json(self) -> list[dict[str, Any]]:
+        return [{k: v for k, v in vars(e).items() if v not in (None, ())} for e in self.entries]
+
+
 @dataclass(frozen=True)
-class VerifyResult:
+class VerifyResult(EntryTally):
     """The outcome for one target: a file (against its sidecar) or a folder (manifest)."""
 
     target: str
@@ -43,15 +61,6 @@ class VerifyResult:
         """Whether a training guard certified the weights when saved (None: no record)."""
         return None if self.certification is None else bool(self.certification["certified"])
 
-    @property
-    def counts(self) -> dict[str, int]:
-        counted = Counter(e.status for e in self.entries)
-        return {s: counted.get(s, 0) for s in STATUSES}
-
-    @property
-    def problems(self) -> tuple[VerifyEntry, ...]:
-        return tuple(e for e in self.entries if e.status != "ok")
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "target": self.target,
@@ -63,9 +72,7 @@ class VerifyResult:
             # Only for files a training guard recorded: other records keep their shape.
             **({"certified": self.certified, "certification": self.certification}
                if self.certification is not None else {}),
-            "entries": [
-                {k: v for k, v in vars(e).items() if v not in (None, ())} for e in self.entries
-            ],
+            "entries": self.entries_json(),
         }
 
 

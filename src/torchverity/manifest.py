@@ -90,8 +90,10 @@ def root_digest(algo: str, entries: Iterable[ManifestEntry]) -> str:
 # ------------------------------------------------------------ listing
 
 
-def list_files(root: Path) -> tuple[list[str], list[str]]:
-    """Regular files under ``root`` as sorted relative POSIX paths, and skipped symlinks."""
+def walk_files(root: Path, skip: Callable[[str], bool]) -> tuple[list[str], list[str]]:
+    """Regular files under ``root`` as relative POSIX paths in UTF-8 byte order, and the
+    symlinks, listed and never followed; a path ``skip`` accepts is left out (a folder
+    with everything in it)."""
     files: list[str] = []
     links: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
@@ -99,11 +101,19 @@ def list_files(root: Path) -> tuple[list[str], list[str]]:
         for name in [*dirnames, *filenames]:
             full = base / name
             rel = full.relative_to(root).as_posix()
+            if skip(rel):
+                continue
             if full.is_symlink():
                 links.append(rel)
-            elif name in filenames and full.is_file() and rel not in MANIFEST_FILES:
+            elif name in filenames and full.is_file():
                 files.append(rel)
-    return sorted(files, key=str.encode), sorted(links)
+        dirnames[:] = [d for d in dirnames if not skip((base / d).relative_to(root).as_posix())]
+    return sorted(files, key=str.encode), sorted(links, key=str.encode)
+
+
+def list_files(root: Path) -> tuple[list[str], list[str]]:
+    """Regular files under ``root`` but the manifests themselves, and skipped symlinks."""
+    return walk_files(root, MANIFEST_FILES.__contains__)
 
 
 def build_manifest(

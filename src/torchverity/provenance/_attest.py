@@ -240,8 +240,7 @@ def _load_document(att: Path) -> dict[str, Any]:
 
 def _open_envelope(att: Path, public_key: Any, chain: Sequence[Any]) -> tuple[Any, str, str]:
     """The signed statement (or None), who signed it, and why it was refused."""
-    bundle, verifier, signer = open_bundle(att, Path(public_key) if public_key else None,
-                                           [Path(c) for c in chain])
+    bundle, verifier, signer = open_bundle(att, public_key, chain)
     try:
         _ptype, payload = verifier._verify_signed_content(bundle)
         return json.loads(payload), signer, ""

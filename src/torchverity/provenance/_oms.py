@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import os
 import pathlib
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from torchverity._verify_results import EntryTally
 from torchverity.errors import FormatError, InputError, UsageError, require_extra
-from torchverity.manifest import MANIFEST_FILES
+from torchverity.manifest import MANIFEST_FILES, walk_files
 from torchverity.provenance._keys import (
     check_signing_certificate,
     load_certificates,
@@ -28,7 +28,7 @@ from torchverity.provenance._keys import (
     load_public_key,
 )
 from torchverity.provenance._records import model_digests
-from torchverity.verify import STATUSES, Status, VerifyEntry
+from torchverity.verify import Status, VerifyEntry
 
 GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
 DEFAULT_SIGNATURE = "model.sig"
@@ -57,27 +57,14 @@ class SignReport:
     ignored: tuple[str, ...]
 
 
-class CheckedEntries:
+class CheckedEntries(EntryTally):
     """Verdicts shared by signature and attestation results: the envelope, then each file."""
 
     valid: bool
-    entries: tuple[VerifyEntry, ...]
 
     @property
     def ok(self) -> bool:
         return self.valid and all(e.status == "ok" for e in self.entries)
-
-    @property
-    def counts(self) -> dict[str, int]:
-        counted = Counter(e.status for e in self.entries)
-        return {s: counted.get(s, 0) for s in STATUSES}
-
-    @property
-    def problems(self) -> tuple[VerifyEntry, ...]:
-        return tuple(e for e in self.entries if e.status != "ok")
-
-    def entries_json(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in vars(e).items() if v not in (None, ())} for e in self.entries]
 
 
 @dataclass(frozen=True)
@@ -120,22 +107,7 @@ def model_files(root: Path, ignore: Sequence[str]) -> tuple[list[str], list[str]
         return [], ["."]
     if root.is_file():
         return ["."], []
-    files: list[str] = []
-    links: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        base = Path(dirpath)
-        for name in [*dirnames, *filenames]:
-            full = base / name
-            rel = full.relative_to(root).as_posix()
-            if _ignored(rel, ignore):
-                continue
-            if full.is_symlink():
-                links.append(rel)
-            elif name in filenames and full.is_file():
-                files.append(rel)
-        dirnames[:] = [d for d in dirnames if not _ignored((base / d).relative_to(root)
-                                                            .as_posix(), ignore)]
-    return sorted(files, key=str.encode), sorted(links, key=str.encode)
+    return walk_files(root, lambda rel: _ignored(rel, ignore))
 
 
 def _inside(root: Path, signature: Path) -> list[str]:
@@ -307,10 +279,11 @@ def existing(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def open_bundle(sig: Path, public_key: Path | None, chain: Sequence[Path]) -> tuple[Any, Any, str]:
+def open_bundle(sig: Path, public_key: str | os.PathLike[str] | None,
+                chain: Sequence[str | os.PathLike[str]]) -> tuple[Any, Any, str]:
     """The Sigstore bundle at ``sig``, the verifier for the key or chain, and the signer."""
     bundle = _read_bundle(sig)
-    verifier, trust = _verifier(public_key, chain)
+    verifier, trust = _verifier(Path(public_key) if public_key else None, [Path(c) for c in chain])
     return bundle, verifier, _signer_of(bundle.bundle, trust)
 
 
@@ -334,8 +307,7 @@ def _expected(sig: Path, public_key: str | os.PathLike[str] | None,
     """The signed manifest, the signer, and why it was refused (None when it verified)."""
     from cryptography.exceptions import InvalidSignature
 
-    bundle, verifier, signer = open_bundle(sig, Path(public_key) if public_key else None,
-                                           [Path(c) for c in chain])
+    bundle, verifier, signer = open_bundle(sig, public_key, chain)
     mismatch = _mode_mismatch(bundle.bundle, bool(public_key))
     if mismatch:
         return None, signer, mismatch
