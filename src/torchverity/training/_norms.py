@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from torchverity.training._checksum import balanced_cut, run_beside
+from torchverity.training._distributed_hook import local_shard
 
 
 class GradNorms:
@@ -23,7 +24,7 @@ class GradNorms:
 
     def norms(self, pool: ThreadPoolExecutor | None = None) -> list[torch.Tensor]:
         """Per-parameter gradient norms (0-dim; zero for a missing gradient)."""
-        grads = [p.grad for p in self._params]
+        grads = [local_shard(p.grad) for p in self._params]  # this rank's shards
         present = [g for g in grads if g is not None]
         if len(present) == len(grads):
             cut = self._cut
