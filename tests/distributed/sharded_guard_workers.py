@@ -65,6 +65,7 @@ def fsdp_at_rest(model: Any, opt: Any, rank: int, out: Path, loss: Callable[...,
     rank's AdamW state; each is reported at the next update by the rank that holds it."""
     import torchverity
     import torchverity.distributed as tvd
+    from torchverity.errors import UsageError
 
     def between(step: int) -> None:
         if step == 8 and rank == 2:
@@ -72,13 +73,19 @@ def fsdp_at_rest(model: Any, opt: Any, rank: int, out: Path, loss: Callable[...,
         if step == 10 and rank == 1:
             _flip_local(opt.state[model[2].weight]["exp_avg"], index=0, bit=3)
 
+    try:  # the guard's own checkpoints hold whole tensors
+        torchverity.TrainingGuard(model, opt, checkpoint_dir=out / f"ckpt{rank}")
+        refused = None
+    except UsageError as exc:
+        refused = exc.message
     log = out / "fsdp_guard.jsonl"
     guard = torchverity.TrainingGuard(model, opt, reducer=tvd.FlagReducer(), check_every=1,
                                       policies={"weights_changed": "record"}, log=log)
     _train(guard, model, opt, loss, lambda s: batch(600 + 10 * rank + s), 13, between)
     guard.close()
     mine = log.with_name(f"{log.stem}.rank{rank}{log.suffix}") if rank else log
-    return {"events": _events(guard), "coverage": _log(mine, "start")[0]["coverage"]}
+    return {"events": _events(guard), "coverage": _log(mine, "start")[0]["coverage"],
+            "checkpoint_dir": refused}
 
 
 def hsdp_two_replicas(model: Any, opt: Any, rank: int, loss: Callable[..., Any],
@@ -176,3 +183,32 @@ def guard_unclear(rank: int, build: Callable[[int], tuple[Any, Any]],
                   "untouched": torch.equal(held[0], model[0].weight._local_tensor)}
     hook.remove()
     return result
+
+
+def guard_rollback(rank: int, out: Path, loss: Callable[..., Any],
+                   batch: Callable[[int], Any]) -> dict[str, Any]:
+    """Six plain replicas (every rank trains the same batches): update 2 leaves ranks 0-2 and
+    3-5 with different bytes, a 3-3 split; with checkpoint_dir= the guard rolls back."""
+    import torch
+
+    import torchverity
+    import torchverity.distributed as tvd
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def fault() -> None:
+        if rank >= 3:
+            _flip_local(model[0].weight, index=0, bit=4)
+
+    hook = _in_update(opt, {2: fault})
+    log = out / "rollback_guard.jsonl"
+    guard = torchverity.TrainingGuard(model, opt, reducer=tvd.FlagReducer(), replica_every=1,
+                                      checkpoint_dir=out / "ckpt", log=log)  # rank 0 writes
+    _train(guard, model, opt, loss, lambda s: batch(700 + s), 4)
+    summary = guard.close()
+    hook.remove()
+    mine = log.with_name(f"{log.stem}.rank{rank}{log.suffix}") if rank else log
+    return {"replicas": _log(mine, "replicas"), "rollbacks": summary.rollbacks,
+            "agree": tvd.check_replicas(model, opt).ok}

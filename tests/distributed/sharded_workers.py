@@ -401,7 +401,8 @@ def scenario_heal(rank: int, out: Path) -> dict[str, Any]:
     return {"clean_final": clean, "healed_final": healed, "clean_alarms": clean_alarms,
             "repairs": repairs, "unclear": _unclear(rank),
             **guard_workers.guard_heal(rank, out, _hsdp32, _loss, _batch, _local_digests),
-            "guard_unclear": guard_workers.guard_unclear(rank, _hsdp32, _loss, _batch)}
+            "guard_unclear": guard_workers.guard_unclear(rank, _hsdp32, _loss, _batch),
+            "guard_rollback": guard_workers.guard_rollback(rank, out, _loss, _batch)}
 
 
 # ------------------------------------------------------------------ entry point

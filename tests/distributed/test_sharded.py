@@ -325,6 +325,11 @@ def test_guard_refuses_to_heal_without_a_clear_majority(
     assert pair["error"] == "ReplicaMismatchError" and pair["step"] == 1
     assert "0.weight shard (shard=1) has only 2 replicas" in pair["message"]
     assert "rank 1 (replicate=0, shard=1), rank 3 (replicate=1, shard=1)" in pair["message"]
+    rollback = _same(heal, "guard_rollback")  # plain replicas split 3-3, checkpoint_dir given
+    (event,) = rollback["replicas"]
+    assert event["action"] == "rolled_back" and event["step"] == 1 and event["ranks"] == []
+    assert "no strict majority for 0.weight" in event["reason"]
+    assert rollback["rollbacks"] == 1 and rollback["agree"] is True
 
 
 @pytest.mark.timeout(300)
@@ -332,6 +337,7 @@ def test_guard_verifies_each_ranks_fsdp_shards_at_rest(mesh: list[dict[str, Any]
     for r in mesh:
         guard = r["fsdp"]["guard"]
         assert guard["coverage"]["verification"] == "two passes"
+        assert "DTensor shards" in guard["checkpoint_dir"]
         assert "local shards" in guard["coverage"]["fallback_reason"]
         # The flag is combined across ranks; the rank holding the shard names it.
         assert [e["step"] for e in guard["events"]] == [9, 11]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torchverity.distributed._checks import ReplicaCheckResult, check_replicas
 from torchverity.distributed._placements import is_dtensor, place
 from torchverity.distributed._repair import RepairReport, repair_replicas
-from torchverity.errors import ReplicaMismatchError
+from torchverity.errors import ReplicaMismatchError, UsageError
 
 if TYPE_CHECKING:
     from torchverity.training._guard import TrainingGuard
@@ -88,10 +88,17 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-class ReplicaWatch:
-    """The guard's replica check every ``replica_every`` updates; heals or refuses."""
+class DistributedHook:
+    """The guard's distributed collaborator: what a sharded model allows, and the replica
+    check every ``replica_every`` updates, which heals or refuses."""
 
     def __init__(self, guard: TrainingGuard, every: int | None) -> None:
+        if guard.checkpoint_dir is not None and guard._sharded:
+            raise UsageError(
+                "TrainingGuard: checkpoint_dir= saves whole tensors with torchverity.save, "
+                "and this model's parameters are DTensor shards (FSDP2, HSDP, tensor parallel)",
+                hint="leave checkpoint_dir unset (the guard then stops on what it would roll "
+                "back) and save sharded checkpoints with torchverity.distributed.save_dcp")
         self._guard = guard
         self._every = every
         self.reports: list[RepairReport] = []

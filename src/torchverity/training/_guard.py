@@ -49,7 +49,7 @@ from torchverity.errors import UsageError
 from torchverity.training._at_rest import AtRest
 from torchverity.training._config import GuardConfig, Reducer
 from torchverity.training._device_rules import DeviceDetectors, DevicePending
-from torchverity.training._distributed_hook import ReplicaWatch, any_sharded, clip_sharded
+from torchverity.training._distributed_hook import DistributedHook, any_sharded, clip_sharded
 from torchverity.training._events import (
     ACTIONS,
     KIND_INDEX,
@@ -127,7 +127,7 @@ class TrainingGuard:
         self._rows: list[Row] = []
         self._pending: DevicePending | HostPending | None = None
         self._recovery = Recovery(self, self.checkpoint_dir)
-        self._replicas = ReplicaWatch(self, self.config.replica_every)
+        self._distributed = DistributedHook(self, self.config.replica_every)
         self._log.write({"event": "start", "step": start_step, "config": self.config,
                          "policies": self.policies, "parameters": list(self._names),
                          "coverage": self._rest.coverage()})
@@ -326,7 +326,7 @@ class TrainingGuard:
                 self._helper.submit(keep)
         if due:
             self._read_flags()
-        self._replicas.after_update(step)
+        self._distributed.after_update(step)
 
     def _bookkeep(self, step: int, pending: DevicePending, book: dict[str, torch.Tensor]
                   ) -> None:
