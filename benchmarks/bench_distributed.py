@@ -160,14 +160,19 @@ def _bench_guard(label: str, rank: int, rounds: int) -> dict[str, object]:
     import torchverity.distributed as tvd
 
     width, layers = SIZES[label]
-    model = _model(width, layers)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def sharded() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _model(width, layers)
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    # Two copies: a step outside the guard would be, to the guard, a change at rest.
+    (model, opt), (gmodel, gopt) = sharded(), sharded()
     x = torch.randn(8, width, generator=torch.Generator().manual_seed(rank))
-    guard = torchverity.TrainingGuard(model, opt, reducer=tvd.FlagReducer())
+    guard = torchverity.TrainingGuard(gmodel, gopt, reducer=tvd.FlagReducer())
 
     def plain() -> None:
         opt.zero_grad()
@@ -175,8 +180,8 @@ def _bench_guard(label: str, rank: int, rounds: int) -> dict[str, object]:
         opt.step()
 
     def guarded() -> None:
-        opt.zero_grad()
-        loss = model(x).square().mean()
+        gopt.zero_grad()
+        loss = gmodel(x).square().mean()
         loss.backward()
         guard.check(loss)
         guard.step()

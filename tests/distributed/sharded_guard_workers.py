@@ -63,6 +63,8 @@ def fsdp_at_rest(model: Any, opt: Any, rank: int, out: Path, loss: Callable[...,
                  batch: Callable[[int], Any]) -> dict[str, Any]:
     """Pure FSDP2: 8 clean guarded steps, then one rank's shard flips at rest, then another
     rank's AdamW state; each is reported at the next update by the rank that holds it."""
+    import torch
+
     import torchverity
     import torchverity.distributed as tvd
     from torchverity.errors import UsageError
@@ -82,10 +84,18 @@ def fsdp_at_rest(model: Any, opt: Any, rank: int, out: Path, loss: Callable[...,
     guard = torchverity.TrainingGuard(model, opt, reducer=tvd.FlagReducer(), check_every=1,
                                       policies={"weights_changed": "record"}, log=log)
     _train(guard, model, opt, loss, lambda s: batch(600 + 10 * rank + s), 13, between)
+    opt.zero_grad()  # clipping by the norm of the whole model, not of this rank's shards
+    value = loss(model, batch(690 + rank))
+    value.backward()
+    guard.check(value)
+    total = guard.clip_grad_norm_(1e9)
+    whole = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor()
+    guard.step()
     guard.close()
     mine = log.with_name(f"{log.stem}.rank{rank}{log.suffix}") if rank else log
     return {"events": _events(guard), "coverage": _log(mine, "start")[0]["coverage"],
-            "checkpoint_dir": refused}
+            "checkpoint_dir": refused, "clip_total": float(total),
+            "clip_is_whole": torch.equal(total, whole)}
 
 
 def hsdp_two_replicas(model: Any, opt: Any, rank: int, loss: Callable[..., Any],

@@ -338,6 +338,7 @@ def test_guard_verifies_each_ranks_fsdp_shards_at_rest(mesh: list[dict[str, Any]
         guard = r["fsdp"]["guard"]
         assert guard["coverage"]["verification"] == "two passes"
         assert "DTensor shards" in guard["checkpoint_dir"]
+        assert guard["clip_is_whole"] is True
         assert "local shards" in guard["coverage"]["fallback_reason"]
         # The flag is combined across ranks; the rank holding the shard names it.
         assert [e["step"] for e in guard["events"]] == [9, 11]
@@ -347,6 +348,7 @@ def test_guard_verifies_each_ranks_fsdp_shards_at_rest(mesh: list[dict[str, Any]
         expected = {2: {9: ["0.weight shard (dp=2)"]},
                     1: {11: ["optimizer.2.weight.exp_avg shard (dp=1)"]}}
         assert mine == expected.get(r["rank"], {})
+    assert len({r["fsdp"]["guard"]["clip_total"] for r in mesh}) == 1  # the same on every rank
 
 
 @pytest.mark.timeout(300)

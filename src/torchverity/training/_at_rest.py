@@ -27,7 +27,12 @@ import torch
 from torchverity.errors import UsageError
 from torchverity.training._checksum import PairedSums
 from torchverity.training._config import GuardConfig
-from torchverity.training._distributed_hook import local_params, local_shard, shard_suffix
+from torchverity.training._distributed_hook import (
+    any_sharded,
+    local_params,
+    local_shard,
+    shard_suffix,
+)
 from torchverity.training._fused import FusedUpdate, tensor_lrs, unsupported, word_sums
 from torchverity.training._snapshot import Snapshot
 
@@ -48,7 +53,7 @@ class AtRest:
         self._param_names = dict(zip(map(id, params), names, strict=True))
         # Under FSDP2, HSDP or TP each rank verifies the shards it holds, named by shard.
         self._params, self._names = local_params(params, names)
-        self._device = params[0].device
+        self._device, self._sharded = params[0].device, any_sharded(params)
         self._pool, self._split, self._defer = pool, split, defer
         self._said = said  # writes the coverage to the event log when it changes
         self.record: torch.Tensor | None = None
@@ -110,8 +115,9 @@ class AtRest:
             dev, known = self._device, self._param_names
             for p, state in self.optimizer.state.items():
                 if id(p) in known:
-                    tensors.extend(local_shard(v) for v in state.values()
-                                   if isinstance(v, torch.Tensor) and v.device == dev)
+                    values = [v for v in state.values()
+                              if isinstance(v, torch.Tensor) and v.device == dev]
+                    tensors.extend(map(local_shard, values) if self._sharded else values)
         return tensors
 
     def covered(self, with_state: bool) -> tuple[tuple[str, ...], list[torch.Tensor]]:
