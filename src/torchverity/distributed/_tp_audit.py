@@ -8,7 +8,7 @@ the group exchanges 16 bytes per output and votes. A rank outside a strict major
 is named with the first module whose output it got wrong. Outputs that differ on
 every rank are shards of an activation (a colwise layer's slice) and are not
 compared; neither is a fault inside a sharded matmul, which the next all-reduce hands
-to every rank alike (a replay over the data-parallel dimension covers that).
+to every rank alike (only a second computation of the same shard could show it).
 """
 
 from __future__ import annotations
