@@ -16,6 +16,13 @@ HSDP mesh (FSDP2, ``(replicate, shard)``) with AdamW: the placement-derived
 check (each shard compared inside its replicate group) next to the FSDP2
 step, written to docs/benchmarks/distributed-hsdp.md. ``--hsdp`` runs only
 the HSDP part (``--device cuda``: over NCCL on 4 GPUs).
+
+    python benchmarks/bench_distributed.py --guard [--quick]
+
+Two processes train with pure FSDP2 and AdamW, plain steps alternating with
+steps under a ``TrainingGuard`` that verifies each rank's local shards at rest
+(two passes: the fused check does not compile DTensors); written to
+docs/benchmarks/distributed-guard.md.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from torch import nn
 SIZES = {"1M": (512, 4), "10M": (1024, 10), "100M": (4096, 6)}  # width, layers
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "distributed.md"
 OUT_HSDP = OUT.with_name("distributed-hsdp.md")
+OUT_GUARD = OUT.with_name("distributed-guard.md")
 
 
 def _model(width: int, layers: int) -> nn.Module:
@@ -49,16 +57,18 @@ def _model(width: int, layers: int) -> nn.Module:
     return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
 
 
-def _timed(fn: Callable[[], object], repeat: int) -> float:
-    """Median seconds of ``repeat`` calls, after one warm-up; ranks start each call together."""
+def _once(fn: Callable[[], object]) -> float:
+    """Seconds of one call, the ranks starting it together."""
+    dist.barrier()
+    start = time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return time.perf_counter() - start
+
+
+def _timed(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds of ``repeat`` calls, after one warm-up."""
+    fn()
+    return statistics.median(_once(fn) for _ in range(repeat))
 
 
 def _megatron_style(model: nn.Module) -> bool:
@@ -141,15 +151,62 @@ def _bench_hsdp(label: str, rank: int, repeat: int, device: str = "cpu") -> dict
     }
 
 
+def _bench_guard(label: str, rank: int, rounds: int) -> dict[str, object]:
+    """FSDP2 steps with and without the guard, alternating, so contention hits both alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import torchverity
+    import torchverity.distributed as tvd
+
+    width, layers = SIZES[label]
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+    def sharded() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _model(width, layers)
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    # Two copies: a step outside the guard would be, to the guard, a change at rest.
+    (model, opt), (gmodel, gopt) = sharded(), sharded()
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(rank))
+    guard = torchverity.TrainingGuard(gmodel, gopt, reducer=tvd.FlagReducer())
+
+    def plain() -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    def guarded() -> None:
+        gopt.zero_grad()
+        loss = gmodel(x).square().mean()
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+
+    plain()  # warm-up
+    guarded()
+    pairs = [(_once(plain), _once(guarded)) for _ in range(rounds)]
+    summary = guard.close()
+    return {"model": label, "params": sum(p.numel() for p in _model(width, layers).parameters()),
+            "step_s": statistics.median(a for a, _ in pairs),
+            "guarded_s": statistics.median(b for _, b in pairs),
+            "ratio": statistics.median(b / a for a, b in pairs), "clean": summary.clean}
+
+
 def _worker(rank: int, world: int, port: int, sizes: list[str], result: str,
-            hsdp: bool = False, device: str = "cpu") -> None:
+            hsdp: bool = False, device: str = "cpu", guard: bool = False) -> None:
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo",
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
-    if hsdp:
+    if guard:
+        rows = [_bench_guard(label, rank, 5 if label == "100M" else 11) for label in sizes]
+    elif hsdp:
         rows = [_bench_hsdp(label, rank, 3 if label == "100M" else 5, device) for label in sizes]
     else:
         rows = [_bench_size(label, rank, 3 if label == "100M" else 5) for label in sizes]
@@ -241,14 +298,50 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="1M and 10M parameters only")
     parser.add_argument("--hsdp", action="store_true",
                         help="only the 4-process 2x2 HSDP mesh (FSDP2) part")
+    parser.add_argument("--guard", action="store_true",
+                        help="only the guard's per-shard at-rest check on 2-process FSDP2")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="with --hsdp: cuda runs NCCL on 4 GPUs")
     args = parser.parse_args()
     if args.hsdp:
         _main_hsdp(args.quick, args.device)
         return
+    if args.guard:
+        _main_guard(args.quick)
+        return
     _main_ddp(args.quick)
     _main_hsdp(args.quick, "cpu")
+    _main_guard(args.quick)
+
+
+def _main_guard(quick: bool) -> None:
+    sizes = ["1M", "10M"] if quick else ["1M", "10M", "100M"]
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "rows.json")
+        mp.spawn(_worker, args=(world, _free_port(), sizes, result, False, "cpu", True),
+                 nprocs=world, join=True)
+        rows = json.loads(Path(result).read_text())
+    load = os.getloadavg()[0]
+    lines = [f"| {r['model']} | {r['params']:,} | {_ms(r, 'step_s')} | {_ms(r, 'guarded_s')} "
+             f"| {float(r['ratio']):.2f}x | {'none' if r['clean'] else 'ALARM'} |" for r in rows]
+    text = (
+        "# TrainingGuard on FSDP2: each rank's shards verified at rest (gloo, CPU)\n\n"
+        f"Command: `python benchmarks/bench_distributed.py --guard{' --quick' if quick else ''}`. "
+        f"Machine: {os.cpu_count()} cores, {platform.machine()}, torch {torch.__version__}, "
+        f"{world} gloo processes with 1 thread each, pure FSDP2 per layer, AdamW; plain and "
+        "guarded steps alternate (medians of the pairs); load average "
+        f"{load:.1f} at the end ({_contention(load)}).\n\n"
+        "| model | params | FSDP2 step | guarded step | guarded / plain (median of pairs) "
+        "| anomalies |\n|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n\n"
+        "The guarded step adds the gradient norms of the local gradient shards, one "
+        "`all_reduce(MAX)` of the flags (`FlagReducer`), and the at-rest verification of every "
+        "local parameter and AdamW shard in two passes (a record after the update, a "
+        "verification before the next one): DTensors are not compiled into the fused check.\n"
+    )
+    OUT_GUARD.parent.mkdir(parents=True, exist_ok=True)
+    OUT_GUARD.write_text(text)
+    sys.stdout.write(text)
 
 
 def _main_ddp(quick: bool) -> None:

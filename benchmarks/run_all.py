@@ -15,7 +15,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DOCS = HERE.parent / "docs"
 ORDER = ("digest", "checkpoint", "checkpoint-bert", "protect", "startup", "scan", "guard",
-         "distributed", "distributed-hsdp", "inference", "serve", "batch", "provenance")
+         "distributed", "distributed-hsdp", "distributed-guard", "inference", "serve", "batch",
+         "provenance")
 
 
 def assemble() -> Path:

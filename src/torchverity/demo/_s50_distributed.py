@@ -9,7 +9,9 @@ placements, compares each shard only with its replicas, and the majority of
 three names rank 4, its mesh coordinates and the shard. ``repair_replicas``
 copies the majority's bytes into rank 4's shard, the check passes again, and
 the ranks write a verified distributed checkpoint that ``torchverity verify``
-checks like any folder.
+checks like any folder. Then a ``TrainingGuard(replica_every=1)`` takes over:
+rank 2's next update corrupts its shard of an AdamW moment, and the guard
+heals it from the majority by itself, training on.
 """
 
 from __future__ import annotations
@@ -73,6 +75,13 @@ def run(ctx: DemoContext) -> None:
     ctx.expect(result["healed"], "after the repair every shard agrees with its replicas again")
     ctx.say("the ranks wrote a distributed checkpoint with tvd.save_dcp (+ manifest):")
     ctx.cli("verify", str(out / "dcp"))
+    ctx.say("TrainingGuard(replica_every=1) trains on; rank 2's next update corrupts its "
+            "shard of an AdamW moment:")
+    for line in result["guard"]:
+        ctx.say(f"  {line}")
+    ctx.expect(len(result["guard"]) == 1 and "into rank 2 (replicate=1, shard=0)"
+               in result["guard"][0] and result["guard_clean"],
+               "the guard healed rank 2 from the majority by itself and training went on")
 
 
 def _failures(procs: list[subprocess.Popen[str]], logs: list[str], result: Path,
@@ -130,15 +139,53 @@ def _worker(out: Path) -> None:
     repair = tvd.repair_replicas(model, opt, flipped)
     msd, osd = get_state_dict(model, opt)
     tvd.save_dcp({"model": msd, "optim": osd}, out / "dcp")
+    healed = _guarded(model, opt, rank, gen, out)
     if rank == 0:
         record: dict[str, Any] = {
             "clean": clean, "flip": flipped.summary(), "odd_ranks": list(flipped.odd_ranks),
-            "tensors": flipped.tensors, "repair": repair.summary(), "healed": repair.after.ok}
+            "tensors": flipped.tensors, "repair": repair.summary(), "healed": repair.after.ok,
+            **healed}
         (out / "result.json").write_text(json.dumps(record))
     # A rank that tears down while a peer is still in the last exchange can make
     # gloo abort one of them ("terminate called without an active exception").
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _guarded(model: Any, opt: Any, rank: int, gen: Any, out: Path) -> dict[str, Any]:
+    """Three steps under a guard that checks the replicas after every update; rank 2's
+    second update flips a bit of its AdamW moment (a faulty kernel, say)."""
+    import torch
+
+    import torchverity
+    import torchverity.distributed as tvd
+
+    updates: list[int] = []
+
+    def faulty(optimizer: Any, args: Any, kwargs: Any) -> None:
+        updates.append(1)
+        if rank == 2 and len(updates) == 2:
+            state: Any = opt.state[model[2].weight]["exp_avg"]
+            with torch.no_grad():
+                state.to_local().view(-1).view(torch.int32)[3] ^= 1 << 9
+
+    opt.register_step_post_hook(faulty)
+    log = out / "guard.jsonl"
+    guard = torchverity.TrainingGuard(model, opt, reducer=tvd.FlagReducer(), replica_every=1,
+                                      log=log)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 16, generator=gen)).square().mean()
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+    summary = guard.close()
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    repaired = [e for e in events if e["event"] == "replicas" and e["action"] == "repaired"]
+    lines = [f"step {e['step']}: {r['tensor']} {r['shard']} copied from rank {r['source']} "
+             f"({r['source_coordinates']}) into rank {r['targets'][0]} "
+             f"({r['target_coordinates'][0]})" for e in repaired for r in e["repairs"]]
+    return {"guard": lines, "guard_clean": summary.clean and tvd.check_replicas(model, opt).ok}
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ that silently. These checks make it loud and name the rank:
 ``sharded_replay_audit(fsdp_model, loss_fn, batch)``
     The replay for pure FSDP2, where no two ranks hold the same shard: the
     ranks compare losses and each unit's gradient contribution.
+``tp_forward_audit(tp_model, loss_fn, batch)``
+    Inside a tensor-parallel group every rank must produce the same whole
+    activations and loss: each module's output is digested and voted, and a
+    rank whose forward computes wrongly is named with the first module it got wrong.
 ``FlagReducer(group)``
     One ``all_reduce(MAX)`` of a guard's anomaly flags, so all ranks skip,
     stop or roll back together (``TrainingGuard(reducer=FlagReducer())``).
@@ -55,6 +59,7 @@ from torchverity.distributed._checks import (
 from torchverity.distributed._comm import DEFAULT_TIMEOUT_S, current_rank
 from torchverity.distributed._repair import HealPolicy, Repair, RepairReport, repair_replicas
 from torchverity.distributed._sharded_replay import sharded_replay_audit
+from torchverity.distributed._tp_audit import tp_forward_audit
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -76,4 +81,5 @@ __all__ = [
     "save_dcp",
     "save_rank0",
     "sharded_replay_audit",
+    "tp_forward_audit",
 ]

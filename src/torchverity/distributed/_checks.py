@@ -143,7 +143,9 @@ class ReplicaCheckResult:
                  else f"on all {len(self.ranks)} ranks")
         text = (f"{self.kind} agree {scope}{where}: "
                 f"{self.tensors_checked} tensors compared, {self.bytes_exchanged} bytes exchanged")
-        if self.unreplicated:
+        if self.unreplicated and self.kind == "forward outputs":
+            text += f"; {self.unreplicated} outputs are shards of an activation, not compared"
+        elif self.unreplicated:
             text += (f"; {self.unreplicated} tensors are held by one rank only (sharded on "
                      f"every mesh dimension): {_NOTHING_TO_VOTE}")
         return text

@@ -27,6 +27,12 @@ import torch
 from torchverity.errors import UsageError
 from torchverity.training._checksum import PairedSums
 from torchverity.training._config import GuardConfig
+from torchverity.training._distributed_hook import (
+    any_sharded,
+    local_params,
+    local_shard,
+    shard_suffix,
+)
 from torchverity.training._fused import FusedUpdate, tensor_lrs, unsupported, word_sums
 from torchverity.training._snapshot import Snapshot
 
@@ -44,8 +50,10 @@ class AtRest:
                  split: bool, defer: Callable[[Callable[[], None]], None] | None,
                  said: Callable[[], None] = lambda: None) -> None:
         self.config, self.optimizer = config, optimizer
-        self._params, self._param_names = params, dict(zip(map(id, params), names, strict=True))
-        self._names, self._device = names, params[0].device
+        self._param_names = dict(zip(map(id, params), names, strict=True))
+        # Under FSDP2, HSDP or TP each rank verifies the shards it holds, named by shard.
+        self._params, self._names = local_params(params, names)
+        self._device, self._sharded = params[0].device, any_sharded(params)
         self._pool, self._split, self._defer = pool, split, defer
         self._said = said  # writes the coverage to the event log when it changes
         self.record: torch.Tensor | None = None
@@ -98,7 +106,7 @@ class AtRest:
                 continue
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.device == self._device:
-                    yield f"optimizer.{name}.{key}", value
+                    yield f"optimizer.{name}.{key}{shard_suffix(value)}", local_shard(value)
 
     def covered_tensors(self, with_state: bool) -> list[torch.Tensor]:
         """The tensors of :meth:`covered` without their names: the per-step path."""
@@ -107,8 +115,9 @@ class AtRest:
             dev, known = self._device, self._param_names
             for p, state in self.optimizer.state.items():
                 if id(p) in known:
-                    tensors.extend(v for v in state.values()
-                                   if isinstance(v, torch.Tensor) and v.device == dev)
+                    values = [v for v in state.values()
+                              if isinstance(v, torch.Tensor) and v.device == dev]
+                    tensors.extend(map(local_shard, values) if self._sharded else values)
         return tensors
 
     def covered(self, with_state: bool) -> tuple[tuple[str, ...], list[torch.Tensor]]:

@@ -41,6 +41,7 @@ class GuardConfig:
     defer_record: bool = False  # CPU: the at-rest record on a helper, beside the next forward
     stats: str = "auto"  # "host": rules on floats (CPU default), "device": on tensors
     replay_every: int | None = None
+    replica_every: int | None = None  # distributed: vote the replicas every N updates, heal
     replay_tolerance: float | None = None
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
@@ -58,7 +59,7 @@ class GuardConfig:
         if self.stats not in ("auto", "host", "device"):
             raise UsageError(f"TrainingGuard: unknown stats='{self.stats}'",
                              hint="stats='auto' (host on the CPU), 'host' or 'device'")
-        for name in ("replay_every", "checkpoint_every"):
+        for name in ("replay_every", "checkpoint_every", "replica_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UsageError(f"TrainingGuard: {name} must be >= 1 or None")

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.optim.optimizer as _optim
 
+from torchverity.training._distributed_hook import any_sharded
+
 _SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
@@ -76,6 +78,9 @@ def unsupported(optimizer: torch.optim.Optimizer, reducer: object,
     """Why this guard cannot fuse the at-rest check into the update; None when it can."""
     if type(optimizer) not in _SUPPORTED:
         return f"{type(optimizer).__name__} has no fused verification (SGD, Adam, AdamW do)"
+    if any_sharded([p for group in optimizer.param_groups for p in group["params"]]):
+        return "DTensor parameters (FSDP2, HSDP, tensor parallel): each rank verifies its " \
+               "local shards in two passes"
     for group in optimizer.param_groups:
         if group.get("fused"):
             return "fused=True optimizers run their own kernel"

@@ -49,6 +49,7 @@ from torchverity.errors import UsageError
 from torchverity.training._at_rest import AtRest
 from torchverity.training._config import GuardConfig, Reducer
 from torchverity.training._device_rules import DeviceDetectors, DevicePending
+from torchverity.training._distributed_hook import DistributedHook, any_sharded, clip_sharded
 from torchverity.training._events import (
     ACTIONS,
     KIND_INDEX,
@@ -126,6 +127,7 @@ class TrainingGuard:
         self._rows: list[Row] = []
         self._pending: DevicePending | HostPending | None = None
         self._recovery = Recovery(self, self.checkpoint_dir)
+        self._distributed = DistributedHook(self, self.config.replica_every)
         self._log.write({"event": "start", "step": start_step, "config": self.config,
                          "policies": self.policies, "parameters": list(self._names),
                          "coverage": self._rest.coverage()})
@@ -142,6 +144,7 @@ class TrainingGuard:
         self._names = tuple(n for n, _ in named)
         self._params: list[torch.Tensor] = [p for _, p in named]
         self._device = self._params[0].device
+        self._sharded = any_sharded(self._params)  # DTensors: the guard sees local shards
 
     def _setup_device_state(self) -> None:
         cfg, dev, n = self.config, self._device, len(self._params)
@@ -215,6 +218,8 @@ class TrainingGuard:
                              "or twice in one step",
                              hint="call guard.check(loss), then guard.clip_grad_norm_(max_norm), "
                                   "then guard.step()")
+        if self._sharded:
+            return clip_sharded(self._params, max_norm)
         total = torch.linalg.vector_norm(norms)
         # torch's coefficient, clamped to 1; read only where reading is a memory load.
         if self._host is not None and float(torch.clamp(max_norm / (total + 1e-6), max=1.0)) == 1:
@@ -321,6 +326,7 @@ class TrainingGuard:
                 self._helper.submit(keep)
         if due:
             self._read_flags()
+        self._distributed.after_update(step)
 
     def _bookkeep(self, step: int, pending: DevicePending, book: dict[str, torch.Tensor]
                   ) -> None:

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from torchverity.training._checksum import balanced_cut, run_beside
+from torchverity.training._distributed_hook import any_sharded, local_shard
 
 
 class GradNorms:
@@ -17,6 +18,7 @@ class GradNorms:
         self._params = params
         self._cut = balanced_cut([p.numel() * p.element_size() for p in params])
         self._zero = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        self._sharded = any_sharded(params)
 
     def stacked(self, pool: ThreadPoolExecutor | None = None) -> torch.Tensor:
         return torch.stack(self.norms(pool))
@@ -24,6 +26,8 @@ class GradNorms:
     def norms(self, pool: ThreadPoolExecutor | None = None) -> list[torch.Tensor]:
         """Per-parameter gradient norms (0-dim; zero for a missing gradient)."""
         grads = [p.grad for p in self._params]
+        if self._sharded:  # this rank's shards of DTensor gradients
+            grads = [local_shard(g) for g in grads]
         present = [g for g in grads if g is not None]
         if len(present) == len(grads):
             cut = self._cut

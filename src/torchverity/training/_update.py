@@ -171,7 +171,7 @@ class Update:
     @torch.no_grad()
     def ratios(self) -> torch.Tensor:
         """``|Δp| / |p|`` per parameter, against the copy taken before the update."""
-        params = self.guard._params
+        params = self.guard._rest.covered_tensors(with_state=False)  # local shards
         before = self.snapshot.copies[: len(params)]
         delta = torch._foreach_sub(params, before)
         dn = torch.stack(torch._foreach_norm(delta, 2, dtype=torch.float32))
