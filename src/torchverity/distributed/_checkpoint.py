@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from torchverity.distributed._comm import (
     open_comm,
 )
 from torchverity.distributed._fullsums import ALGO as FULL_ALGO
-from torchverity.distributed._fullsums import full_sums
+from torchverity.distributed._fullsums import full_sums, leaves
 from torchverity.errors import FormatError, InputError, IntegrityError, TorchVerityError
 from torchverity.manifest import (
     MANIFEST_NAME,
@@ -150,19 +150,11 @@ def _written_files(metadata: Any) -> set[str]:
     return {str(p) for p in paths} | {".metadata"}
 
 
-def _local_tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def _local_tensors(state: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's own piece of every tensor: DTensor local shards, or the full tensor."""
-    if isinstance(state, Mapping):
-        for key, value in state.items():
-            yield from _local_tensors(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(state, (list, tuple)):
-        for i, value in enumerate(state):
-            yield from _local_tensors(value, f"{prefix}.{i}" if prefix else str(i))
-    elif hasattr(state, "state_dict") and not isinstance(state, torch.Tensor):
-        yield from _local_tensors(state.state_dict(), prefix)
-    elif isinstance(state, torch.Tensor):
-        local = state.to_local() if hasattr(state, "to_local") else state
-        yield prefix, local.detach()
+    for name, t in leaves(state):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        yield name, local.detach()
 
 
 def _shard_fingerprint(state: Any, algo: str | None = None) -> dict[str, Any]:
