@@ -17,12 +17,12 @@ import io
 import pkgutil
 import shlex
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 from torchverity.cli._output import Output
 from torchverity.errors import CheckFailedError, TorchVerityError, UsageError
@@ -75,6 +75,27 @@ class DemoContext:
         if not condition:
             raise DemoFailure(f"demo: expected {what}", hint="run with TORCHVERITY_DEBUG=1")
         self.say(f"  ok: {what}")
+
+    def expect_refused(self, who: str, load: Callable[[], object], tensors: list[str],
+                       what: str) -> None:
+        """Expect ``load`` to raise :class:`IntegrityError` naming exactly ``tensors``."""
+        from torchverity.errors import IntegrityError
+
+        try:
+            load()
+        except IntegrityError as exc:
+            self.say(f"{who} was refused: {exc.message}")
+            self.expect(exc.tensors == tensors, what)
+        else:
+            self.expect(False, what)
+
+
+def small_model() -> Any:
+    """The small MLP several steps train or save, with the same weights every run."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
 
 
 @dataclass(frozen=True)

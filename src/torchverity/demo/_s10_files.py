@@ -6,7 +6,7 @@ import shutil
 import zipfile
 from pathlib import Path
 
-from torchverity.demo import DemoContext
+from torchverity.demo import DemoContext, small_model
 
 TITLE = "Files: sidecars and manifests catch what torch.load lets through"
 
@@ -24,8 +24,7 @@ def tensor_data_offset(checkpoint: Path) -> int:
 def run(ctx: DemoContext) -> None:
     import torch
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model = small_model()
     run_dir = ctx.workdir / "run1"
     run_dir.mkdir()
     ckpt = run_dir / "model.pt"

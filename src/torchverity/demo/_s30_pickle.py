@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchverity.demo import DemoContext
+from torchverity.demo import DemoContext, small_model
 
 TITLE = ("Pickle safety: scan, weights_only plan, migrate, a refused payload, and a model "
          "folder judged by content")
@@ -34,8 +34,7 @@ class _Payload:
 def run(ctx: DemoContext) -> None:
     import torch
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     legacy = ctx.workdir / "legacy.pt"
     torch.save({"model": model, "optimizer": opt, "config": RunConfig(), "epoch": 9}, legacy)

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torchverity.demo import DemoContext, DemoFailure
+from torchverity.demo import DemoContext, DemoFailure, small_model
 
 TITLE = "Distributed: a corrupted shard on an HSDP mesh is named and healed from its replicas"
 NODES, PER_NODE = 2, 3
@@ -120,8 +120,7 @@ def _worker(out: Path) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (3, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    model = small_model()
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
