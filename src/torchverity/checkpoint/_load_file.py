@@ -22,6 +22,7 @@ from torchverity.checkpoint._fingerprint import (
     EXACT,
     Fingerprint,
     TensorDigest,
+    _cpu_count,
     exact_algo,
     fingerprint,
     from_entries,
@@ -242,7 +243,9 @@ def _load_while_hashing(p: Path, expected: ExpectedDigest,
     failure: Exception | None = None
     obj: Any = None
     pool = None if expected.algo in FASTER_THAN_COPY else lane("load-hash")
-    reader = HashingReader(p, new_hasher(expected.algo), pool)
+    # BLAKE3 spreads a chunk over threads only when two cores are free beside torch's
+    # reading one; on fewer, its threads would take turns with the reader.
+    reader = HashingReader(p, new_hasher(expected.algo, threads=_cpu_count() > 2), pool)
     try:
         obj = torch.load(reader, map_location=map_location,  # type: ignore[arg-type]
                          weights_only=True)
