@@ -425,7 +425,7 @@ def main() -> None:
         run_state(bert_state(), "a MiniLM-sized BertModel state_dict", "checkpoint-bert",
                   command, args.repeat)
     if mib is not None:
-        run_state(make_state(mib * MiB), "64 float32 tensors", "checkpoint", command,
+        run_state(make_state(mib * MiB), "equal float32 tensors", "checkpoint", command,
                   args.repeat)
 
 
