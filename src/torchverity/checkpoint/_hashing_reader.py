@@ -15,13 +15,23 @@ a hash faster than the copy itself (XXH3) than handing it to another core.
 Bytes torch skips (zip headers' padding, anything read out of order) are
 read here with ``pread``: the digest always covers every byte of the file
 exactly once, whatever order the reader used.
+
+The last chunk of a large read, and a small read whole, are hashed from a copy:
+torch gets its buffer back while the hash catches up, so the hash thread
+always has work queued while torch reads the next record (a checkpoint is
+hundreds of reads; the hash is the slower side for SHA-256).
+
+:func:`lane` gives these pipelines long-lived worker threads: starting a
+thread per save or load costs more than hashing a small checkpoint when the
+machine is busy (each start waits for the new thread to be scheduled).
 """
 
 from __future__ import annotations
 
 import io
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +40,35 @@ from torchverity.digest import READ_SIZE, Hasher, open_for_reading
 _CHUNK = 1 << 20  # small enough to be hashed from the cache, large enough to amortise a call
 _MAX_GAP = 1 << 20  # a jump further ahead than this is left for later (it may be read next)
 
+_lanes: dict[str, ThreadPoolExecutor] = {}
+_lanes_lock = threading.Lock()
+
+
+def lane(name: str, workers: int = 1) -> ThreadPoolExecutor:
+    """This process's long-lived pool ``name``; with one worker, tasks run in submission
+    order (what a hash fed chunk by chunk needs). A forked child starts its own."""
+    with _lanes_lock:
+        pool = _lanes.get(name)
+        if pool is None:
+            pool = _lanes[name] = ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix=f"torchverity-{name}")
+        return pool
+
+
+def _forget_lanes() -> None:
+    global _lanes_lock
+    _lanes.clear()  # their threads did not survive the fork
+    _lanes_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_lanes)
+
 
 class HashingReader(io.RawIOBase):
     """Read ``path`` like a plain file; :meth:`hexdigest` is the digest of all of it."""
 
-    def __init__(self, path: Path, hasher: Hasher, pool: ThreadPoolExecutor | None) -> None:
+    def __init__(self, path: Path, hasher: Hasher, pool: Executor | None) -> None:
         super().__init__()
         self._fh = open_for_reading(path)
         self._hasher = hasher
@@ -72,7 +106,7 @@ class HashingReader(io.RawIOBase):
         skip = self._done - pos
         if len(view) - skip < _CHUNK:
             n = self._fh.readinto(view) or 0
-            self._feed(bytes(view[skip:n]))
+            self._feed_copy(view[skip:n])
             self._done = max(self._done, pos + n)
             return n
         n = self._read_hashing(view, skip)
@@ -91,17 +125,24 @@ class HashingReader(io.RawIOBase):
 
     def _read_hashing(self, view: memoryview, skip: int) -> int:
         """Fill ``view`` chunk by chunk, hashing each chunk while the next one is read."""
-        filled = 0
+        filled, borrowed = 0, None
         try:
             while filled < len(view):
                 got = self._fh.readinto(view[filled:filled + _CHUNK]) or 0
                 if not got:
                     break
-                if filled + got > skip:
-                    self._feed(view[max(skip, filled):filled + got])
-                filled += got
+                end = filled + got
+                if end > skip:
+                    part = view[max(skip, filled):end]
+                    if end < len(view):
+                        self._feed(part)
+                        borrowed = self._last
+                    else:
+                        self._feed_copy(part)
+                filled = end
         finally:
-            self._wait()  # the buffer belongs to torch once we return
+            if borrowed is not None:
+                borrowed.result()  # the buffer belongs to torch once we return
         return filled
 
     def _hash_file_range(self, start: int, end: int | None) -> None:
@@ -121,6 +162,10 @@ class HashingReader(io.RawIOBase):
             self._hasher.update(data)  # right after the copy, while the chunk is in cache
         else:
             self._last = self._pool.submit(self._hasher.update, data)
+
+    def _feed_copy(self, data: memoryview) -> None:
+        """Hash bytes of torch's buffer after this call returns: from a copy, on the pool."""
+        self._feed(data if self._pool is None else bytes(data))
 
     def _wait(self) -> None:
         if self._last is not None:

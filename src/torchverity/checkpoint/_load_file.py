@@ -5,11 +5,10 @@ compared with meta.json.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from torchverity.checkpoint._fingerprint import (
     EXACT,
     Fingerprint,
     TensorDigest,
+    _cpu_count,
     exact_algo,
     fingerprint,
     from_entries,
@@ -30,7 +30,7 @@ from torchverity.checkpoint._fingerprint import (
     tensor_hasher,
 )
 from torchverity.checkpoint._folders import manifest_entry
-from torchverity.checkpoint._hashing_reader import HashingReader
+from torchverity.checkpoint._hashing_reader import HashingReader, lane
 from torchverity.checkpoint._meta import (
     META_SUFFIX,
     _meta_fingerprint,
@@ -242,18 +242,18 @@ def _load_while_hashing(p: Path, expected: ExpectedDigest,
     """
     failure: Exception | None = None
     obj: Any = None
-    inline = expected.algo in FASTER_THAN_COPY
-    with (contextlib.nullcontext() if inline else
-          ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load")) as pool:
-        reader = HashingReader(p, new_hasher(expected.algo, threads=True), pool)
-        try:
-            obj = torch.load(reader, map_location=map_location,  # type: ignore[arg-type]
-                             weights_only=True)
-        except Exception as exc:  # judged below, once the digest says whether it is damage
-            failure = exc
-        finally:
-            actual = reader.hexdigest()
-            reader.close()
+    pool = None if expected.algo in FASTER_THAN_COPY else lane("load-hash")
+    # BLAKE3 spreads a chunk over threads only when two cores are free beside torch's
+    # reading one; on fewer, its threads would take turns with the reader.
+    reader = HashingReader(p, new_hasher(expected.algo, threads=_cpu_count() > 2), pool)
+    try:
+        obj = torch.load(reader, map_location=map_location,  # type: ignore[arg-type]
+                         weights_only=True)
+    except Exception as exc:  # judged below, once the digest says whether it is damage
+        failure = exc
+    finally:
+        actual = reader.hexdigest()
+        reader.close()
     if actual != expected.hex:
         raise _digest_mismatch(p, expected, actual, _locate_pt_damage(p, meta))
     if failure is not None:
@@ -282,22 +282,24 @@ def _read_safetensors(p: Path, expected: ExpectedDigest | None,
     algo = exact_algo(recorded) if recorded else EXACT
     tensor_hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape, algo)
                       for e in header.entries} if hash_tensors and recorded else {}
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load") as pool:
-        pending: list[Future[Any]] = []
+    pool = lane("load-hash")
+    pending: list[Future[Any]] = []
 
-        def feed(name: str, chunk: memoryview) -> None:
-            # The file digest of a chunk runs on the pool while this thread hashes
-            # the tensor and reads the next chunk: two cores, one read. A chunk's
-            # view keeps its tensor alive until the pool is done with it.
-            for f in pending:
-                f.result()
-            pending.clear()
-            if file_hasher is not None:
-                pending.append(pool.submit(file_hasher.update, chunk))
-            if name and tensor_hashers:
-                tensor_hashers[name].update(chunk)
+    def feed(name: str, chunk: memoryview) -> None:
+        # The file digest of a chunk runs on the pool while this thread hashes
+        # the tensor and reads the next chunk: two cores, one read. A chunk's
+        # view keeps its tensor alive until the pool is done with it.
+        for f in pending:
+            f.result()
+        pending.clear()
+        if file_hasher is not None:
+            pending.append(pool.submit(file_hasher.update, chunk))
+        if name and tensor_hashers:
+            tensor_hashers[name].update(chunk)
 
+    try:
         tensors = st.read_tensors(p, header, feed)
+    finally:
         for f in pending:
             f.result()
     fp = from_entries(algo, [

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +15,17 @@ import torch
 
 import torchverity.checkpoint._safetensors as st
 from torchverity._tensors import iter_leaves
-from torchverity.checkpoint._atomic import _atomic_target, _HashingWriter, _StableMemory
+from torchverity.checkpoint._atomic import (
+    SYNC_LANE,
+    SYNC_WORKERS,
+    _atomic_target,
+    _HashingWriter,
+    _StableMemory,
+)
 from torchverity.checkpoint._fingerprint import (
     fingerprint,
 )
+from torchverity.checkpoint._hashing_reader import lane
 from torchverity.checkpoint._meta import _data_record, meta_path_for, meta_record
 from torchverity.checkpoint._results import SaveReport
 from torchverity.digest import (
@@ -45,14 +51,11 @@ def save_file(obj: Any, target: Path, *, user_meta: Any, seed: int | None,
     data_record = _data_record(data, algo) if data is not None else None
     sidecar, meta_file = sidecar_path(target, algo), meta_path_for(target)
     hasher = new_hasher(algo)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-fp") as fp_pool, \
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-hash") as pool, \
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-sync") as sync_pool, \
-            _atomic_target(target) as staged:
+    with _atomic_target(target) as staged:
         # Three threads: torch serializes and writes, one thread hashes the
         # written bytes behind it, one fingerprints the tensors in memory.
-        fp_future = fp_pool.submit(fingerprint, payload, mode="exact", workers=1)
-        writer = _HashingWriter(staged.fd, hasher, _StableMemory(payload), pool)
+        fp_future = lane("fingerprint").submit(fingerprint, payload, mode="exact", workers=1)
+        writer = _HashingWriter(staged.fd, hasher, _StableMemory(payload), lane("save-hash"))
         try:
             if fmt == "safetensors":
                 st.write_tensors(payload, writer)
@@ -60,12 +63,13 @@ def save_file(obj: Any, target: Path, *, user_meta: Any, seed: int | None,
                 torch.save(payload, writer)  # type: ignore[arg-type]
             writer.flush()
         except Exception:
+            writer.drain()  # no hash may read the payload's memory after we return
             if writer.error is not None:
                 raise writer.error from None
             raise
         # The disk flush starts while the hashes catch up and meta.json is
         # built; the fsync in _atomic_target then finds little left to do.
-        staged.flushing = sync_pool.submit(os.fsync, staged.fd)
+        staged.flushing = lane(SYNC_LANE, SYNC_WORKERS).submit(os.fsync, staged.fd)
         writer.finish()
         digest, fp = hasher.hexdigest(), fp_future.result()
         record = meta_record(target, fmt, algo, digest, writer.size, fp, seed, data_record,
