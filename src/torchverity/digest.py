@@ -220,6 +220,17 @@ def digest_file(
     return FileDigest(path=os.fspath(p), algo=algo, hexdigest=hasher.hexdigest(), size=size)
 
 
+def require_sha256(path: Path, trusted: str, *, refusing: str, hint: str) -> str:
+    """The file's sha256 when it is the one the caller trusts; otherwise IntegrityError."""
+    from torchverity.errors import IntegrityError
+
+    actual = digest_file(path, "sha256").hexdigest
+    if actual != trusted.lower():
+        raise IntegrityError(f"{path}: sha256 is {actual}, not the trusted {trusted}: {refusing}",
+                             path=path, expected=trusted.lower(), actual=actual, hint=hint)
+    return actual
+
+
 def digest_files(
     paths: Iterable[str | os.PathLike[str]],
     algo: str = DEFAULT_ALGO,

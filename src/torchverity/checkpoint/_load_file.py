@@ -44,6 +44,7 @@ from torchverity.digest import (
     FASTER_THAN_COPY,
     digest_file,
     new_hasher,
+    require_sha256,
 )
 from torchverity.errors import (
     FormatError,
@@ -211,13 +212,9 @@ def _check_digest(p: Path, expected: ExpectedDigest | None,
 def _trusted(p: Path, trust_sha256: str | None) -> bool:
     if trust_sha256 is None:
         return False
-    actual = digest_file(p, "sha256").hexdigest
-    if actual != trust_sha256.lower():
-        raise IntegrityError(
-            f"{p}: sha256 is {actual}, not the trusted {trust_sha256}: refusing a full-pickle load",
-            path=p, expected=trust_sha256.lower(), actual=actual,
-            hint="trust_sha256 must name this exact file; torchverity inspect shows its digest",
-        )
+    actual = require_sha256(
+        p, trust_sha256, refusing="refusing a full-pickle load",
+        hint="trust_sha256 must name this exact file; torchverity inspect shows its digest")
     log.warning("loading %s with weights_only=False: caller trusts sha256 %s", p, actual)
     return True
 

@@ -141,15 +141,10 @@ def _refuse(scan: ScanResult, path: Path, *, trusted: bool) -> None:
 
 
 def _check_trust(path: Path, trust_sha256: str) -> None:
-    from torchverity.digest import digest_file
+    from torchverity.digest import require_sha256
 
-    actual = digest_file(path, "sha256").hexdigest
-    if actual != trust_sha256.lower():
-        raise IntegrityError(
-            f"{path}: sha256 is {actual}, not the trusted {trust_sha256}: refusing to unpickle",
-            path=path, expected=trust_sha256.lower(), actual=actual,
-            hint="--trust-sha256 must name this exact file (sha256sum shows it)",
-        )
+    require_sha256(path, trust_sha256, refusing="refusing to unpickle",
+                   hint="--trust-sha256 must name this exact file (sha256sum shows it)")
 
 
 def migrate(
