@@ -68,8 +68,9 @@ def _own_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimiz
     them is the same update."""
     hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
              _optim._global_optimizer_pre_hooks, _optim._global_optimizer_post_hooks)
-    if any(hooks):
-        return lambda opt: opt.step()  # the hooks must run: the sums in passes of their own
+    if any(hooks):  # the hooks must run: the sums in passes of their own. The class's
+        # step, not the instance's: a trainer integration puts the guard's there.
+        return lambda opt: type(opt).step(opt)
     return inspect.unwrap(type(optimizer).step)
 
 
