@@ -161,8 +161,9 @@ def _campaign(name: str, dtype: torch.dtype, fused: bool, seed: int, steps: int 
 
 
 # The fused path in float32 runs its campaign after the bit-identity test above.
-CAMPAIGN = [(n, d, False) for n in sorted(OPTIMIZERS) for d in (torch.float32, torch.bfloat16)]
-CAMPAIGN += [("sgd", torch.bfloat16, True)]
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+CAMPAIGN = [(n, d, False) for n in sorted(OPTIMIZERS) for d in FLOATS]
+CAMPAIGN += [("sgd", torch.bfloat16, True), ("adamw", torch.float16, True)]
 
 
 @pytest.mark.parametrize(("name", "dtype", "fused"), CAMPAIGN)
