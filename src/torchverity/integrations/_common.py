@@ -139,7 +139,7 @@ class GuardedStep:
     def remove(self) -> None:
         if vars(self.optimizer).get("step") is self:
             if self._own is not None:
-                self.optimizer.step = self._own  # type: ignore[method-assign]
+                self.optimizer.step = self._own
             else:
                 del self.optimizer.step
 

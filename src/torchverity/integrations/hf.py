@@ -12,8 +12,8 @@ Accelerate's wrapper), so the at-rest check of every window rides in the update;
 the Trainer's default ``optim="adamw_torch_fused"`` runs AdamW's own fused kernel,
 which nothing can be compiled into: there, as with a gradient scaler (fp16) or
 another optimizer, the check takes two passes and the guard's first log event says
-why (``optim="adamw_torch"`` gives the compiled update). Note that the Trainer clips gradients before
-``on_pre_optimizer_step``, so the gradient-norm rule sees clipped norms (NaN
+why (``optim="adamw_torch"`` gives the compiled update). Note that the Trainer
+clips gradients before ``on_pre_optimizer_step``, so the gradient-norm rule sees clipped norms (NaN
 and Inf still show), and that with ``logging_nan_inf_filter=True`` (its
 default) the Trainer itself reads the loss on the host every step.
 
