@@ -19,7 +19,7 @@ from guard_helpers import MakeOptimizer, bits, loss_of, make_model, step_once, t
 from torchverity import faults
 from torchverity.errors import TrainingAnomalyError
 from torchverity.training import TrainingGuard
-from torchverity.training._fused import word_sum
+from torchverity.training._fused import word_sum, word_sums
 
 FUSED = "fused into the update"
 
@@ -251,6 +251,21 @@ def test_word_sum_moves_with_every_single_bit_flip_in_every_float_dtype(
             assert word_sum(t) != record, (index, bit)
             faults.flip_bit(t, index, bit)
     assert word_sum(t) == record
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_word_sums_equal_the_eager_ones_when_they_wrap_around(dtype: torch.dtype
+                                                                        ) -> None:
+    """The fused record (compiled) is verified against eager sums and the other way round
+    (skipped updates, certification): both must wrap around modulo 2**32 alike."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = [(torch.randn(n, generator=gen) * 1e30).to(dtype) for n in (1, 7, 4099, 1 << 20)]
+    compiled = torch.compile(word_sums, dynamic=False)
+    assert torch.equal(compiled(tensors), word_sums(tensors))
+    exact = sum(int(t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+                    .to(torch.int64).sum()) for t in tensors[-1:])
+    assert exact >= 2**31 or exact < -(2**31) or dtype != torch.float32  # it did wrap
+    assert int(word_sums(tensors[-1:])[0]) == (exact + 2**31) % 2**32 - 2**31
 
 
 def test_a_machine_without_a_compiler_falls_back_says_so_once_and_still_catches_flips(
