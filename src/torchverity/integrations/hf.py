@@ -37,6 +37,7 @@ from torchverity.errors import UsageError, require_extra
 from torchverity.integrations._common import (
     CheckpointRecord,
     GuardCallbackBase,
+    log,
     record_checkpoint_file,
 )
 from torchverity.training import TrainingGuard
@@ -138,10 +139,15 @@ def _guard_state(args: Any, step: int) -> dict[str, Any] | None:
     from torchverity.checkpoint._load import load
 
     resume = getattr(args, "resume_from_checkpoint", None)
-    folder = Path(resume) if isinstance(resume, str) else Path(args.output_dir) / (
-        f"checkpoint-{step}")
-    path = folder / GUARD_STATE
-    return load(path, sidecar="require") if path.is_file() else None
+    folders = [Path(resume)] if isinstance(resume, str) else []
+    folders.append(Path(args.output_dir) / f"checkpoint-{step}")
+    for folder in folders:
+        if (folder / GUARD_STATE).is_file():
+            return load(folder / GUARD_STATE, sidecar="require")
+    log.warning("torchverity: resuming at step %d without the guard's state (no %s in %s): "
+                "its rolling windows and counters start afresh", step, GUARD_STATE,
+                " or ".join(str(f) for f in folders))
+    return None
 
 
 def record_checkpoint_folder(folder: Path, step: int | None = None,
