@@ -269,18 +269,20 @@ def test_compiled_word_sums_equal_the_eager_ones_when_they_wrap_around(dtype: to
 
 
 def test_a_machine_without_a_compiler_falls_back_says_so_once_and_still_catches_flips(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))  # no C++ compiler here
     model, opt = make_model(lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
     log = tmp_path / "events.jsonl"
     guard = TrainingGuard(model, opt, log=log, check_every=1,
                           policies={"weights_changed": "record"})
-    for step in range(6):
-        if step == 3:
-            faults.flip_bit(model[0].weight, 2, 1)
-        step_once(guard, model, step)
+    # No C++ compiler here; the config's own patch puts it back for the tests that follow
+    # in this process (they compile).
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        for step in range(6):
+            if step == 3:
+                faults.flip_bit(model[0].weight, 2, 1)
+            step_once(guard, model, step)
     guard.close()
     said = [json.loads(x)["coverage"] for x in log.read_text().splitlines() if '"coverage"' in x]
     assert [c["verification"] for c in said] == ["fused into the update", "two passes"]
