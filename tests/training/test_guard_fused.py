@@ -19,7 +19,7 @@ from guard_helpers import MakeOptimizer, bits, loss_of, make_model, step_once, t
 from torchverity import faults
 from torchverity.errors import TrainingAnomalyError
 from torchverity.training import TrainingGuard
-from torchverity.training._fused import word_sum
+from torchverity.training._fused import word_sum, word_sums
 
 FUSED = "fused into the update"
 
@@ -161,8 +161,9 @@ def _campaign(name: str, dtype: torch.dtype, fused: bool, seed: int, steps: int 
 
 
 # The fused path in float32 runs its campaign after the bit-identity test above.
-CAMPAIGN = [(n, d, False) for n in sorted(OPTIMIZERS) for d in (torch.float32, torch.bfloat16)]
-CAMPAIGN += [("sgd", torch.bfloat16, True)]
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+CAMPAIGN = [(n, d, False) for n in sorted(OPTIMIZERS) for d in FLOATS]
+CAMPAIGN += [("sgd", torch.bfloat16, True), ("adamw", torch.float16, True)]
 
 
 @pytest.mark.parametrize(("name", "dtype", "fused"), CAMPAIGN)
@@ -252,19 +253,36 @@ def test_word_sum_moves_with_every_single_bit_flip_in_every_float_dtype(
     assert word_sum(t) == record
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_word_sums_equal_the_eager_ones_when_they_wrap_around(dtype: torch.dtype
+                                                                        ) -> None:
+    """The fused record (compiled) is verified against eager sums and the other way round
+    (skipped updates, certification): both must wrap around modulo 2**32 alike."""
+    gen = torch.Generator().manual_seed(1)
+    tensors = [(torch.randn(n, generator=gen) * 1e30).to(dtype) for n in (1, 7, 4099, 1 << 20)]
+    compiled = torch.compile(word_sums, dynamic=False)
+    assert torch.equal(compiled(tensors), word_sums(tensors))
+    exact = sum(int(t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+                    .to(torch.int64).sum()) for t in tensors[-1:])
+    assert exact >= 2**31 or exact < -(2**31) or dtype != torch.float32  # it did wrap
+    assert int(word_sums(tensors[-1:])[0]) == (exact + 2**31) % 2**32 - 2**31
+
+
 def test_a_machine_without_a_compiler_falls_back_says_so_once_and_still_catches_flips(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     import torch._inductor.config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/c++",))  # no C++ compiler here
     model, opt = make_model(lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
     log = tmp_path / "events.jsonl"
     guard = TrainingGuard(model, opt, log=log, check_every=1,
                           policies={"weights_changed": "record"})
-    for step in range(6):
-        if step == 3:
-            faults.flip_bit(model[0].weight, 2, 1)
-        step_once(guard, model, step)
+    # No C++ compiler here; the config's own patch puts it back for the tests that follow
+    # in this process (they compile).
+    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+        for step in range(6):
+            if step == 3:
+                faults.flip_bit(model[0].weight, 2, 1)
+            step_once(guard, model, step)
     guard.close()
     said = [json.loads(x)["coverage"] for x in log.read_text().splitlines() if '"coverage"' in x]
     assert [c["verification"] for c in said] == ["fused into the update", "two passes"]

@@ -153,7 +153,10 @@ class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _hf(tmp_path: Path, policy: str) -> Any:
+def _hf(tmp_path: Path, policy: str, *, steps: int = 20, flip: tuple[int, int] = (FLIP_STEP, 30),
+        optim: str = "adamw_torch_fused", resume: Path | None = None,
+        log: str = "events.jsonl") -> Any:
+    """A run of the tiny GPT-2; ``flip`` = (step, bit) flipped before that step's forward."""
     import transformers
 
     from torchverity.integrations.hf import GuardCallback
@@ -161,28 +164,29 @@ def _hf(tmp_path: Path, policy: str) -> Any:
     class Drill(transformers.TrainerCallback):  # type: ignore[misc]
         def on_step_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                           **kw: Any) -> None:
-            if state.global_step == FLIP_STEP:
-                faults.flip_bit(model.transformer.h[0].mlp.c_fc.weight, 7, 30)
+            if state.global_step == flip[0]:
+                faults.flip_bit(model.transformer.h[0].mlp.c_fc.weight, 7, flip[1])
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
                                      n_positions=16)
     model = transformers.GPT2LMHeadModel(config)
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=20, per_device_train_batch_size=8,
+        output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=8,
         learning_rate=1e-3, logging_strategy="no", save_strategy="steps", save_steps=5,
         report_to=[], disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0,
+        optim=optim,
     )
     options: dict[str, Any] = {"policies": {"weights_changed": policy}}
     if policy == "rollback":
         options.update(checkpoint_dir=tmp_path / "guard", checkpoint_every=5)
-    guard = GuardCallback(log=tmp_path / "events.jsonl", check_every=5, min_samples=8,
-                          window=32, **options)
+    guard = GuardCallback(log=tmp_path / log, check_every=5, min_samples=8, window=32,
+                          **options)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(),
                                    callbacks=[Drill(), guard])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.train()
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     return guard
 
 
@@ -210,3 +214,43 @@ def test_hf_flip_is_caught_named_and_only_clean_checkpoints_are_certified(
         assert code == 1 and "UNCERTIFIED" in out and name in out
     assert (folders[-1] / "torchverity_guard.pt").is_file()
     assert _cli("verify", str(folders[0]))[0] == 0
+
+
+def _certified(folder: Path) -> bool:
+    return bool(_meta(folder / "model.safetensors")["certification"]["certified"])
+
+
+def test_hf_resume_restores_the_guard_state_and_keeps_catching_flips(tmp_path: Path) -> None:
+    """A run with a flip at step 12 (checkpoints 5, 10 certified; 15, 20 not), resumed from
+    checkpoint-15 with the fused update: the rolling windows, counters and the unresolved
+    flip come back; no false alarm; a flip at step 22 is caught and named; every checkpoint
+    saved after it stays uncertified. Resumed from the certified checkpoint-10 instead, the
+    next checkpoint is certified again."""
+    name = "transformer.h.0.mlp.c_fc.weight"
+    low_bit = (FLIP_STEP, 3)  # a mantissa bit: only the at-rest check sees it
+    first = _hf(tmp_path, "record", flip=low_bit, optim="adamw_torch")
+    out = tmp_path / "out"
+    assert [_certified(out / f"checkpoint-{s}") for s in (5, 10, 15, 20)] == [
+        True, True, False, False]
+    accepted = first.guard._host.stats.count  # the flagged update was not pushed
+    assert accepted == 19
+
+    resumed = _hf(tmp_path, "record", steps=30, flip=(22, 3), optim="adamw_torch",
+                  resume=out / "checkpoint-15", log="resumed.jsonl")
+    assert resumed.fused_updates == 15
+    assert [(e.step, e.kind, e.suspects) for e in resumed.guard.events] == [
+        (22, "weights_changed", (name,))]
+    assert resumed.guard._host.stats.count == min(14 + 14, 32)  # 14 restored, 14 accepted
+    assert resumed.summary.anomalies == {"weights_changed": 2}  # step 12's came back too
+    assert [_certified(out / f"checkpoint-{s}") for s in (20, 25, 30)] == [False] * 3
+    unresolved = _meta(out / "checkpoint-30" / "model.safetensors")["certification"][
+        "unresolved"]
+    assert [(u["step"], u["suspects"]) for u in unresolved] == [(12, [name]), (22, [name])]
+    code, out_text = _cli("verify", str(out / "checkpoint-25"))
+    assert code == 1 and "UNCERTIFIED" in out_text
+
+    clean = _hf(tmp_path, "record", steps=15, flip=(-1, 0), optim="adamw_torch",
+                resume=out / "checkpoint-10", log="clean.jsonl")
+    assert clean.guard.events == [] and clean.guard._host.stats.count == 15
+    assert _certified(out / "checkpoint-15")
+    assert _cli("verify", str(out / "checkpoint-15"))[0] == 0

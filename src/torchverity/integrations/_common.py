@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_file, write_sidecar
 from torchverity.errors import FormatError, UsageError
@@ -36,6 +39,7 @@ class GuardCallbackBase:
         self.summary: GuardSummary | None = None
         self.checkpoints: list[CheckpointRecord] = []
         self._restored: dict[str, Any] | None = None  # guard state from a resumed checkpoint
+        self._step: GuardedStep | None = None
 
     def certification(self) -> dict[str, Any] | None:
         """The guard's at-rest verification of the weights as they are now (being saved)."""
@@ -56,10 +60,88 @@ class GuardCallbackBase:
                        bool(certification and certification.get("certified")))
 
     def _start_guard(self, guard: TrainingGuard) -> None:
-        self.guard = guard
+        self.guard, self._step = guard, None
         if self._restored is not None:
             guard.load_state_dict(self._restored)
             self._restored = None
+        if guard.fused:  # the trainer's optimizer.step() becomes the guard's update
+            self._step = GuardedStep(guard)
+
+    def _before_update(self, reason: str | None) -> None:
+        """After ``check()``: the two-pass verification, unless the guard's update stands
+        in for the trainer's ``optimizer.step()``."""
+        assert self.guard is not None
+        if self._step is None:
+            self.guard.before_update(reason)
+
+    @property
+    def fused_updates(self) -> int:
+        """Updates the guard ran in place of the trainer's ``optimizer.step()``, with the
+        at-rest check inside them (0 when it verifies in two passes)."""
+        return self._step.updates if self._step is not None else 0
+
+    def _stop_guard(self) -> None:
+        if self._step is not None:
+            self._step.remove()
+        if self.guard is not None:
+            self.summary = self.guard.close()
+
+
+class GuardedStep:
+    """The guard's update standing in for ``optimizer.step()``, which a trainer calls
+    itself: the at-rest check then rides in the compiled update (one pass over each
+    tensor) instead of two passes of its own.
+
+    Installed on the optimizer instance (the class and other instances are untouched)
+    and removed when training ends. A closure (Lightning's: forward, backward, then
+    ``on_before_optimizer_step``, where the callback calls ``check()``) is evaluated
+    first, as torch's optimizers do. A call with no ``check()`` before it (nothing to
+    decide on: a training step that returned no loss) runs the optimizer's own step and
+    records the tensors again; so does a call from inside the guard.
+    """
+
+    def __init__(self, guard: TrainingGuard) -> None:
+        self.guard = guard
+        self.optimizer = guard.optimizer
+        # An instance attribute already there (an LR scheduler's counting wrapper) is
+        # what the optimizer's own step is, and what goes back at the end.
+        self._own = vars(self.optimizer).get("step")
+        self._inside = False
+        self.updates = 0  # updates the guard ran in place of the trainer's step
+        if hasattr(self._own, "_wrapped_by_lr_sched"):
+            self._wrapped_by_lr_sched = True  # the fused update counts its calls too
+        self.optimizer.step = self  # type: ignore[method-assign]
+
+    def __call__(self, closure: Callable[[], Any] | None = None) -> Any:
+        if self._inside:
+            return self._original(closure)
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        self._inside = True
+        try:
+            if not self.guard.checked:
+                self._original(None)
+                self.guard.refresh()
+                return result
+            self.guard.update()
+            self.updates += 1
+        finally:
+            self._inside = False
+        return result
+
+    def _original(self, closure: Callable[[], Any] | None) -> Any:
+        if self._own is not None:
+            return self._own(closure)
+        return type(self.optimizer).step(self.optimizer, closure)
+
+    def remove(self) -> None:
+        if vars(self.optimizer).get("step") is self:
+            if self._own is not None:
+                self.optimizer.step = self._own
+            else:
+                del self.optimizer.step
 
 
 @dataclass(frozen=True)

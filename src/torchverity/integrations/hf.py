@@ -6,9 +6,14 @@
 The loss is taken from the model's output (``output.loss``, what every
 Transformers model returns when labels are given) by a forward hook, averaged
 over gradient-accumulation micro-batches; ``on_pre_optimizer_step`` computes
-the flags and copies the parameters, ``on_optimizer_step`` decides and
-records the at-rest checksums. Note that the Trainer clips gradients before
-``on_pre_optimizer_step``, so the gradient-norm rule sees clipped norms (NaN
+the flags, ``on_optimizer_step`` concludes the step. For SGD, Adam and AdamW the
+guard's compiled update stands in for the torch optimizer's ``step()`` (inside
+Accelerate's wrapper), so the at-rest check of every window rides in the update;
+the Trainer's default ``optim="adamw_torch_fused"`` runs AdamW's own fused kernel,
+which nothing can be compiled into: there, as with a gradient scaler (fp16) or
+another optimizer, the check takes two passes and the guard's first log event says
+why (``optim="adamw_torch"`` gives the compiled update). Note that the Trainer
+clips gradients before ``on_pre_optimizer_step``, so the gradient-norm rule sees clipped norms (NaN
 and Inf still show), and that with ``logging_nan_inf_filter=True`` (its
 default) the Trainer itself reads the loss on the host every step.
 
@@ -32,6 +37,7 @@ from torchverity.errors import UsageError, require_extra
 from torchverity.integrations._common import (
     CheckpointRecord,
     GuardCallbackBase,
+    log,
     record_checkpoint_file,
 )
 from torchverity.training import TrainingGuard
@@ -56,13 +62,16 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
         super().__init__(log=log, record_checkpoints=record_checkpoints, **guard_options)
         self._losses: list[torch.Tensor] = []
         self._hook: Any = None
+        self._reason: str | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, **kwargs: Any) -> None:
         if state.global_step:
             self._restored = _guard_state(args, state.global_step)
+        optimizer, self._reason = _torch_optimizer(optimizer)
         self._start_guard(TrainingGuard(model, optimizer, log=self.log_path,
-                                        start_step=state.global_step, **self.guard_options))
+                                        start_step=state.global_step,
+                                        fused_unavailable=self._reason, **self.guard_options))
         self._hook = model.register_forward_hook(self._capture_loss)
 
     def _capture_loss(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
@@ -83,7 +92,7 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
         loss = torch.stack(self._losses).mean()
         self._losses.clear()
         self.guard.check(loss)
-        self.guard.before_update()
+        self._before_update(self._reason)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.guard is not None:
@@ -105,8 +114,24 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hook is not None:
             self._hook.remove()
-        if self.guard is not None:
-            self.summary = self.guard.close()
+        self._stop_guard()
+
+
+def _torch_optimizer(optimizer: Any) -> tuple[Any, str | None]:
+    """The torch optimizer inside the Trainer's (Accelerate's wrapper), and why the
+    guard's update cannot stand in for its ``step()`` (None when it can)."""
+    try:
+        from accelerate.optimizer import AcceleratedOptimizer
+    except ImportError:  # an older Trainer steps the torch optimizer itself
+        return optimizer, None
+    if not isinstance(optimizer, AcceleratedOptimizer):
+        return optimizer, None
+    if type(optimizer).step is not AcceleratedOptimizer.step:
+        return optimizer, f"{type(optimizer).__name__} steps the optimizer its own way"
+    if optimizer.scaler is not None:
+        return optimizer.optimizer, ("the trainer steps the optimizer through a gradient "
+                                     "scaler (fp16)")
+    return optimizer.optimizer, None
 
 
 def _guard_state(args: Any, step: int) -> dict[str, Any] | None:
@@ -114,10 +139,15 @@ def _guard_state(args: Any, step: int) -> dict[str, Any] | None:
     from torchverity.checkpoint._load import load
 
     resume = getattr(args, "resume_from_checkpoint", None)
-    folder = Path(resume) if isinstance(resume, str) else Path(args.output_dir) / (
-        f"checkpoint-{step}")
-    path = folder / GUARD_STATE
-    return load(path, sidecar="require") if path.is_file() else None
+    folders = [Path(resume)] if isinstance(resume, str) else []
+    folders.append(Path(args.output_dir) / f"checkpoint-{step}")
+    for folder in folders:
+        if (folder / GUARD_STATE).is_file():
+            return load(folder / GUARD_STATE, sidecar="require")
+    log.warning("torchverity: resuming at step %d without the guard's state (no %s in %s): "
+                "its rolling windows and counters start afresh", step, GUARD_STATE,
+                " or ".join(str(f) for f in folders))
+    return None
 
 
 def record_checkpoint_folder(folder: Path, step: int | None = None,

@@ -4,11 +4,15 @@
     trainer = lightning.Trainer(callbacks=[GuardCallback(log="events.jsonl")])
 
 Hooks used: ``on_before_backward`` (keeps the loss tensor), then
-``on_before_optimizer_step`` (flags computed on the device, parameters copied
-so the update can be undone) and ``on_train_batch_end`` (decision, at-rest
-checksums, host read every ``check_every`` steps). The trainer's
-``CheckpointIO`` is wrapped so every file it saves gets, once the guard has
-verified the weights at rest, a sidecar and a meta.json with the fingerprint of
+``on_before_optimizer_step`` (flags computed, after the closure's backward) and
+``on_train_batch_end`` (decision, at-rest record, host read every ``check_every``
+steps). For SGD, Adam and AdamW the guard's compiled update stands in for the
+optimizer's ``step`` (which Lightning calls with its closure), so the at-rest check
+of every window rides in the update; with a gradient scaler (``16-mixed``), a
+precision plugin that steps the optimizer its own way (DeepSpeed, XLA) or another
+optimizer it takes two passes, and the guard's first log event says why. The
+trainer's ``CheckpointIO`` is wrapped so every file it saves gets, once the guard
+has verified the weights at rest, a sidecar and a meta.json with the fingerprint of
 the saved dictionary and the guard's certification. The guard's state is the
 callback's ``state_dict`` (saved in every checkpoint, restored on resume). Replay
 needs a step function and is not offered here; use the plain-loop guard for it.
@@ -35,6 +39,21 @@ _plugins = require_extra("lightning.fabric.plugins", extra="lightning",
                          feature="the Lightning callback")
 _Callback: Any = _pl.Callback
 _CheckpointIO: Any = _plugins.CheckpointIO
+_precision = _pl.plugins.precision
+# Precision plugins whose optimizer_step ends in ``optimizer.step(closure=...)`` when no
+# gradient scaler is in use: there the guard's update can stand in for the step.
+_PLAIN_STEPS = (_precision.Precision.optimizer_step, _precision.MixedPrecision.optimizer_step,
+                _precision.FSDPPrecision.optimizer_step)
+
+
+def _stepping_reason(plugin: Any) -> str | None:
+    """Why the guard's update cannot stand in for ``optimizer.step()`` under this
+    precision plugin; None when it can."""
+    if getattr(plugin, "scaler", None) is not None:
+        return "the trainer steps the optimizer through a gradient scaler (16-bit AMP)"
+    if type(plugin).optimizer_step not in _PLAIN_STEPS:
+        return f"{type(plugin).__name__} steps the optimizer its own way"
+    return None
 
 
 class _RecordingIO(_CheckpointIO):
@@ -77,6 +96,7 @@ class GuardCallback(GuardCallbackBase, _Callback):
         super().__init__(log=log, record_checkpoints=record_checkpoints, **guard_options)
         self._loss: torch.Tensor | None = None
         self._updating = False
+        self._reason: str | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         io = trainer.strategy.checkpoint_io
@@ -91,17 +111,20 @@ class GuardCallback(GuardCallbackBase, _Callback):
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             # AMP's GradScaler drives the optimizer's found_inf itself.
             options.setdefault("fused_skip", False)
+        self._reason = _stepping_reason(trainer.precision_plugin)
         self._start_guard(TrainingGuard(pl_module, trainer.optimizers[0], log=self.log_path,
-                                        start_step=trainer.global_step, **options))
+                                        start_step=trainer.global_step,
+                                        fused_unavailable=self._reason, **options))
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._loss = loss.detach()
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        if self.guard is None or self._loss is None:
+        loss, self._loss = self._loss, None
+        if self.guard is None or loss is None:
             return
-        self.guard.check(self._loss)
-        self.guard.before_update()
+        self.guard.check(loss)
+        self._before_update(self._reason)
         self._updating = True
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
@@ -111,8 +134,7 @@ class GuardCallback(GuardCallbackBase, _Callback):
             self.guard.after_update()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        if self.guard is not None:
-            self.summary = self.guard.close()
+        self._stop_guard()
 
     def state_dict(self) -> dict[str, Any]:
         return {"guard": self.guard.state_dict()} if self.guard is not None else {}

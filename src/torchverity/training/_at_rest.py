@@ -48,7 +48,8 @@ class AtRest:
                  params: list[torch.Tensor], names: tuple[str, ...], *, reducer: object,
                  policies: dict[str, str], pool: Callable[[], ThreadPoolExecutor | None],
                  split: bool, defer: Callable[[Callable[[], None]], None] | None,
-                 said: Callable[[], None] = lambda: None) -> None:
+                 said: Callable[[], None] = lambda: None, fallback: str | None = None
+                 ) -> None:
         self.config, self.optimizer = config, optimizer
         self._param_names = dict(zip(map(id, params), names, strict=True))
         # Under FSDP2, HSDP or TP each rank verifies the shards it holds, named by shard.
@@ -61,7 +62,7 @@ class AtRest:
         self._sums: PairedSums | None = None
         self._copy_sums: PairedSums | None = None
         self._updates = 0  # updates concluded under this guard: the two-pass cadence
-        self.reason = self._fallback_reason(reducer, policies)
+        self.reason = self._fallback_reason(reducer, policies, fallback)
         self.fused: FusedUpdate | None = None
         if self.reason is not None and config.fused:
             raise UsageError(f"TrainingGuard: fused=True, but {self.reason}",
@@ -74,12 +75,15 @@ class AtRest:
         self._after: torch.Tensor | None = None  # sums the fused update wrote, until settled
         self._before: torch.Tensor | None = None  # and those it read
 
-    def _fallback_reason(self, reducer: object, policies: dict[str, str]) -> str | None:
+    def _fallback_reason(self, reducer: object, policies: dict[str, str],
+                         fallback: str | None) -> str | None:
         cfg = self.config
         if not cfg.at_rest:
             return "at_rest=False"
         if cfg.fused is False:
             return "fused=False"
+        if fallback is not None:
+            return fallback
         if cfg.rest_every != 1:
             return f"rest_every={cfg.rest_every} verifies one window in {cfg.rest_every}"
         if cfg.defer_record:

@@ -14,11 +14,13 @@ step counters already are, and each group's ``lr`` is turned into a 0-dim tensor
 (torch's own recipe for compiled optimizers under an LR scheduler, which then fills
 the tensor in place).
 
-The word sum of a tensor is the sum, in int64, of its elements read as signed
-integers of their own width (8-byte elements as two 32-bit words): a single-bit
-flip moves one integer by a power of two, and the exact sum with it, in any dtype.
-:func:`word_sums` computes the same values eagerly, for a window verified outside
-an update (a skipped update, a checkpoint's certification).
+The word sum of a tensor is the sum, modulo 2**32 (int32 with wrap-around), of its
+elements read as signed integers of their own width (8-byte elements as two 32-bit
+words): a single-bit flip moves one integer by a power of two below 2**32, and the
+sum with it, in any dtype. Summing in int32 rather than int64 keeps the compiled
+loop at one vector add per word and sum, with no widening, beside the update's own
+arithmetic. :func:`word_sums` computes the same values eagerly, for a window verified
+outside an update (a skipped update, a checkpoint's certification).
 """
 
 from __future__ import annotations
@@ -38,17 +40,17 @@ _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 def word_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """0-dim int64: the tensor's elements read as signed integers, summed exactly."""
+    """0-dim int32: the tensor's elements read as signed integers, summed modulo 2**32."""
     t = tensor.detach()
     kind = _INT_OF_SIZE.get(t.element_size())
     words = t.view(kind) if kind is not None else t.reshape(-1).view(torch.int32)
-    return words.sum(dtype=torch.int64)
+    return words.sum(dtype=torch.int32)
 
 
 def word_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``[n]`` int64 word sums, one per tensor (the values the fused update computes)."""
+    """``[n]`` int32 word sums, one per tensor (the values the fused update computes)."""
     if not tensors:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int32)
     return torch.stack([word_sum(t) for t in tensors])
 
 
@@ -68,8 +70,9 @@ def _own_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimiz
     them is the same update."""
     hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
              _optim._global_optimizer_pre_hooks, _optim._global_optimizer_post_hooks)
-    if any(hooks):
-        return lambda opt: opt.step()  # the hooks must run: the sums in passes of their own
+    if any(hooks):  # the hooks must run: the sums in passes of their own. The class's
+        # step, not the instance's: a trainer integration puts the guard's there.
+        return lambda opt: type(opt).step(opt)
     return inspect.unwrap(type(optimizer).step)
 
 

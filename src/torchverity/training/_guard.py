@@ -105,8 +105,12 @@ class TrainingGuard:
         checkpoint_dir: str | Path | None = None,
         reducer: Reducer | None = None,
         start_step: int = 0,
+        fused_unavailable: str | None = None,
         **options: Any,
     ) -> None:
+        # fused_unavailable: why a caller that runs optimizer.step() itself (a trainer
+        # integration) cannot let update() stand in for it; the at-rest check then takes
+        # two passes from the start, and the first log event says why.
         try:
             self.config = GuardConfig(**options)
         except TypeError:
@@ -119,6 +123,7 @@ class TrainingGuard:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.global_step = self._start_step = start_step
         self.rank = _rank()
+        self._fused_unavailable = fused_unavailable
         self.events: list[AnomalyEvent] = []
         self._tally = Tally()
         self._log = EventLog(log, self.rank)
@@ -175,7 +180,8 @@ class TrainingGuard:
         defer = self._helper.submit if cfg.defer_record and self._helper else None
         self._rest = AtRest(cfg, self.optimizer, self._params, self._names,
                             reducer=self.reducer, policies=self.policies, pool=self._pool,
-                            split=self._split, defer=defer, said=self._say_coverage)
+                            split=self._split, defer=defer, said=self._say_coverage,
+                            fallback=self._fused_unavailable)
         self._norms = GradNorms(self._params)
         self._replay = Replayer(cfg, self.optimizer, self._params, self._names, self.step_fn,
                                 lambda: self._norms.stacked(self._pool()), replaying)
@@ -187,6 +193,16 @@ class TrainingGuard:
     @property
     def _snapshot(self) -> Snapshot:
         return self._upd.snapshot
+
+    @property
+    def fused(self) -> bool:
+        """Whether the at-rest check runs inside the optimizer's compiled update."""
+        return self._rest.fused is not None
+
+    @property
+    def checked(self) -> bool:
+        """Whether this step's ``check()`` has run and its update is still to come."""
+        return self._pending is not None
 
     @property
     def checkpoints(self) -> list[Path]:
@@ -230,6 +246,15 @@ class TrainingGuard:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``optimizer.step()`` under the guard; a flagged update is skipped, on the host
         (not run at all) when the parameters are on the CPU, else on the device."""
+        result = self.update(closure)
+        self.after_update()
+        return result
+
+    def update(self, closure: Callable[[], Any] | None = None) -> Any:
+        """:meth:`step` without concluding the step, for a trainer that calls
+        ``optimizer.step()`` itself and lets this stand in for it (the trainer
+        integrations): fused, the window that has just ended is verified inside the
+        update; :meth:`after_update` then concludes the step."""
         if not self._host_skip:
             self._prepare(host=False)
             result = self._run_update(closure)
@@ -241,7 +266,6 @@ class TrainingGuard:
             if closure is not None:  # the optimizer would have evaluated it once at least
                 with torch.enable_grad():
                     result = closure()
-        self.after_update()
         return result
 
     def _run_update(self, closure: Callable[[], Any] | None) -> Any:
@@ -275,14 +299,15 @@ class TrainingGuard:
         self.step()
         return loss.detach()
 
-    def before_update(self) -> None:
+    def before_update(self, reason: str | None = None) -> None:
         """Verify the at-rest checksums; copy parameters and optimizer state so a flagged
         update can be undone on the device (or hand the decision to a fused optimizer).
-        For callers that run ``optimizer.step()`` themselves (trainer integrations): the
-        at-rest check cannot ride on an update it does not run, so it takes two passes."""
+        For callers that run ``optimizer.step()`` themselves and cannot let :meth:`update`
+        stand in for it: the at-rest check cannot ride on an update it does not run, so
+        it takes two passes (``reason``, said once in the log, says why)."""
         if self._rest.fused is not None:
-            sums = self._rest.to_two_passes(
-                "the caller runs optimizer.step() itself (before_update/after_update)")
+            sums = self._rest.to_two_passes(reason or (
+                "the caller runs optimizer.step() itself (before_update/after_update)"))
             if sums is not None and self._pending is not None:
                 self._upd.fill_rest(self._pending, sums)
         self._prepare(host=False)
