@@ -200,7 +200,8 @@ def test_fused_optimizer_skips_exactly_without_copies(stats: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     guard = make_guard(model, opt, check_every=5, host_skip=False, stats=stats)
-    assert guard._fused_skip and not guard._needs_backup and not guard._host_skip
+    m = guard._modes
+    assert m.fused_skip and not m.needs_backup and not m.host_skip
 
     def after(step: int) -> None:
         assert not hasattr(opt, "found_inf")
@@ -267,7 +268,7 @@ def test_host_skip_and_device_skip_give_the_same_events_and_bits(opt_name: str,
                                                                  tmp_path: Path) -> None:
     host = _faulty_run(_OPTIMIZERS[opt_name], True, tmp_path / "host.jsonl")
     device = _faulty_run(_OPTIMIZERS[opt_name], False, tmp_path / "device.jsonl")
-    assert host.guard._host_skip and not device.guard._host_skip
+    assert host.guard._modes.host_skip and not device.guard._modes.host_skip
     events = [e.to_dict() for e in host.guard.events]
     assert dumps(events) == dumps([e.to_dict() for e in device.guard.events])
     assert [(e["step"], e["kind"]) for e in events][:3] == [
@@ -294,14 +295,14 @@ def test_host_skip_and_device_skip_give_the_same_events_and_bits(opt_name: str,
 def test_cpu_parameters_skip_on_the_host_exactly_and_never_copy() -> None:
     model, opt = make_model()
     guard = make_guard(model, opt, check_every=5)
-    assert guard._host_skip
+    assert guard._modes.host_skip
 
     def after(step: int) -> None:
         if step == 0:  # skipped before the optimizer ever ran: it created no state
             assert not opt.state
 
     _skip_drill(model, opt, guard, after)
-    assert guard._snapshot.copies == [] and guard._snapshot.live == []
+    assert guard._upd.snapshot.copies == [] and guard._upd.snapshot.live == []
     assert all(math.isfinite(float(p.detach().abs().sum())) for p in model.parameters())
 
 
@@ -333,10 +334,10 @@ def _skip_drill(model: torch.nn.Module, opt: torch.optim.Optimizer, guard: Train
 def test_host_skip_falls_back_to_the_device_copy_where_it_cannot_apply() -> None:
     model, opt = make_model()
     # Update ratios are known only after the update: undoing it needs the copy.
-    assert not make_guard(model, opt, update_ratio=True)._host_skip
-    assert not make_guard(model, opt, host_skip=False)._host_skip
-    assert not make_guard(model, opt, policy="record")._host_skip  # nothing ever skips
-    assert make_guard(model, opt)._host_skip
+    assert not make_guard(model, opt, update_ratio=True)._modes.host_skip
+    assert not make_guard(model, opt, host_skip=False)._modes.host_skip
+    assert not make_guard(model, opt, policy="record")._modes.host_skip  # nothing ever skips
+    assert make_guard(model, opt)._modes.host_skip
 
 
 @pytest.mark.parametrize("opt_name", sorted(_OPTIMIZERS))

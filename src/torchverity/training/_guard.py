@@ -49,11 +49,10 @@ from torchverity.errors import UsageError
 from torchverity.training._at_rest import AtRest
 from torchverity.training._config import GuardConfig, Reducer
 from torchverity.training._device_rules import DeviceDetectors, DevicePending
-from torchverity.training._distributed_hook import DistributedHook, any_sharded, clip_sharded
+from torchverity.training._distributed_hook import DistributedHook, any_sharded
 from torchverity.training._events import (
     ACTIONS,
     KIND_INDEX,
-    KINDS,
     SKIPPING,
     AnomalyEvent,
     AnomalyWarning,
@@ -63,7 +62,8 @@ from torchverity.training._events import (
 )
 from torchverity.training._helper import Helper
 from torchverity.training._host_rules import HostDetectors, HostPending
-from torchverity.training._norms import GradNorms
+from torchverity.training._modes import step_modes
+from torchverity.training._norms import GradNorms, clip_with_norms
 from torchverity.training._policy import (
     check_policy_needs,
     resolve_actions,
@@ -73,7 +73,6 @@ from torchverity.training._policy import (
 from torchverity.training._recovery import Recovery
 from torchverity.training._replay import Replayer, torch_rng
 from torchverity.training._rows import Row, Rules, parse_row, row_values
-from torchverity.training._snapshot import Snapshot
 from torchverity.training._update import Update
 
 
@@ -154,27 +153,12 @@ class TrainingGuard:
     def _setup_device_state(self) -> None:
         cfg, dev, n = self.config, self._device, len(self._params)
         replaying = "replay" in self.policies.values() or cfg.replay_every is not None
-        skipping = [self.policies[k] in SKIPPING for k in KINDS]
-        # Fused optimizers skip an update themselves when handed a device-side
-        # ``found_inf`` (AMP's mechanism): exact, and no copy of anything. The
-        # decision must then be known before the step, so not with update ratios.
-        self._fused_skip = cfg.fused_skip and any(skipping) and not cfg.update_ratio and bool(
-            getattr(self.optimizer, "_step_supports_amp_scaling", False))
-        self._needs_backup = (any(skipping) or cfg.update_ratio) and not self._fused_skip
-        # On the CPU reading the decision is a load from memory, not a device sync, so
-        # step() can simply not run a skipped update. Update ratios still need the copy:
-        # their flag is only known after the update.
-        on_cpu = all(p.device.type == "cpu" for p in self._params)
-        host = on_cpu if cfg.host_skip is None else cfg.host_skip
-        self._host_skip = host and any(skipping) and not cfg.update_ratio
+        self._modes = modes = step_modes(cfg, self.policies, self.optimizer, self._params)
         # A second thread on the CPU; an accelerator already runs the work asynchronously.
-        self._helper = Helper() if (cfg.overlap or cfg.defer_record) and on_cpu else None
-        self._split = cfg.overlap and on_cpu  # halves of each pass on the helper
-        # On the CPU the rules run on floats: no sync to avoid, and a hundred tiny torch
-        # ops per step cost more than the Python arithmetic they stand for.
-        use_host = on_cpu if cfg.stats == "auto" else cfg.stats == "host"
-        self._host = HostDetectors(cfg, n, self.policies) if use_host else None
-        self._rules = None if use_host else DeviceDetectors(cfg, n, self.policies, dev)
+        self._helper = Helper() if (cfg.overlap or cfg.defer_record) and modes.on_cpu else None
+        self._split = cfg.overlap and modes.on_cpu  # halves of each pass on the helper
+        self._host = HostDetectors(cfg, n, self.policies) if modes.host_rules else None
+        self._rules = None if modes.host_rules else DeviceDetectors(cfg, n, self.policies, dev)
         self._step_norms: torch.Tensor | None = None  # check()'s per-parameter norms
         self._upd = Update(self)
         defer = self._helper.submit if cfg.defer_record and self._helper else None
@@ -189,10 +173,6 @@ class TrainingGuard:
     def _say_coverage(self) -> None:
         self._log.write({"event": "coverage", "step": self.global_step,
                          "coverage": self._rest.coverage()})
-
-    @property
-    def _snapshot(self) -> Snapshot:
-        return self._upd.snapshot
 
     @property
     def fused(self) -> bool:
@@ -234,14 +214,8 @@ class TrainingGuard:
                              "or twice in one step",
                              hint="call guard.check(loss), then guard.clip_grad_norm_(max_norm), "
                                   "then guard.step()")
-        if self._sharded:
-            return clip_sharded(self._params, max_norm)
-        total = torch.linalg.vector_norm(norms)
-        # torch's coefficient, clamped to 1; read only where reading is a memory load.
-        if self._host is not None and float(torch.clamp(max_norm / (total + 1e-6), max=1.0)) == 1:
-            return total
-        torch.nn.utils.clip_grads_with_norm_(self._params, max_norm, total)
-        return total
+        return clip_with_norms(self._params, norms, max_norm, sharded=self._sharded,
+                               read_coefficient=self._host is not None)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run ``optimizer.step()`` under the guard; a flagged update is skipped, on the host
@@ -255,7 +229,7 @@ class TrainingGuard:
         ``optimizer.step()`` itself and lets this stand in for it (the trainer
         integrations): fused, the window that has just ended is verified inside the
         update; :meth:`after_update` then concludes the step."""
-        if not self._host_skip:
+        if not self._modes.host_skip:
             self._prepare(host=False)
             result = self._run_update(closure)
         elif self._prepare(host=True):
@@ -283,7 +257,7 @@ class TrainingGuard:
         """One whole guarded step with ``step_fn``: zero_grad, forward, backward, check, step."""
         if self.step_fn is None:
             raise UsageError("train_step() needs step_fn= given to TrainingGuard")
-        self._join()
+        self.wait()
         self._replay.rng_next = torch_rng()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.step_fn(batch)
@@ -316,7 +290,7 @@ class TrainingGuard:
         if self._pending is None:
             raise UsageError("TrainingGuard.step() called before check(loss)",
                              hint="call guard.check(loss) after loss.backward()")
-        self._join()
+        self.wait()
         return self._upd.prepare(self._pending, host)
 
     def after_update(self) -> None:
@@ -360,14 +334,11 @@ class TrainingGuard:
                                             book["accept"], book["ratio"], book["ratio_vec"])
         self._rows.append(Row(step, row, pending.rest_names))
 
-    def _join(self) -> None:
-        """Wait for the helper thread's work: call before reading or changing guard state."""
+    def wait(self) -> None:
+        """Wait until the work the guard runs beside training (CPU parameters) is done:
+        called before the guard's own state is read or changed."""
         if self._helper is not None:
             self._helper.join()
-
-    def wait(self) -> None:
-        """Wait until the work the guard runs beside training (CPU parameters) is done."""
-        self._join()
 
     def _device_rules(self) -> DeviceDetectors:
         assert self._rules is not None, "the rules run on floats on this guard"
@@ -381,7 +352,7 @@ class TrainingGuard:
     def _detect_step(self, loss: torch.Tensor, replay_vec: torch.Tensor | None
                      ) -> DevicePending | HostPending:
         """This step's flags: on floats (one read of the norms and the loss) or the device."""
-        self._join()  # the previous step's statistics and flag row
+        self.wait()  # the previous step's statistics and flag row
         if self._host is None:
             gvec = self._step_norms = self._norms.stacked(self._pool())
             return self._device_rules().detect(loss, gvec, replay_vec)
@@ -405,14 +376,14 @@ class TrainingGuard:
 
     def refresh(self) -> None:
         """Re-record the at-rest checksums after changing parameters outside ``step()``."""
-        self._join()
+        self.wait()
         self._rest.refresh()
 
     # ------------------------------------------------------------ host side
 
     def flush(self) -> list[AnomalyEvent]:
         """Read the flags of the steps since the last read (one device-to-host transfer)."""
-        self._join()
+        self.wait()
         return self._read_flags()
 
     def _read_flags(self) -> list[AnomalyEvent]:
@@ -465,7 +436,7 @@ class TrainingGuard:
     def certify(self) -> dict[str, Any]:
         """Verify every covered tensor at rest now and say whether a checkpoint of them can
         be certified (the record that goes into its meta.json)."""
-        self._join()
+        self.wait()
         return self._recovery.certify()
 
     def save_checkpoint(self) -> Path:
@@ -480,11 +451,11 @@ class TrainingGuard:
     def state_dict(self) -> dict[str, Any]:
         """The guard's own state (rolling windows, rule state, counters), for a trainer's
         checkpoint; :meth:`load_state_dict` restores it on resume."""
-        self._join()
+        self.wait()
         return self._recovery.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._join()
+        self.wait()
         self._recovery.load_state_dict(state)
 
     # ------------------------------------------------------------ end

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from torchverity.training._checksum import balanced_cut, run_beside
-from torchverity.training._distributed_hook import any_sharded, local_shard
+from torchverity.training._distributed_hook import any_sharded, clip_sharded, local_shard
 
 
 class GradNorms:
@@ -41,3 +41,19 @@ class GradNorms:
             return [*first, *second]
         norms = iter(torch._foreach_norm(present, 2, dtype=torch.float32) if present else [])
         return [next(norms) if g is not None else self._zero for g in grads]
+
+
+def clip_with_norms(params: list[torch.Tensor], norms: torch.Tensor, max_norm: float, *,
+                    sharded: bool, read_coefficient: bool) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` from per-parameter norms already taken; returns the total.
+
+    ``read_coefficient``: reading the clip coefficient is a memory load (CPU), so an
+    update that needs no clipping skips torch's multiply by 1.0 of every gradient.
+    """
+    if sharded:  # the norm of the whole model, not of this rank's shards
+        return clip_sharded(params, max_norm)
+    total = torch.linalg.vector_norm(norms)
+    if read_coefficient and float(torch.clamp(max_norm / (total + 1e-6), max=1.0)) == 1:
+        return total
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total

@@ -136,7 +136,7 @@ class Recovery:
         from torchverity.determinism import capture_rng
 
         g = self.guard
-        g._join()
+        g.wait()
         if self.dir is None:
             raise UsageError("save_checkpoint() needs checkpoint_dir= given to TrainingGuard")
         certification = self.certify()
@@ -173,7 +173,7 @@ class Recovery:
         every = self.guard.config.checkpoint_every
         if self.dir is None or every is None or self.since_checkpoint < every:
             return
-        self.guard._join()
+        self.guard.wait()
         if self.unresolved or self.guard._rest.changed():  # never keep a doubtful one
             return
         self.save()
@@ -186,7 +186,7 @@ class Recovery:
         from torchverity.determinism import RngState, restore_rng
 
         g = self.guard
-        g._join()
+        g.wait()
         if not self.certified:
             raise UsageError("no certified checkpoint to roll back to",
                              hint="give checkpoint_dir= (the guard saves one when it starts)")

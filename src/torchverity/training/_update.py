@@ -81,7 +81,7 @@ class Update:
         ``found_inf``, or (``host``) the decision read on the host. Returns whether the
         update should run; only the host path ever returns False."""
         g = self.guard
-        undo = g._needs_backup and not host
+        undo = g._modes.needs_backup and not host
         if undo:
             # An undo must restore the optimizer state too.
             self.snapshot.take(g._rest.covered_tensors(with_state=True))
@@ -94,7 +94,7 @@ class Update:
         if host:
             pending.decision = g._device_rules().decide(pending, g.reducer)
             return bool(pending.decision[2])
-        if g._fused_skip:
+        if g._modes.fused_skip:
             pending.decision = g._device_rules().decide(pending, g.reducer)
             self.hand_found_inf((~pending.decision[2]).float())
         return True
@@ -103,7 +103,7 @@ class Update:
         """:meth:`prepare` after the at-rest sums, with the rules on floats."""
         g = self.guard
         assert g._host is not None
-        if not (host or g._fused_skip):
+        if not (host or g._modes.fused_skip):
             return True  # decided after the update (update ratios), undone from the copy
         pending.decision = g._host.decide(pending.flags, g.reducer)
         applied = pending.decision[2]
