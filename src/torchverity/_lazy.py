@@ -38,11 +38,14 @@ def _type_checking_imports(source: str, package: str) -> dict[str, tuple[str, st
 def attach(package: str, init_file: str) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for the package whose ``__init__`` is ``init_file``."""
     table: dict[str, tuple[str, str | None]] = {}
+    # Read now, while the package is being imported: a process may lose access to its own
+    # files later (a dropped privilege, a removed checkout). Parsed on first use.
+    with open(init_file, encoding="utf-8") as fh:
+        source = fh.read()
 
     def exports() -> dict[str, tuple[str, str | None]]:
         if not table:
-            with open(init_file, encoding="utf-8") as fh:
-                table.update(_type_checking_imports(fh.read(), package))
+            table.update(_type_checking_imports(source, package))
         return table
 
     def __getattr__(name: str) -> Any:
