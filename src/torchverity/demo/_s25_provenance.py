@@ -43,7 +43,25 @@ def _signed_model(ctx: DemoContext, model_dir: Path) -> tuple[Path, Path]:
     _rc, out, _err = ctx.cli("verify", str(tampered), "--signature",
                              str(tampered / "model.sig"), "--public-key", str(pub), expect=1)
     ctx.expect("mismatched  model.pt" in out, "the signature refuses it and names model.pt")
+    _protected_load(ctx, tampered / "model.pt", pub)
     return priv, pub
+
+
+def _protected_load(ctx: DemoContext, path: Path, pub: Path) -> None:
+    """Code that calls plain torch.load, run under the switch with the key to trust."""
+    import torch
+
+    from torchverity import IntegrityError, protected
+
+    try:
+        with protected("refuse", public_key=pub):
+            torch.load(path)
+        refused = ""
+    except IntegrityError as exc:
+        refused = exc.message
+        ctx.say(f"plain torch.load under protect(public_key=...) was refused: {refused}")
+    ctx.expect("model.pt" in refused and "signature" in refused,
+               "the switch checks the signature beside the file and refuses the changed one")
 
 
 def _attested(ctx: DemoContext, priv: Path, pub: Path) -> None:
