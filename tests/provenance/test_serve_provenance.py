@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 import textwrap
-import threading
-import time
 from pathlib import Path
 
 import pytest
 from provenance_helpers import flip_bit, write_ec_keys
 
+from uvicorn_server import start
+
 pytest.importorskip("fastapi")
 pytest.importorskip("model_signing")
 import httpx
-import uvicorn
 
 import torchverity
 from torchverity.errors import IntegrityError
@@ -61,31 +59,18 @@ def served(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
     sys.path.remove(str(tmp_path))
 
 
-def _serve(app: object) -> tuple[str, uvicorn.Server, threading.Thread]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
-
-
 def test_metadata_exposes_signature_and_attestation(served) -> None:
     weights, sig, pub, att = served
     app = create_app("tvprov_model:build", weights, recheck_interval=None, provenance={
         "signature": sig, "public_key": pub, "attestation": att})
-    url, server, thread = _serve(app)
+    svc = start(app)
+    url = svc.url
     try:
         meta = httpx.get(f"{url}/metadata", timeout=10).json()
         answer = httpx.post(f"{url}/predict", timeout=10, json={"inputs": [
             {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0.0, 1.0, 2.0, 3.0]}]})
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        svc.stop()
     weights_meta = meta["parameters"]["weights"]
     assert weights_meta["verified_by"] == "signature"
     prov = weights_meta["provenance"]

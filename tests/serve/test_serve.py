@@ -17,20 +17,19 @@ import statistics
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from uvicorn_server import Service, start
+
 pytest.importorskip("fastapi")
 import httpx
 import torch
-import uvicorn
 
 import torchverity
 from torchverity.errors import IntegrityError, ServiceError
@@ -81,39 +80,6 @@ MODEL_SOURCE = textwrap.dedent(
         return Mlp()
     """
 )
-
-
-@dataclass
-class Service:
-    url: str
-    app: Any
-    model: Any
-    server: uvicorn.Server
-    thread: threading.Thread
-
-    @property
-    def state(self) -> Any:
-        return self.app.state.torchverity
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def start(app: Any) -> Service:
-    """Serve ``app`` with uvicorn on a free 127.0.0.1 port (the socket is bound first: no race)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    state = getattr(app.state, "torchverity", None)
-    return Service(url, app, state.model if state else None, server, thread)
 
 
 @pytest.fixture(scope="module")

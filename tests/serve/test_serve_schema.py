@@ -4,18 +4,15 @@ with the app's routes and probed over real HTTP (uvicorn on 127.0.0.1).
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from torchverity.serve import create_app
+from uvicorn_server import start
 
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 
@@ -25,18 +22,9 @@ def served() -> Iterator[tuple[Any, str]]:
     torch.manual_seed(0)
     app = create_app(torch.nn.Linear(4, 2), input_spec=["x:float32:-1,4"], name="linear",
                      recheck_interval=None)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield app, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    svc = start(app)
+    yield app, svc.url
+    svc.stop()
 
 
 def _schema_operations(url: str) -> set[tuple[str, str]]:

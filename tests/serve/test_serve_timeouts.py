@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from uvicorn_server import start
+
 pytest.importorskip("fastapi")
-import uvicorn
 
 from torchverity.serve import create_app, timed_protocol
 
@@ -25,17 +25,9 @@ TIMEOUT_S = 0.5
 def port() -> Iterator[int]:
     torch.manual_seed(0)
     app = create_app(torch.nn.Linear(4, 2), input_spec=["x:FP32:-1,4"], recheck_interval=None)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error",
-                                           http=timed_protocol(TIMEOUT_S, TIMEOUT_S)))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield int(sock.getsockname()[1])
-    server.should_exit = True
-    thread.join(10)
+    svc = start(app, lifespan="auto", http=timed_protocol(TIMEOUT_S, TIMEOUT_S))
+    yield svc.port
+    svc.stop()
 
 
 def _exchange(port: int, first: bytes, rest: bytes | None = None) -> tuple[bytes, float]:
