@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from trainer_data import Tokens
 
 from torchverity import faults
 from torchverity.cli import main as cli_main
@@ -142,17 +143,6 @@ def test_lightning_guard_state_is_saved_and_restored_on_resume(tmp_path: Path) -
 # ------------------------------------------------------------ Hugging Face
 
 
-class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 64, (192, 12), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _hf(tmp_path: Path, policy: str, *, steps: int = 20, flip: tuple[int, int] = (FLIP_STEP, 30),
         optim: str = "adamw_torch_fused", resume: Path | None = None,
         log: str = "events.jsonl") -> Any:
@@ -182,7 +172,7 @@ def _hf(tmp_path: Path, policy: str, *, steps: int = 20, flip: tuple[int, int] =
         options.update(checkpoint_dir=tmp_path / "guard", checkpoint_every=5)
     guard = GuardCallback(log=tmp_path / log, check_every=5, min_samples=8, window=32,
                           **options)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(),
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
                                    callbacks=[Drill(), guard])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from trainer_data import Tokens
 
 import torchverity
 from torchverity import faults
@@ -100,17 +101,6 @@ def test_lightning_clean_run_is_silent_and_checkpoints_are_verifiable(tmp_path: 
 # ------------------------------------------------------------ Hugging Face
 
 
-class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 64, (96, 12), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _hf_run(tmp_path: Path, fault_step: int | None) -> Any:
     import transformers
 
@@ -138,7 +128,7 @@ def _hf_run(tmp_path: Path, fault_step: int | None) -> Any:
     )
     guard = GuardCallback(log=tmp_path / "events.jsonl", check_every=5, min_samples=8,
                           window=32)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_Tokens(),
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(96),
                                    callbacks=[Drill(injector), guard])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

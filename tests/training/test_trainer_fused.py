@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from trainer_data import Tokens
 
 from torchverity import faults
 
@@ -133,17 +134,6 @@ def test_lightning_with_a_gradient_scaler_verifies_in_two_passes_and_says_why_on
 # ------------------------------------------------------------ Hugging Face
 
 
-class _Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self) -> None:
-        self.ids = torch.randint(0, 64, (192, 12), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _hf(tmp_path: Path, optim: str) -> Any:
     import transformers
 
@@ -165,7 +155,7 @@ def _hf(tmp_path: Path, optim: str) -> Any:
     guard = GuardCallback(log=tmp_path / "events.jsonl", check_every=5, min_samples=8,
                           window=32, policies={"weights_changed": "record"})
     trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args,
-                                   train_dataset=_Tokens(), callbacks=[Drill(), guard])
+                                   train_dataset=Tokens(), callbacks=[Drill(), guard])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train()
