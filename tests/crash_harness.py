@@ -8,6 +8,7 @@ K-th rename of the save itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,12 +16,27 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Literal
 
 import pytest
 
 Outcome = Literal["killed", "finished", "failed"]
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A small tmpfs mounted at ``where``, to fill up mid-save (skips without root)."""
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, text=True, check=False)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def need_strace() -> str:

@@ -9,13 +9,12 @@ the writes between renames.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import pytest
 import torch
 
 import torchverity
-from crash_harness import count_renames, kill_after, kill_at_rename, need_strace
+from crash_harness import count_renames, kill_after, kill_at_rename, need_strace, tmpfs
 from torchverity.errors import CheckpointWriteError
 from torchverity.verify import verify_path
 
@@ -152,19 +151,6 @@ def test_stale_temp_files_are_swept_and_ignored(tmp_path: Path) -> None:
     assert not [p for p in stale if p.exists()]
 
 
-@contextlib.contextmanager
-def _tmpfs(where: Path, size: str) -> Iterator[Path]:
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def _remount_read_only(where: Path) -> None:
     subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
 
@@ -172,7 +158,7 @@ def _remount_read_only(where: Path) -> None:
 @pytest.mark.parametrize(("name", "sharded"), CASES, ids=["pt", "safetensors", "sharded"])
 def test_a_disk_that_fills_mid_save_leaves_the_previous_checkpoint(tmp_path: Path, name: str,
                                                                    sharded: bool) -> None:
-    with _tmpfs(tmp_path / "disk", "600k") as disk:
+    with tmpfs(tmp_path / "disk", "600k") as disk:
         path = disk / name
         _save(path, A, sharded)()
         big = _state(5.0, n=8, size=20000)  # 640 kB: does not fit beside A
@@ -187,7 +173,7 @@ def test_a_disk_that_fills_mid_save_leaves_the_previous_checkpoint(tmp_path: Pat
 
 @pytest.mark.parametrize(("name", "sharded"), CASES, ids=["pt", "safetensors", "sharded"])
 def test_a_read_only_folder_is_a_write_error(tmp_path: Path, name: str, sharded: bool) -> None:
-    with _tmpfs(tmp_path / "disk", "1m") as disk:
+    with tmpfs(tmp_path / "disk", "1m") as disk:
         _save(disk / name, A, sharded)()
         _remount_read_only(disk)
         with pytest.raises(CheckpointWriteError) as caught:

@@ -6,7 +6,6 @@ group in a child forked per run (strace kills it at its K-th rename, or a timer 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from crash_harness import count_renames, kill_after, kill_at_rename, need_strace, run_child
+from crash_harness import count_renames, kill_after, kill_at_rename, need_strace, run_child, tmpfs
 
 VALUES = {"A": 1.0, "B": 100.0, "C": 1000.0}
 
@@ -154,23 +153,10 @@ def test_a_stale_temp_file_is_swept_and_ignored(tmp_path: Path) -> None:
     assert not stale.exists() and _inspect(root)["held"] == "B"
 
 
-@contextlib.contextmanager
-def _tmpfs(where: Path, size: str) -> Iterator[Path]:
-    where.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode:
-        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def test_a_disk_that_fills_mid_save_dcp_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     import torchverity.distributed as tvd
 
-    with _tmpfs(tmp_path / "disk", "400k") as disk:
+    with tmpfs(tmp_path / "disk", "400k") as disk:
         root = disk / "dcp"
         assert run_child(_save(root, "A")) == "finished"
         out = tmp_path / "error.json"
@@ -195,7 +181,7 @@ def test_a_disk_that_fills_mid_save_dcp_leaves_the_previous_checkpoint(tmp_path:
 def test_a_read_only_folder_is_a_write_error_for_save_dcp(tmp_path: Path) -> None:
     import torchverity.distributed as tvd
 
-    with _tmpfs(tmp_path / "disk", "1m") as disk:
+    with tmpfs(tmp_path / "disk", "1m") as disk:
         root = disk / "dcp"
         assert run_child(_save(root, "A")) == "finished"
         subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
