@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_data import Tokens
+from trainer_data import Tokens, tiny_regressor
 
 from torchverity import faults
 from torchverity.cli import main as cli_main
@@ -46,26 +46,13 @@ def _lightning(tmp_path: Path, policy: str, steps: int = 30, flip: bool = True,
 
     from torchverity.integrations.lightning import GuardCallback
 
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                           torch.nn.Linear(16, 1))
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
     class Drill(pl.Callback):
         def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
             if flip and trainer.global_step == FLIP_STEP:  # after update 11, before 12
                 faults.flip_bit(module.net[2].weight, 5, 30)
 
     torch.manual_seed(0)
-    model = Tiny()
+    model = tiny_regressor()
     data = torch.utils.data.TensorDataset(torch.randn(160, 8), torch.randn(160, 1))
     options: dict[str, Any] = {"policies": {"weights_changed": policy}}
     if policy == "rollback":

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_data import Tokens
+from trainer_data import Tokens, tiny_regressor
 
 import torchverity
 from torchverity import faults
@@ -28,19 +28,6 @@ def _lightning_run(tmp_path: Path, fault_step: int | None) -> tuple[Any, Any, Pa
 
     from torchverity.integrations.lightning import GuardCallback
 
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                           torch.nn.Linear(16, 1))
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=1e-2)
-
     class Drill(pl.Callback):
         def __init__(self, injector: faults.FaultInjector) -> None:
             self.injector = injector
@@ -49,7 +36,7 @@ def _lightning_run(tmp_path: Path, fault_step: int | None) -> tuple[Any, Any, Pa
             self.injector.begin_step(trainer.global_step)
 
     torch.manual_seed(0)
-    model = Tiny()
+    model = tiny_regressor(torch.optim.Adam)
     injector = faults.FaultInjector(model)
     if fault_step is not None:
         injector.gradient("net.2.weight", step=fault_step, index=3, value=math.nan)
