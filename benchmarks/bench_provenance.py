@@ -42,20 +42,6 @@ def make_model(root: Path, total: int) -> Path:
     return root
 
 
-def write_keys(folder: Path) -> tuple[Path, Path]:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    priv, pub = folder / "key.pem", folder / "pub.pem"
-    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                       serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    pub.write_bytes(key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    return priv, pub
-
-
 def hub_cache_of(model: Path, cache: Path) -> Path:
     """The same bytes as a hub cache: blobs hard-linked to the model's files (one page cache)."""
     if cache.exists():
@@ -171,7 +157,9 @@ def main() -> None:
     work = WORK / "provenance"
     work.mkdir(parents=True, exist_ok=True)
     model = make_model(work / "model", args.mib * MiB)
-    priv, _pub = write_keys(work)
+    from torchverity.provenance._keys import write_key_pair
+
+    priv, _pub = write_key_pair(work)
     sign, sign_ratio = signing_rows(model, priv, args.repeat)
     repo = hub_cache_of(model, work / "hub")
     verify, verify_ratio = verify_rows(model, repo, args.repeat)

@@ -11,12 +11,13 @@ import model_signing
 import pytest
 import torch
 from protect_helpers import flip_tensor_bit, run_python
-from provenance_helpers import write_ec_keys, write_pki
+from provenance_helpers import write_pki
 
 import torchverity.provenance
 from torchverity.errors import IntegrityError
 from torchverity.protection import protect, protected, unprotect
 from torchverity.provenance import sign_model
+from torchverity.provenance._keys import write_key_pair
 
 PLAIN_LOAD, PLAIN_SAVE = torch.load, torch.save
 SHARDS = ("model-00001.pt", "model-00002.pt", "model-00003.pt")
@@ -28,7 +29,7 @@ def _state(i: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def keys(tmp_path: Path) -> tuple[Path, Path]:
-    return write_ec_keys(tmp_path, "publisher")
+    return write_key_pair(tmp_path, "publisher")
 
 
 @pytest.fixture
@@ -89,7 +90,7 @@ def test_a_tampered_byte_is_refused_naming_the_file_and_reported_under_warn(
 
 def test_a_signature_by_another_key_is_refused(signed: Path, tmp_path: Path,
                                                off_after: None) -> None:
-    _priv, stranger = write_ec_keys(tmp_path, "stranger")
+    _priv, stranger = write_key_pair(tmp_path, "stranger")
     protect("refuse", public_key=stranger)
     with pytest.raises(IntegrityError, match=r"signature .*model\.sig does not verify"):
         torch.load(signed / SHARDS[0])

@@ -15,18 +15,6 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 
-def write_ec_keys(folder: Path, name: str = "key") -> tuple[Path, Path]:
-    """A fresh ECDSA P-256 key pair as PEM files: (private, public)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    priv, pub = folder / f"{name}.pem", folder / f"{name}.pub.pem"
-    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                       serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
-    return priv, pub
-
-
 def write_rsa_keys(folder: Path) -> tuple[Path, Path]:
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     priv, pub = folder / "rsa.pem", folder / "rsa.pub.pem"

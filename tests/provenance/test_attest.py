@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from provenance_helpers import flip_bit, write_ec_keys, write_pki
+from provenance_helpers import flip_bit, write_pki
 
 import torchverity
 from torchverity.provenance import build_statement, verify_attestation, write_attestation
+from torchverity.provenance._keys import write_key_pair
 
 pytest.importorskip("in_toto_attestation")
 pytest.importorskip("model_signing")
@@ -61,7 +62,7 @@ def test_unsigned_attestation_round_trip_and_damage(ckpt: Path, run_cli) -> None
 
 def test_signed_attestation_verifies_and_refuses_edits(ckpt: Path, tmp_path: Path,
                                                        run_cli) -> None:
-    priv, pub = write_ec_keys(tmp_path)
+    priv, pub = write_key_pair(tmp_path)
     folder = ckpt.parent
     res = run_cli("attest", folder, "--key", priv)
     assert res.code == 0, res.err
@@ -93,7 +94,7 @@ def test_signed_attestation_with_certificate_chain(ckpt: Path, tmp_path: Path) -
 
 def test_unsigned_attestation_is_refused_when_a_key_is_required(ckpt: Path,
                                                                 tmp_path: Path) -> None:
-    _priv, pub = write_ec_keys(tmp_path)
+    _priv, pub = write_key_pair(tmp_path)
     att, _ = write_attestation(ckpt)
     result = verify_attestation(ckpt, att, public_key=pub)
     assert not result.valid and "not signed" in (result.reason or "")

@@ -14,10 +14,11 @@ from provenance_helpers import (
     copy_model,
     flip_bit,
     hf_model_folder,
-    write_ec_keys,
     write_pki,
     write_rsa_keys,
 )
+
+from torchverity.provenance._keys import write_key_pair
 
 pytest.importorskip("model_signing")
 
@@ -39,7 +40,7 @@ def model(pristine: Path, tmp_path: Path) -> Path:
 
 @pytest.fixture
 def keys(tmp_path: Path) -> tuple[Path, Path]:
-    return write_ec_keys(tmp_path)
+    return write_key_pair(tmp_path)
 
 
 def _ms(*args: object) -> subprocess.CompletedProcess[str]:
@@ -91,7 +92,7 @@ def test_tampered_added_removed_files_are_each_named(model: Path, keys: tuple[Pa
 def test_replaced_signature_is_refused_and_named(model: Path, keys: tuple[Path, Path],
                                                  tmp_path: Path, run_cli) -> None:
     _priv, pub = keys
-    other_priv, _ = write_ec_keys(tmp_path, "attacker")
+    other_priv, _ = write_key_pair(tmp_path, "attacker")
     flip_bit(model / WEIGHTS, 4000, 3)
     sign_model(model, private_key=other_priv)  # re-signed over the tampered bytes
     result = verify_model(model, model / "model.sig", public_key=pub)
@@ -258,7 +259,7 @@ def test_wrong_key_type_exits_2_and_writes_nothing(model: Path, tmp_path: Path,
     res = run_cli("sign", model, "--key", rsa_priv)
     assert res.code == 2 and "RSA" in res.err and "elliptic-curve" in res.err
     assert not (model / "model.sig").exists()
-    priv, _ = write_ec_keys(tmp_path)
+    priv, _ = write_key_pair(tmp_path)
     sign_model(model, private_key=priv)
     res = run_cli("verify", model, "--signature", model / "model.sig", "--public-key", rsa_pub)
     assert res.code == 2 and "RSA" in res.err
@@ -320,7 +321,7 @@ def test_load_with_signature_accepts_signed_and_refuses_tampered(
     obj, report = torchverity.load(folder / "model.pt", signature=folder / "model.sig",
                                    public_key=pub, with_report=True)
     assert torch.equal(obj["w"], state["w"]) and report.digest_source == "signature"
-    _other_priv, other_pub = write_ec_keys(tmp_path, "other")
+    _other_priv, other_pub = write_key_pair(tmp_path, "other")
     with pytest.raises(IntegrityError, match="does not verify"):
         torchverity.load(folder / "model.pt", signature=folder / "model.sig", public_key=other_pub)
     flip_bit(folder / "model.pt", (folder / "model.pt").stat().st_size - 3000, 6)

@@ -7,8 +7,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from provenance_helpers import flip_bit, write_ec_keys
+from provenance_helpers import flip_bit
 
+from torchverity.provenance._keys import write_key_pair
 from uvicorn_server import start
 
 pytest.importorskip("fastapi")
@@ -50,7 +51,7 @@ def served(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
     folder = tmp_path / "weights"
     folder.mkdir()
     torchverity.save(build().state_dict(), folder / "model.pt", seed=7)
-    priv, pub = write_ec_keys(tmp_path)
+    priv, pub = write_key_pair(tmp_path)
     sign_model(folder, private_key=priv)
     training = tmp_path / "certified.json"
     training.write_text('{"steps_verified": 500, "anomalies": 0}')

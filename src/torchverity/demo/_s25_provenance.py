@@ -8,27 +8,14 @@ import shutil
 from pathlib import Path
 
 from torchverity.demo import DemoContext
+from torchverity.provenance._keys import write_key_pair
 
 TITLE = "Provenance: OpenSSF model signatures, signed attestations, Hugging Face caches offline"
 NEEDS = ("sign",)
 
 
-def _keys(folder: Path) -> tuple[Path, Path]:
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    priv, pub = folder / "key.pem", folder / "pub.pem"
-    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                       serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    pub.write_bytes(key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    return priv, pub
-
-
 def _signed_model(ctx: DemoContext, model_dir: Path) -> tuple[Path, Path]:
-    priv, pub = _keys(ctx.workdir)
+    priv, pub = write_key_pair(ctx.workdir)
     ctx.say("sign the folder with an ECDSA P-256 key (the manifest's digests are reused):")
     ctx.cli("manifest", str(model_dir))
     ctx.cli("sign", str(model_dir), "--key", str(priv))

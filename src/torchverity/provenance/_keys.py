@@ -21,6 +21,21 @@ _KEYGEN_HINT = (
 )
 
 
+def write_key_pair(folder: Path, name: str = "key") -> tuple[Path, Path]:
+    """A fresh ECDSA P-256 key pair as PEM files ``NAME.pem`` and ``NAME.pub.pem``."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    priv, pub = folder / f"{name}.pem", folder / f"{name}.pub.pem"
+    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                       serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    pub.write_bytes(key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    return priv, pub
+
+
 def _read(path: str | Path, what: str) -> bytes:
     p = Path(path)
     try:
