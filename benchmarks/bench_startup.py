@@ -3,9 +3,9 @@
 Targets: ``verify`` of a folder with a damaged plain file within 1.5x of ``verify``
 of the intact folder (torch is not imported to locate damage in a file that has no
 meta.json); ``inspect`` and ``fingerprint`` of a .safetensors file at most 3x
-``python -c pass`` (headers and bytes are read without torch). ``diff`` of two
-.safetensors files and the standard library these commands are built on are shown
-beside them.
+``python -c pass`` (headers and bytes are read without torch). ``torchverity --help``
+(the command list, drawn without importing any command), ``diff`` of two .safetensors
+files and the standard library these commands are built on are shown beside them.
 
 Each case runs in a new interpreter; the cases are interleaved in a shuffled order
 every round, and the best and the median of the rounds are reported. The package is
@@ -64,6 +64,7 @@ def cases(paths: dict[str, Path]) -> dict[str, list[str]]:
     return {
         "python -c pass": [PY, "-c", "pass"],
         FLOOR: [PY, "-c", f"import {STDLIB}"],
+        "torchverity --help": [*tv, "--help"],
         "torchverity verify <intact folder>": [*tv, "verify", str(paths["intact"])],
         "torchverity verify <folder, damaged config.json>": [*tv, "verify",
                                                              str(paths["damaged"])],
@@ -125,7 +126,9 @@ def _body(times: dict[str, list[float]], cpu: dict[str, list[float]], repeat: in
         f"CPU {cpu_med[damaged] / cpu_med[intact]:.2f}x (target <= 1.5x). "
         f"inspect / python -c pass: {ratio('torchverity inspect model.safetensors')}; "
         f"fingerprint / python -c pass: {ratio('torchverity fingerprint model.safetensors')} "
-        f"(target <= 3x). The standard library alone (`import {STDLIB}`): {ratio(FLOOR)}. "
+        f"(target <= 3x). --help / python -c pass: {ratio('torchverity --help')} (the "
+        "command list comes from a table: no command module is imported). "
+        f"The standard library alone (`import {STDLIB}`): {ratio(FLOOR)}. "
         "`import torch` is shown for scale: none of the torchverity rows imports it.\n\n"
         "Where the time goes (`python -X importtime -m torchverity inspect FILE`): "
         "beyond the standard library above, the commands import only the package "

@@ -17,9 +17,12 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchverity.errors import FormatError, InputError, require_extra
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -127,23 +130,18 @@ def summarize(path: str | Path) -> EventReport:
 def plot(path: str | Path, out: str | Path) -> Path:
     """Draw loss and gradient norm per step, with anomalies marked, into a PNG."""
     require_extra("matplotlib", extra="plot", feature="torchverity report --plot")
-    import matplotlib
+    target = Path(out)
+    _figure(path).savefig(target, dpi=110)
+    return target
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    steps: list[int] = []
-    losses: list[float] = []
-    norms: list[float] = []
-    marks: list[tuple[int, str]] = []
-    for record in iter_events(path):
-        if record["event"] == "metrics":
-            steps.append(int(record["step"]))
-            losses.append(_number(record.get("loss")))
-            norms.append(_number(record.get("grad_norm")))
-        elif record["event"] == "anomaly":
-            marks.append((int(record["step"]), str(record.get("kind"))))
-    fig, (ax_loss, ax_norm) = plt.subplots(2, 1, sharex=True, figsize=(9, 5.5))
+def _figure(path: str | Path) -> Figure:
+    """The plot as a matplotlib Figure of its own (not pyplot's, whose backend is global)."""
+    from matplotlib.figure import Figure
+
+    steps, losses, norms, marks = _series(path)
+    fig = Figure(figsize=(9, 5.5))
+    ax_loss, ax_norm = fig.subplots(2, 1, sharex=True)
     ax_loss.plot(steps, losses, lw=1, color="tab:blue")
     ax_norm.plot(steps, norms, lw=1, color="tab:green")
     ax_loss.set_ylabel("loss")
@@ -162,10 +160,24 @@ def plot(path: str | Path, out: str | Path) -> Path:
         ax_loss.legend(loc="upper right")
     ax_loss.set_title(f"{Path(path).name}: {len(steps)} steps, {len(marks)} anomalies")
     fig.tight_layout()
-    target = Path(out)
-    fig.savefig(target, dpi=110)
-    plt.close(fig)
-    return target
+    return fig
+
+
+def _series(path: str | Path) -> tuple[list[int], list[float], list[float],
+                                       list[tuple[int, str]]]:
+    """Steps, losses and gradient norms of the metrics events; (step, kind) of the anomalies."""
+    steps: list[int] = []
+    losses: list[float] = []
+    norms: list[float] = []
+    marks: list[tuple[int, str]] = []
+    for record in iter_events(path):
+        if record["event"] == "metrics":
+            steps.append(int(record["step"]))
+            losses.append(_number(record.get("loss")))
+            norms.append(_number(record.get("grad_norm")))
+        elif record["event"] == "anomaly":
+            marks.append((int(record["step"]), str(record.get("kind"))))
+    return steps, losses, norms, marks
 
 
 def _labels_by_step(marks: list[tuple[int, str]]) -> list[tuple[int, str]]:

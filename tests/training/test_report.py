@@ -78,6 +78,26 @@ def test_cli_report_json_and_plot(log: Path, tmp_path: Path, run_cli: Any) -> No
     assert head == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+def test_plot_labels_of_one_step_do_not_overprint(log: Path) -> None:
+    """Step 27 has two anomalies: every kind is labelled at its step, and no two labels'
+    drawn boxes intersect."""
+    from itertools import combinations
+
+    from matplotlib.text import Annotation
+
+    from torchverity.report import _figure
+
+    fig = _figure(log)
+    fig.draw_without_rendering()
+    labels = [t for t in fig.axes[0].texts if isinstance(t, Annotation)]
+    labelled = {(int(t.xy[0]), kind) for t in labels for kind in t.get_text().split(", ")}
+    assert labelled == {(a["step"], a["kind"]) for a in summarize(log).anomalies}
+    boxes = [(t.get_text(), t.get_window_extent()) for t in labels]
+    overprinted = [(a, b) for (a, box_a), (b, box_b) in combinations(boxes, 2)
+                   if box_a.overlaps(box_b)]
+    assert overprinted == []
+
+
 def test_crashed_run_with_torn_last_line_is_reported_not_fatal(
     tmp_path: Path, run_cli: Any
 ) -> None:
