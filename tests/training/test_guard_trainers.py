@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_data import Tokens, tiny_regressor
+from trainer_data import tiny_gpt2_trainer, tiny_regressor
 
 from torchverity import faults
 from torchverity.cli import main as cli_main
@@ -144,23 +144,12 @@ def _hf(tmp_path: Path, policy: str, *, steps: int = 20, flip: tuple[int, int] =
             if state.global_step == flip[0]:
                 faults.flip_bit(model.transformer.h[0].mlp.c_fc.weight, 7, flip[1])
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
-                                     n_positions=16)
-    model = transformers.GPT2LMHeadModel(config)
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=8,
-        learning_rate=1e-3, logging_strategy="no", save_strategy="steps", save_steps=5,
-        report_to=[], disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0,
-        optim=optim,
-    )
     options: dict[str, Any] = {"policies": {"weights_changed": policy}}
     if policy == "rollback":
         options.update(checkpoint_dir=tmp_path / "guard", checkpoint_every=5)
     guard = GuardCallback(log=tmp_path / log, check_every=5, min_samples=8, window=32,
                           **options)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
-                                   callbacks=[Drill(), guard])
+    trainer = tiny_gpt2_trainer(tmp_path / "out", [Drill(), guard], steps=steps, optim=optim)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.train(resume_from_checkpoint=str(resume) if resume else None)
@@ -189,7 +178,8 @@ def test_hf_flip_is_caught_named_and_only_clean_checkpoints_are_certified(
         assert certified == [True, True, False, False]
         code, out = _cli("verify", str(folders[2]))
         assert code == 1 and "UNCERTIFIED" in out and name in out
-    assert (folders[-1] / "torchverity_guard.pt").is_file()
+    entry = json.loads((folders[-1] / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert entry["GuardCallback"]["guard"]["global_step"] == 20
     assert _cli("verify", str(folders[0]))[0] == 0
 
 

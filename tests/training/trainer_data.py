@@ -1,8 +1,9 @@
-"""What the real-trainer tests share: a tiny Lightning regressor, and token ids a tiny GPT-2
-learns to repeat."""
+"""What the real-trainer tests share: a tiny Lightning regressor, and a Hugging Face Trainer
+of a tiny GPT-2 learning to repeat token ids."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,3 +38,22 @@ def tiny_regressor(optimizer: type[torch.optim.Optimizer] = torch.optim.AdamW) -
             return optimizer(self.parameters(), lr=1e-2)
 
     return Tiny()
+
+
+def tiny_gpt2_trainer(output_dir: Path, callbacks: list[Any], *, steps: int,
+                      optim: str = "adamw_torch_fused", **arguments: Any) -> Any:
+    """A ``transformers.Trainer`` of a one-layer GPT-2 on :class:`Tokens`, saving a
+    ``checkpoint-N`` folder every 5 steps; ``arguments`` go to ``TrainingArguments``."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64,
+                                     n_positions=16)
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=8,
+        learning_rate=1e-3, logging_strategy="no", save_strategy="steps", save_steps=5,
+        report_to=[], disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0,
+        optim=optim, **arguments,
+    )
+    return transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args,
+                                train_dataset=Tokens(), callbacks=callbacks)

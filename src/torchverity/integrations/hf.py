@@ -19,40 +19,50 @@ default) the Trainer itself reads the loss on the host every step.
 
 On every save, once the guard has verified the weights at rest, each weight file of
 ``checkpoint-N/`` gets a sidecar, the safetensors model file a meta.json with its
-fingerprint and the guard's certification, the guard's state goes to
-``torchverity_guard.pt`` (restored when training resumes from that folder), and the
-folder gets a ``torchverity.manifest.json``, so ``torchverity verify checkpoint-N``
-checks it.
+fingerprint and the guard's certification, and the folder gets a
+``torchverity.manifest.json``, so ``torchverity verify checkpoint-N`` checks it.
+
+The guard's state travels in the folder's ``trainer_state.json``: the callback is a
+stateful callback (``ExportableState``), and its entry there holds the state as a
+record with its own digest (:mod:`~torchverity.integrations._guard_record`). So the
+state comes back however training resumes (``train(resume_from_checkpoint=True)``, a
+path inside or outside ``output_dir``, a folder copied from another machine); a
+resumed folder without it, or whose record fails verification, is named in one
+warning and the guard starts afresh. With
+``restore_callback_states_from_checkpoint=True`` the Trainer replaces this callback by
+one rebuilt from the options saved in that entry (those that are JSON values).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchverity.errors import UsageError, require_extra
+from torchverity._jsonable import to_jsonable
+from torchverity.errors import FormatError, IntegrityError, UsageError, require_extra
 from torchverity.integrations._common import (
     CheckpointRecord,
     GuardCallbackBase,
     log,
     record_checkpoint_file,
 )
+from torchverity.integrations._guard_record import decode_record, encode_record
 from torchverity.training import TrainingGuard
 
-_TrainerCallback: Any = require_extra(
-    "transformers", extra="hf", feature="the Hugging Face callback"
-).TrainerCallback
+_transformers = require_extra("transformers", extra="hf", feature="the Hugging Face callback")
+_TrainerCallback: Any = _transformers.TrainerCallback
+_ExportableState: Any = _transformers.trainer_callback.ExportableState
 
 __all__ = ["GuardCallback"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-GUARD_STATE = "torchverity_guard.pt"
 
 
-class GuardCallback(GuardCallbackBase, _TrainerCallback):
+class GuardCallback(GuardCallbackBase, _TrainerCallback, _ExportableState):
     """Runs a :class:`TrainingGuard` inside ``Trainer.train``; options are TrainingGuard's."""
 
     framework = "Hugging Face"
@@ -63,11 +73,29 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
         self._losses: list[torch.Tensor] = []
         self._hook: Any = None
         self._reason: str | None = None
+        self._run: tuple[Any, Any] | None = None  # the TrainingArguments and TrainerState
+
+    def state(self) -> dict[str, Any]:
+        """This callback's entry in ``trainer_state.json``, taken by the Trainer as it saves
+        a checkpoint: the options it was built with and, during training, the guard's
+        state at that checkpoint."""
+        entry: dict[str, Any] = {"args": _json_options(self), "attributes": {}}
+        if self._run is not None and self.guard is not None:
+            args, state = self._run
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            entry["guard"] = encode_record(self.guard.state_dict(), state.global_step,
+                                           str(folder))
+        return entry
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, **kwargs: Any) -> None:
+        name = type(self).__name__
         if state.global_step:
-            self._restored = _guard_state(args, state.global_step)
+            self._restored = _resumed_state(state, name)
+        # The Trainer updates only the entries its trainer_state.json already has: resumed
+        # from a folder saved without this callback, its next save would fail (KeyError).
+        state.stateful_callbacks.setdefault(name, {})
+        self._run = (args, state)
         optimizer, self._reason = _torch_optimizer(optimizer)
         self._start_guard(TrainingGuard(model, optimizer, log=self.log_path,
                                         start_step=state.global_step,
@@ -104,17 +132,30 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir():
             certification = self.certification()
-            if self.guard is not None:
-                from torchverity.checkpoint._save import save
-
-                save(self.guard.state_dict(), folder / GUARD_STATE)
             self._record(record_checkpoint_folder(folder, state.global_step, certification),
                          certification)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hook is not None:
             self._hook.remove()
+        self._run = None
         self._stop_guard()
+
+
+def _json_options(callback: GuardCallback) -> dict[str, Any]:
+    """The options the callback was built with that are JSON values (what the Trainer
+    rebuilds it from with ``restore_callback_states_from_checkpoint=True``)."""
+    options = {"log": callback.log_path, "record_checkpoints": callback.record_checkpoints,
+               **callback.guard_options}
+    kept = {}
+    for name, value in options.items():
+        value = to_jsonable(value)
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            continue  # a reducer object, say: not something a JSON file can hold
+        kept[name] = value
+    return kept
 
 
 def _torch_optimizer(optimizer: Any) -> tuple[Any, str | None]:
@@ -134,20 +175,38 @@ def _torch_optimizer(optimizer: Any) -> tuple[Any, str | None]:
     return optimizer.optimizer, None
 
 
-def _guard_state(args: Any, step: int) -> dict[str, Any] | None:
-    """The guard state saved with the checkpoint training resumes from, if any."""
-    from torchverity.checkpoint._load import load
+def _resumed_state(state: Any, name: str) -> dict[str, Any] | None:
+    """The guard state saved in the ``trainer_state.json`` that training resumes from
+    (the Trainer passes its content as ``state``); None, said in one warning, when it is
+    not there or fails verification."""
+    entry = (state.stateful_callbacks or {}).get(name)
+    if isinstance(entry, list):  # several callbacks of the class: the first with a state
+        entry = next((e for e in entry if isinstance(e, dict) and "guard" in e), None)
+    record = entry.get("guard") if isinstance(entry, dict) else None
+    folder = f"checkpoint-{state.global_step}"
+    if record is None:
+        _warn_afresh(folder, state.global_step, "its trainer_state.json holds no guard state "
+                     "(saved without GuardCallback, or by an older torchverity)")
+        return None
+    saved_in = record.get("saved_in") if isinstance(record, dict) else None
+    if isinstance(saved_in, str):
+        folder += f", saved as {saved_in}"
+    try:
+        return decode_record(record, state.global_step)
+    except (FormatError, IntegrityError) as exc:
+        _warn_afresh(folder, state.global_step, "the guard state in its trainer_state.json "
+                     f"failed verification and is not used: {exc.message}")
+        return None
 
-    resume = getattr(args, "resume_from_checkpoint", None)
-    folders = [Path(resume)] if isinstance(resume, str) else []
-    folders.append(Path(args.output_dir) / f"checkpoint-{step}")
-    for folder in folders:
-        if (folder / GUARD_STATE).is_file():
-            return load(folder / GUARD_STATE, sidecar="require")
-    log.warning("torchverity: resuming at step %d without the guard's state (no %s in %s): "
-                "its rolling windows and counters start afresh", step, GUARD_STATE,
-                " or ".join(str(f) for f in folders))
-    return None
+
+def _warn_afresh(folder: str, step: int, why: str) -> None:
+    log.warning(
+        "torchverity: training resumed at global step %d from the checkpoint folder %s, "
+        "but %s. The guard's rolling windows, counters and unresolved anomalies start "
+        "afresh, so checkpoints saved from now on are certified on what this run sees "
+        "only. Next: run `torchverity verify` on that folder (it fails an uncertified "
+        "or damaged checkpoint) before trusting them, or resume from an intact copy of "
+        "a folder saved with GuardCallback.", step, folder, why)
 
 
 def record_checkpoint_folder(folder: Path, step: int | None = None,
@@ -159,8 +218,7 @@ def record_checkpoint_folder(folder: Path, step: int | None = None,
     from torchverity.manifest import write_manifest
 
     records = []
-    for path in sorted(p for p in folder.iterdir()
-                       if p.suffix in _WEIGHT_SUFFIXES and p.name != GUARD_STATE):
+    for path in sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES):
         # safetensors holds only tensors: reading it back runs no code.
         content = read_tensors(path, read_header(path)) if path.suffix == ".safetensors" else None
         records.append(record_checkpoint_file(path, content, source="hf",
