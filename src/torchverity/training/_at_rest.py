@@ -10,6 +10,11 @@ Two ways to take it, chosen once per guard:
   the update and a verification before the next one
   (:mod:`torchverity.training._checksum`), one window in ``rest_every``.
 
+Parameters the optimizer never updates (``requires_grad=False``: a frozen backbone,
+the base model under LoRA) are covered too: their sums are recorded once, after the
+first update, and verified in a pass of their own with every covered window, since no
+update reads them.
+
 Either way a verification yields ``(sums now, record, names)``: two ``[n, k]`` tensors
 whose rows differ exactly for the tensors that changed, and the names of those rows.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -41,6 +46,63 @@ log = logging.getLogger("torchverity.training")
 Pair = tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]
 
 
+class FrozenSums:
+    """The at-rest record and verification of parameters no update touches.
+
+    A parameter unfrozen later (``requires_grad`` set again, e.g. gradual unfreezing)
+    leaves this set at the next verification, before any update can change it.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], names: tuple[str, ...], split: bool
+                 ) -> None:
+        self.tensors, self.names, self._split = tensors, names, split
+        self._sums = PairedSums(tensors, weighted=False, split=split) if tensors else None
+        self.record: torch.Tensor | None = None
+
+    def take(self, pool: ThreadPoolExecutor | None) -> None:
+        """Record the sums now (the tensors are as they should stay)."""
+        self._drop_unfrozen()
+        if self._sums is not None:
+            self.record = self._sums(pool)
+
+    def pair(self, pool: ThreadPoolExecutor | None, *, window_ends: bool = True
+             ) -> Pair | None:
+        """``(sums now, record, names)``; None when nothing is recorded. Where a window
+        ends (an update), the sums now become the record of the next, as an update's
+        write does for the other tensors: a change is reported once."""
+        self._drop_unfrozen()
+        if self._sums is None or self.record is None:
+            return None
+        now, record = self._sums(pool), self.record
+        if window_ends:
+            self.record = now
+        return now, record, self.names
+
+    def _drop_unfrozen(self) -> None:
+        keep = [i for i, t in enumerate(self.tensors) if not t.requires_grad]
+        if len(keep) == len(self.tensors):
+            return
+        self.tensors = [self.tensors[i] for i in keep]
+        self.names = tuple(self.names[i] for i in keep)
+        self._sums = PairedSums(self.tensors, weighted=False, split=self._split) if keep else None
+        if self.record is not None:
+            self.record = self.record[keep] if keep else None
+
+
+def join(pair: Pair | None, frozen: Pair | None) -> Pair | None:
+    """``pair`` with the frozen rows appended (as many columns as it has)."""
+    if pair is None or frozen is None:
+        return pair
+    width = pair[0].shape[1]
+    return (torch.cat([pair[0], _widen(frozen[0], width)]),
+            torch.cat([pair[1], _widen(frozen[1], width)]), pair[2] + frozen[2])
+
+
+def _widen(sums: torch.Tensor, width: int) -> torch.Tensor:
+    extra = width - sums.shape[1]
+    return torch.cat([sums, sums.new_zeros(sums.shape[0], extra)], dim=1) if extra else sums
+
+
 class AtRest:
     """Records and verifies the covered tensors; runs the fused update when it can."""
 
@@ -48,7 +110,8 @@ class AtRest:
                  params: list[torch.Tensor], names: tuple[str, ...], *, reducer: object,
                  policies: dict[str, str], pool: Callable[[], ThreadPoolExecutor | None],
                  split: bool, defer: Callable[[Callable[[], None]], None] | None,
-                 said: Callable[[], None] = lambda: None, fallback: str | None = None
+                 said: Callable[[], None] = lambda: None, fallback: str | None = None,
+                 frozen: tuple[Sequence[torch.Tensor], tuple[str, ...]] = ((), ())
                  ) -> None:
         self.config, self.optimizer = config, optimizer
         self._param_names = dict(zip(map(id, params), names, strict=True))
@@ -56,6 +119,10 @@ class AtRest:
         self._params, self._names = local_params(params, names)
         self._device, self._sharded = params[0].device, any_sharded(params)
         self._pool, self._split, self._defer = pool, split, defer
+        # The frozen ones this rank holds, on the guard's device (offloaded ones are not read).
+        held = [(n, t) for t, n in zip(*local_params(*frozen), strict=True)
+                if t.device == self._device]
+        self.frozen = FrozenSums([t for _, t in held], tuple(n for n, _ in held), split)
         self._said = said  # writes the coverage to the event log when it changes
         self.record: torch.Tensor | None = None
         self.names: tuple[str, ...] = ()
@@ -99,7 +166,8 @@ class AtRest:
         tensors = "parameters and optimizer state" if cfg.optimizer_state else "parameters"
         how = "fused into the update" if self.fused is not None else "two passes"
         return {"windows": windows, "tensors": tensors, "verification": how,
-                "fallback_reason": self.reason if self.fused is None else None}
+                "fallback_reason": self.reason if self.fused is None else None,
+                "frozen_parameters": len(self.frozen.names)}
 
     # ------------------------------------------------------------ tensors covered
 
@@ -151,11 +219,18 @@ class AtRest:
         if copied is not None:
             if self._copy_sums is None or not self._copy_sums.matches(copied):
                 self._copy_sums = PairedSums(copied, weighted=sums.weighted, split=self._split)
-            return self._copy_sums(self._pool()), record, self.names
-        return sums(self._pool()), record, self.names
+            pair = self._copy_sums(self._pool()), record, self.names
+        else:
+            pair = sums(self._pool()), record, self.names
+        return join(pair, self.frozen.pair(self._pool()))
 
     def update(self) -> Pair | None:
-        """Run ``optimizer.step()``; fused, with the window's verification in the same pass."""
+        """Run ``optimizer.step()``; fused, with the window's verification in the same pass
+        (and the frozen parameters' in a pass of their own)."""
+        frozen = self.frozen.pair(self._pool())  # before the update: nothing can blur it
+        return join(self._update(), frozen)
+
+    def _update(self) -> Pair | None:
         if self.fused is None:
             self.optimizer.step()
             return None
@@ -218,12 +293,14 @@ class AtRest:
         now = word_sums(self._fused_tensors).unsqueeze(1)
         pair = now, self.record, self.names
         self.record = now
-        return pair
+        return join(pair, self.frozen.pair(self._pool()))
 
     def after(self, applied: torch.Tensor | bool, undone: bool) -> None:
         """After the update is concluded: record the next window (two passes, on the
         cadence), or settle the fused record when the update was undone from a copy."""
         self._updates += 1
+        if self.config.at_rest and self.frozen.record is None:
+            self.frozen.take(self._pool())
         if self.fused is not None:
             written, self._after = self._after, None
             moved = not self._same(self.covered_tensors(self.config.optimizer_state))
@@ -266,10 +343,12 @@ class AtRest:
         if self.record is None:
             return None
         if self.fused is not None:
-            return word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names
-        if self._sums is None:
+            pair = word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names
+        elif self._sums is None:
             return None
-        return self._sums(), self.record, self.names
+        else:
+            pair = self._sums(), self.record, self.names
+        return join(pair, self.frozen.pair(None, window_ends=False))
 
     def changed(self) -> tuple[str, ...] | None:
         """The covered tensors that changed since the record; None when none is kept."""
@@ -283,6 +362,7 @@ class AtRest:
         """Record again: parameters were changed on purpose outside an update."""
         if not self.config.at_rest:
             return
+        self.frozen.take(self._pool())
         if self.fused is not None:
             self.names, tensors = self.covered(self.config.optimizer_state)
             self._set_fused(self.names, tensors, word_sums(tensors))

@@ -34,6 +34,7 @@ class GuardConfig:
     rest_every: int = 1  # every update window verified at rest; N: one window in N (opt-down)
     rest_weighted: bool = False
     optimizer_state: bool = True
+    frozen_parameters: bool = True  # requires_grad=False parameters verified at rest too
     fused: bool | None = None  # at-rest check inside the compiled update; None: where it can
     fused_skip: bool = True
     host_skip: bool | None = None

@@ -149,6 +149,9 @@ class TrainingGuard:
         self._params: list[torch.Tensor] = [p for _, p in named]
         self._device = self._params[0].device
         self._sharded = any_sharded(self._params)  # DTensors: the guard sees local shards
+        frozen = [(n, p) for n, p in self.model.named_parameters()
+                  if not p.requires_grad] if self.config.frozen_parameters else []
+        self._frozen = ([p for _, p in frozen], tuple(n for n, _ in frozen))
 
     def _setup_device_state(self) -> None:
         cfg, dev, n = self.config, self._device, len(self._params)
@@ -165,7 +168,7 @@ class TrainingGuard:
         self._rest = AtRest(cfg, self.optimizer, self._params, self._names,
                             reducer=self.reducer, policies=self.policies, pool=self._pool,
                             split=self._split, defer=defer, said=self._say_coverage,
-                            fallback=self._fused_unavailable)
+                            fallback=self._fused_unavailable, frozen=self._frozen)
         self._norms = GradNorms(self._params)
         self._replay = Replayer(cfg, self.optimizer, self._params, self._names, self.step_fn,
                                 lambda: self._norms.stacked(self._pool()), replaying)

@@ -61,19 +61,21 @@ class Recovery:
         g = self.guard
         g.flush()
         changed = g._rest.changed()
-        names = g._rest.names
         n_params = len(g._names)
         coverage = g._rest.coverage()
         at_rest = "unavailable" if changed is None else ("failed" if changed else "passed")
         unresolved = [{"step": e.step, "kind": e.kind, "suspects": list(e.suspects)}
                       for e in self.unresolved]
+        state = max(len(g._rest.names) - n_params, 0) if changed is not None else 0
+        frozen = g._rest.frozen
+        n_frozen = len(frozen.names) if changed is not None and frozen.record is not None else 0
         return {
             "certified": at_rest == "passed" and not unresolved,
             "step": g.global_step,
-            "verified": {"at_rest": at_rest, "tensors": len(names) if changed is not None
-                         else 0, "parameters": n_params,
-                         "optimizer_state": max(len(names) - n_params, 0)
-                         if changed is not None else 0,
+            "verified": {"at_rest": at_rest,
+                         "tensors": n_params + state + n_frozen if changed is not None else 0,
+                         "parameters": n_params, "optimizer_state": state,
+                         "frozen_parameters": n_frozen,
                          "windows": coverage["windows"],
                          "verification": coverage["verification"]},
             "changed": list(changed or ()),
