@@ -7,7 +7,8 @@ import torch
 from torchverity.demo import DemoContext
 from torchverity.training._events import GuardSummary
 
-TITLE = "Training: every window verified, flips named, replayed, rolled back; certified checkpoints"
+TITLE = ("Training: every window verified (frozen layers too), flips named, replayed, rolled back; "
+         "certified checkpoints")
 
 STEPS = 200
 POLICIES = {
@@ -57,6 +58,30 @@ def _train(ctx: DemoContext, name: str, drill: bool) -> tuple[float, GuardSummar
     return accuracy, summary
 
 
+def _fine_tune_frozen(ctx: DemoContext) -> list[tuple[int, str, tuple[str, ...]]]:
+    """A fine-tune with the first layer frozen; a flip at rest in that frozen layer."""
+    from torchverity import faults
+    from torchverity.training import TrainingGuard
+
+    x, y = _data()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    model[0].requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    guard = TrainingGuard(model, opt, log=ctx.workdir / "frozen.jsonl",
+                          policies={"weights_changed": "record"})
+    for step in range(30):
+        if step == 20:
+            faults.flip_bit(model[0].weight, 5, faults.mantissa_lsb(torch.float32))
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x[:64]), y[:64])
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+    guard.close()
+    return [(e.step, e.kind, e.suspects) for e in guard.events]
+
+
 def run(ctx: DemoContext) -> None:
     clean_acc, clean = _train(ctx, "clean", drill=False)
     ctx.say(f"clean guarded run: {STEPS} steps, accuracy {clean_acc:.3f}, "
@@ -78,3 +103,9 @@ def run(ctx: DemoContext) -> None:
     ctx.expect(summary.rollbacks == 1, "one rollback to the last verified checkpoint")
     ctx.say(f"drill run finished all {STEPS} steps: accuracy {acc:.3f} (clean {clean_acc:.3f})")
     ctx.expect(acc > clean_acc - 0.05, "the run recovered to within 5 points of the clean run")
+
+    ctx.say("a fine-tune with layer 0 frozen (requires_grad=False, as under LoRA): the lowest "
+            "mantissa bit of frozen 0.weight[5] flipped at rest before step 20")
+    events = _fine_tune_frozen(ctx)
+    ctx.expect(events == [(20, "weights_changed", ("0.weight",))],
+               "caught at step 20 and named 0.weight, though no update reads frozen weights")
