@@ -65,14 +65,14 @@ def _fine_tune_frozen(ctx: DemoContext) -> list[tuple[int, str, tuple[str, ...]]
 
     x, y = _data()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    model[0].requires_grad_(False)
+    frozen = torch.nn.Linear(16, 64).requires_grad_(False)
+    model = torch.nn.Sequential(frozen, torch.nn.ReLU(), torch.nn.Linear(64, 4))
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     guard = TrainingGuard(model, opt, log=ctx.workdir / "frozen.jsonl",
                           policies={"weights_changed": "record"})
     for step in range(30):
         if step == 20:
-            faults.flip_bit(model[0].weight, 5, faults.mantissa_lsb(torch.float32))
+            faults.flip_bit(frozen.weight, 5, faults.mantissa_lsb(torch.float32))
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x[:64]), y[:64])
         loss.backward()
