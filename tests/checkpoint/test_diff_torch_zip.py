@@ -102,6 +102,17 @@ def test_a_flipped_bit_is_located_through_views(saved: dict[str, Path]) -> None:
     assert diff(saved["a"], saved["flipped"]) == _loaded_diff(saved["a"], saved["flipped"])
 
 
+def test_views_and_their_contiguous_copies_are_identical(saved: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    """Different layouts of equal values hash differently; opened, they compare equal."""
+    state = _state()
+    state["model"] = {k: v.detach().contiguous().clone() for k, v in state["model"].items()}
+    torch.save(state, tmp_path / "packed.pt")
+    result = diff(saved["a"], tmp_path / "packed.pt")
+    assert result.equal and not result.changed
+    assert result == _loaded_diff(saved["a"], tmp_path / "packed.pt")
+
+
 def test_a_pt_and_a_safetensors_file_compare_without_torch(saved: dict[str, Path],
                                                           tmp_path: Path) -> None:
     from safetensors.torch import save_file

@@ -277,10 +277,16 @@ def _read(fh: BinaryIO, members: Any, entry: str | None, limits: Limits) -> Any:
 
 
 def _weights_of(obj: Any) -> Mapping[Any, Any]:
-    """What :func:`torchverity.checkpoint._model_fit.state_dict_of` takes from a shard."""
+    """What :func:`torchverity.checkpoint._model_fit.state_dict_of` takes from a shard.
+
+    Only a flat one: shards are merged before they are flattened, so a nested entry
+    of one shard would replace another's whole (the loader shows that)."""
     if not isinstance(obj, Mapping):
         raise _Refused  # the loader's error names the type
-    return weights_in(obj, lambda v: isinstance(v, ListedTensor))
+    weights = weights_in(obj, lambda v: isinstance(v, ListedTensor))
+    if any(isinstance(v, (Mapping, list, tuple)) for v in weights.values()):
+        raise _Refused
+    return weights
 
 
 def iter_listed(obj: Any) -> Iterator[tuple[str, Any]]:
