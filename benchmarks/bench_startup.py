@@ -5,7 +5,8 @@ of the intact folder (torch is not imported to locate damage in a file that has 
 meta.json); ``inspect`` and ``fingerprint`` of a .safetensors file at most 3x
 ``python -c pass`` (headers and bytes are read without torch). ``torchverity --help``
 (the command list, drawn without importing any command), ``diff`` of two .safetensors
-files and the standard library these commands are built on are shown beside them.
+files, ``diff`` of two ``torch.save`` files (their pickle walked inertly, without torch)
+and the standard library these commands are built on are shown beside them.
 
 Each case runs in a new interpreter; the cases are interleaved in a shuffled order
 every round, and the best and the median of the rounds are reported. The package is
@@ -34,7 +35,8 @@ PY = sys.executable
 
 
 def build(work: Path) -> dict[str, Path]:
-    """A Hugging Face style folder (weights, config, tokenizer files) and its manifest."""
+    """A Hugging Face style folder (weights, config, tokenizer files) and its manifest, and
+    the same weights saved by ``torch.save`` (with a copy)."""
     import torch
     from safetensors.torch import save_file
 
@@ -44,15 +46,18 @@ def build(work: Path) -> dict[str, Path]:
     shutil.rmtree(work, ignore_errors=True)
     intact.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
-    save_file({f"layer.{i}.weight": torch.randn(256, 256, generator=g) for i in range(24)},
-              intact / "model.safetensors")  # 6 MiB
+    weights = {f"layer.{i}.weight": torch.randn(256, 256, generator=g) for i in range(24)}
+    save_file(weights, intact / "model.safetensors")  # 6 MiB
+    torch.save(weights, work / "model.pt")
+    shutil.copy(work / "model.pt", work / "model-copy.pt")
     (intact / "config.json").write_text('{"hidden_size": 256, "num_hidden_layers": 24}\n')
     (intact / "tokenizer.json").write_text('{"version": "1.0", "model": {"vocab": {}}}\n')
     write_manifest(intact)
     damaged = work / "damaged"
     shutil.copytree(intact, damaged)
     (damaged / "config.json").write_text('{"hidden_size": 257, "num_hidden_layers": 24}\n')
-    return {"intact": intact, "damaged": damaged, "weights": intact / "model.safetensors"}
+    return {"intact": intact, "damaged": damaged, "weights": intact / "model.safetensors",
+            "pt": work / "model.pt", "pt_copy": work / "model-copy.pt"}
 
 
 STDLIB = "re, typing, pathlib, dataclasses, argparse, json, hashlib, blake3"
@@ -72,6 +77,8 @@ def cases(paths: dict[str, Path]) -> dict[str, list[str]]:
         "torchverity fingerprint model.safetensors": [*tv, "fingerprint", str(paths["weights"])],
         "torchverity diff model.safetensors <its copy>": [
             *tv, "diff", str(paths["weights"]), str(paths["damaged"] / "model.safetensors")],
+        "torchverity diff model.pt <its copy>": [*tv, "diff", str(paths["pt"]),
+                                                 str(paths["pt_copy"])],
         "python -c 'import torch'": [PY, "-c", "import torch"],
     }
 
@@ -116,7 +123,8 @@ def _body(times: dict[str, list[float]], cpu: dict[str, list[float]], repeat: in
     return (
         "A Hugging Face style folder: model.safetensors (24 float32 tensors, 6 MiB), "
         "config.json, tokenizer.json and a torchverity manifest; the damaged copy has "
-        "an edited config.json. Every case is a new process; cases interleaved in a "
+        "an edited config.json. model.pt holds the same tensors, saved by torch.save. "
+        "Every case is a new process; cases interleaved in a "
         f"shuffled order, {repeat} rounds. 2 cores shared with other jobs: wall "
         "times wait for a free core, so the CPU time of each process (user + system) "
         "is shown beside them.\n\n"
@@ -128,6 +136,8 @@ def _body(times: dict[str, list[float]], cpu: dict[str, list[float]], repeat: in
         f"fingerprint / python -c pass: {ratio('torchverity fingerprint model.safetensors')} "
         f"(target <= 3x). --help / python -c pass: {ratio('torchverity --help')} (the "
         "command list comes from a table: no command module is imported). "
+        f"diff of two torch.save files / python -c pass: "
+        f"{ratio('torchverity diff model.pt <its copy>')}. "
         f"The standard library alone (`import {STDLIB}`): {ratio(FLOOR)}. "
         "`import torch` is shown for scale: none of the torchverity rows imports it.\n\n"
         "Where the time goes (`python -X importtime -m torchverity inspect FILE`): "

@@ -16,6 +16,7 @@ SRC = ROOT / "src" / "torchverity"
 BOTTOM = frozenset({
     "torchverity.errors", "torchverity._formats", "torchverity._tensors",
     "torchverity._jsonable", "torchverity._callables", "torchverity._lazy",
+    "torchverity._leaves",
 })
 PACKAGES = ("torchverity", "torchverity.checkpoint", "torchverity.pickles",
             "torchverity.training", "torchverity.distributed", "torchverity.golden",

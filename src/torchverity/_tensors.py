@@ -5,28 +5,25 @@ names.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
+from torchverity._leaves import iter_tree
 from torchverity.errors import FormatError
 
 
 def iter_leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """Flatten a checkpoint into ``(dotted name, tensor or plain value)`` pairs."""
+    return iter_tree(obj, _leaf, prefix)
+
+
+def _leaf(obj: Any, prefix: str) -> Iterator[tuple[str, Any]]:
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
     elif isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
         yield from iter_leaves(obj.state_dict(), prefix)
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from iter_leaves(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from iter_leaves(value, f"{prefix}.{i}" if prefix else str(i))
-    elif obj is None or isinstance(obj, (bool, int, float, str)):
-        yield prefix, obj
     elif isinstance(obj, (torch.dtype, torch.device)):
         yield prefix, str(obj)
     else:

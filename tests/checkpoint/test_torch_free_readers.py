@@ -6,30 +6,14 @@ checkpoint with a meta.json still gets its tensors located (torch imported then)
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import torchverity
+from torch_free_probe import cli as _cli
 from torchverity.manifest import write_manifest
-
-PROBE = """
-import json, sys
-from torchverity.cli import main
-code = main(sys.argv[1:])
-print(json.dumps({"code": code, "torch": "torch" in sys.modules}), file=sys.stderr)
-"""
-
-
-def _cli(*args: object) -> dict[str, object]:
-    proc = subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], capture_output=True,
-                          text=True, timeout=120, check=False)
-    result: dict[str, object] = json.loads(proc.stderr.strip().splitlines()[-1])
-    result["out"] = proc.stdout
-    return result
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,11 @@ classification of the damage:
 
 Elements are compared by their bytes, so NaNs with equal bits are equal and
 ``-0.0`` differs from ``0.0``. Work runs in bounded chunks: comparing two
-files larger than memory is fine (storages are memory-mapped). Two .safetensors
-checkpoints (files or folders) are first compared by their headers and the hash of
-each tensor's bytes, without torch: only tensors whose bytes differ are opened.
+files larger than memory is fine (storages are memory-mapped). Checkpoints on disk
+(.safetensors and ``torch.save`` zip files, single or sharded, in any mix) are first
+listed without torch (headers, or the pickle walked inertly) and compared by the hash
+of each tensor's bytes and by their plain values: only tensors whose bytes differ are
+opened (see :mod:`torchverity.checkpoint._diff_listing`).
 
 >>> import torch
 >>> from torchverity.checkpoint._diff import diff
@@ -29,14 +31,13 @@ each tensor's bytes, without torch: only tensors whose bytes differ are opened.
 
 from __future__ import annotations
 
-import math
 import os
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torchverity.checkpoint._diff_result import DiffResult, Status, TensorDiff
-from torchverity.checkpoint._fp_record import EXACT
-from torchverity.errors import TorchVerityError
+from torchverity.checkpoint._diff_result import DiffResult, TensorDiff
+
+if TYPE_CHECKING:
+    from torchverity.checkpoint._diff_listing import Listing
 
 
 def diff(a: Any, b: Any, *, rtol: float = 0.0, atol: float = 0.0) -> DiffResult:
@@ -45,11 +46,12 @@ def diff(a: Any, b: Any, *, rtol: float = 0.0, atol: float = 0.0) -> DiffResult:
     Files are read without executing code from them (see
     :func:`torchverity.checkpoint.read_unverified`).
     """
-    files_a, files_b = _safetensors_files(a), _safetensors_files(b)
-    if files_a is not None and files_b is not None:
-        listed_a, listed_b = _listing(files_a), _listing(files_b)
-        if listed_a is not None and listed_b is not None:
-            return _diff_listed(a, b, listed_a, listed_b, rtol, atol)
+    from torchverity.checkpoint._diff_listing import listing
+
+    listed_a = listing(a)
+    listed_b = listing(b) if listed_a is not None else None
+    if listed_a is not None and listed_b is not None:
+        return _diff_listed(a, b, listed_a, listed_b, rtol, atol)
     from torchverity.checkpoint._diff_values import ABSENT, compare
 
     leaves_a, label_a = _leaves(a)
@@ -70,55 +72,18 @@ def _leaves(obj: Any) -> tuple[dict[str, Any], str]:
     return dict(iter_leaves(obj)), f"<{type(obj).__name__}>"
 
 
-# name -> (dtype, shape, digest of name, dtype, shape and bytes)
-_Listing = dict[str, tuple[str, tuple[int, ...], str]]
-
-
-def _safetensors_files(obj: Any) -> list[Path] | None:
-    """The files of a .safetensors checkpoint path; None for anything else (loaded objects,
-    .pt files, paths that do not resolve), compared tensor by tensor."""
-    from torchverity.checkpoint._file_fingerprint import safetensors_files
-
-    if not isinstance(obj, (str, os.PathLike)):
-        return None
-    try:
-        return safetensors_files(obj)
-    except TorchVerityError:
-        return None  # reported by the usual path, with its own wording
-
-
-def _listing(files: list[Path]) -> _Listing | None:
-    """The tensors of .safetensors files from their headers and hashed bytes (no torch)."""
-    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors
-
-    try:
-        # Later shards win a name two shards share, as in read_unverified.
-        return {e.name: (e.dtype, e.shape, e.digest) for f in files
-                for e in fingerprint_safetensors(f, EXACT).entries}
-    except TorchVerityError:
-        return None
-
-
-def _diff_listed(a: Any, b: Any, listed_a: _Listing, listed_b: _Listing, rtol: float,
+def _diff_listed(a: Any, b: Any, listed_a: Listing, listed_b: Listing, rtol: float,
                  atol: float) -> DiffResult:
+    from torchverity.checkpoint._diff_listing import listed_diff
+
     entries: dict[str, TensorDiff] = {}
     changed = []
     for name in sorted(set(listed_a) | set(listed_b)):
-        one, two = listed_a.get(name), listed_b.get(name)
-        if two is None or one is None:
-            dtype, shape, _ = one or two  # type: ignore[misc]
-            entries[name] = (TensorDiff(name, "only_in_a", dtype_a=dtype, shape_a=shape)
-                             if two is None else
-                             TensorDiff(name, "only_in_b", dtype_b=dtype, shape_b=shape))
-        elif one[:2] != two[:2]:
-            status: Status = "dtype_changed" if one[0] != two[0] else "shape_changed"
-            entries[name] = TensorDiff(name, status, dtype_a=one[0], dtype_b=two[0],
-                                       shape_a=one[1], shape_b=two[1])
-        elif one[2] == two[2]:
-            entries[name] = TensorDiff(name, "identical", dtype_a=one[0], dtype_b=two[0],
-                                       shape_a=one[1], shape_b=two[1], numel=math.prod(one[1]))
-        else:
+        found = listed_diff(name, listed_a.get(name, ...), listed_b.get(name, ...))
+        if found is None:
             changed.append(name)
+        else:
+            entries[name] = found
     if changed:  # only the tensors whose bytes differ are opened (torch imported then)
         entries.update(_compare_opened(a, b, changed, rtol, atol))
     return DiffResult(os.fspath(a), os.fspath(b), rtol, atol,

@@ -1,5 +1,5 @@
 """What ``diff`` reports: one :class:`TensorDiff` per named entry, gathered in a
-:class:`DiffResult` (torch-free: the CLI builds them from safetensors headers and hashes).
+:class:`DiffResult` (torch-free: the CLI builds them from listings and hashes).
 """
 
 from __future__ import annotations
@@ -66,6 +66,20 @@ class TensorDiff:
         elif self.kind == "few-bits":
             text += f": {self.flipped_bits} bits"
         return text + f"; max abs {_num(self.max_abs)}, max rel {_num(self.max_rel)}"
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Two plain (non-tensor) values are equal: same type, and floats bit for bit."""
+    if isinstance(a, float) and isinstance(b, float):
+        return a.hex() == b.hex()  # bitwise, like tensors
+    return type(a) is type(b) and bool(a == b)
+
+
+def plain_diff(name: str, a: Any, b: Any) -> TensorDiff:
+    """How two plain values differ (``value`` when they do)."""
+    same = _same_value(a, b)
+    return TensorDiff(name, "identical" if same else "values_changed",
+                      kind=None if same else "value")
 
 
 def _num(x: float | None) -> str:

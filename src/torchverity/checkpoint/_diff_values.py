@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from torchverity._tensors import byte_view, dtype_name
-from torchverity.checkpoint._diff_result import Kind, TensorDiff
+from torchverity.checkpoint._diff_result import Kind, TensorDiff, plain_diff
 
 FEW_BITS = 8
 _CHUNK = 1 << 22
@@ -36,8 +36,7 @@ def compare(name: str, a: Any, b: Any, rtol: float, atol: float) -> TensorDiff:
         if ta != tb:
             return TensorDiff(name, "dtype_changed", _sig(a)[0], _sig(b)[0], _sig(a)[1],
                               _sig(b)[1])
-        return TensorDiff(name, "identical" if _same_value(a, b) else "values_changed",
-                          kind=None if _same_value(a, b) else "value")
+        return plain_diff(name, a, b)
     base = dict(dtype_a=dtype_name(a.dtype), dtype_b=dtype_name(b.dtype),
                 shape_a=tuple(a.shape), shape_b=tuple(b.shape))
     if a.dtype != b.dtype:
@@ -58,12 +57,6 @@ def _sig(value: Any) -> tuple[str, tuple[int, ...]]:
     if isinstance(value, torch.Tensor):
         return dtype_name(value.dtype), tuple(value.shape)
     return type(value).__name__, ()
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
-        return a.hex() == b.hex()  # bitwise, like tensors
-    return type(a) is type(b) and bool(a == b)
 
 
 @dataclass

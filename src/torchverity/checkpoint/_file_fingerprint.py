@@ -55,16 +55,24 @@ def fingerprint_file(path: str | os.PathLike[str], *,
     return fingerprint(obj, mode=DEVICE if algo == DEVICE else mode)
 
 
-def safetensors_files(path: str | os.PathLike[str]) -> list[Path] | None:
-    """The .safetensors files of a checkpoint file, Hugging Face folder or index (shards in
-    name order); None when one of them is missing or not .safetensors."""
-    from torchverity._formats import file_format
+def checkpoint_files(path: str | os.PathLike[str]) -> tuple[list[Path], bool]:
+    """The files of a checkpoint file, Hugging Face folder or index (shards in name order),
+    and whether they are the shards of an index."""
     from torchverity.checkpoint._folders import resolve
     from torchverity.checkpoint._index import read_index
 
     target = resolve(path)
-    files = ([target.file] if target.index is None else
-             [target.folder / s for s in sorted(set(read_index(target.index).values()))])
+    if target.index is None:
+        return [target.file], False
+    return [target.folder / s for s in sorted(set(read_index(target.index).values()))], True
+
+
+def safetensors_files(path: str | os.PathLike[str]) -> list[Path] | None:
+    """The .safetensors files of a checkpoint file, Hugging Face folder or index (shards in
+    name order); None when one of them is missing or not .safetensors."""
+    from torchverity._formats import file_format
+
+    files, _ = checkpoint_files(path)
     if all(f.is_file() and file_format(f) == "safetensors" for f in files):
         return files
     return None
@@ -85,12 +93,12 @@ def fingerprint_safetensors(path: Path, algo: str = EXACT, *, header: RawHeader 
                                            threads=e.nbytes >= _THREADED_BYTES)
                for e in header.entries}
     if whole is None:
-        stream_tensor_bytes(path, header.data_start, header.entries,
+        stream_tensor_bytes(path, header.entries,
                             lambda name, chunk: hashers[name].update(chunk))
     else:
         with open(path, "rb") as fh:
             whole.update(fh.read(header.data_start))
-        stream_tensor_bytes(path, header.data_start, header.entries,
+        stream_tensor_bytes(path, header.entries,
                             lambda name, chunk: _feed(hashers[name], whole, chunk))
     return from_entries(algo, [
         TensorDigest(e.name, e.dtype_name, e.shape, hashers[e.name].hexdigest())

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from torchverity._leaves import weights_in
 from torchverity._tensors import dtype_name
 from torchverity.checkpoint._key_map import (
     FitReport,
@@ -26,13 +27,7 @@ def state_dict_of(obj: Any) -> Mapping[str, Any]:
     """The model weights inside a checkpoint: the object itself or its
     ``state_dict`` / ``model`` / ``model_state_dict`` entry."""
     if isinstance(obj, Mapping):
-        if obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
-            return obj
-        for key in ("state_dict", "model_state_dict", "model"):
-            inner = obj.get(key)
-            if isinstance(inner, Mapping):
-                return inner
-        return obj
+        return weights_in(obj, lambda v: isinstance(v, torch.Tensor))
     raise FormatError(f"checkpoint holds a {type(obj).__name__}, not a state_dict",
                       hint="save model.state_dict() instead of the model object")
 

@@ -113,7 +113,7 @@ def read_tensors(path: Path, header: Header, feed: Feed | None = None) -> dict[s
 
 def iter_tensor_bytes(path: Path, header: Header, feed: Feed, chunk: int = 8 << 20) -> None:
     """Stream every tensor's bytes through ``feed`` with one small reused buffer."""
-    stream_tensor_bytes(path, header.data_start, header.entries, feed, chunk)
+    stream_tensor_bytes(path, header.entries, feed, chunk)
 
 
 def _fill(fh: Any, target: memoryview, path: Path, name: str, feed: Feed | None) -> None:

@@ -57,23 +57,30 @@ class RawHeader:
     file_size: int
 
 
-class _Span(Protocol):
+class Span(Protocol):
+    """Where a tensor's bytes lie in a file (``begin`` absolute)."""
+
     @property
     def name(self) -> str: ...
+
+    @property
+    def begin(self) -> int: ...
 
     @property
     def nbytes(self) -> int: ...
 
 
-def stream_tensor_bytes(path: Path, data_start: int, entries: Sequence[_Span],
+def stream_tensor_bytes(path: Path, entries: Sequence[Span],
                         feed: Callable[[str, memoryview], None], chunk: int = 8 << 20) -> None:
-    """Stream every tensor's bytes (in file order) through ``feed`` with one reused buffer."""
+    """Stream every tensor's bytes (in the order given) through ``feed`` with one reused
+    buffer."""
     # Sized to the largest tensor: a small file costs no 8 MiB allocation.
     buf = memoryview(bytearray(max(1, min(chunk, max((e.nbytes for e in entries), default=1)))))
     chunk = len(buf)
     with open(path, "rb", buffering=0) as fh:
-        fh.seek(data_start)
         for e in entries:
+            if fh.tell() != e.begin:
+                fh.seek(e.begin)
             left = e.nbytes
             while left:
                 n = fh.readinto(buf[: min(left, chunk)])

@@ -16,7 +16,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         description="Compare A and B (.pt, .safetensors or sharded folders, in any mix). Each "
         "value change is classified: bit-flip (which bit: sign, exponent or mantissa), "
         "few-bits, drift (within --rtol/--atol) or large. Exit 0 when equal within "
-        "tolerance, 1 otherwise. Never executes code from the files.",
+        "tolerance, 1 otherwise. Never executes code from the files; .safetensors and torch.save "
+        "zip files are listed and hashed without loading them, and only tensors whose bytes "
+        "differ are loaded.",
     )
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")

@@ -41,6 +41,13 @@ def run(ctx: DemoContext) -> None:
     _, diff_out, _ = ctx.cli("diff", str(good), str(bad), expect=1)
     ctx.expect("bit-flip: bit 30 (exponent)" in diff_out,
                "diff classifies it as a single-bit flip of exponent bit 30")
+    import torch
+
+    pt = folder / "model.pt"
+    torch.save(model.state_dict(), pt)
+    _, same_out, _ = ctx.cli("diff", str(pt), str(good))
+    ctx.expect(same_out.startswith("equal"), "diff compares a torch.save file with its "
+               ".safetensors copy by their bytes (listed and hashed without torch)")
     ctx.cli("fingerprint", str(good))
 
 

@@ -12,15 +12,16 @@ format, plain pickles, and archives nested by ``torch.storage._load_from_bytes``
 from __future__ import annotations
 
 import io
-import pickle
 import struct
 import zipfile
 from collections.abc import Callable
-from typing import IO, Any, ClassVar
+from typing import IO, Any
 
 import torch
 
 from torchverity.errors import FormatError, UsageError
+from torchverity.pickles._placeholders import Inert as Inert
+from torchverity.pickles._placeholders import InertUnpickler
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _NP_CORE = ("numpy.core", "numpy._core")
@@ -37,42 +38,6 @@ _EXTRA_REAL = {
 # TorchScript's pickles tag lists with these; each returns its argument.
 _TORCHSCRIPT_TAGS = ("build_intlist", "build_tensorlist", "build_doublelist", "build_boollist",
                      "build_complexlist")
-
-
-class Inert:
-    """Base of the placeholder classes: stores what the pickle gives it, runs nothing."""
-
-    _tv_name: ClassVar[str] = "?"
-    _tv_args: tuple[Any, ...] = ()
-    _tv_state: Any = None
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Inert:
-        obj = object.__new__(cls)
-        obj._tv_args = args + ((kwargs,) if kwargs else ())
-        return obj
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass  # REDUCE calls the class: the arguments were kept by __new__
-
-    def __setstate__(self, state: Any) -> None:
-        self._tv_state = state
-
-    def append(self, item: Any) -> None:
-        self.__dict__.setdefault("_tv_items", []).append(item)
-
-    def extend(self, items: Any) -> None:
-        self.__dict__.setdefault("_tv_items", []).extend(items)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.__dict__.setdefault("_tv_dict", {})[key] = value
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Inert:
-        # A payload may call what an earlier call returned: record that call, run nothing.
-        call = type(f"{type(self).__name__}()", (Inert,), {"_tv_name": f"{self._tv_name}(...)"})
-        return call(*args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"<inert {self._tv_name}>"
 
 
 def _resolve_known(name: str) -> Any:
@@ -104,31 +69,6 @@ def _real_globals(nested: Callable[[bytes], Any]) -> dict[str, Any]:
     table["torch.jit._pickle.restore_type_tag"] = _identity
     table["torch.storage._load_from_bytes"] = nested
     return table
-
-
-class InertUnpickler(pickle.Unpickler):
-    """Resolves only ``real``; anything else becomes an inert placeholder class."""
-
-    real: ClassVar[dict[str, Any]] = {}
-    placeholders: ClassVar[dict[str, type]] = {}
-
-    def find_class(self, module: str, name: str) -> Any:
-        import _compat_pickle
-
-        # Python 2 names (``__builtin__.set``) mean what pickle's own lookup maps them to.
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-        qual = f"{module}.{name}"
-        if qual in self.real:
-            return self.real[qual]
-        cls = self.placeholders.get(qual)
-        if cls is None:
-            cls = type(name.rpartition(".")[2] or "Unknown", (Inert,), {
-                "_tv_name": qual, "__module__": "torchverity.migrate.inert",
-            })
-            self.placeholders[qual] = cls
-        return cls
 
 
 def _dtype_of(storage_type: Any) -> torch.dtype:

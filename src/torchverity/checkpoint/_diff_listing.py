@@ -1,0 +1,135 @@
+"""What ``diff`` compares before it opens anything: each entry of a checkpoint path listed
+without torch, tensors as (dtype, shape, digest of their bytes), plain values as they are.
+
+.safetensors files are listed from their headers; torch zip checkpoints (``torch.save``'s
+default format) from their pickle, walked inertly (:mod:`torchverity.pickles._listing`),
+with each tensor's bytes hashed straight from its stored record. A contiguous tensor's
+digest is the one its .safetensors copy gets, so the two formats compare without torch
+too. Any other file (legacy pickles, TorchScript archives, a pickle naming more than
+plain state-dict types) is not listed: ``diff`` then loads both sides.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchverity.checkpoint._diff_result import Status, TensorDiff, plain_diff
+from torchverity.checkpoint._fp_record import EXACT, plain_tensor_hasher
+from torchverity.errors import TorchVerityError
+
+# Below this, starting blake3's thread pool costs more than it saves.
+_THREADED_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A tensor: its dtype, shape and the digest of its bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str
+
+
+@dataclass(frozen=True)
+class _Span:
+    name: str
+    begin: int
+    nbytes: int
+
+
+# name -> a Listed tensor, or a plain value (None, bool, int, float, str)
+Listing = dict[str, Any]
+
+
+def listing(obj: Any) -> Listing | None:
+    """The entries of the checkpoint at path ``obj``, listed without torch; None when
+    ``obj`` is a loaded object, or a file or shard cannot be listed this way."""
+    from torchverity._formats import file_format
+    from torchverity.checkpoint._file_fingerprint import checkpoint_files
+
+    if not isinstance(obj, (str, os.PathLike)):
+        return None
+    try:
+        files, sharded = checkpoint_files(obj)
+        merged: Listing = {}
+        for f in files:  # later shards win a name two shards share, as when loading
+            fmt = file_format(f) if f.is_file() else None
+            listed = (_safetensors(f) if fmt == "safetensors" else
+                      _torch_zip(f, sharded) if fmt == "pt" else None)
+            if listed is None:
+                return None
+            merged.update(listed)
+    except TorchVerityError:
+        return None  # reported by the loading path, with its own wording
+    return merged
+
+
+def _safetensors(path: Path) -> Listing:
+    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors
+    from torchverity.pickles._limits import check_safetensors_limits
+
+    check_safetensors_limits(path)
+    return {e.name: Listed(e.dtype, e.shape, e.digest)
+            for e in fingerprint_safetensors(path, EXACT).entries}
+
+
+def _torch_zip(path: Path, shard: bool) -> Listing | None:
+    from torchverity.pickles._listing import ITEMSIZE, ListedTensor, list_torch_zip
+
+    found = list_torch_zip(path, weights=shard)
+    if found is None:
+        return None
+    tensors = {n: t for n, t in found.items() if isinstance(t, ListedTensor)}
+    hashers = {}
+    for name, t in tensors.items():
+        nbytes = ITEMSIZE[t.dtype] * math.prod(t.shape)  # the header a .safetensors copy gets
+        h = plain_tensor_hasher(name, t.dtype, t.shape, nbytes, EXACT,
+                                threads=t.nbytes >= _THREADED_BYTES)
+        if not t.contiguous:  # the span holds more than the elements: never a plain digest
+            h.update(f"strided\0{list(t.strides)}\0".encode())
+        hashers[name] = h
+    _stream(path, [_Span(n, t.begin, t.nbytes) for n, t in tensors.items()],
+            lambda name, chunk: hashers[name].update(chunk))
+    return {n: Listed(v.dtype, v.shape, hashers[n].hexdigest()) if n in tensors else v
+            for n, v in found.items()}
+
+
+def _stream(path: Path, spans: list[_Span], feed: Any) -> None:
+    from torchverity.checkpoint._st_header import stream_tensor_bytes
+
+    stream_tensor_bytes(path, sorted(spans, key=lambda s: s.begin), feed)
+
+
+def listed_diff(name: str, one: Any, two: Any) -> TensorDiff | None:
+    """How two listed entries differ (either may be absent: ``...``); None when both are
+    tensors of one dtype and shape whose bytes differ (to be opened and compared)."""
+    if two is ...:
+        dtype, shape = _sig(one)
+        return TensorDiff(name, "only_in_a", dtype_a=dtype, shape_a=shape)
+    if one is ...:
+        dtype, shape = _sig(two)
+        return TensorDiff(name, "only_in_b", dtype_b=dtype, shape_b=shape)
+    if not (isinstance(one, Listed) and isinstance(two, Listed)):
+        if isinstance(one, Listed) or isinstance(two, Listed):  # a tensor against a value
+            (dtype_a, shape_a), (dtype_b, shape_b) = _sig(one), _sig(two)
+            return TensorDiff(name, "dtype_changed", dtype_a, dtype_b, shape_a, shape_b)
+        return plain_diff(name, one, two)
+    base = dict(dtype_a=one.dtype, dtype_b=two.dtype, shape_a=one.shape, shape_b=two.shape)
+    if (one.dtype, one.shape) != (two.dtype, two.shape):
+        status: Status = "dtype_changed" if one.dtype != two.dtype else "shape_changed"
+        return TensorDiff(name, status, **base)  # type: ignore[arg-type]
+    if one.digest == two.digest:
+        return TensorDiff(name, "identical", numel=math.prod(one.shape),
+                          **base)  # type: ignore[arg-type]
+    return None
+
+
+def _sig(entry: Any) -> tuple[str, tuple[int, ...]]:
+    """As :func:`torchverity.checkpoint._diff_values.compare` names an entry's type."""
+    if isinstance(entry, Listed):
+        return entry.dtype, entry.shape
+    return type(entry).__name__, ()
