@@ -389,11 +389,12 @@ def _check_fingerprints(c: Comm, root: Path, state_dict: dict[str, Any]) -> bool
 def read_certification(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The training guard's certification recorded with the live checkpoint of ``path``
     (None: none recorded). Plain JSON: readable before anything is verified or loaded."""
-    record = _read_shards(generations.data_folder(Path(path)) / SHARDS_NAME)
-    found = (record or {}).get("certification")
+    root = generations.data_folder(Path(path))
+    found = (_read_shards(root / SHARDS_NAME) or {}).get("certification")
     if found is not None and not (isinstance(found, dict)
                                   and isinstance(found.get("certified"), bool)):
-        raise FormatError(f"{path}: the certification in {SHARDS_NAME} is malformed", path=path,
+        raise FormatError(f"{root / SHARDS_NAME}: the certification it records is malformed",
+                          path=root / SHARDS_NAME,
                           hint=f"torchverity verify {path}; save the checkpoint again")
     return found
 
