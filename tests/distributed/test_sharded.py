@@ -428,3 +428,6 @@ def test_checkpoints_saved_with_a_flip_unresolved_are_uncertified_and_skipped(
     assert verdict.code == 1
     assert "UNCERTIFIED: saved at step 5" in verdict.out
     assert "changed at rest: 2.weight shard (dp=1) (rank 1)" in verdict.out
+    described = run_cli("inspect", unc["b_copy"])
+    assert described.code == 2 and "a distributed checkpoint folder" in described.err
+    assert f"torchverity verify {unc['b_copy']}" in described.err

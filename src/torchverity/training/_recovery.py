@@ -150,7 +150,8 @@ class Recovery:
         certification = self.certify()
         if g._sharded:
             path = self._sharded_path()
-            digest, fingerprint = sharded.save(g, path, certification), None
+            digest = sharded.save(g, path, certification, self.rules_state())
+            fingerprint = None
         else:
             self.dir.mkdir(parents=True, exist_ok=True)
             path = self.dir / f"guard-step{g.global_step:08d}.pt"

@@ -76,9 +76,11 @@ def _merged(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ save
 
 
-def save(guard: TrainingGuard, path: Path, certification: dict[str, Any]) -> str:
-    """Save a distributed checkpoint of the guard's model and optimizer with the agreed
-    ``certification``; returns the SHA-256 of the manifest the pointer names."""
+def save(guard: TrainingGuard, path: Path, certification: dict[str, Any],
+         rules: dict[str, Any]) -> str:
+    """Save a distributed checkpoint of the guard's model and optimizer, with this rank's
+    ``rules`` state and RNG states, and the agreed ``certification``; returns the SHA-256
+    of the manifest the pointer names."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -88,31 +90,32 @@ def save(guard: TrainingGuard, path: Path, certification: dict[str, Any]) -> str
     # torch's state-dict helper runs a zero-learning-rate step to create a missing state
     # (Adam's step count would then be off by one): an optimizer that has not stepped
     # is saved as its hyperparameters only, and restored with no state.
-    with_state = not any_rank(not g.optimizer.state, "the optimizer-state exchange")
-    own = _own_state(g, with_state)
+    own = _own_state(g, rules)
+    shared = all_gather_json(_comm("the guard-state exchange"), {
+        "stepped": bool(g.optimizer.state), "sha256": hashlib.sha256(own).hexdigest()},
+        "the guard-state exchange")
+    with_state = all(r["stepped"] for r in shared)
     state: dict[str, Any] = {"model": get_model_state_dict(g.model),
                              "guard": {f"rank{g.rank}": own}}
     if with_state:
         state["optim"] = get_optimizer_state_dict(g.model, g.optimizer)
-    digests = all_gather_json(_comm("state digests"), hashlib.sha256(own).hexdigest(),
-                              "the guard-state digest exchange")
     record = {**certification, "optimizer_state": with_state, "ranks": {
-        i: {**r, "own_state_sha256": digests[int(i)]}
+        i: {**r, "own_state_sha256": shared[int(i)]["sha256"]}
         for i, r in certification["ranks"].items()}}
     save_dcp(state, path, timeout=DEFAULT_TIMEOUT_S, certification=record)
     return hashlib.sha256((data_folder(path) / MANIFEST_IN_GENERATION).read_bytes()).hexdigest()
 
 
-def _own_state(g: TrainingGuard, with_state: bool) -> bytes:
-    """This rank's guard rule state and RNG states (and, for an optimizer that has not
-    stepped, its hyperparameters), as ``torch.save`` bytes loadable with weights_only."""
+def _own_state(g: TrainingGuard, rules: dict[str, Any]) -> bytes:
+    """This rank's guard rule state, RNG states and optimizer hyperparameters (restored
+    from here when the optimizer had not stepped), as ``torch.save`` bytes that load
+    with ``weights_only=True``."""
     from torchverity.determinism import capture_rng
 
-    groups = None if with_state else [{k: v for k, v in group.items() if k != "params"}
-                                      for group in g.optimizer.state_dict()["param_groups"]]
+    groups = [{k: v for k, v in group.items() if k != "params"}
+              for group in g.optimizer.state_dict()["param_groups"]]
     buf = io.BytesIO()
-    torch.save({"guard": g._recovery.rules_state(), "rng": capture_rng().to_state(),
-                "param_groups": groups}, buf)
+    torch.save({"guard": rules, "rng": capture_rng().to_state(), "param_groups": groups}, buf)
     return buf.getvalue()
 
 
