@@ -183,12 +183,7 @@ def _guarded(model: Any, opt: Any, rank: int, gen: Any, out: Path) -> dict[str, 
     log = out / "guard.jsonl"
     guard = torchverity.TrainingGuard(model, opt, reducer=tvd.FlagReducer(), replica_every=1,
                                       log=log)
-    for _ in range(3):
-        opt.zero_grad()
-        loss = model(torch.randn(8, 16, generator=gen)).square().mean()
-        loss.backward()
-        guard.check(loss)
-        guard.step()
+    _train(guard, model, opt, gen, 3)
     summary = guard.close()
     events = [json.loads(line) for line in log.read_text().splitlines()]
     repaired = [e for e in events if e["event"] == "replicas" and e["action"] == "repaired"]
@@ -196,6 +191,17 @@ def _guarded(model: Any, opt: Any, rank: int, gen: Any, out: Path) -> dict[str, 
              f"({r['source_coordinates']}) into rank {r['targets'][0]} "
              f"({r['target_coordinates'][0]})" for e in repaired for r in e["repairs"]]
     return {"guard": lines, "guard_clean": summary.clean and tvd.check_replicas(model, opt).ok}
+
+
+def _train(guard: Any, model: Any, opt: Any, gen: Any, steps: int) -> None:
+    import torch
+
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 16, generator=gen)).square().mean()
+        loss.backward()
+        guard.check(loss)
+        guard.step()
 
 
 def _rolled_back(model: Any, opt: Any, rank: int, gen: Any, out: Path) -> dict[str, Any]:
@@ -210,15 +216,11 @@ def _rolled_back(model: Any, opt: Any, rank: int, gen: Any, out: Path) -> dict[s
     log = out / "rollback.jsonl"
     guard = torchverity.TrainingGuard(model, opt, reducer=tvd.FlagReducer(), check_every=1,
                                       checkpoint_dir=out / "guard", checkpoint_every=1, log=log)
-    for step in range(4):
-        opt.zero_grad()
-        loss = model(torch.randn(8, 16, generator=gen)).square().mean()
-        loss.backward()
-        guard.check(loss)
-        guard.step()
-        if step == 1 and rank == 4:
-            with torch.no_grad():
-                model[0].weight.to_local().view(-1).view(torch.int32)[1] ^= 1 << 20
+    _train(guard, model, opt, gen, 2)
+    if rank == 4:
+        with torch.no_grad():
+            model[0].weight.to_local().view(-1).view(torch.int32)[1] ^= 1 << 20
+    _train(guard, model, opt, gen, 2)
     summary = guard.close()
     dist.barrier()  # rank 4's log is complete
     named = [e for e in map(json.loads, log.with_name("rollback.rank4.jsonl").read_text()
