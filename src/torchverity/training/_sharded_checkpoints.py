@@ -54,7 +54,8 @@ def agree(local: dict[str, Any]) -> dict[str, Any]:
                "unavailable" if "unavailable" in states else "passed")
     verified = {**records[0]["verified"], "at_rest": at_rest, **{
         k: sum(r["verified"][k] for r in records)
-        for k in ("tensors", "parameters", "optimizer_state")}}
+        for k in ("tensors", "parameters", "optimizer_state", "frozen_parameters")
+        if k in records[0]["verified"]}}
     return {"certified": all(r["certified"] for r in records), "step": local["step"],
             "verified": verified,
             "changed": [f"{n} (rank {i})" for i, r in enumerate(records) for n in r["changed"]],
