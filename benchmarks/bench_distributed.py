@@ -21,7 +21,9 @@ the HSDP part (``--device cuda``: over NCCL on 4 GPUs).
 
 Two processes train with pure FSDP2 and AdamW, plain steps alternating with
 steps under a ``TrainingGuard`` that verifies each rank's local shards at rest
-(two passes: the fused check does not compile DTensors); written to
+(two passes: the fused check does not compile DTensors); then the guard's
+certified distributed checkpoint (``save_checkpoint()``, ``rollback()``) next to
+``save_dcp`` / ``load_dcp`` of the same FSDP2 state by hand; written to
 docs/benchmarks/distributed-guard.md.
 """
 
@@ -151,26 +153,27 @@ def _bench_hsdp(label: str, rank: int, repeat: int, device: str = "cpu") -> dict
     }
 
 
-def _bench_guard(label: str, rank: int, rounds: int) -> dict[str, object]:
-    """FSDP2 steps with and without the guard, alternating, so contention hits both alike."""
+def _fsdp2(label: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The MLP of ``label`` sharded per layer over every rank, with AdamW."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    model = _model(*SIZES[label])
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _bench_guard(label: str, rank: int, rounds: int) -> dict[str, object]:
+    """FSDP2 steps with and without the guard, alternating, so contention hits both alike."""
     import torchverity
     import torchverity.distributed as tvd
 
     width, layers = SIZES[label]
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-
-    def sharded() -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = _model(width, layers)
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-
     # Two copies: a step outside the guard would be, to the guard, a change at rest.
-    (model, opt), (gmodel, gopt) = sharded(), sharded()
+    (model, opt), (gmodel, gopt) = _fsdp2(label), _fsdp2(label)
     x = torch.randn(8, width, generator=torch.Generator().manual_seed(rank))
     guard = torchverity.TrainingGuard(gmodel, gopt, reducer=tvd.FlagReducer())
 
@@ -196,6 +199,45 @@ def _bench_guard(label: str, rank: int, rounds: int) -> dict[str, object]:
             "ratio": statistics.median(b / a for a, b in pairs), "clean": summary.clean}
 
 
+def _bench_checkpoint(label: str, rank: int, rounds: int, folder: Path) -> dict[str, object]:
+    """The guard's certified DCP save and rollback against save_dcp / load_dcp by hand,
+    alternating; both after one AdamW step, so the optimizer state is saved."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import torchverity
+    import torchverity.distributed as tvd
+
+    x = torch.randn(8, SIZES[label][0], generator=torch.Generator().manual_seed(rank))
+    (model, opt), (gmodel, gopt) = _fsdp2(label), _fsdp2(label)
+    for m, o in ((model, opt), (gmodel, gopt)):
+        m(x).square().mean().backward()
+        o.step()
+    guard = torchverity.TrainingGuard(gmodel, gopt, reducer=tvd.FlagReducer(),
+                                      checkpoint_dir=folder / f"guard-{label}")
+
+    def save() -> None:
+        msd, osd = get_state_dict(model, opt)
+        tvd.save_dcp({"model": msd, "optim": osd}, folder / f"plain-{label}")
+
+    def load() -> None:
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        tvd.load_dcp(state, folder / f"plain-{label}")
+        set_state_dict(model, opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    saves = [(_once(save), _once(guard.save_checkpoint)) for _ in range(rounds)]
+    loads = [(_once(load), _once(guard.rollback)) for _ in range(rounds)]
+    summary = guard.close()
+    return {"model": label, "save_s": statistics.median(a for a, _ in saves),
+            "guard_save_s": statistics.median(b for _, b in saves),
+            "save_ratio": statistics.median(b / a for a, b in saves),
+            "load_s": statistics.median(a for a, _ in loads),
+            "rollback_s": statistics.median(b for _, b in loads),
+            "load_ratio": statistics.median(b / a for a, b in loads),
+            "certified": summary.rollbacks == rounds and summary.clean}
+
+
 def _worker(rank: int, world: int, port: int, sizes: list[str], result: str,
             hsdp: bool = False, device: str = "cpu", guard: bool = False) -> None:
     torch.set_num_threads(1)
@@ -206,6 +248,9 @@ def _worker(rank: int, world: int, port: int, sizes: list[str], result: str,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     if guard:
         rows = [_bench_guard(label, rank, 5 if label == "100M" else 11) for label in sizes]
+        folder = Path(result).parent
+        rows += [_bench_checkpoint(label, rank, 3 if label == "100M" else 7, folder)
+                 for label in sizes]
     elif hsdp:
         rows = [_bench_hsdp(label, rank, 3 if label == "100M" else 5, device) for label in sizes]
     else:
@@ -324,7 +369,12 @@ def _main_guard(quick: bool) -> None:
         rows = json.loads(Path(result).read_text())
     load = os.getloadavg()[0]
     lines = [f"| {r['model']} | {r['params']:,} | {_ms(r, 'step_s')} | {_ms(r, 'guarded_s')} "
-             f"| {float(r['ratio']):.2f}x | {'none' if r['clean'] else 'ALARM'} |" for r in rows]
+             f"| {float(r['ratio']):.2f}x | {'none' if r['clean'] else 'ALARM'} |"
+             for r in rows if "step_s" in r]
+    saves = [f"| {r['model']} | {_ms(r, 'save_s')} | {_ms(r, 'guard_save_s')} "
+             f"| {float(r['save_ratio']):.2f}x | {_ms(r, 'load_s')} | {_ms(r, 'rollback_s')} "
+             f"| {float(r['load_ratio']):.2f}x | {'yes' if r['certified'] else 'NO'} |"
+             for r in rows if "save_s" in r]
     text = (
         "# TrainingGuard on FSDP2: each rank's shards verified at rest (gloo, CPU)\n\n"
         f"Command: `python benchmarks/bench_distributed.py --guard{' --quick' if quick else ''}`. "
@@ -337,7 +387,18 @@ def _main_guard(quick: bool) -> None:
         "The guarded step adds the gradient norms of the local gradient shards, one "
         "`all_reduce(MAX)` of the flags (`FlagReducer`), and the at-rest verification of every "
         "local parameter and AdamW shard in two passes (a record after the update, a "
-        "verification before the next one): DTensors are not compiled into the fused check.\n"
+        "verification before the next one): DTensors are not compiled into the fused check.\n\n"
+        "## The guard's certified checkpoints of the same FSDP2 model\n\n"
+        "`guard.save_checkpoint()` against `save_dcp(get_state_dict(model, opt))` by hand, and "
+        "`guard.rollback()` against `load_dcp` + `set_state_dict`, alternating (medians of the "
+        "pairs), after one AdamW step.\n\n"
+        "| model | save_dcp | guard save | guard / save_dcp | load_dcp | guard rollback "
+        "| guard / load_dcp | every rollback certified |\n|---|---|---|---|---|---|---|---|\n"
+        + "\n".join(saves) + "\n\n"
+        "The guard's save adds the at-rest verification of every local shard (the "
+        "certification), two small JSON exchanges (the ranks' verdicts; each rank's guard-state "
+        "digest and whether its optimizer has stepped) and each rank's rule and RNG state; its "
+        "rollback adds one exchange (which checkpoint) and the restore of that state.\n"
     )
     OUT_GUARD.parent.mkdir(parents=True, exist_ok=True)
     OUT_GUARD.write_text(text)

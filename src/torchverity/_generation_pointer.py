@@ -20,6 +20,7 @@ POINTER_NAME = "torchverity.current.json"
 POINTER_FORMAT = "torchverity-generation-pointer"
 POINTER_VERSION = 1
 MANIFEST_IN_GENERATION = "torchverity.manifest.json"
+SHARDS_IN_GENERATION = "torchverity.shards.json"  # a DCP generation's fingerprints
 GENERATION = re.compile(r"^gen-(\d{6,})$")
 _HINT = "restore the folder from a copy, or save the checkpoint again"
 

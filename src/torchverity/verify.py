@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from torchverity._generation_pointer import has_pointer, live_generation
+from torchverity._generation_pointer import SHARDS_IN_GENERATION, has_pointer, live_generation
 from torchverity._verify_results import (
     STATUSES,
     Status,
@@ -121,19 +121,30 @@ def verify_directory(
 
 
 def _certification(paths: list[Path]) -> dict[str, Any] | None:
-    """The training guard's certification in the meta.json of any of ``paths`` (the
-    uncertified one first: one doubtful file makes the whole doubtful)."""
+    """The training guard's certification in the meta.json of any of ``paths``, or beside
+    a distributed checkpoint's fingerprints (the uncertified one first: one doubtful file
+    makes the whole doubtful)."""
     from torchverity.checkpoint._meta import meta_path_for, read_meta
 
     found = []
     for path in paths:
         meta_file = meta_path_for(path)
-        if meta_file.is_file():
-            record = read_meta(meta_file).get("certification")
-            if isinstance(record, dict) and "certified" in record:
-                found.append(record)
+        record = (read_meta(meta_file).get("certification") if meta_file.is_file() else
+                  _shards_certification(path) if path.name == SHARDS_IN_GENERATION else None)
+        if isinstance(record, dict) and "certified" in record:
+            found.append(record)
     found.sort(key=lambda c: bool(c["certified"]))
     return found[0] if found else None
+
+
+def _shards_certification(path: Path) -> Any:
+    import json
+
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None  # the manifest check reports a damaged file
+    return record.get("certification") if isinstance(record, dict) else None
 
 
 def _size(size: int) -> int | None:

@@ -75,11 +75,11 @@ def fsdp_at_rest(model: Any, opt: Any, rank: int, out: Path, loss: Callable[...,
         if step == 10 and rank == 1:
             _flip_local(opt.state[model[2].weight]["exp_avg"], index=0, bit=3)
 
-    try:  # the guard's own checkpoints hold whole tensors
+    try:  # its checkpoints are saved and rolled back by every rank together: needs a reducer
         torchverity.TrainingGuard(model, opt, checkpoint_dir=out / f"ckpt{rank}")
         refused = None
     except UsageError as exc:
-        refused = exc.message
+        refused = str(exc)
     log = out / "fsdp_guard.jsonl"
     guard = torchverity.TrainingGuard(model, opt, reducer=tvd.FlagReducer(), check_every=1,
                                       policies={"weights_changed": "record"}, log=log)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import sharded_guard_workers as guard_workers
+import sharded_rollback_workers as rollback_workers
 
 STEPS = 50
 
@@ -408,8 +409,13 @@ def scenario_heal(rank: int, out: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------ entry point
 
 
+def scenario_rollback(rank: int, out: Path) -> dict[str, Any]:
+    return rollback_workers.scenario(rank, out, _mlp, _loss, _batch, _local_digests)
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "mesh": scenario_mesh, "heal": scenario_heal, "reshard": scenario_reshard,
+    "rollback": scenario_rollback,
 }
 
 

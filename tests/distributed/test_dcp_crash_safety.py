@@ -1,6 +1,7 @@
 """``save_dcp`` killed at any instant leaves the previous distributed checkpoint whole:
-``load_dcp`` and ``torchverity verify`` accept it, never a mix of two saves, and the next
-save sweeps what the killed one left. Real torch.distributed.checkpoint on a one-rank gloo
+``load_dcp`` and ``torchverity verify`` accept it, never a mix of two saves (a training
+guard's certification included: it is published with its checkpoint), and the next save
+sweeps what the killed one left. Real torch.distributed.checkpoint on a one-rank gloo
 group in a child forked per run (strace kills it at its K-th rename, or a timer does).
 """
 
@@ -23,6 +24,7 @@ import torch
 from crash_harness import count_renames, kill_after, kill_at_rename, need_strace, run_child, tmpfs
 
 VALUES = {"A": 1.0, "B": 100.0, "C": 1000.0}
+CERTIFIED = {"A": True, "B": False, "C": True}  # a guard's verdict saved with each
 
 
 def _state(value: float, size: int = 4000) -> dict[str, Any]:
@@ -50,7 +52,9 @@ def _store() -> Path:
 def _save(root: Path, which: str, size: int = 4000) -> Callable[[], None]:
     import torchverity.distributed as tvd
 
-    return _in_group(_store(), lambda: tvd.save_dcp(_state(VALUES[which], size), root) and None)
+    certification = {"certified": CERTIFIED[which], "step": int(VALUES[which])}
+    return _in_group(_store(), lambda: tvd.save_dcp(_state(VALUES[which], size), root,
+                                                   certification=certification) and None)
 
 
 def _inspect(root: Path) -> dict[str, Any]:
@@ -72,7 +76,9 @@ def _inspect(root: Path) -> dict[str, Any]:
         whole = held and all(torch.equal(t, _state(VALUES[held[0]])["model"][k])
                              for k, t in target["model"].items())
         out.write_text(json.dumps({"held": held[0] if whole else "a mix",
-                                   "verify_rc": 0 if verify_path(root).ok else 1}))
+                                   "verify_rc": 0 if verify_path(root).ok else 1,
+                                   "certified": (tvd.read_certification(root) or {}).get(
+                                       "certified")}))
 
     assert run_child(_in_group(_store(), body)) == "finished"
     return dict(json.loads(out.read_text()))
@@ -106,6 +112,7 @@ def _after_kill(root: Path) -> str:
     seen = _inspect(root)
     assert "error" not in seen and seen["verify_rc"] == 0, seen
     assert seen["held"] in ("A", "B"), seen
+    assert seen["certified"] is CERTIFIED[seen["held"]], seen
     assert run_child(_save(root, "C")) == "finished"
     after = _inspect(root)
     assert after["held"] == "C" and after["verify_rc"] == 0, after
@@ -173,7 +180,7 @@ def test_a_disk_that_fills_mid_save_dcp_leaves_the_previous_checkpoint(tmp_path:
         failure = json.loads(out.read_text())
         assert failure["error"] == "CheckpointWriteError" and failure["intact"], failure
         assert "disk is full" in failure["message"] and "intact" in failure["message"]
-        assert _inspect(root) == {"held": "A", "verify_rc": 0}
+        assert _inspect(root) == {"held": "A", "verify_rc": 0, "certified": True}
         assert run_child(_save(root, "B")) == "finished"  # the failed save gave its space back
         assert _inspect(root)["held"] == "B"
 

@@ -13,6 +13,8 @@ Three launches serve every test here:
   same weights bit for bit; an unclear vote is refused.
 - ``reshard``: 2 processes load the 4-rank HSDP checkpoint into a 2-rank
   FSDP2 model, verified against the full tensors' fingerprints.
+- ``rollback``: 2 processes, FSDP2: the guard's own distributed checkpoints,
+  certified by both ranks, and rollback to the last certified one.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +121,11 @@ def mesh(mesh_dir: Path) -> list[dict[str, Any]]:
 def reshard(mesh: list[dict[str, Any]], mesh_dir: Path,
             tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return _spawn("reshard", 2, tmp_path_factory.mktemp("reshard"), str(mesh_dir))
+
+
+@pytest.fixture(scope="module")
+def rollback(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _spawn("rollback", 2, tmp_path_factory.mktemp("rollback"))
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +345,7 @@ def test_guard_verifies_each_ranks_fsdp_shards_at_rest(mesh: list[dict[str, Any]
     for r in mesh:
         guard = r["fsdp"]["guard"]
         assert guard["coverage"]["verification"] == "two passes"
-        assert "DTensor shards" in guard["checkpoint_dir"]
+        assert "FlagReducer()" in guard["checkpoint_dir"]  # without one, ranks would part
         assert guard["clip_is_whole"] is True
         assert "local shards" in guard["coverage"]["fallback_reason"]
         # The flag is combined across ranks; the rank holding the shard names it.
@@ -362,3 +370,64 @@ def test_tp_forward_audit_names_the_rank_whose_forward_is_wrong(
     assert fault["odd_ranks"] == [1] and fault["tensors"] == ["3 output", "(root) output", "loss"]
     assert "rank 1 (tp=1) disagrees with the majority of 4 replicas of 3 output" in \
         fault["summary"]
+
+
+# ------------------------------------------------------------------ the guard's DCP checkpoints
+
+
+@pytest.mark.timeout(300)
+def test_guard_checkpoints_of_a_clean_fsdp2_run_are_all_certified(
+    rollback: list[dict[str, Any]],
+) -> None:
+    clean = _same(rollback, "clean")
+    assert clean["events"] == [] and clean["rollbacks"] == 0
+    assert clean["checkpoints"] == [f"guard-step{s:08d}" for s in (0, 4, 8, 12, 16)]
+    assert clean["certified"] == [True] * 5 and clean["verified"] == [True] * 5
+    assert clean["ranks_in_record"] == ["0", "1"]
+    # Before the first update the optimizer has no state: saved as its hyperparameters.
+    assert clean["optimizer_state"] == [False, True, True, True, True]
+    assert "FlagReducer()" in _same(rollback, "refused")
+
+
+@pytest.mark.timeout(300)
+def test_guard_rolls_every_rank_back_to_its_last_certified_dcp_checkpoint(
+    rollback: list[dict[str, Any]],
+) -> None:
+    for r in rollback:
+        run = r["rollback"]
+        (event,) = run["events"]  # reported at the next update, named by the rank holding it
+        assert event["step"] == 7 and event["kind"] == "weights_changed"
+        assert event["suspects"] == (["0.weight shard (dp=1)"] if r is rollback[1] else [])
+        assert run["equal_to_checkpoint"] is True  # every local shard and AdamW moment
+        assert run["rollbacks"] == 1
+    done = _same(rollback, "rollback", "rollback")
+    assert done["checkpoint"].endswith("guard-step00000006") and done["restored_step"] == 6
+    assert done["anomaly_step"] == 7
+
+
+@pytest.mark.timeout(300)
+def test_checkpoints_saved_with_a_flip_unresolved_are_uncertified_and_skipped(
+    rollback: list[dict[str, Any]], run_cli: Callable[..., Any],
+) -> None:
+    for r in rollback:  # reported at the update after the flip, named by rank 1
+        (event,) = r["uncertified"]["events"]
+        assert event["step"] == 5
+        assert event["suspects"] == (["2.weight shard (dp=1)"] if r is rollback[1] else [])
+    unc = _same([{"u": {k: v for k, v in r["uncertified"].items() if k != "events"}}
+                 for r in rollback], "u")
+    assert unc["certified"] == [True, False, False]
+    # B: only rank 1 saw its shard changed at rest; the verdict is agreed by both ranks.
+    assert unc["b_changed"] == ["2.weight shard (dp=1) (rank 1)"]
+    assert unc["b_verify_ok"] is True and unc["b_verify_certified"] is False
+    assert unc["c_unresolved"] == [{"step": 5, "kind": "weights_changed",
+                                    "suspects": ["2.weight shard (dp=1)"]}]
+    # keep_checkpoints=2 prunes B, never A, the newest certified; rollback goes to A.
+    assert unc["kept"] == [unc["a"], "guard-step00000006"]
+    assert unc["restored_from"] == unc["a"] and unc["equal_to_a"] is True
+    verdict = run_cli("verify", unc["b_copy"])
+    assert verdict.code == 1
+    assert "UNCERTIFIED: saved at step 5" in verdict.out
+    assert "changed at rest: 2.weight shard (dp=1) (rank 1)" in verdict.out
+    described = run_cli("inspect", unc["b_copy"])
+    assert described.code == 2 and "a distributed checkpoint folder" in described.err
+    assert f"torchverity verify {unc['b_copy']}" in described.err

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchverity._generation_pointer import has_pointer
 from torchverity.checkpoint._index import find_index
 from torchverity.errors import InputError
 
@@ -47,6 +48,11 @@ def resolve(path: str | os.PathLike[str]) -> Target:
     if any(p.glob("*.index.json")):
         index = find_index(p)
         return Target(p, index, p, index)
+    if has_pointer(p) or (p / ".metadata").is_file():
+        raise InputError(
+            f"{p}: a distributed checkpoint folder (torch.distributed.checkpoint): its tensors "
+            "are read on every rank, with torchverity.distributed.load_dcp", path=p,
+            hint=f"check its files and any training guard's certification: torchverity verify {p}")
     return Target(p, single_weights_file(p), p)
 
 

@@ -11,7 +11,10 @@ copies the majority's bytes into rank 4's shard, the check passes again, and
 the ranks write a verified distributed checkpoint that ``torchverity verify``
 checks like any folder. Then a ``TrainingGuard(replica_every=1)`` takes over:
 rank 2's next update corrupts its shard of an AdamW moment, and the guard
-heals it from the majority by itself, training on.
+heals it from the majority by itself, training on. Last, a guard with
+``checkpoint_dir=`` saves distributed checkpoints that every rank certifies: a
+bit that flips at rest in rank 4's shard is reported at the next update, and
+every rank rolls back to the last certified checkpoint together.
 """
 
 from __future__ import annotations
@@ -82,6 +85,13 @@ def run(ctx: DemoContext) -> None:
     ctx.expect(len(result["guard"]) == 1 and "into rank 2 (replicate=1, shard=0)"
                in result["guard"][0] and result["guard_clean"],
                "the guard healed rank 2 from the majority by itself and training went on")
+    ctx.say("TrainingGuard(checkpoint_dir=...) saves distributed checkpoints every rank "
+            "certifies; a bit of rank 4's shard flips at rest between two updates:")
+    ctx.say(f"  rank 4: {result['anomaly']}")
+    ctx.say(f"  every rank: {result['rollback']}")
+    ctx.expect(result["anomaly"].endswith("in 0.weight shard (shard=0)")
+               and result["rollbacks"] == 1, "every rank rolled back to a certified checkpoint")
+    ctx.cli("verify", result["checkpoint"])
 
 
 def _failures(procs: list[subprocess.Popen[str]], logs: list[str], result: Path,
@@ -139,11 +149,12 @@ def _worker(out: Path) -> None:
     msd, osd = get_state_dict(model, opt)
     tvd.save_dcp({"model": msd, "optim": osd}, out / "dcp")
     healed = _guarded(model, opt, rank, gen, out)
+    rolled = _rolled_back(model, opt, rank, gen, out)
     if rank == 0:
         record: dict[str, Any] = {
             "clean": clean, "flip": flipped.summary(), "odd_ranks": list(flipped.odd_ranks),
             "tensors": flipped.tensors, "repair": repair.summary(), "healed": repair.after.ok,
-            **healed}
+            **healed, **rolled}
         (out / "result.json").write_text(json.dumps(record))
     # A rank that tears down while a peer is still in the last exchange can make
     # gloo abort one of them ("terminate called without an active exception").
@@ -172,12 +183,7 @@ def _guarded(model: Any, opt: Any, rank: int, gen: Any, out: Path) -> dict[str, 
     log = out / "guard.jsonl"
     guard = torchverity.TrainingGuard(model, opt, reducer=tvd.FlagReducer(), replica_every=1,
                                       log=log)
-    for _ in range(3):
-        opt.zero_grad()
-        loss = model(torch.randn(8, 16, generator=gen)).square().mean()
-        loss.backward()
-        guard.check(loss)
-        guard.step()
+    _train(guard, model, opt, gen, 3)
     summary = guard.close()
     events = [json.loads(line) for line in log.read_text().splitlines()]
     repaired = [e for e in events if e["event"] == "replicas" and e["action"] == "repaired"]
@@ -185,6 +191,47 @@ def _guarded(model: Any, opt: Any, rank: int, gen: Any, out: Path) -> dict[str, 
              f"({r['source_coordinates']}) into rank {r['targets'][0]} "
              f"({r['target_coordinates'][0]})" for e in repaired for r in e["repairs"]]
     return {"guard": lines, "guard_clean": summary.clean and tvd.check_replicas(model, opt).ok}
+
+
+def _train(guard: Any, model: Any, opt: Any, gen: Any, steps: int) -> None:
+    import torch
+
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(torch.randn(8, 16, generator=gen)).square().mean()
+        loss.backward()
+        guard.check(loss)
+        guard.step()
+
+
+def _rolled_back(model: Any, opt: Any, rank: int, gen: Any, out: Path) -> dict[str, Any]:
+    """Four steps under a guard with certified distributed checkpoints; after the second
+    update a bit flips at rest in rank 4's shard of 0.weight."""
+    import torch
+    import torch.distributed as dist
+
+    import torchverity
+    import torchverity.distributed as tvd
+
+    log = out / "rollback.jsonl"
+    guard = torchverity.TrainingGuard(model, opt, reducer=tvd.FlagReducer(), check_every=1,
+                                      checkpoint_dir=out / "guard", checkpoint_every=1, log=log)
+    _train(guard, model, opt, gen, 2)
+    if rank == 4:
+        with torch.no_grad():
+            model[0].weight.to_local().view(-1).view(torch.int32)[1] ^= 1 << 20
+    _train(guard, model, opt, gen, 2)
+    summary = guard.close()
+    dist.barrier()  # rank 4's log is complete
+    named = [e for e in map(json.loads, log.with_name("rollback.rank4.jsonl").read_text()
+                            .splitlines()) if e["event"] == "anomaly"]
+    (done,) = [e for e in map(json.loads, log.read_text().splitlines())
+               if e["event"] == "rollback"]
+    return {"anomaly": f"step {named[0]['step']}: {named[0]['kind']} in "
+                       f"{', '.join(named[0]['suspects'])}",
+            "rollback": f"step {done['step']}: rolled back to {Path(done['checkpoint']).name} "
+                        f"(restored step {done['restored_step']})",
+            "rollbacks": summary.rollbacks, "checkpoint": done["checkpoint"]}
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ that silently. These checks make it loud and name the rank:
 ``save_rank0`` / ``save_dcp`` / ``load_dcp``
     Verified checkpoints: rank 0 writes and re-checks while the others wait;
     ``torch.distributed.checkpoint`` folders get a manifest (each rank hashes
-    the files it wrote) and are verified before anything is unpickled.
+    the files it wrote) and are verified before anything is unpickled;
+    ``read_certification(path)`` reads a training guard's verdict kept with one.
 
 Every collective waits at most ``timeout`` seconds, so a dead or stuck rank
 raises :class:`~torchverity.errors.DistributedTimeoutError` instead of hanging.
@@ -45,7 +46,13 @@ raises :class:`~torchverity.errors.DistributedTimeoutError` instead of hanging.
 
 from __future__ import annotations
 
-from torchverity.distributed._checkpoint import DcpLoadReport, load_dcp, save_dcp, save_rank0
+from torchverity.distributed._checkpoint import (
+    DcpLoadReport,
+    load_dcp,
+    read_certification,
+    save_dcp,
+    save_rank0,
+)
 from torchverity.distributed._checks import (
     FlagReducer,
     GradientCheck,
@@ -76,6 +83,7 @@ __all__ = [
     "check_replicas",
     "current_rank",
     "load_dcp",
+    "read_certification",
     "repair_replicas",
     "replay_audit",
     "save_dcp",

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import torchverity.distributed._dcp_generations as generations
+from torchverity._generation_pointer import SHARDS_IN_GENERATION
 from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_files
 from torchverity.distributed._comm import (
     DEFAULT_TIMEOUT_S,
@@ -46,7 +47,7 @@ from torchverity.manifest import (
     resolve_inside,
 )
 
-SHARDS_NAME = "torchverity.shards.json"
+SHARDS_NAME = SHARDS_IN_GENERATION
 SHARDS_FORMAT = "torchverity-dcp-shards"
 SHARDS_VERSION = 1
 _WRITER_PREFIX = re.compile(r"^__(\d+)_")
@@ -171,6 +172,7 @@ def save_dcp(
     group: dist.ProcessGroup | None = None,
     algo: str = DEFAULT_ALGO,
     timeout: float | None = DEFAULT_TIMEOUT_S,
+    certification: dict[str, Any] | None = None,
 ) -> Manifest:
     """``torch.distributed.checkpoint.save`` plus a manifest and per-rank fingerprints.
 
@@ -180,6 +182,9 @@ def save_dcp(
     The save goes to a new generation folder under ``path`` and is published
     by one rename of ``path/torchverity.current.json``: killed at any instant,
     ``path`` still holds the previous checkpoint, whole and verified.
+    ``certification`` (JSON-ready, rank 0's is written) is a training guard's
+    verdict on the state being saved, kept with the fingerprints
+    (:func:`read_certification`; ``torchverity verify`` reports it).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -200,6 +205,8 @@ def save_dcp(
         record = {"format": SHARDS_FORMAT, "version": SHARDS_VERSION, "world_size": c.world,
                   "ranks": {str(i): fp for i, fp in enumerate(fingerprints)},
                   "full": {"algo": FULL_ALGO, "tensors": full}}
+        if certification is not None:
+            record["certification"] = certification
         atomic_write_text(root / SHARDS_NAME, json.dumps(record, indent=2) + "\n")
     files = sorted({*written, SHARDS_NAME}, key=str.encode)
     shares = all_gather_json(c, _hash_share(c, root, files, algo), "the shard digest exchange")
@@ -377,6 +384,19 @@ def _check_fingerprints(c: Comm, root: Path, state_dict: dict[str, Any]) -> bool
             "check the named rank's device",
         )
     return all(r["usable"] for r in reports)
+
+
+def read_certification(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The training guard's certification recorded with the live checkpoint of ``path``
+    (None: none recorded). Plain JSON: readable before anything is verified or loaded."""
+    root = generations.data_folder(Path(path))
+    found = (_read_shards(root / SHARDS_NAME) or {}).get("certification")
+    if found is not None and not (isinstance(found, dict)
+                                  and isinstance(found.get("certified"), bool)):
+        raise FormatError(f"{root / SHARDS_NAME}: the certification it records is malformed",
+                          path=root / SHARDS_NAME,
+                          hint=f"torchverity verify {path}; save the checkpoint again")
+    return found
 
 
 def _read_shards(path: Path) -> dict[str, Any] | None:

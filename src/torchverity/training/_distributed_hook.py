@@ -93,12 +93,14 @@ class DistributedHook:
     check every ``replica_every`` updates, which heals or refuses."""
 
     def __init__(self, guard: TrainingGuard, every: int | None) -> None:
-        if guard.checkpoint_dir is not None and guard._sharded:
+        if guard.checkpoint_dir is not None and guard._sharded and guard.reducer is None and (
+                _distributed()):
             raise UsageError(
-                "TrainingGuard: checkpoint_dir= saves whole tensors with torchverity.save, "
-                "and this model's parameters are DTensor shards (FSDP2, HSDP, tensor parallel)",
-                hint="leave checkpoint_dir unset (the guard then stops on what it would roll "
-                "back) and save sharded checkpoints with torchverity.distributed.save_dcp")
+                "TrainingGuard: checkpoint_dir= on a model of DTensor shards (FSDP2, HSDP, "
+                "tensor parallel) saves and rolls back on every rank together, so every rank "
+                "must act on the same anomalies",
+                hint="pass reducer=torchverity.distributed.FlagReducer() (and the same "
+                "checkpoint_dir on every rank)")
         self._guard = guard
         self._every = every
         self.reports: list[RepairReport] = []

@@ -438,17 +438,17 @@ class TrainingGuard:
 
     def certify(self) -> dict[str, Any]:
         """Verify every covered tensor at rest now and say whether a checkpoint of them can
-        be certified (the record that goes into its meta.json)."""
+        be certified (its meta.json's record; of a sharded model, agreed by every rank)."""
         self.wait()
         return self._recovery.certify()
 
     def save_checkpoint(self) -> Path:
-        """Save model, optimizer, guard statistics and RNG states with ``torchverity.save``;
-        its meta.json records the certification."""
+        """Save model, optimizer, guard statistics and RNG states with ``torchverity.save``
+        and the certification (a sharded model: ``save_dcp`` on every rank together)."""
         return self._recovery.save()
 
     def rollback(self, step: int | None = None) -> Path:
-        """Reload the newest certified checkpoint (verified by ``torchverity.load``)."""
+        """Reload the newest certified checkpoint (verified by torchverity.load / load_dcp)."""
         return self._recovery.rollback(step)
 
     def state_dict(self) -> dict[str, Any]:

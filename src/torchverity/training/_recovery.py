@@ -6,7 +6,9 @@ record of the last update has passed, and no anomaly that may have left the weig
 corrupted is unresolved: a ``weights_changed``, non-finite or replay-mismatch anomaly
 whose policy let the update stand (``record`` or ``warn``), until a rollback. The
 certification goes into the checkpoint's meta.json (docs/formats/checkpoint.md);
-rollback only ever loads a certified checkpoint.
+rollback only ever loads a certified checkpoint. A model of DTensor shards (FSDP2, HSDP,
+tensor parallel) is checkpointed as a distributed checkpoint folder, certified by every
+rank together (:mod:`~torchverity.training._sharded_checkpoints`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torchverity.training._sharded_checkpoints as sharded
 from torchverity.errors import UsageError
 from torchverity.training._events import AnomalyEvent, Tally
 from torchverity.training._snapshot import Snapshot
@@ -57,7 +60,8 @@ class Recovery:
 
     def certify(self) -> dict[str, Any]:
         """Verify the covered tensors at rest now (flags not read yet are read first) and
-        say whether a checkpoint of them can be certified, and on what grounds."""
+        say whether a checkpoint of them can be certified, and on what grounds. Of a
+        sharded model: for every rank's shards, agreed by all ranks (call it on each)."""
         g = self.guard
         g.flush()
         changed = g._rest.changed()
@@ -69,7 +73,7 @@ class Recovery:
         state = max(len(g._rest.names) - n_params, 0) if changed is not None else 0
         frozen = g._rest.frozen
         n_frozen = len(frozen.names) if changed is not None and frozen.record is not None else 0
-        return {
+        record = {
             "certified": at_rest == "passed" and not unresolved,
             "step": g.global_step,
             "verified": {"at_rest": at_rest,
@@ -82,6 +86,7 @@ class Recovery:
             "unresolved": unresolved,
             "guard": dataclasses.asdict(g.summary()),
         }
+        return sharded.agree(record) if g._sharded else record
 
     # ------------------------------------------------------------ guard state
 
@@ -133,7 +138,8 @@ class Recovery:
 
     def save(self) -> Path:
         """Save model, optimizer, guard statistics and RNG states with ``torchverity.save``,
-        with the certification in its meta.json."""
+        with the certification in its meta.json; of a sharded model, a distributed
+        checkpoint folder with the certification beside its fingerprints."""
         from torchverity.checkpoint._save import save
         from torchverity.determinism import capture_rng
 
@@ -142,18 +148,35 @@ class Recovery:
         if self.dir is None:
             raise UsageError("save_checkpoint() needs checkpoint_dir= given to TrainingGuard")
         certification = self.certify()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        path = self.dir / f"guard-step{g.global_step:08d}.pt"
-        state = {"model": g.model.state_dict(), "optimizer": g.optimizer.state_dict(),
-                 "guard": self.rules_state(), "rng": capture_rng().to_state()}
-        report = save(state, path, meta={"torchverity_guard_step": g.global_step},
-                      certification=certification)
+        if g._sharded:
+            path = self._sharded_path()
+            digest = sharded.save(g, path, certification, self.rules_state())
+            fingerprint = None
+        else:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            path = self.dir / f"guard-step{g.global_step:08d}.pt"
+            state = {"model": g.model.state_dict(), "optimizer": g.optimizer.state_dict(),
+                     "guard": self.rules_state(), "rng": capture_rng().to_state()}
+            report = save(state, path, meta={"torchverity_guard_step": g.global_step},
+                          certification=certification)
+            digest, fingerprint = report.digest, report.fingerprint
         self.checkpoints.append(path)
         if certification["certified"]:
             self.certified.append(path)
         self.since_checkpoint = 0
-        log_checkpoint(g, path, report.digest, report.fingerprint, certification["certified"])
+        log_checkpoint(g, path, digest, fingerprint, certification["certified"])
         self._prune()
+        return path
+
+    def _sharded_path(self) -> Path:
+        """A folder of its own for every save (a second save at one step never replaces a
+        certified checkpoint); the same name on every rank, whose lists agree."""
+        assert self.dir is not None
+        base = self.dir / f"guard-step{self.guard.global_step:08d}"
+        path, n = base, 1
+        while path in self.checkpoints:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
         return path
 
     def _prune(self) -> None:
@@ -167,6 +190,9 @@ class Recovery:
             self.checkpoints.remove(old)
             if old in self.certified:
                 self.certified.remove(old)
+            if self.guard._sharded:
+                sharded.remove(self.guard, old)
+                continue
             for p in old.parent.glob(old.name + "*"):
                 p.unlink(missing_ok=True)
 
@@ -176,26 +202,34 @@ class Recovery:
         if self.dir is None or every is None or self.since_checkpoint < every:
             return
         self.guard.wait()
-        if self.unresolved or self.guard._rest.changed():  # never keep a doubtful one
+        doubtful = bool(self.unresolved or self.guard._rest.changed())
+        if self.guard._sharded:  # every rank saves, or none
+            doubtful = sharded.any_rank(doubtful, "the checkpoint decision")
+        if doubtful:  # never keep a doubtful one
             return
         self.save()
 
     # ------------------------------------------------------------ rollback
 
     def rollback(self, step: int | None) -> Path:
-        """Reload the newest certified checkpoint (verified by ``torchverity.load``)."""
+        """Reload the newest certified checkpoint (verified by ``torchverity.load``; of a
+        sharded model, by ``load_dcp`` on every rank together)."""
         from torchverity.checkpoint._load import load
         from torchverity.determinism import RngState, restore_rng
 
         g = self.guard
         g.wait()
-        if not self.certified:
+        if g._sharded:
+            path = sharded.choose(self.certified)
+            state = sharded.load(g, path)
+        elif not self.certified:
             raise UsageError("no certified checkpoint to roll back to",
                              hint="give checkpoint_dir= (the guard saves one when it starts)")
-        path = self.certified[-1]
-        state = load(path, sidecar="require")
-        g.model.load_state_dict(state["model"])
-        g.optimizer.load_state_dict(state["optimizer"])
+        else:
+            path = self.certified[-1]
+            state = load(path, sidecar="require")
+            g.model.load_state_dict(state["model"])
+            g.optimizer.load_state_dict(state["optimizer"])
         self.load_rules_state(state["guard"])
         restore_rng(RngState.from_state(state["rng"]))
         self.unresolved.clear()
