@@ -46,6 +46,14 @@ log = logging.getLogger("torchverity.training")
 Pair = tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]
 
 
+def frozen_parameters(model: torch.nn.Module, covered: bool = True
+                      ) -> tuple[list[torch.Tensor], tuple[str, ...]]:
+    """The model's ``requires_grad=False`` parameters and their names (none if not
+    ``covered``)."""
+    named = [(n, p) for n, p in model.named_parameters() if covered and not p.requires_grad]
+    return [p for _, p in named], tuple(n for n, _ in named)
+
+
 class FrozenSums:
     """The at-rest record and verification of parameters no update touches.
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from torchverity.errors import UsageError
-from torchverity.training._at_rest import AtRest
+from torchverity.training._at_rest import AtRest, frozen_parameters
 from torchverity.training._config import GuardConfig, Reducer
 from torchverity.training._device_rules import DeviceDetectors, DevicePending
 from torchverity.training._distributed_hook import DistributedHook, any_sharded
@@ -149,9 +149,6 @@ class TrainingGuard:
         self._params: list[torch.Tensor] = [p for _, p in named]
         self._device = self._params[0].device
         self._sharded = any_sharded(self._params)  # DTensors: the guard sees local shards
-        frozen = [(n, p) for n, p in self.model.named_parameters()
-                  if not p.requires_grad] if self.config.frozen_parameters else []
-        self._frozen = ([p for _, p in frozen], tuple(n for n, _ in frozen))
 
     def _setup_device_state(self) -> None:
         cfg, dev, n = self.config, self._device, len(self._params)
@@ -168,7 +165,8 @@ class TrainingGuard:
         self._rest = AtRest(cfg, self.optimizer, self._params, self._names,
                             reducer=self.reducer, policies=self.policies, pool=self._pool,
                             split=self._split, defer=defer, said=self._say_coverage,
-                            fallback=self._fused_unavailable, frozen=self._frozen)
+                            fallback=self._fused_unavailable,
+                            frozen=frozen_parameters(self.model, cfg.frozen_parameters))
         self._norms = GradNorms(self._params)
         self._replay = Replayer(cfg, self.optimizer, self._params, self._names, self.step_fn,
                                 lambda: self._norms.stacked(self._pool()), replaying)
@@ -437,8 +435,7 @@ class TrainingGuard:
     # ------------------------------------------------------------ checkpoints
 
     def certify(self) -> dict[str, Any]:
-        """Verify every covered tensor at rest now and say whether a checkpoint of them can
-        be certified (its meta.json's record; of a sharded model, agreed by every rank)."""
+        """Verify the covered tensors at rest now: the certification a checkpoint records."""
         self.wait()
         return self._recovery.certify()
 
