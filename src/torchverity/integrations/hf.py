@@ -127,11 +127,12 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback, _ExportableState):
             self.guard.after_update()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self.record_checkpoints or not state.is_world_process_zero:
+        if not self.record_checkpoints:
             return
+        # On every rank: for a sharded model the ranks agree on the certification together.
+        certification = self.certification()
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if folder.is_dir():
-            certification = self.certification()
+        if state.is_world_process_zero and folder.is_dir():
             self._record(record_checkpoint_folder(folder, state.global_step, certification),
                          certification)
 
