@@ -173,3 +173,23 @@ def test_inspect_takes_the_index_itself(hf: dict[str, object], tmp_path: Path, r
     for target in (index, folder):
         res = run_cli("inspect", target)
         assert res.code == 1 and shard.name in res.err and "Traceback" not in res.err, res.err
+
+
+def test_ambiguous_folder_hint_fits_every_command(hf: dict[str, object], tmp_path: Path,
+                                                  run_cli) -> None:
+    """Two weights files in a folder with spaces and non-ASCII in its name: each command's
+    hint names files that exist, quoted for the shell, and no other command."""
+    import shlex
+
+    folder = tmp_path / "my models ü"
+    shutil.copytree(Path(str(hf["single"])), folder)
+    (folder / "model.safetensors").rename(folder / "modèle 1.safetensors")
+    torch.save({"w": torch.ones(2)}, folder / "résumé ckpt.pt")
+    for command in ("fingerprint", "inspect"):
+        res = run_cli(command, folder)
+        assert res.code == 2 and "Traceback" not in res.err
+        (hint,) = [line for line in res.err.splitlines() if "next:" in line]
+        assert "torchverity" not in hint, hint  # not another command's name
+        named = [Path(w) for w in shlex.split(hint.split("e.g.", 1)[1]) if w != "or"]
+        assert named and all(p.is_file() for p in named), hint
+        assert run_cli(command, named[0]).code == 0
