@@ -306,9 +306,9 @@ def scan_file(path: str | os.PathLike[str], *, limits: Limits | None = None) -> 
     except PickleError as exc:
         return ScanResult(p, MALFORMED, (), None, str(exc), "unknown", (str(exc),))
     except OSError as exc:
-        from torchverity.errors import InputError
+        from torchverity.errors import unreadable
 
-        raise InputError(f"{p}: cannot read: {exc.strerror or exc}", path=p) from None
+        raise unreadable(p, exc) from None
     findings = findings_of(container)
     problems = problems_of(container)
     verdict, reason = verdict_of(container, findings, problems)
