@@ -10,6 +10,7 @@ from typing import Literal
 from torchverity.errors import (
     FormatError,
     InputError,
+    unreadable,
 )
 
 FileFormat = Literal["pt", "pt-legacy", "safetensors"]
@@ -39,7 +40,7 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
     except FileNotFoundError:
         raise InputError(f"{p}: no such file", path=p, hint="check the path") from None
     except OSError as exc:
-        raise InputError(f"{p}: cannot read: {exc.strerror or exc}", path=p) from None
+        raise unreadable(p, exc) from None
     if size == 0:
         raise FormatError(f"{p}: file is empty (0 bytes): not a checkpoint", path=p,
                           hint="the save that wrote it was probably interrupted; "

@@ -77,6 +77,18 @@ class InputError(TorchVerityError):
     """An input is missing or cannot be read."""
 
 
+def unreadable(path: str | Path, exc: OSError) -> InputError:
+    """The error for a file that exists but cannot be read, with the step that fits why."""
+    import shlex
+
+    quoted = shlex.quote(str(path))
+    hint = (f"check its permissions (ls -l {quoted}), or run as a user allowed to read it"
+            if isinstance(exc, PermissionError) else
+            f"check that {quoted} is a regular file on a healthy disk (the kernel log names I/O "
+            "errors)")
+    return InputError(f"{path}: cannot read: {exc.strerror or exc}", path=path, hint=hint)
+
+
 class FormatError(TorchVerityError):
     """A file exists but is not in the format it claims (sidecar, manifest, checkpoint...)."""
 

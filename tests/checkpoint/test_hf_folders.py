@@ -156,3 +156,40 @@ def test_extra_files_get_their_own_advice_and_exclude_skips_them(
     (folder / "config.json").write_text("{}\n")
     changed = run_cli("verify", folder, "--exclude", "notes.txt", "--exclude", ".cache/*")
     assert changed.code == 1 and "mismatched:" in changed.err and "extra:" not in changed.err
+
+
+def test_inspect_takes_the_index_itself(hf: dict[str, object], tmp_path: Path, run_cli) -> None:
+    import json
+
+    folder = _copy(hf["sharded"], tmp_path)
+    index = folder / "model.safetensors.index.json"
+    res = run_cli("inspect", "--json", index)
+    assert res.code == 0, res.err
+    doc = json.loads(res.out)
+    assert doc["fingerprint"] == hf["fingerprint"] and doc["format"] == "sharded"
+    assert doc["problems"] == [] and len(doc["shards"]) > 1
+    shard = sorted(folder.glob("model-*-of-*.safetensors"))[-1]
+    shard.unlink()  # a shard missing: named through the index as through the folder
+    for target in (index, folder):
+        res = run_cli("inspect", target)
+        assert res.code == 1 and shard.name in res.err and "Traceback" not in res.err, res.err
+
+
+def test_ambiguous_folder_hint_fits_every_command(hf: dict[str, object], tmp_path: Path,
+                                                  run_cli) -> None:
+    """Two weights files in a folder with spaces and non-ASCII in its name: each command's
+    hint names files that exist, quoted for the shell, and no other command."""
+    import shlex
+
+    folder = tmp_path / "my models ü"
+    shutil.copytree(Path(str(hf["single"])), folder)
+    (folder / "model.safetensors").rename(folder / "modèle 1.safetensors")
+    torch.save({"w": torch.ones(2)}, folder / "résumé ckpt.pt")
+    for command in ("fingerprint", "inspect"):
+        res = run_cli(command, folder)
+        assert res.code == 2 and "Traceback" not in res.err
+        (hint,) = [line for line in res.err.splitlines() if "next:" in line]
+        assert "torchverity" not in hint, hint  # not another command's name
+        named = [Path(w) for w in shlex.split(hint.split("e.g.", 1)[1]) if w != "or"]
+        assert named and all(p.is_file() for p in named), hint
+        assert run_cli(command, named[0]).code == 0

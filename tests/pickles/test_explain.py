@@ -198,3 +198,58 @@ def test_unexplained_errors_exit_1(run_cli: Callable[..., object]) -> None:
     res = run_cli("explain", text)
     assert res.code == 1 and "[unexplained] ValueError: something nobody has seen" in res.out
     assert "[unsupported-opcode]" in res.out
+
+
+def _error_text(fn: Callable[[], object]) -> str:
+    """What a user pastes: the last lines of the traceback, exactly as Python prints them."""
+    import traceback
+
+    exc = _raised(fn)
+    return "".join(traceback.format_exception_only(type(exc), exc))
+
+
+def test_torch_full_weights_only_messages_are_one_explained_report(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """torch quotes its unpickler's message on a line of its own ("WeightsUnpickler error:"):
+    the report's header line is not a second, unexplained error."""
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = tmp_path / "cfg.pt"
+    torch.save({"w": torch.ones(2), "cfg": omegaconf.OmegaConf.create({"lr": 0.1})}, cfg)
+    pointer = tmp_path / "pytorch_model.bin"
+    pointer.write_text(_LFS)
+    for path, key in ((cfg, "unsupported-global"), (pointer, "git-lfs-pointer")):
+        text = _error_text(lambda p=path: torch.load(p, weights_only=True))
+        assert "WeightsUnpickler error:" in text
+        res = run_cli("explain", text)
+        assert res.code == 0 and f"[{key}]" in res.out, res.out
+        assert "[unexplained]" not in res.out and "not recognised" not in res.err
+        doc = json.loads(run_cli("explain", "--json", text).out)
+        assert doc["recognised"] == 1 and not doc.get("unexplained")
+
+
+def test_real_messages_of_broken_files_name_their_cause(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    from safetensors.torch import load_file
+
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    lfs = tmp_path / "model.safetensors"
+    lfs.write_text(_LFS)
+    short = tmp_path / "short.safetensors"
+    short.write_bytes(b"\x00" * 4)
+    plain = tmp_path / "state.pt"
+    torch.save({"w": torch.ones(2)}, plain)
+    onnx_file = tmp_path / "m.onnx"
+    torch.onnx.export(torch.nn.Linear(3, 2), (torch.ones(1, 3),), str(onnx_file), dynamo=False)
+    cases = [
+        (lambda: torch.load(empty, weights_only=True), "truncated-zip"),
+        (lambda: load_file(lfs), "safetensors-not-safetensors"),
+        (lambda: load_file(short), "truncated-zip"),
+        (lambda: torch.jit.load(plain), "not-torchscript"),
+        (lambda: torch.load(onnx_file, weights_only=True), "onnx-model"),
+    ]
+    for fn, key in cases:
+        text = _error_text(fn)
+        assert [e.key for e in explain_text(text)] == [key], text
+        res = run_cli("explain", text)
+        assert res.code == 0 and "[unexplained]" not in res.out, (text, res.out)

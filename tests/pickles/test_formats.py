@@ -219,3 +219,28 @@ def test_inspect_and_fingerprint_read_tensors_inertly(files: dict[str, Any]) -> 
     scripted = torchverity.inspect(files["script"])
     assert {row.name for row in scripted.tensors} == {"conv.weight", "conv.bias"}
     assert len(fingerprint_file(files["script"]).entries) == 2
+
+
+def test_empty_files_and_broken_safetensors_headers_are_named(
+    tmp_path: Path, run_cli: Callable[..., Any]
+) -> None:
+    from safetensors.torch import save_file
+
+    real = tmp_path / "real.safetensors"
+    save_file({"w": torch.ones(4, 4)}, str(real))
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "zero.safetensors").write_bytes(b"\x00" * 8)  # header length 0
+    (tmp_path / "cut.safetensors").write_bytes(real.read_bytes()[:40])  # a partial copy
+    (tmp_path / "__init__.py").write_bytes(b"")
+    expect = {"empty.pt": ("empty", "empty file (0 bytes)"),
+              "zero.safetensors": ("safetensors", "header length is 0"),
+              "cut.safetensors": ("safetensors", "runs past the end of the file")}
+    for name, (fmt, words) in expect.items():
+        result = scan_file(tmp_path / name)
+        assert (result.verdict, result.format) == ("malformed", fmt), result
+        assert words in result.reason and "pickle" not in result.reason, result.reason
+        res = run_cli("scan", tmp_path / name)
+        assert res.code == 1 and "next: restore the file" in res.out, res.out
+    report = scan(tmp_path)
+    assert {Path(s.path).name: s.reason for s in report.skipped} == {"__init__.py": "empty file"}
+    assert scan_file(real).verdict == "safe"

@@ -326,3 +326,22 @@ def test_sparse_nested_and_structured_values_migrate(tmp_path: Path) -> None:
     torch.save({"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}, quantized)
     with pytest.raises(UsageError, match="not migrated"):
         migrate(quantized, tmp_path / "q.safetensors")
+
+
+def test_a_folder_source_names_its_checkpoint_file(tmp_path: Path,
+                                                   run_cli: Callable[..., Any]) -> None:
+    """A folder given where migrate wants a file: not 'no such file', and the next command
+    names the folder's one checkpoint file, quoted for the shell."""
+    folder = tmp_path / "my run ü"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    torch.save(torch.nn.Linear(2, 2).state_dict(), folder / "pytorch_model.bin")
+    out = tmp_path / "out.safetensors"
+    res = run_cli("migrate", folder, out)
+    assert res.code == 2 and "no such file" not in res.err and "is a folder" in res.err
+    hint = f"torchverity migrate '{folder}/pytorch_model.bin' {out}"
+    assert hint in res.err, res.err
+    assert run_cli("migrate", f"{folder}/pytorch_model.bin", out).code == 0
+    (tmp_path / "none").mkdir()
+    res = run_cli("migrate", tmp_path / "none", tmp_path / "o2.safetensors")
+    assert res.code == 2 and "holds no torch checkpoint" in res.err

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,55 @@ def test_load_refuses_a_snapshot_link_out_of_the_cache(hf_home: Path, tmp_path: 
     (snap / "planted.pt").symlink_to(os.path.relpath(outside, snap))
     with pytest.raises(IntegrityError, match="leaves this repository"):
         torchverity.load(snap / "planted.pt")
+
+
+def test_relative_paths_into_a_snapshot_are_checked_like_absolute_ones(
+        hf_home: Path, tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from huggingface_hub import try_to_load_from_cache
+
+    import torchverity
+    from torchverity.errors import IntegrityError
+
+    path = try_to_load_from_cache(REPO, SHARD, cache_dir=hf_home / "hub")
+    assert isinstance(path, str)
+    monkeypatch.chdir(hf_home.parent)  # the path as a user types it from nearby
+    rel = os.path.relpath(path)
+    snap = os.path.dirname(rel)
+    res = run_cli("verify", rel)
+    assert res.code == 0 and "1 ok" in res.out and "outside" not in res.out, res.out + res.err
+    assert hub_blob_check(rel) is not None and hub_blob_check(rel).status == "ok"
+    assert torchverity.load(rel, with_report=True)[1].digest_source == "hub"
+    assert torchverity.load(snap)  # the snapshot folder as a checkpoint
+    monkeypatch.chdir(snap)
+    assert run_cli("verify", SHARD).code == 0
+    outside = tmp_path / "planted.pt"  # a link out of the cache is still refused
+    torch.save({"w": torch.zeros(2)}, outside)
+    os.symlink(os.path.relpath(outside), "planted.pt")
+    with pytest.raises(IntegrityError, match="leaves this repository"):
+        torchverity.load("planted.pt")
+    assert run_cli("verify", "planted.pt").code == 1
+
+
+def test_sharded_snapshot_load_says_what_the_hub_names_verified(hf_home: Path) -> None:
+    """The index (named by its git SHA-1) and every shard (by SHA-256) are checked against
+    their blob names: no 'not verified' warning for them, only that meta.json is absent."""
+    import torchverity
+    from torchverity.errors import IntegrityError
+
+    snap = _repo(hf_home) / "snapshots" / COMMIT
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, report = torchverity.load(snap, with_report=True)
+    assert state and report.shards
+    texts = " | ".join(report.warnings) + " | ".join(str(w.message) for w in caught)
+    assert "not verified" not in texts and "could not be fully verified" not in texts, texts
+    assert "match their hub record" in texts and "no meta.json" in texts
+    index = next(snap.glob("*.index.json"))
+    blob = index.parent / os.readlink(index)
+    blob.write_bytes(blob.read_bytes().replace(b'"metadata"', b'"metadatA"'))
+    with pytest.raises(IntegrityError):  # the index's git SHA-1 is checked, not assumed
+        torchverity.load(snap)
 
 
 def test_load_of_a_damaged_small_hub_file_is_refused(local_dir: Path) -> None:

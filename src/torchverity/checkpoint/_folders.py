@@ -11,6 +11,7 @@ Torch-free: ``verify`` and the CLI resolve paths without importing torch.
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,11 +67,14 @@ def single_weights_file(folder: Path) -> Path:
     if len(found) == 1:
         return found[0]
     listed = ", ".join(f.name for f in found) if found else "none"
+    # Any command resolves folders here, so the hint names paths, never a command.
     raise InputError(
         f"{folder}: folder has no *.index.json and {len(found)} weights files ({listed}), "
         "so it is neither a sharded nor a single-file checkpoint", path=folder,
-        hint=f"name the weights file: torchverity inspect {folder}/<file>"
-        if found else f"list the folder (ls {folder}); weights are *.safetensors or *.bin",
+        hint="give one weights file instead of the folder, e.g. "
+        + " or ".join(shlex.quote(os.fspath(f)) for f in found[:2])
+        if found else f"list the folder (ls {shlex.quote(os.fspath(folder))}); weights are "
+                      "*.safetensors or *.bin",
     )
 
 

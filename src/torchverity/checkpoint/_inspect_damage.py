@@ -19,16 +19,19 @@ _SHARD_PARTS = re.compile(r"(?P<stem>model|pytorch_model)-\d{5}-of-(?P<count>\d{
 
 def problems(result: Any) -> list[str]:
     """Human-readable problems found in ``result`` (an InspectResult); empty when intact."""
-    p = Path(result.path)
-    record = p / _index_name(result) if result.shards else p
+    from torchverity.checkpoint._folders import resolve
+
+    # As inspect read it: a folder, its index given directly, or one file.
+    target = resolve(result.path)
+    record, folder = target.record, target.folder
     found = []
     if result.not_loaded and (result.scan is None or result.scan.ok):
         found.append(result.not_loaded)
-    missing = [s for s in result.shards if not (p / s).is_file()]
+    missing = [s for s in result.shards if not (folder / s).is_file()]
     if missing:
         found.append(f"the index names {len(missing)} shard(s) that do not exist: "
                      f"{', '.join(missing[:5])}")
-    extra = _extra_shards(p, set(result.shards)) if result.shards else []
+    extra = _extra_shards(folder, set(result.shards)) if result.shards else []
     if extra:
         found.append(f"the folder holds {len(extra)} shard(s) of this save that the index does "
                      f"not name: {', '.join(extra[:5])}")
@@ -49,12 +52,6 @@ def _extra_shards(folder: Path, listed: set[str]) -> list[str]:
 def _family(name: str) -> str | None:
     match = _SHARD_PARTS.fullmatch(name)
     return None if match is None else f"{match['stem']}|{match['count']}|{match['rest']}"
-
-
-def _index_name(result: Any) -> str:
-    from torchverity.checkpoint._index import find_index
-
-    return find_index(Path(result.path)).name
 
 
 def _meta_problems(record: Path, result: Any) -> list[str]:

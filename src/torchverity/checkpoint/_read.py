@@ -5,6 +5,8 @@ its pickle.
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +69,22 @@ def read_unverified(path: str | os.PathLike[str]) -> Any:
         return inert_tensors(p)
 
 
+# What torch warns before weights_only refuses a file: that it would hand a TorchScript
+# archive to torch.jit.load (it does not under weights_only) and that a pickle is protocol 4.
+# The refusal says what the file is; the warnings only add misleading noise.
+_REFUSAL_NOISE = ("'torch.load' received a zip file that looks like a TorchScript archive",
+                  "Detected pickle protocol")
+
+
 def _torch_load(p: Path, fmt: FileFormat, map_location: Any, full_pickle: bool,
                 mmap: bool) -> Any:
     try:
-        return torch.load(p, map_location=map_location, weights_only=not full_pickle, mmap=mmap)
+        with warnings.catch_warnings():
+            if not full_pickle:
+                for text in _REFUSAL_NOISE:
+                    warnings.filterwarnings("ignore", message=re.escape(text))
+            return torch.load(p, map_location=map_location, weights_only=not full_pickle,
+                              mmap=mmap)
     except Exception as exc:
         raise _load_failure(p, fmt, exc) from None
 
@@ -88,9 +102,10 @@ def _load_failure(p: Path, fmt: FileFormat, exc: Exception) -> Exception:
 
 
 def _explained_load_error(p: Path, exc: Exception) -> Exception:
-    from torchverity.pickles._explain import explain_exception, with_file
+    from torchverity.pickles._explain import explain_exception, strip_ansi, with_file
 
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    message = strip_ansi(str(exc)).strip()  # torch bolds part of its weights_only message
+    first = message.splitlines()[0] if message else ""
     text = f"{type(exc).__name__}: {first}"
     hint = f"torchverity inspect {p}"
     explanation = explain_exception(exc)

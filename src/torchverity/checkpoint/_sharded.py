@@ -202,7 +202,8 @@ def load_sharded(folder: Path, *, map_location: Any, sidecar: SidecarPolicy,
         digest_source=expected.source if expected else None, fingerprint=fp_root,
         fingerprint_verified=fp_root is not None, sidecar_policy=sidecar, weights_only=True,
         tensors=len(merged), shards=tuple(shards),
-        warnings=_summarise_warnings(index, reports, expected is None and sidecar == "warn"),
+        warnings=_summarise_warnings(index, reports, expected is None and sidecar == "warn"
+                                     and not _hub_checked(index)),
         fingerprint_check=check,
     )
     return merged, report
@@ -254,11 +255,27 @@ def _check_shard_names(index: Path, shard: str, obj: Any, listed: set[str]) -> N
         )
 
 
+def _hub_checked(index: Path) -> bool:
+    """An index in a hub snapshot is named by its git SHA-1, which the load checked."""
+    from torchverity.provenance import hub_blob_check
+
+    entry = hub_blob_check(index)
+    return entry is not None and entry.ok
+
+
 def _summarise_warnings(index: Path, reports: list[LoadReport], index_unverified: bool,
                         ) -> tuple[str, ...]:
     notes = [f"{index}: no sidecar: the index was not verified"] if index_unverified else []
-    unverified = [Path(r.path).name for r in reports if r.warnings]
-    if unverified:
+    unverified = [r for r in reports if r.warnings]
+    if not unverified:
+        return tuple(notes)
+    first = Path(unverified[0].path).name
+    sources = {r.digest_source for r in unverified}
+    if None in sources:
         notes.append(f"{len(unverified)} of {len(reports)} shards could not be fully verified "
-                     f"(no sidecar or meta.json), e.g. {unverified[0]}")
+                     f"(no sidecar or meta.json), e.g. {first}")
+    else:  # their bytes were checked (manifest, hub names); only meta.json is absent
+        notes.append(f"{len(unverified)} of {len(reports)} shards match their "
+                     f"{'/'.join(sorted(str(x) for x in sources))} record, but have no meta.json:"
+                     f" their content fingerprint was not checked, e.g. {first}")
     return tuple(notes)

@@ -82,6 +82,9 @@ def _next_step(result: ScanResult) -> str:
         return "git lfs pull (or huggingface-cli download) fetches the real file"
     if result.format == "html":
         return "download the file again; check the URL and any access token"
+    broken_header = result.format == "safetensors" and result.verdict == "malformed"
+    if result.format == "empty" or broken_header:
+        return "restore the file from a good copy or download it again"
     return ""
 
 

@@ -450,16 +450,22 @@ def _readings(fh: BinaryIO, size: int, head: bytes, limits: Limits, name: str) -
     if decompressed is not None:
         _settle_compressed(container, decompressed, raw)
     elif primary:
-        _not_a_pickle(container, raw, head)
+        _not_a_pickle(container, raw, head, size)
     return container
 
 
-def _not_a_pickle(container: Container, entry: Entry, head: bytes) -> None:
+def _not_a_pickle(container: Container, entry: Entry, head: bytes, size: int) -> None:
     """A file every unpickler rejects before resolving anything is not a pickle at all."""
     first = entry.streams[0]
     if first.error is None or first.globals or first.calls or first.error_limit:
         return
-    if _sniff.text_file(head):
+    broken = _sniff.broken_safetensors(head, size)
+    if size == 0:
+        container.format = "empty"
+    elif broken is not None:
+        container.format = "safetensors"
+        container.problems.append(broken)
+    elif _sniff.text_file(head):
         container.format = "text"
     elif first.ops <= 2:
         container.format = "data"

@@ -81,6 +81,14 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity scan {file}",
     ),
     _rule(
+        "onnx-model",
+        r"Unsupported operand 8\b",
+        "the file is most likely an ONNX model (protobuf; its first byte 0x08 opens the "
+        "ir_version field), not a torch checkpoint: torch.load cannot read it.",
+        "run it with onnxruntime (or onnx.load it); to see its weights, list its initializers.",
+        "torchverity inspect {file}",
+    ),
+    _rule(
         "torchscript-weights-only",
         r"Cannot use ``weights_only=True`` with TorchScript archives|"
         r"received a zip file that looks like a TorchScript archive",
@@ -121,7 +129,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _rule(
         "unsupported-opcode",
-        r"Unsupported operand (?!118\b|60\b)(?P<op>\d+)",
+        r"Unsupported operand (?!118\b|60\b|8\b)(?P<op>\d+)",
         "the file was pickled with protocol 4 or later{detail} (operand 149 is FRAME), e.g. by "
         "pickle.dump or torch.save(pickle_protocol=4); torch's weights_only unpickler reads "
         "protocol 2 only.",
@@ -192,11 +200,32 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity inspect {file}",
     ),
     _rule(
+        "not-torchscript",
+        r"PytorchStreamReader failed locating file constants\.pkl",
+        "torch.jit.load was given a torch.save checkpoint (a state_dict or pickled objects), "
+        "not a TorchScript archive (torch.jit.save): only TorchScript archives hold "
+        "constants.pkl.",
+        "load it with torch.load(weights_only=True) and load_state_dict into the model your "
+        "code builds; use torch.jit.load only for files written by torch.jit.save.",
+        "torchverity inspect {file}",
+    ),
+    _rule(
+        "safetensors-not-safetensors",
+        r"Error while deserializing header: header too large|HeaderTooLarge",
+        "the file's first 8 bytes are not a safetensors header length: most often a Git LFS "
+        "pointer or an HTML page saved under the .safetensors name (a broken download), else "
+        "another format renamed .safetensors.",
+        "see what the file is (the scan names LFS pointers and HTML pages); fetch the real "
+        "file with 'git lfs pull' or download it again, then verify it.",
+        "torchverity scan {file}",
+    ),
+    _rule(
         "truncated-zip",
         r"PytorchStreamReader failed (?:reading zip archive|finding central directory|"
-        r"locating file)[^\n]*|failed finding central directory|"
-        r"file is not a zip file|truncated|Ran out of input|"
-        r"MetadataIncompleteBuffer|HeaderTooLarge|InvalidHeaderDeserialization",
+        r"locating file (?!constants\.pkl))[^\n]*|failed finding central directory|"
+        r"file is not a zip file|truncated|Ran out of input|^\s*(?:builtins\.)?EOFError\s*$|"
+        r"Error while deserializing header: (?:header too small|invalid JSON in header)|"
+        r"MetadataIncompleteBuffer|InvalidHeaderDeserialization",
         "the file is incomplete or damaged: a save interrupted before it finished (torch.save "
         "is not atomic), a partial copy or download, or a full disk.",
         "check the file against its sidecar or manifest and restore a good copy; write "
@@ -237,6 +266,9 @@ _DETAILS_SHOWN = 5
 # Lines that report an error: an exception name with its message, or an error prefix.
 _ERROR_LINE = re.compile(
     r"^.*\b\w*(?:Error|Exception)\b:.*$|^\s*(?:error|fatal)\b[:\s].*$", re.MULTILINE | re.I)
+# torch's weights_only error quotes its unpickler's message on a line of its own: that line
+# continues the report above it, whose cause it holds.
+_CONTINUATION = re.compile(r"WeightsUnpickler error:")
 
 
 def strip_ansi(text: str) -> str:
@@ -263,7 +295,8 @@ def explain_text(text: str) -> list[Explanation]:
 def unexplained(text: str) -> list[str]:
     """Error reports in ``text`` that no rule explains (each runs to the next error line)."""
     clean = strip_ansi(text)
-    starts = [m.start() for m in _ERROR_LINE.finditer(clean)]
+    starts = [m.start() for m in _ERROR_LINE.finditer(clean)
+              if not _CONTINUATION.search(m.group(0))]
     spans = [m.span() for _, m in _matches(clean)]
     out: list[str] = []
     for i, start in enumerate(starts):

@@ -22,6 +22,7 @@ SHA-256) lifts that refusal for a file you made, and it is still read inertly.
 from __future__ import annotations
 
 import os
+import shlex
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,7 +31,13 @@ from typing import Any
 
 import torch
 
-from torchverity.errors import FormatError, IntegrityError, UnsafeFileError, UsageError
+from torchverity.errors import (
+    FormatError,
+    InputError,
+    IntegrityError,
+    UnsafeFileError,
+    UsageError,
+)
 from torchverity.pickles._extract import Extractor, inert_load
 from torchverity.pickles._inert import Inert
 from torchverity.pickles._scan import DANGEROUS, MALFORMED, ScanResult, scan_file
@@ -120,6 +127,24 @@ class MigrateResult:
     scan_verdict: str = ""
 
 
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _folder_source(src: Path, dst: Path) -> InputError:
+    """migrate reads one file: name the folder's checkpoint file when there is one."""
+    files = sorted(f for f in src.iterdir() if f.is_file() and f.suffix in _PICKLE_SUFFIXES)
+    if len(files) == 1:
+        hint = (f"migrate its checkpoint file: torchverity migrate "
+                f"{shlex.quote(os.fspath(files[0]))} {shlex.quote(os.fspath(dst))}")
+    elif files:
+        hint = "name one checkpoint file in it: " + ", ".join(f.name for f in files[:5])
+    else:
+        hint = (f"it holds no torch checkpoint ({', '.join(_PICKLE_SUFFIXES)}): "
+                f"ls {shlex.quote(os.fspath(src))}")
+    return InputError(f"{src}: is a folder; migrate reads one checkpoint file", path=src,
+                      hint=hint)
+
+
 def _refuse(scan: ScanResult, path: Path, *, trusted: bool) -> None:
     if scan.verdict == MALFORMED:
         raise FormatError(f"{path}: cannot be migrated: {scan.reason}", path=path,
@@ -170,6 +195,8 @@ def migrate(
     if nested and dst.suffix != ".pt":
         raise UsageError("a nested output (model + optimizer) is written as .pt",
                          hint=f"torchverity migrate {src} {dst.with_suffix('.pt')} --nested")
+    if src.is_dir():
+        raise _folder_source(src, dst)
     scan = scan_file(src)
     if trust_sha256 is not None:
         _check_trust(src, trust_sha256)

@@ -297,15 +297,18 @@ def scan_file(path: str | os.PathLike[str], *, limits: Limits | None = None) -> 
     if not Path(p).is_file():
         from torchverity.errors import InputError
 
+        if Path(p).is_dir():
+            raise InputError(f"{p}: is a folder, not a file", path=p,
+                             hint="scan() takes folders and scans the files in them")
         raise InputError(f"{p}: no such file", path=p, hint="check the path")
     try:
         container = scan_container(p, limits or Limits())
     except PickleError as exc:
         return ScanResult(p, MALFORMED, (), None, str(exc), "unknown", (str(exc),))
     except OSError as exc:
-        from torchverity.errors import InputError
+        from torchverity.errors import unreadable
 
-        raise InputError(f"{p}: cannot read: {exc.strerror or exc}", path=p) from None
+        raise unreadable(p, exc) from None
     findings = findings_of(container)
     problems = problems_of(container)
     verdict, reason = verdict_of(container, findings, problems)
@@ -340,7 +343,7 @@ _WEIGHT_SUFFIXES = frozenset({
     ".joblib", ".h5", ".msgpack", ".model", ".tar", ".onnx",
 })
 _SKIPPED_FORMATS = {"text": "text file (no pickle)", "onnx": "ONNX model (no pickle)",
-                    "data": "binary data that no unpickler can read"}
+                    "data": "binary data that no unpickler can read", "empty": "empty file"}
 
 
 def _skip_reason(result: ScanResult, path: Path) -> str | None:
@@ -350,7 +353,7 @@ def _skip_reason(result: ScanResult, path: Path) -> str | None:
     weights = path.suffix.lower() in _WEIGHT_SUFFIXES
     if result.format in ("git-lfs-pointer", "html") and not weights:
         return "Git LFS pointer" if result.format == "git-lfs-pointer" else "HTML page"
-    if result.format == "data" and weights:
+    if result.format in ("data", "empty") and weights:
         return None
     return _SKIPPED_FORMATS.get(result.format)
 

@@ -106,6 +106,22 @@ def safetensors_header(head: bytes, size: int) -> int | None:
     return None
 
 
+def broken_safetensors(head: bytes, size: int) -> str | None:
+    """Why a file that starts like safetensors cannot be read as one, else None.
+
+    A header length of 0, or a JSON header that runs past the end of the file (a cut copy).
+    """
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack("<Q", head[:8])
+    if n == 0 and size == 8:
+        return "safetensors header length is 0 (8 bytes in all): no header, no tensors"
+    if head[8:9] == b"{" and n > size - 8:
+        return (f"safetensors header of {n} bytes runs past the end of the file ({size} bytes): "
+                "the file is cut short")
+    return None
+
+
 def compressed(head: bytes) -> tuple[str, object] | None:
     for magic, name, make in COMPRESSED:
         if head.startswith(magic):

@@ -177,6 +177,8 @@ _BROKEN = {
                        "pointer only): run 'git lfs pull' or download the file again",
     "html": "an HTML page (a download error or login page) saved under a weights name: "
             "download the file again",
+    "empty": "empty file (0 bytes): the save or download that wrote it stopped before "
+             "writing anything",
 }
 _NO_PICKLE = {
     "onnx": "ONNX model (protobuf): holds no pickle; torch.load cannot read it, "

@@ -170,8 +170,10 @@ def link_target(entry: Path, repo: Path) -> tuple[HubStatus | None, Path | None,
     if not entry.is_symlink():
         return "unchecked", None, "a copied file, not a link: its blob name is unknown"
     text = os.readlink(entry)
-    lexical = Path(os.path.normpath(os.path.join(entry.parent, text)))
-    blobs = Path(os.path.normpath(repo / "blobs"))
+    # Both sides absolute: a relative entry (a path typed from inside the cache) and an
+    # absolute repo (from snapshot_of) name the same blobs/ folder.
+    lexical = Path(os.path.abspath(os.path.join(entry.parent, text)))
+    blobs = Path(os.path.abspath(repo / "blobs"))
     # huggingface_hub writes an absolute link when a relative one cannot be made.
     inside = lexical.parent == blobs or (
         os.path.isabs(text) and lexical.parent.resolve() == blobs.resolve())
