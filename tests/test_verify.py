@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -244,3 +247,50 @@ def test_inject_output_naming_the_input_damages_it_in_place(tmp_path: Path) -> N
     path.write_bytes(b"\x00" * 64)
     flip_bit(path, 10, 1, output=path)
     assert path.read_bytes()[10] == 2 and len(path.read_bytes()) == 64
+
+
+def test_records_written_after_the_manifest_are_not_foreign_extras(
+        tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    import torchverity
+
+    folder = tmp_path / "my models ü"
+    folder.mkdir()
+    save_file({"w": torch.ones(4)}, folder / "modèle 1.safetensors")
+    torchverity.save({"w": torch.ones(3)}, folder / "résumé ckpt.pt")  # + sidecar, meta.json
+    held = tmp_path / "held"
+    held.mkdir()
+    for name in ("résumé ckpt.pt.sha256", "résumé ckpt.pt.meta.json"):
+        shutil.move(folder / name, held / name)
+    write_manifest(folder)  # lists the two weights files only
+    for name in ("résumé ckpt.pt.sha256", "résumé ckpt.pt.meta.json"):
+        shutil.move(held / name, folder / name)
+    assert run_cli("hash", "--write", folder / "modèle 1.safetensors").code == 0
+    result = verify_directory(folder)
+    assert result.ok and statuses(result) == {"modèle 1.safetensors": "ok",
+                                              "résumé ckpt.pt": "ok"}
+    assert result.unlisted_records == ("modèle 1.safetensors.sha256",
+                                       "résumé ckpt.pt.meta.json", "résumé ckpt.pt.sha256")
+    assert result.to_dict()["unlisted_records"] == list(result.unlisted_records)
+    res = run_cli("verify", folder)
+    assert res.code == 0 and "OK (2 ok)" in res.out, (res.out, res.err)
+    assert "not counted (torchverity's own records of listed files)" in res.out
+
+    # A foreign weights file still fails the folder, and so do its sidecar and a file
+    # that only borrows a record's name.
+    torch.save({"w": torch.zeros(2)}, folder / "extra.pt")
+    write_sidecar(folder / "extra.pt", digest_file(folder / "extra.pt"))
+    torch.save({"w": torch.zeros(2)}, folder / "modèle 1.safetensors.blake3")
+    got = statuses(verify_directory(folder))
+    assert got == {"extra.pt": "extra", "extra.pt.sha256": "extra",
+                   "modèle 1.safetensors": "ok", "modèle 1.safetensors.blake3": "extra",
+                   "résumé ckpt.pt": "ok"}
+    res = subprocess.run([sys.executable, "-m", "torchverity", "verify", str(folder)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert res.returncode == 1 and "extra.pt" in res.stdout, res.stdout
+    assert f"torchverity manifest '{folder}'" in res.stderr, res.stderr

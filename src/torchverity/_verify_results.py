@@ -51,6 +51,9 @@ class VerifyResult(EntryTally):
     entries: tuple[VerifyEntry, ...]
     record: str
     certification: dict[str, Any] | None = None  # a training guard's, from meta.json
+    # torchverity's sidecars and meta.json of listed files that the manifest does not list
+    # (written after it): not foreign files, so they fail nothing.
+    unlisted_records: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -73,6 +76,8 @@ class VerifyResult(EntryTally):
             **({"certified": self.certified, "certification": self.certification}
                if self.certification is not None else {}),
             "entries": self.entries_json(),
+            **({"unlisted_records": list(self.unlisted_records)}
+               if self.unlisted_records else {}),
         }
 
 

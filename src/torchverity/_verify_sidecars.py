@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections.abc import Callable, Sequence
+import shlex
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from torchverity._formats import broken_download
 from torchverity._verify_results import VerifyEntry, VerifyResult, _damaged_tensors
 from torchverity.digest import ALGORITHMS, digest_file, find_sidecar, read_sidecar
-from torchverity.errors import InputError
+from torchverity.errors import FormatError, InputError
 from torchverity.manifest import list_files
 
 _SIDECAR_SUFFIXES = tuple(f".{a}" for a in ALGORITHMS)
@@ -22,6 +23,39 @@ def excluded(rel: str, exclude: Sequence[str]) -> bool:
     """Whether a relative POSIX path matches a glob (on the path or its file name)."""
     name = rel.rsplit("/", 1)[-1]
     return any(fnmatch.fnmatchcase(rel, g) or fnmatch.fnmatchcase(name, g) for g in exclude)
+
+
+# torchverity's own records are small; a file under such a name that is not one is foreign.
+_MAX_RECORD_BYTES = 1 << 20
+
+
+def own_records(root: Path, files: Sequence[str], listed: Collection[str]) -> list[str]:
+    """The files that are torchverity's own records (a sidecar or meta.json written by
+    save, hash or migrate) of a listed file: written after the manifest, they are not
+    foreign files."""
+    from torchverity.checkpoint._records import META_SUFFIX
+
+    found = []
+    for rel in files:
+        suffix = next((s for s in (*_SIDECAR_SUFFIXES, META_SUFFIX) if rel.endswith(s)), None)
+        if suffix is None or rel[: -len(suffix)] not in listed:
+            continue
+        if _is_record(root / rel, rel[: -len(suffix)].rsplit("/", 1)[-1], suffix == META_SUFFIX):
+            found.append(rel)
+    return found
+
+
+def _is_record(path: Path, of_name: str, meta: bool) -> bool:
+    import json
+
+    try:
+        if path.stat().st_size > _MAX_RECORD_BYTES:
+            return False
+        if meta:
+            return isinstance(json.loads(path.read_bytes()), dict)
+        return read_sidecar(path)[2] == of_name
+    except (OSError, ValueError, RecursionError, InputError, FormatError):
+        return False
 
 
 def verify_sidecars(root: Path, exclude: Sequence[str] = (),
@@ -79,7 +113,7 @@ def verify_by_manifest(path: Path, progress: Callable[[int], None] | None,
 def advice(result: VerifyResult) -> list[str]:
     """One next step per kind of problem: an extra file is not damage."""
     counts = result.counts
-    target = result.target
+    target = shlex.quote(result.target)
     steps = []
     for entry in result.problems:
         broken = broken_download(_entry_path(result, entry.path))

@@ -21,7 +21,12 @@ from torchverity._verify_results import (
     VerifyResult,
     _damaged_tensors,
 )
-from torchverity._verify_sidecars import excluded, verify_by_manifest, verify_sidecars
+from torchverity._verify_sidecars import (
+    excluded,
+    own_records,
+    verify_by_manifest,
+    verify_sidecars,
+)
 from torchverity.digest import digest_file, digest_files, find_sidecar, sidecar_path
 from torchverity.errors import InputError
 from torchverity.manifest import (
@@ -108,15 +113,15 @@ def verify_directory(
             )
         )
     files, _links = list_files(root)
-    entries += [
-        VerifyEntry(rel, "extra")
-        for rel in files
-        if rel not in expected and rel not in MANIFEST_FILES and not excluded(rel, exclude)
-    ]
+    unlisted = [rel for rel in files
+                if rel not in expected and rel not in MANIFEST_FILES and not excluded(rel, exclude)]
+    records = own_records(root, unlisted, expected)
+    entries += [VerifyEntry(rel, "extra") for rel in unlisted if rel not in records]
     entries.sort(key=lambda e: e.path.encode())
     return VerifyResult(
         os.fspath(root), "directory", manifest.algo, tuple(entries), os.fspath(record),
         _certification([root / e.path for e in entries if e.status != "extra"]),
+        tuple(records),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -345,3 +346,52 @@ def test_a_folder_source_names_its_checkpoint_file(tmp_path: Path,
     (tmp_path / "none").mkdir()
     res = run_cli("migrate", tmp_path / "none", tmp_path / "o2.safetensors")
     assert res.code == 2 and "holds no torch checkpoint" in res.err
+
+
+def test_a_refused_malformed_file_gets_a_step_that_helps(
+        tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    whole = tmp_path / "whole.pt"
+    torch.save({"w": torch.ones(64)}, whole)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(whole.read_bytes()[:300])  # the save or copy stopped part way
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    pointer = tmp_path / "pytorch_model.bin"
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\n"
+                       "oid sha256:" + "0" * 64 + "\nsize 1234\n")
+    restore = "restore the file from a good copy or download it again"
+    for src, step in ((cut, restore), (empty, restore), (pointer, "git lfs pull")):
+        res = run_cli("migrate", src, tmp_path / "new.safetensors")
+        assert res.code == 2, res.err
+        assert "cannot be migrated" in res.err and f"next: {step}" in res.err, res.err
+        assert "torchverity scan" not in res.err
+        scanned = run_cli("scan", src)
+        assert f"next: {step}" in scanned.out, scanned.out
+        if step == restore:
+            assert f"torchverity verify {src} tells a good copy" in res.err, res.err
+
+
+def test_torchscript_load_refusal_points_to_the_inert_route(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    import torchverity
+
+    archive = tmp_path / "scripted.pt"
+    archive.write_bytes(_scripted_archive(tmp_path))
+    with pytest.raises(UnsafeFileError) as refused:
+        torchverity.load(archive, sidecar="ignore")
+    hint = refused.value.hint or ""
+    command = f"torchverity migrate {archive} {archive}.safetensors"
+    assert command in hint and "torch.jit.load runs the archive's code" in hint, hint
+    assert "pass trust_sha256" not in hint
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    live = subprocess.run(
+        [sys.executable, "-c", "import sys, torch; torch.jit.load(sys.argv[1])", str(archive)],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert "SETSTATE-RAN" in live.stdout, live.stderr  # torch.jit.load does run its code
+    done = subprocess.run([sys.executable, "-m", *command.split()], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert done.returncode == 0 and "SETSTATE-RAN" not in done.stdout + done.stderr, done.stderr
+    loaded = torchverity.load(f"{archive}.safetensors")
+    assert [torch.equal(t, torch.arange(3.0)) for t in loaded.values()] == [True]

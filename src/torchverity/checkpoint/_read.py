@@ -113,6 +113,13 @@ def _explained_load_error(p: Path, exc: Exception) -> Exception:
         explanation = with_file(explanation, os.fspath(p))
         text = f"{text} (likely cause: {explanation.cause.rstrip('.')})"
         hint = f"{explanation.fix.rstrip('.')}; check with: {explanation.command}"
+    if explanation is not None and explanation.key == "torchscript-weights-only":
+        return UnsafeFileError(
+            f"{p}: refused by the weights_only loader: {text}", path=p,
+            hint=f"extract its tensors without running its code: {explanation.command} (then "
+                 "load the new file); torch.jit.load runs the archive's code, and so does "
+                 "trust_sha256, which hands the file to it",
+        )
     if "weights_only" in str(exc) or "Unsupported global" in str(exc):
         return UnsafeFileError(
             f"{p}: refused by the weights_only loader: {text}", path=p,

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
+from torchverity.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE
 
 if TYPE_CHECKING:
-    from torchverity.pickles._scan import ScanReport, ScanResult
+    from torchverity.pickles._scan import ScanReport, ScanResult, Skipped
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -22,8 +24,10 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "safe, needs-allowlist (with the exact safe_globals code), needs-review (a class whose "
         "code would run), unsafe (code that runs commands, imports or evaluates), malformed. "
         "Folders: only files that can hold a pickle are judged; the others are listed as "
-        "skipped. Nothing from the files is imported or run. Exit 1 unless every file is safe "
-        "or needs-allowlist.",
+        "skipped; a file reached through symlinks (a Hugging Face cache) is judged once. "
+        "Nothing from the files is imported or run. Exit 1 unless every file is safe or "
+        "needs-allowlist; else 2 if a file cannot be read (the others are still scanned) or "
+        "a folder holds no file to judge.",
     )
     p.add_argument("paths", nargs="+", type=Path, help="files or folders (scanned recursively)")
     p.add_argument("--all", action="store_true", help="list torch-allowlisted globals too")
@@ -42,12 +46,16 @@ def _global_rows(result: ScanResult, show_all: bool) -> list[list[str]]:
 
 def _print_result(result: ScanResult, out: Output, show_all: bool) -> None:
     out.line(f"{result.path}: {result.verdict} ({result.format}): {result.reason}")
+    if result.aliases:
+        out.line(f"  same file as: {', '.join(result.aliases)}")
     rows = _global_rows(result, show_all)
     if rows:
         out.table(["global", "class", "where", "why"], rows)
     for problem in result.problems:
         out.line(f"  problem: {problem}")
-    step = _next_step(result)
+    from torchverity.pickles._scan import next_step
+
+    step = next_step(result)
     if step:
         out.line(f"  next: {step}")
     plan = result.plan
@@ -70,37 +78,47 @@ def _print_result(result: ScanResult, out: Output, show_all: bool) -> None:
                      f"torchverity migrate {result.path} NEW.safetensors")
 
 
-def _next_step(result: ScanResult) -> str:
-    """What to do after the scan, for the formats whose answer is not a load plan."""
-    path = result.path
-    if result.format == "torchscript":
-        return ("do not torch.jit.load it unless you trust its code; extract its tensors "
-                f"without running it: torchverity migrate {path} NEW.safetensors")
-    if result.format == "onnx":
-        return f"torchverity inspect {path} lists its initializers"
-    if result.format == "git-lfs-pointer":
-        return "git lfs pull (or huggingface-cli download) fetches the real file"
-    if result.format == "html":
-        return "download the file again; check the URL and any access token"
-    broken_header = result.format == "safetensors" and result.verdict == "malformed"
-    if result.format == "empty" or broken_header:
-        return "restore the file from a good copy or download it again"
-    return ""
-
-
 def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.pickles._scan import scan
 
     report = scan(*args.paths)
-    code = out.result({"ok": report.ok, "files": report.results, "skipped": report.skipped},
-                      lambda: _print(report, out, args.all))
+    code = out.result({"ok": report.ok, "files": report.results, "skipped": report.skipped,
+                       "unreadable": report.unreadable, "empty": report.empty},
+                      lambda: _print(report, out, args.all), exit_code=_exit_code(report))
+    for item in report.unreadable:
+        out.info(f"torchverity: error: {item.reason} (not scanned)\n  next: {item.hint}")
+    for folder in report.empty:
+        out.info(_nothing_judged(folder, report.skipped))
     counts: dict[str, int] = {}
     for r in report.results:
         counts[r.verdict] = counts.get(r.verdict, 0) + 1
-    summary = ", ".join(f"{n} {v}" for v, n in counts.items())
+    summary = ", ".join(f"{n} {v}" for v, n in counts.items()) or "nothing judged"
     skipped = f"; skipped {len(report.skipped)} that hold no pickle" if report.skipped else ""
-    out.info(f"scanned {len(report.results)} files: {summary}{skipped}")
+    unread = f"; {len(report.unreadable)} unreadable" if report.unreadable else ""
+    out.info(f"scanned {len(report.results)} files: {summary}{skipped}{unread}")
     return code
+
+
+def _exit_code(report: ScanReport) -> int:
+    """1 when a file failed its check; else 2 when a file could not be read or a folder
+    held nothing to judge (nothing vouches for it); else 0."""
+    if not all(r.ok for r in report.results):
+        return EXIT_CHECK_FAILED
+    return EXIT_USAGE if report.unreadable or report.empty else EXIT_OK
+
+
+def _nothing_judged(folder: str, skipped: tuple[Skipped, ...]) -> str:
+    quoted = shlex.quote(folder)
+    inside = [s for s in skipped if Path(s.path).is_relative_to(folder)]
+    if not inside:
+        return (f"torchverity: error: {folder}: nothing to scan: the folder holds no file\n"
+                f"  next: check the path (ls -la {quoted}); point scan at the folder or files "
+                "that hold the weights")
+    kinds = ", ".join(sorted({s.reason for s in inside}))
+    return (f"torchverity: error: {folder}: nothing to scan: none of its {len(inside)} files "
+            f"can hold a pickle (skipped: {kinds}), so this scan vouches for nothing\n"
+            f"  next: check the path (ls -la {quoted}); point scan at the files that hold the "
+            "weights")
 
 
 def _print(report: ScanReport, out: Output, show_all: bool) -> None:
@@ -108,3 +126,5 @@ def _print(report: ScanReport, out: Output, show_all: bool) -> None:
         _print_result(result, out, show_all)
     for item in report.skipped:
         out.line(f"{item.path}: skipped ({item.reason})")
+    for unread in report.unreadable:
+        out.line(f"{unread.path}: unreadable (not scanned)")

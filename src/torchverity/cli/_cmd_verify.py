@@ -134,6 +134,10 @@ def _print_result(result: Any, out: Output) -> None:
     cert = getattr(result, "certification", None)
     if cert is not None:
         out.line(_certification_line(result.target, cert))
+    records = getattr(result, "unlisted_records", ())
+    if records:
+        out.line("  not in the manifest but not counted (torchverity's own records of listed "
+                 f"files): {', '.join(records)}")
     for e in result.problems:
         if e.tensors:
             out.line(f"{e.path}: damaged tensors (from its meta.json): {', '.join(e.tensors)}")

@@ -40,7 +40,7 @@ from torchverity.errors import (
 )
 from torchverity.pickles._extract import Extractor, inert_load
 from torchverity.pickles._inert import Inert
-from torchverity.pickles._scan import DANGEROUS, MALFORMED, ScanResult, scan_file
+from torchverity.pickles._scan import DANGEROUS, MALFORMED, ScanResult, next_step, scan_file
 
 __all__ = ["Inert", "MigrateResult", "inert_load", "migrate"]
 
@@ -148,7 +148,7 @@ def _folder_source(src: Path, dst: Path) -> InputError:
 def _refuse(scan: ScanResult, path: Path, *, trusted: bool) -> None:
     if scan.verdict == MALFORMED:
         raise FormatError(f"{path}: cannot be migrated: {scan.reason}", path=path,
-                          hint=f"torchverity scan {path} shows what is wrong")
+                          hint=next_step(scan))
     if scan.format not in _MIGRATABLE:
         raise UsageError(f"{path}: {scan.format} files are not migrated (no torch checkpoint)",
                          hint="migrate reads torch .pt/.pth/.bin/.ckpt files (TorchScript "
@@ -256,7 +256,8 @@ def _unpickle(src: Path, scan: ScanResult) -> tuple[Any, list[str]]:
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, struct.error,
             UnicodeDecodeError) as exc:
         raise FormatError(f"{src}: cannot be read: {type(exc).__name__}: {exc}", path=src,
-                          hint=f"torchverity scan {src} shows what is wrong") from None
+                          hint="the file is damaged: restore it from a good copy or download "
+                               "it again") from None
     except Exception as exc:
         raise UnsafeFileError(
             f"{src}: cannot be read inertly ({type(exc).__name__}: {exc}); only a real "

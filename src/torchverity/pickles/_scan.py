@@ -25,6 +25,7 @@ reading cannot be accounted for, ``needs-review`` if a class is unknown,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Sequence
@@ -68,7 +69,7 @@ from torchverity.pickles._verdict import GlobalFinding, findings_of, problems_of
 __all__ = [
     "BENIGN", "DANGEROUS", "MALFORMED", "NEEDS_ALLOWLIST", "NEEDS_REVIEW", "SAFE", "TORCH",
     "UNKNOWN", "UNSAFE", "GlobalFinding", "LoadPlan", "ScanReport", "ScanResult", "Skipped",
-    "classify",
+    "Unreadable", "classify",
     "scan", "scan_file", "torch_allowlist",
 ]
 
@@ -94,6 +95,7 @@ class ScanResult:
     reason: str
     format: str = ""
     problems: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()  # other paths of the same file (symlinks to it)
 
     @property
     def ok(self) -> bool:
@@ -317,6 +319,26 @@ def scan_file(path: str | os.PathLike[str], *, limits: Limits | None = None) -> 
                       tuple(problems))
 
 
+def next_step(result: ScanResult) -> str:
+    """What to do about a file, for the formats and verdicts whose answer is not a load plan."""
+    import shlex
+
+    path = shlex.quote(result.path)
+    if result.format == "torchscript":
+        return ("do not torch.jit.load it unless you trust its code; extract its tensors "
+                f"without running it: torchverity migrate {path} NEW.safetensors")
+    if result.format == "onnx":
+        return f"torchverity inspect {path} lists its initializers"
+    if result.format == "git-lfs-pointer":
+        return "git lfs pull (or huggingface-cli download) fetches the real file"
+    if result.format == "html":
+        return "download the file again; check the URL and any access token"
+    if result.verdict != MALFORMED:
+        return ""
+    return ("restore the file from a good copy or download it again (torchverity verify "
+            f"{path} tells a good copy when it has a sidecar or a manifest)")
+
+
 @dataclass(frozen=True)
 class Skipped:
     """A file a folder scan did not judge, and why (it cannot hold a pickle)."""
@@ -326,15 +348,27 @@ class Skipped:
 
 
 @dataclass(frozen=True)
+class Unreadable:
+    """A file or folder a scan could not read: never judged, so never ``safe``."""
+
+    path: str
+    reason: str
+    hint: str
+
+
+@dataclass(frozen=True)
 class ScanReport:
-    """Verdicts for several files; ``ok`` when each is safe or needs-allowlist."""
+    """Verdicts for several files; ``ok`` when each is safe or needs-allowlist, every file
+    could be read and every folder held a file to judge (``empty`` lists those that did not)."""
 
     results: tuple[ScanResult, ...] = field(default_factory=tuple)
     skipped: tuple[Skipped, ...] = field(default_factory=tuple)
+    unreadable: tuple[Unreadable, ...] = field(default_factory=tuple)
+    empty: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.results)
+        return all(r.ok for r in self.results) and not self.unreadable and not self.empty
 
 
 # Names under which a file is meant to hold weights: a broken download there is reported.
@@ -358,29 +392,88 @@ def _skip_reason(result: ScanResult, path: Path) -> str | None:
     return _SKIPPED_FORMATS.get(result.format)
 
 
-def _walk_folder(folder: Path, limits: Limits | None) -> tuple[list[ScanResult], list[Skipped]]:
-    results: list[ScanResult] = []
-    skipped: list[Skipped] = []
-    for q in sorted(q for q in folder.rglob("*") if q.is_file()):
-        result = scan_file(q, limits=limits)
-        reason = _skip_reason(result, q)
+def _names_by_file(files: list[Path]) -> list[list[Path]]:
+    """The paths of each real file once: a file reached through symlinks (a Hugging Face
+    snapshot entry and its blob) is named by its links when it lives in a ``blobs`` folder,
+    else by its own path first."""
+    groups: dict[str, list[Path]] = {}
+    for q in files:
+        groups.setdefault(os.path.realpath(q), []).append(q)
+    named: list[list[Path]] = []
+    for real, paths in groups.items():
+        links = [q for q in paths if q.is_symlink()]
+        own = [q for q in paths if not q.is_symlink()]
+        if links and Path(real).parent.name == "blobs":
+            own = []
+        named.append(own + links)
+    return sorted(named, key=lambda names: names[0])
+
+
+def _files_under(folder: Path, unreadable: list[Unreadable]) -> list[Path]:
+    """Every file under ``folder`` (symlinks to files included); unreadable folders noted."""
+    from torchverity.errors import unreadable as cannot_read
+
+    def note(exc: OSError) -> None:
+        error = cannot_read(exc.filename or folder, exc)
+        unreadable.append(Unreadable(os.fspath(error.path or folder), error.message,
+                                     error.hint or ""))
+
+    files = []
+    for top, _dirs, names in os.walk(folder, onerror=note):
+        files += [q for q in (Path(top) / n for n in names) if q.is_file()]
+    return files
+
+
+def _scan_or_note(path: Path, limits: Limits | None,
+                  unreadable: list[Unreadable]) -> ScanResult | None:
+    """The scan of one existing file, or None with the reason it could not be read."""
+    from torchverity.errors import InputError
+
+    try:
+        return scan_file(path, limits=limits)
+    except InputError as exc:
+        unreadable.append(Unreadable(os.fspath(path), exc.message, exc.hint or ""))
+        return None
+
+
+@dataclass
+class _Collected:
+    results: list[ScanResult] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    unreadable: list[Unreadable] = field(default_factory=list)
+    empty: list[str] = field(default_factory=list)
+
+
+def _walk_folder(folder: Path, limits: Limits | None, report: _Collected) -> None:
+    before = len(report.results), len(report.unreadable)
+    for names in _names_by_file(_files_under(folder, report.unreadable)):
+        result = _scan_or_note(names[0], limits, report.unreadable)
+        if result is None:
+            continue
+        reason = _skip_reason(result, names[0])
         if reason is None:
-            results.append(result)
+            aliases = tuple(os.fspath(q) for q in names[1:])
+            report.results.append(dataclasses.replace(result, aliases=aliases))
         else:
-            skipped.append(Skipped(os.fspath(q), reason))
-    return results, skipped
+            report.skipped.append(Skipped(os.fspath(names[0]), reason))
+    if (len(report.results), len(report.unreadable)) == before:
+        report.empty.append(os.fspath(folder))  # unreadable files speak for themselves
 
 
 def scan(*paths: str | os.PathLike[str], limits: Limits | None = None) -> ScanReport:
-    """Scan files; folders recursively, judging only the files that can hold a pickle."""
-    results: list[ScanResult] = []
-    skipped: list[Skipped] = []
+    """Scan files; folders recursively, judging only the files that can hold a pickle.
+
+    A file that cannot be read is listed in ``unreadable`` and the others are still
+    scanned; a folder with no file to judge is listed in ``empty``."""
+    found = _Collected()
     for item in paths:
         p = Path(item)
         if p.is_dir():
-            found, left = _walk_folder(p, limits)
-            results += found
-            skipped += left
+            _walk_folder(p, limits, found)
+        elif not p.exists():
+            found.results.append(scan_file(p, limits=limits))  # raises: no such file
         else:
-            results.append(scan_file(p, limits=limits))
-    return ScanReport(tuple(results), tuple(skipped))
+            result = _scan_or_note(p, limits, found.unreadable)
+            found.results += [result] if result is not None else []
+    return ScanReport(tuple(found.results), tuple(found.skipped), tuple(found.unreadable),
+                      tuple(found.empty))
