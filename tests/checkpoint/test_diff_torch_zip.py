@@ -250,16 +250,3 @@ def test_malicious_torch_files_never_run(saved: dict[str, Path], tmp_path: Path,
         assert result.code in (1, 2) and "Traceback" not in result.err, case.name
         assert not sentinel.exists(), f"{case.name}: the payload ran"
 
-
-def test_the_listing_models_only_names_torchs_weights_only_loader_allows() -> None:
-    from torch import _weights_only_unpickler as wo
-
-    from torchverity.pickles import _listing
-
-    assert set(_listing.MODELED) <= set(wo._get_allowed_globals())
-    assert {n: getattr(torch, n).itemsize for n in _listing.ITEMSIZE} == _listing.ITEMSIZE
-    typed = {v: str(k).removeprefix("torch.")
-             for k, v in torch.storage._dtype_to_storage_type_map().items() if k.is_floating_point
-             or k.is_complex or k in (torch.bool, torch.uint8, torch.int8, torch.int16,
-                                      torch.int32, torch.int64)}
-    assert typed == _listing._STORAGES

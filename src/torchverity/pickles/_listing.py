@@ -27,22 +27,8 @@ from typing import Any, BinaryIO
 from torchverity._leaves import iter_tree, weights_in
 from torchverity.pickles._placeholders import InertUnpickler
 from torchverity.pickles._source import Limits
+from torchverity.pickles._torch_names import CALLABLES, ITEMSIZE, MODELED, STORAGES
 
-# torch's dtype name -> bytes per element, for every dtype a zip checkpoint can name.
-ITEMSIZE = {
-    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
-    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "complex32": 4, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
-}
-# The typed storage classes torch.save names (others go through UntypedStorage + dtype).
-_STORAGES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
-    "BoolStorage": "bool", "ComplexDoubleStorage": "complex128",
-    "ComplexFloatStorage": "complex64",
-}
 _DEVICES = frozenset({"cpu", "cuda", "mps", "xpu", "meta", "hpu"})
 
 
@@ -171,22 +157,15 @@ class _StorageType(_NoState):
 
 
 def _stand_ins() -> dict[str, Any]:
-    table: dict[str, Any] = {
-        "collections.OrderedDict": OrderedDict,
-        "torch._utils._rebuild_tensor_v2": _rebuild_v2,
-        "torch._utils._rebuild_tensor_v3": _rebuild_v3,
-        "torch._utils._rebuild_parameter": _parameter,
-        "torch.Size": _size,
-        "torch.device": _device,
-        "torch.storage.UntypedStorage": _StorageType(None),
-    }
-    table.update({f"torch.{cls}": _StorageType(dtype) for cls, dtype in _STORAGES.items()})
+    calls = (OrderedDict, _rebuild_v2, _rebuild_v3, _parameter, _size, _device,
+             _StorageType(None))
+    table: dict[str, Any] = dict(zip(CALLABLES, calls, strict=True))
+    table.update({f"torch.{cls}": _StorageType(dtype) for cls, dtype in STORAGES.items()})
     table.update({f"torch.{name}": _Dtype(name) for name in ITEMSIZE})
     return table
 
 
-_STAND_INS = _stand_ins()
-MODELED = frozenset(_STAND_INS)  # every one is in torch's weights_only allowlist
+_STAND_INS = _stand_ins()  # keyed by exactly MODELED
 
 
 def list_torch_zip(path: str | os.PathLike[str], *, weights: bool = False,
