@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from torch import _weights_only_unpickler as wo
 
 from torch_free_probe import cli
+from torch_zip_artifacts import bert, save_bin_shards
 
 _ALLOWED = "in torch's weights_only allowlist"
 
@@ -50,15 +50,8 @@ def test_an_optimizer_state_dict_scans_without_torch(tmp_path: Path, run_cli: An
 
 def test_a_transformers_pytorch_model_bin_scans_without_torch(tmp_path: Path,
                                                               run_cli: Any) -> None:
-    transformers = pytest.importorskip("transformers")
-    from huggingface_hub import save_torch_state_dict
-
-    config = transformers.BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2,
-                                     intermediate_size=20, vocab_size=50,
-                                     max_position_embeddings=32)
-    model = transformers.BertModel(config).eval()
-    save_torch_state_dict(model.state_dict(), tmp_path, safe_serialization=False)
-    (weights,) = tmp_path.glob("pytorch_model*.bin")
+    save_bin_shards(bert(), tmp_path / "bert", max_shard_size="10GB")
+    (weights,) = (tmp_path / "bert").glob("pytorch_model*.bin")
     _checked_like_torch(weights, run_cli, torch_free=True)
 
 

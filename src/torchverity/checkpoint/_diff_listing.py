@@ -1,12 +1,13 @@
-"""What ``diff`` compares before it opens anything: each entry of a checkpoint path listed
-without torch, tensors as (dtype, shape, digest of their bytes), plain values as they are.
+"""What ``diff``, ``inspect`` and ``fingerprint`` read before they open anything: each entry
+of a checkpoint path listed without torch, tensors as (dtype, shape, digest of their bytes),
+plain values as they are.
 
 .safetensors files are listed from their headers; torch zip checkpoints (``torch.save``'s
 default format) from their pickle, walked inertly (:mod:`torchverity.pickles._listing`),
 with each tensor's bytes hashed straight from its stored record. A contiguous tensor's
-digest is the one its .safetensors copy gets, so the two formats compare without torch
-too. Any other file (legacy pickles, TorchScript archives, a pickle naming more than
-plain state-dict types) is not listed: ``diff`` then loads both sides.
+digest is its fingerprint entry, the one its .safetensors copy gets, so the two formats
+compare without torch too. Any other file (legacy pickles, TorchScript archives, a pickle
+naming more than plain state-dict types) is not listed: the caller then loads it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from torchverity.checkpoint._diff_result import Status, TensorDiff, plain_diff
-from torchverity.checkpoint._fp_record import EXACT, plain_tensor_hasher
+from torchverity.checkpoint._fp_record import (
+    EXACT,
+    Fingerprint,
+    TensorDigest,
+    from_entries,
+    plain_tensor_hasher,
+    value_digest,
+)
+from torchverity.checkpoint._st_fingerprint import THREADED_BYTES, checkpoint_files
 from torchverity.errors import TorchVerityError
-
-# Below this, starting blake3's thread pool costs more than it saves.
-_THREADED_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -45,11 +51,12 @@ class _Span:
 Listing = dict[str, Any]
 
 
-def listing(obj: Any) -> Listing | None:
-    """The entries of the checkpoint at path ``obj``, listed without torch; None when
-    ``obj`` is a loaded object, or a file or shard cannot be listed this way."""
+def listing(obj: Any, algo: str = EXACT, *, strided: bool = True) -> Listing | None:
+    """The entries of the checkpoint at path ``obj``, listed without torch, digests made
+    with ``algo``; None when ``obj`` is a loaded object, or a file or shard cannot be
+    listed this way. ``strided=False``: None too when a tensor is a non-contiguous view
+    (its digest is then not its fingerprint entry)."""
     from torchverity._formats import file_format
-    from torchverity.checkpoint._file_fingerprint import checkpoint_files
 
     if not isinstance(obj, (str, os.PathLike)):
         return None
@@ -58,8 +65,8 @@ def listing(obj: Any) -> Listing | None:
         merged: Listing = {}
         for f in files:  # later shards win a name two shards share, as when loading
             fmt = file_format(f) if f.is_file() else None
-            listed = (_safetensors(f) if fmt == "safetensors" else
-                      _torch_zip(f, sharded) if fmt == "pt" else None)
+            listed = (_safetensors(f, algo) if fmt == "safetensors" else
+                      _torch_zip(f, sharded, algo, strided) if fmt == "pt" else None)
             if listed is None:
                 return None
             merged.update(listed)
@@ -68,27 +75,37 @@ def listing(obj: Any) -> Listing | None:
     return merged
 
 
-def _safetensors(path: Path) -> Listing:
-    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors
+def fingerprint_of(found: Listing, algo: str) -> Fingerprint:
+    """The fingerprint of a listing made with ``algo`` and ``strided=False``: the one the
+    loaded checkpoint gets."""
+    return from_entries(algo, [
+        TensorDigest(name, v.dtype, v.shape, v.digest) if isinstance(v, Listed)
+        else value_digest(name, v) for name, v in found.items()])
+
+
+def _safetensors(path: Path, algo: str) -> Listing:
+    from torchverity.checkpoint._st_fingerprint import fingerprint_safetensors
     from torchverity.pickles._limits import check_safetensors_limits
 
     check_safetensors_limits(path)
     return {e.name: Listed(e.dtype, e.shape, e.digest)
-            for e in fingerprint_safetensors(path, EXACT).entries}
+            for e in fingerprint_safetensors(path, algo).entries}
 
 
-def _torch_zip(path: Path, shard: bool) -> Listing | None:
+def _torch_zip(path: Path, shard: bool, algo: str, strided: bool) -> Listing | None:
     from torchverity.pickles._listing import ITEMSIZE, ListedTensor, list_torch_zip
 
     found = list_torch_zip(path, weights=shard)
     if found is None:
         return None
     tensors = {n: t for n, t in found.items() if isinstance(t, ListedTensor)}
+    if not strided and not all(t.contiguous for t in tensors.values()):
+        return None
     hashers = {}
     for name, t in tensors.items():
         nbytes = ITEMSIZE[t.dtype] * math.prod(t.shape)  # the header a .safetensors copy gets
-        h = plain_tensor_hasher(name, t.dtype, t.shape, nbytes, EXACT,
-                                threads=t.nbytes >= _THREADED_BYTES)
+        h = plain_tensor_hasher(name, t.dtype, t.shape, nbytes, algo,
+                                threads=t.nbytes >= THREADED_BYTES)
         if not t.contiguous:  # the span holds more than the elements: never a plain digest
             h.update(f"strided\0{list(t.strides)}\0".encode())
         hashers[name] = h

@@ -178,7 +178,7 @@ def list_torch_zip(path: str | os.PathLike[str], *, weights: bool = False,
     file, or holds something not modeled here: then the loader reads it.
     """
     from torchverity.pickles._containers import scan_container
-    from torchverity.pickles._zip import zip_views
+    from torchverity.pickles._zip import inflation_problems, zip_views
 
     limits = Limits()
     try:
@@ -187,13 +187,26 @@ def list_torch_zip(path: str | os.PathLike[str], *, weights: bool = False,
             return None
         with open(path, "rb") as fh:
             problems: list[str] = []
-            views = zip_views(fh, os.fstat(fh.fileno()).st_size, problems)
-            if problems or len(views) != 1:
+            size = os.fstat(fh.fileno()).st_size
+            views = zip_views(fh, size, problems)
+            # A record the loader's preflight refuses (a bomb) is refused here too, unread.
+            if problems or len(views) != 1 or inflation_problems(views[0].members, size, limits):
                 return None
             root = _read(fh, views[0].members, container.torch_entry, limits)
-        return dict(iter_listed(_weights_of(root) if weights else root))
+        return _unique(iter_listed(_weights_of(root) if weights else root))
     except Exception:  # only stand-ins ran: a pickle they cannot build, or damage
         return None
+
+
+def _unique(pairs: Iterator[tuple[str, Any]]) -> dict[str, Any]:
+    """The pairs as a dict; refused when two flatten to one name (the loaded object's
+    fingerprint is an error then, and a diff keeps only one: the loader says which)."""
+    found: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in found:
+            raise _Refused
+        found[name] = value
+    return found
 
 
 def _plain_torch_zip(container: Any) -> bool:
