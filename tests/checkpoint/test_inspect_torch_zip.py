@@ -115,6 +115,18 @@ def test_a_file_outside_the_listing_is_loaded_as_before(tmp_path: Path, run_cli:
     _same_as_loaded(first, run_cli, torch_free=False)
 
 
+def test_names_that_collide_when_flattened_are_refused_as_when_loaded(tmp_path: Path) -> None:
+    from torchverity.checkpoint._diff_listing import listing
+    from torchverity.errors import FormatError
+
+    torch.save({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}, tmp_path / "twice.pt")
+    assert listing(tmp_path / "twice.pt") is None  # the loader's error is the one to show
+    with pytest.raises(FormatError, match="names occur twice"):
+        fingerprint(read_unverified(tmp_path / "twice.pt"))
+    with pytest.raises(FormatError, match="names occur twice"):
+        fingerprint_file(tmp_path / "twice.pt")
+
+
 _LIVE = """
 import json, sys, torch
 sentinel, ran = sys.argv[1], {}
