@@ -51,11 +51,12 @@ class _Span:
 Listing = dict[str, Any]
 
 
-def listing(obj: Any, algo: str = EXACT, *, strided: bool = True) -> Listing | None:
+def listing(obj: Any, algo: str = EXACT, *, canonical: bool = False) -> Listing | None:
     """The entries of the checkpoint at path ``obj``, listed without torch, digests made
     with ``algo``; None when ``obj`` is a loaded object, or a file or shard cannot be
-    listed this way. ``strided=False``: None too when a tensor is a non-contiguous view
-    (its digest is then not its fingerprint entry)."""
+    listed this way. A non-contiguous view's digest covers the bytes its elements span
+    and its strides (one read, no copy), or with ``canonical`` its elements gathered in
+    order (with numpy): its fingerprint entry."""
     from torchverity._formats import file_format
 
     if not isinstance(obj, (str, os.PathLike)):
@@ -66,7 +67,7 @@ def listing(obj: Any, algo: str = EXACT, *, strided: bool = True) -> Listing | N
         for f in files:  # later shards win a name two shards share, as when loading
             fmt = file_format(f) if f.is_file() else None
             listed = (_safetensors(f, algo) if fmt == "safetensors" else
-                      _torch_zip(f, sharded, algo, strided) if fmt == "pt" else None)
+                      _torch_zip(f, sharded, algo, canonical) if fmt == "pt" else None)
             if listed is None:
                 return None
             merged.update(listed)
@@ -76,7 +77,7 @@ def listing(obj: Any, algo: str = EXACT, *, strided: bool = True) -> Listing | N
 
 
 def fingerprint_of(found: Listing, algo: str) -> Fingerprint:
-    """The fingerprint of a listing made with ``algo`` and ``strided=False``: the one the
+    """The fingerprint of a listing made with ``algo`` and ``canonical``: the one the
     loaded checkpoint gets."""
     return from_entries(algo, [
         TensorDigest(name, v.dtype, v.shape, v.digest) if isinstance(v, Listed)
@@ -92,27 +93,47 @@ def _safetensors(path: Path, algo: str) -> Listing:
             for e in fingerprint_safetensors(path, algo).entries}
 
 
-def _torch_zip(path: Path, shard: bool, algo: str, strided: bool) -> Listing | None:
+def _torch_zip(path: Path, shard: bool, algo: str, canonical: bool) -> Listing | None:
     from torchverity.pickles._listing import ITEMSIZE, ListedTensor, list_torch_zip
 
     found = list_torch_zip(path, weights=shard)
     if found is None:
         return None
     tensors = {n: t for n, t in found.items() if isinstance(t, ListedTensor)}
-    if not strided and not all(t.contiguous for t in tensors.values()):
-        return None
-    hashers = {}
+    hashers, gathered = {}, []
     for name, t in tensors.items():
         nbytes = ITEMSIZE[t.dtype] * math.prod(t.shape)  # the header a .safetensors copy gets
         h = plain_tensor_hasher(name, t.dtype, t.shape, nbytes, algo,
                                 threads=t.nbytes >= THREADED_BYTES)
-        if not t.contiguous:  # the span holds more than the elements: never a plain digest
+        if not t.contiguous and canonical:
+            gathered.append(name)
+        elif not t.contiguous:  # the span holds more than the elements: never a plain digest
             h.update(f"strided\0{list(t.strides)}\0".encode())
         hashers[name] = h
-    _stream(path, [_Span(n, t.begin, t.nbytes) for n, t in tensors.items()],
-            lambda name, chunk: hashers[name].update(chunk))
+    _stream(path, [_Span(n, t.begin, t.nbytes) for n, t in tensors.items()
+                   if n not in gathered], lambda name, chunk: hashers[name].update(chunk))
+    if gathered:
+        _gather(path, {n: tensors[n] for n in gathered}, hashers)
     return {n: Listed(v.dtype, v.shape, hashers[n].hexdigest()) if n in tensors else v
             for n, v in found.items()}
+
+
+def _gather(path: Path, views: dict[str, Any], hashers: dict[str, Any]) -> None:
+    """Feed each non-contiguous view's elements, in row-major order, to its hash: the
+    canonical bytes torch's ``contiguous()`` gives (one copy of the view, as there)."""
+    import mmap
+
+    import numpy as np
+
+    from torchverity.pickles._listing import ITEMSIZE
+
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for name, t in views.items():
+            item = ITEMSIZE[t.dtype]  # elements as raw byte rows: every dtype alike
+            view = np.ndarray((*t.shape, item), np.uint8, buffer=mm, offset=t.begin,
+                              strides=(*(s * item for s in t.strides), 1))
+            hashers[name].update(np.ascontiguousarray(view).data)
+            del view  # the map closes only once no array points into it
 
 
 def _stream(path: Path, spans: list[_Span], feed: Any) -> None:

@@ -14,10 +14,10 @@ def fingerprint_file(path: str | os.PathLike[str], *,
     A .safetensors file streams each tensor's bytes through its hash with one
     small buffer (memory stays flat whatever the size, and torch is not
     imported). So does a .pt file laid out as ``torch.save`` writes a state dict
-    (its pickle is read inertly, :mod:`torchverity.pickles._listing`), unless it
-    holds a non-contiguous view, whose logical bytes torch lays out. Any other
-    .pt file, and the ``device`` mode, go through PyTorch's restricted
-    ``weights_only`` unpickler with memory-mapped storages.
+    (its pickle is read inertly, :mod:`torchverity.pickles._listing`; a
+    non-contiguous view's elements are gathered with numpy). Any other .pt file,
+    and the ``device`` mode, go through PyTorch's restricted ``weights_only``
+    unpickler with memory-mapped storages.
     """
     from torchverity._formats import file_format
     from torchverity.checkpoint._folders import resolve
@@ -35,7 +35,7 @@ def fingerprint_file(path: str | os.PathLike[str], *,
             return fingerprint_safetensors(target.file, algo)
         from torchverity.checkpoint._diff_listing import fingerprint_of, listing
 
-        found = listing(path, algo, strided=False)
+        found = listing(path, algo, canonical=True)
         if found is not None:
             return fingerprint_of(found, algo)
     from torchverity.checkpoint._fingerprint import fingerprint

@@ -212,7 +212,7 @@ def _listed_contents(path: Path, algo: str,
     from torchverity.checkpoint._diff_listing import Listed, fingerprint_of, listing
     from torchverity.pickles._torch_names import ITEMSIZE
 
-    found = listing(path, algo, strided=False)
+    found = listing(path, algo, canonical=True)
     if found is None:
         return None
     rows = sorted((TensorRow(n, v.dtype, v.shape, _numel(v.shape) * ITEMSIZE[v.dtype])
