@@ -5,8 +5,10 @@ of the intact folder (torch is not imported to locate damage in a file that has 
 meta.json); ``inspect`` and ``fingerprint`` of a .safetensors file at most 3x
 ``python -c pass`` (headers and bytes are read without torch). ``torchverity --help``
 (the command list, drawn without importing any command), ``diff`` of two .safetensors
-files, ``diff`` of two ``torch.save`` files (their pickle walked inertly, without torch)
-and the standard library these commands are built on are shown beside them.
+files, ``diff``, ``scan``, ``inspect`` and ``fingerprint`` of ``torch.save`` files (their
+pickle walked inertly, without torch) and the standard library these commands are built
+on are shown beside them. ``--baseline SRC`` adds the ``torch.save`` rows run from another
+copy of the package's ``src`` folder (say, the one before a change), in the same rounds.
 
 Each case runs in a new interpreter; the cases are interleaved in a shuffled order
 every round, and the best and the median of the rounds are reported. The package is
@@ -64,6 +66,18 @@ STDLIB = "re, typing, pathlib, dataclasses, argparse, json, hashlib, blake3"
 FLOOR = f"python -c 'import {STDLIB}'"
 
 
+def pt_cases(paths: dict[str, Path], suffix: str = "") -> dict[str, list[str]]:
+    """The commands that read a ``torch.save`` file (``suffix`` names a baseline's rows)."""
+    tv, pt = [PY, "-m", "torchverity"], str(paths["pt"])
+    return {
+        f"torchverity diff model.pt <its copy>{suffix}": [*tv, "diff", pt,
+                                                          str(paths["pt_copy"])],
+        f"torchverity scan model.pt{suffix}": [*tv, "scan", pt],
+        f"torchverity inspect model.pt{suffix}": [*tv, "inspect", pt],
+        f"torchverity fingerprint model.pt{suffix}": [*tv, "fingerprint", pt],
+    }
+
+
 def cases(paths: dict[str, Path]) -> dict[str, list[str]]:
     tv = [PY, "-m", "torchverity"]
     return {
@@ -77,8 +91,7 @@ def cases(paths: dict[str, Path]) -> dict[str, list[str]]:
         "torchverity fingerprint model.safetensors": [*tv, "fingerprint", str(paths["weights"])],
         "torchverity diff model.safetensors <its copy>": [
             *tv, "diff", str(paths["weights"]), str(paths["damaged"] / "model.safetensors")],
-        "torchverity diff model.pt <its copy>": [*tv, "diff", str(paths["pt"]),
-                                                 str(paths["pt_copy"])],
+        **pt_cases(paths),
         "python -c 'import torch'": [PY, "-c", "import torch"],
     }
 
@@ -88,26 +101,42 @@ def _child_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run(commands: dict[str, list[str]], repeat: int,
-        cpu: dict[str, list[float]]) -> dict[str, list[float]]:
-    """Wall seconds per round for each case; CPU seconds (user + system) into ``cpu``."""
+def run(commands: dict[str, list[str]], repeat: int, cpu: dict[str, list[float]],
+        paths: dict[str, str]) -> dict[str, list[float]]:
+    """Wall seconds per round for each case; CPU seconds (user + system) into ``cpu``;
+    ``paths``: the PYTHONPATH of the cases that run another copy of the package."""
     times: dict[str, list[float]] = {name: [] for name in commands}
     cpu.update({name: [] for name in commands})
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for cmd in commands.values():  # untimed: warms the page cache
-        subprocess.run(cmd, capture_output=True, env=env, check=False)
+    envs = {name: {**env, "PYTHONPATH": paths[name]} if name in paths else env
+            for name in commands}
+    for name, cmd in commands.items():  # untimed: warms the page cache
+        subprocess.run(cmd, capture_output=True, env=envs[name], check=False)
     for r in range(repeat):
         order = list(commands)
         random.Random(r).shuffle(order)
         for name in order:
             start, cpu_start = time.perf_counter(), _child_cpu()
-            subprocess.run(commands[name], capture_output=True, env=env, check=False)
+            subprocess.run(commands[name], capture_output=True, env=envs[name], check=False)
             times[name].append(time.perf_counter() - start)
             cpu[name].append(_child_cpu() - cpu_start)
     return times
 
 
-def _body(times: dict[str, list[float]], cpu: dict[str, list[float]], repeat: int) -> str:
+def _baseline(times: dict[str, list[float]], cpu: dict[str, list[float]],
+              suffix: str) -> str:
+    """Each torch.save row against its baseline's: median CPU, before / after."""
+    pairs = [(name, name + suffix) for name in pt_cases({"pt": Path(), "pt_copy": Path()})]
+    parts = [f"{name.removeprefix('torchverity ')}: "
+             f"{statistics.median(cpu[base]) * 1000:.0f} -> "
+             f"{statistics.median(cpu[name]) * 1000:.0f} ms CPU "
+             f"({statistics.median(cpu[base]) / statistics.median(cpu[name]):.1f}x)"
+             for name, base in pairs if base in cpu]
+    return f"Median CPU, {suffix.strip(' ()')} -> this copy: {'; '.join(parts)}.\n\n"
+
+
+def _body(times: dict[str, list[float]], cpu: dict[str, list[float]], repeat: int,
+          suffix: str = "") -> str:
     med = {name: statistics.median(ts) for name, ts in times.items()}
     cpu_med = {name: statistics.median(ts) for name, ts in cpu.items()}
     base, cpu_base = med["python -c pass"], cpu_med["python -c pass"]
@@ -137,10 +166,15 @@ def _body(times: dict[str, list[float]], cpu: dict[str, list[float]], repeat: in
         f"(target <= 3x). --help / python -c pass: {ratio('torchverity --help')} (the "
         "command list comes from a table: no command module is imported). "
         f"diff of two torch.save files / python -c pass: "
-        f"{ratio('torchverity diff model.pt <its copy>')}. "
+        f"{ratio('torchverity diff model.pt <its copy>')}; scan of one: "
+        f"{ratio('torchverity scan model.pt')}; inspect: "
+        f"{ratio('torchverity inspect model.pt')}; fingerprint: "
+        f"{ratio('torchverity fingerprint model.pt')}. "
         f"The standard library alone (`import {STDLIB}`): {ratio(FLOOR)}. "
-        "`import torch` is shown for scale: none of the torchverity rows imports it.\n\n"
-        "Where the time goes (`python -X importtime -m torchverity inspect FILE`): "
+        "`import torch` is shown for scale: none of the torchverity rows imports it"
+        + (", except where the baseline's does" if suffix else "") + ".\n\n"
+        + (_baseline(times, cpu, suffix) if suffix else "")
+        + "Where the time goes (`python -X importtime -m torchverity inspect FILE`): "
         "beyond the standard library above, the commands import only the package "
         "modules of their own read path (no thread pool, pickle walker, shutil or "
         "torch), build only their own command's parser, and hash the file: inspect "
@@ -156,16 +190,29 @@ def _body(times: dict[str, list[float]], cpu: dict[str, list[float]], repeat: in
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--baseline", metavar="SRC", type=Path,
+                        help="also run the torch.save rows from this copy of src/")
+    parser.add_argument("--baseline-name", default="baseline",
+                        help="what the baseline rows are called (default: baseline)")
     args = parser.parse_args()
     paths = build(WORK / "startup")
     import torchverity
 
     compileall.compile_dir(Path(torchverity.__file__).parent, quiet=1)
+    commands, suffix, elsewhere = cases(paths), "", {}
+    if args.baseline is not None:
+        compileall.compile_dir(args.baseline / "torchverity", quiet=1)
+        suffix = f" ({args.baseline_name})"
+        baseline = pt_cases(paths, suffix)
+        commands.update(baseline)
+        elsewhere = dict.fromkeys(baseline, str(args.baseline.resolve()))
     cpu: dict[str, list[float]] = {}
-    times = run(cases(paths), args.repeat, cpu)
-    body = _body(times, cpu, args.repeat)
+    times = run(commands, args.repeat, cpu, elsewhere)
+    body = _body(times, cpu, args.repeat, suffix)
     cmd = "python benchmarks/bench_startup.py" + (
-        f" --repeat {args.repeat}" if args.repeat != 15 else "")
+        f" --repeat {args.repeat}" if args.repeat != 15 else "") + (
+        f" --baseline {args.baseline} --baseline-name '{args.baseline_name}'"
+        if args.baseline is not None else "")
     print(write_results("startup", "CLI start-up", cmd, body).read_text())
     shutil.rmtree(WORK / "startup", ignore_errors=True)
 

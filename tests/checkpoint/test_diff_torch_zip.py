@@ -6,11 +6,9 @@ real Lightning checkpoints and Hugging Face .bin folders; malicious files never 
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 import subprocess
 import sys
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import pytest
 import torch
 
 from torch_free_probe import cli
+from torch_zip_artifacts import bert, flip, lightning_checkpoints, save_bin_shards, state
 from torchverity.checkpoint._diff import diff
 from torchverity.checkpoint._diff_result import DiffResult
 from torchverity.checkpoint._read import read_unverified
@@ -29,45 +28,15 @@ def _loaded_diff(a: Path, b: Path) -> DiffResult:
     return replace(diff(read_unverified(a), read_unverified(b)), a=str(a), b=str(b))
 
 
-def _state(epoch: int = 3) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(3)
-    base = torch.randn(6, 8, generator=g)
-    ints = torch.arange(-4, 4)
-    model = {
-        "w": torch.randn(16, 8, generator=g), "h": torch.randn(10, generator=g).half(),
-        "bf": torch.randn(10, generator=g).bfloat16(), "d": torch.randn(3, generator=g).double(),
-        "f8": torch.randn(5, generator=g).to(torch.float8_e4m3fn),
-        "f8b": torch.randn(5, generator=g).to(torch.float8_e5m2),
-        "c64": torch.randn(4, generator=g, dtype=torch.complex64),
-        "c128": torch.randn(2, generator=g, dtype=torch.complex128),
-        **{str(dt).removeprefix("torch."): ints.to(dt) for dt in (
-            torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)},
-        **{str(dt).removeprefix("torch."): ints.abs().to(dt) for dt in (
-            torch.uint16, torch.uint32, torch.uint64)},
-        "mask": torch.tensor([True, False, True]),
-        "base": base, "rows": base[2:5], "t": base.t(), "every3": base[:, ::3],
-        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
-        "p": torch.nn.Parameter(torch.ones(3)),
-    }
-    return {"model": model, "epoch": epoch, "lr": 0.1, "name": "run", "note": None,
-            "done": False, "dtype": torch.float16, "device": torch.device("cpu"),
-            "sizes": [torch.Size([2, 3]), (1, 2.5)]}
-
-
-def _flip(t: torch.Tensor, index: int, bit: int) -> None:
-    raw = t.view(-1).view(torch.uint8)
-    raw[index * t.element_size() + bit // 8] ^= 1 << (bit % 8)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ptdiff")
-    torch.save(_state(), root / "a.pt")
-    torch.save(_state(), root / "copy.pth")
-    torch.save(_state(epoch=4) | {"name": "run-2", "lr": 0.2, "done": True}, root / "plain.bin")
-    flipped = _state()
-    _flip(flipped["model"]["w"], 5, 30)
-    _flip(flipped["model"]["base"], 3 * 8 + 3, 0)  # seen through rows, t and every3 too
+    torch.save(state(), root / "a.pt")
+    torch.save(state(), root / "copy.pth")
+    torch.save(state(epoch=4) | {"name": "run-2", "lr": 0.2, "done": True}, root / "plain.bin")
+    flipped = state()
+    flip(flipped["model"]["w"], 5, 30)
+    flip(flipped["model"]["base"], 3 * 8 + 3, 0)  # seen through rows, t and every3 too
     torch.save(flipped, root / "flipped.ckpt")
     return {p.stem: p for p in root.iterdir()}
 
@@ -105,9 +74,9 @@ def test_a_flipped_bit_is_located_through_views(saved: dict[str, Path]) -> None:
 def test_views_and_their_contiguous_copies_are_identical(saved: dict[str, Path],
                                                         tmp_path: Path) -> None:
     """Different layouts of equal values hash differently; opened, they compare equal."""
-    state = _state()
-    state["model"] = {k: v.detach().contiguous().clone() for k, v in state["model"].items()}
-    torch.save(state, tmp_path / "packed.pt")
+    packed = state()
+    packed["model"] = {k: v.detach().contiguous().clone() for k, v in packed["model"].items()}
+    torch.save(packed, tmp_path / "packed.pt")
     result = diff(saved["a"], tmp_path / "packed.pt")
     assert result.equal and not result.changed
     assert result == _loaded_diff(saved["a"], tmp_path / "packed.pt")
@@ -117,13 +86,13 @@ def test_a_pt_and_a_safetensors_file_compare_without_torch(saved: dict[str, Path
                                                           tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    tensors = {k: v.detach().contiguous().clone() for k, v in _state()["model"].items()
+    tensors = {k: v.detach().contiguous().clone() for k, v in state()["model"].items()
                if v.dtype != torch.complex128}  # .safetensors has no complex128
     torch.save(tensors, tmp_path / "weights.pt")
     save_file(tensors, tmp_path / "weights.safetensors")
     got = cli("diff", tmp_path / "weights.pt", tmp_path / "weights.safetensors")
     assert got["code"] == 0 and got["torch"] is False
-    _flip(tensors["h"], 2, 15)
+    flip(tensors["h"], 2, 15)
     save_file(tensors, tmp_path / "flipped.safetensors")
     pair = (tmp_path / "weights.pt", tmp_path / "flipped.safetensors")
     assert diff(*pair) == _loaded_diff(*pair)
@@ -134,43 +103,10 @@ def test_a_pt_and_a_safetensors_file_compare_without_torch(saved: dict[str, Path
         saved["a"], tmp_path / "weights.safetensors")
 
 
-def _lightning_checkpoints(root: Path, hparams: Any) -> tuple[Path, Path]:
-    import lightning as L
-
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-
-    class Net(L.LightningModule):
-        def __init__(self, cfg: Any) -> None:
-            super().__init__()
-            self.save_hyperparameters(cfg)
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch: Any, index: int) -> torch.Tensor:
-            return self.layer(batch[0]).sum()
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=0.01)
-
-    torch.manual_seed(0)
-    net = Net(hparams)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)),
-                                       batch_size=2)
-    paths = []
-    for steps in (2, 4):
-        trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            default_root_dir=str(root), accelerator="cpu", devices=1)
-        trainer.fit(net, data)
-        paths.append(root / f"step{steps}.ckpt")
-        trainer.save_checkpoint(paths[-1])
-    return paths[0], paths[1]
-
-
 def test_lightning_checkpoints_diff_as_when_loaded(tmp_path: Path) -> None:
     import omegaconf
 
-    first, second = _lightning_checkpoints(tmp_path / "plain", {"width": 4, "lr": 0.01})
+    first, second = lightning_checkpoints(tmp_path / "plain", {"width": 4, "lr": 0.01})
     copy = Path(shutil.copy(first, tmp_path / "copy.ckpt"))
     same = cli("diff", first, copy)
     assert same["code"] == 0 and same["torch"] is False
@@ -179,31 +115,20 @@ def test_lightning_checkpoints_diff_as_when_loaded(tmp_path: Path) -> None:
     assert {"global_step", "state_dict.layer.weight"} <= {e.name for e in result.changed}
     # omegaconf hyper-parameters: outside the plain state-dict types, the files are loaded
     cfg = omegaconf.OmegaConf.create({"model": {"width": 4}, "lr": 0.01})
-    first, second = _lightning_checkpoints(tmp_path / "omegaconf", cfg)
+    first, second = lightning_checkpoints(tmp_path / "omegaconf", cfg)
     assert diff(first, second) == _loaded_diff(first, second)
 
 
 def test_hugging_face_bin_folders_diff_without_torch(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    from huggingface_hub import save_torch_state_dict
-
-    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
-                                     intermediate_size=37, vocab_size=100,
-                                     max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.BertModel(config).eval()
+    model = bert()
     model.save_pretrained(tmp_path / "single")  # model.safetensors
     for name in ("bin", "flipped"):
-        (tmp_path / name).mkdir()
-        model.config.save_pretrained(tmp_path / name)
-        # the sharded pytorch_model-*.bin layout with its index, as transformers 4.x wrote it
-        save_torch_state_dict(model.state_dict(), tmp_path / name, safe_serialization=False,
-                              max_shard_size="40KB")
+        save_bin_shards(model, tmp_path / name)
     shards = sorted((tmp_path / "flipped").glob("pytorch_model-*.bin"))
     assert len(shards) > 1
     shard = torch.load(shards[-1], weights_only=True)
     name = sorted(shard)[0]
-    _flip(shard[name], 1, 2)
+    flip(shard[name], 1, 2)
     torch.save(shard, shards[-1])
     same = cli("diff", tmp_path / "bin", tmp_path / "single")
     assert same["code"] == 0 and same["torch"] is False
@@ -250,16 +175,3 @@ def test_malicious_torch_files_never_run(saved: dict[str, Path], tmp_path: Path,
         assert result.code in (1, 2) and "Traceback" not in result.err, case.name
         assert not sentinel.exists(), f"{case.name}: the payload ran"
 
-
-def test_the_listing_models_only_names_torchs_weights_only_loader_allows() -> None:
-    from torch import _weights_only_unpickler as wo
-
-    from torchverity.pickles import _listing
-
-    assert set(_listing.MODELED) <= set(wo._get_allowed_globals())
-    assert {n: getattr(torch, n).itemsize for n in _listing.ITEMSIZE} == _listing.ITEMSIZE
-    typed = {v: str(k).removeprefix("torch.")
-             for k, v in torch.storage._dtype_to_storage_type_map().items() if k.is_floating_point
-             or k.is_complex or k in (torch.bool, torch.uint8, torch.int8, torch.int16,
-                                      torch.int32, torch.int64)}
-    assert typed == _listing._STORAGES

@@ -1,12 +1,13 @@
-"""What ``diff`` compares before it opens anything: each entry of a checkpoint path listed
-without torch, tensors as (dtype, shape, digest of their bytes), plain values as they are.
+"""What ``diff``, ``inspect`` and ``fingerprint`` read before they open anything: each entry
+of a checkpoint path listed without torch, tensors as (dtype, shape, digest of their bytes),
+plain values as they are.
 
 .safetensors files are listed from their headers; torch zip checkpoints (``torch.save``'s
 default format) from their pickle, walked inertly (:mod:`torchverity.pickles._listing`),
 with each tensor's bytes hashed straight from its stored record. A contiguous tensor's
-digest is the one its .safetensors copy gets, so the two formats compare without torch
-too. Any other file (legacy pickles, TorchScript archives, a pickle naming more than
-plain state-dict types) is not listed: ``diff`` then loads both sides.
+digest is its fingerprint entry, the one its .safetensors copy gets, so the two formats
+compare without torch too. Any other file (legacy pickles, TorchScript archives, a pickle
+naming more than plain state-dict types) is not listed: the caller then loads it.
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from torchverity.checkpoint._diff_result import Status, TensorDiff, plain_diff
-from torchverity.checkpoint._fp_record import EXACT, plain_tensor_hasher
+from torchverity.checkpoint._fp_record import (
+    EXACT,
+    Fingerprint,
+    TensorDigest,
+    from_entries,
+    plain_tensor_hasher,
+    value_digest,
+)
+from torchverity.checkpoint._st_fingerprint import THREADED_BYTES, checkpoint_files
 from torchverity.errors import TorchVerityError
-
-# Below this, starting blake3's thread pool costs more than it saves.
-_THREADED_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -45,11 +51,13 @@ class _Span:
 Listing = dict[str, Any]
 
 
-def listing(obj: Any) -> Listing | None:
-    """The entries of the checkpoint at path ``obj``, listed without torch; None when
-    ``obj`` is a loaded object, or a file or shard cannot be listed this way."""
+def listing(obj: Any, algo: str = EXACT, *, canonical: bool = False) -> Listing | None:
+    """The entries of the checkpoint at path ``obj``, listed without torch, digests made
+    with ``algo``; None when ``obj`` is a loaded object, or a file or shard cannot be
+    listed this way. A non-contiguous view's digest covers the bytes its elements span
+    and its strides (one read, no copy), or with ``canonical`` its elements gathered in
+    order (with numpy): its fingerprint entry."""
     from torchverity._formats import file_format
-    from torchverity.checkpoint._file_fingerprint import checkpoint_files
 
     if not isinstance(obj, (str, os.PathLike)):
         return None
@@ -58,8 +66,8 @@ def listing(obj: Any) -> Listing | None:
         merged: Listing = {}
         for f in files:  # later shards win a name two shards share, as when loading
             fmt = file_format(f) if f.is_file() else None
-            listed = (_safetensors(f) if fmt == "safetensors" else
-                      _torch_zip(f, sharded) if fmt == "pt" else None)
+            listed = (_safetensors(f, algo) if fmt == "safetensors" else
+                      _torch_zip(f, sharded, algo, canonical) if fmt == "pt" else None)
             if listed is None:
                 return None
             merged.update(listed)
@@ -68,34 +76,64 @@ def listing(obj: Any) -> Listing | None:
     return merged
 
 
-def _safetensors(path: Path) -> Listing:
-    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors
+def fingerprint_of(found: Listing, algo: str) -> Fingerprint:
+    """The fingerprint of a listing made with ``algo`` and ``canonical``: the one the
+    loaded checkpoint gets."""
+    return from_entries(algo, [
+        TensorDigest(name, v.dtype, v.shape, v.digest) if isinstance(v, Listed)
+        else value_digest(name, v) for name, v in found.items()])
+
+
+def _safetensors(path: Path, algo: str) -> Listing:
+    from torchverity.checkpoint._st_fingerprint import fingerprint_safetensors
     from torchverity.pickles._limits import check_safetensors_limits
 
     check_safetensors_limits(path)
     return {e.name: Listed(e.dtype, e.shape, e.digest)
-            for e in fingerprint_safetensors(path, EXACT).entries}
+            for e in fingerprint_safetensors(path, algo).entries}
 
 
-def _torch_zip(path: Path, shard: bool) -> Listing | None:
+def _torch_zip(path: Path, shard: bool, algo: str, canonical: bool) -> Listing | None:
     from torchverity.pickles._listing import ITEMSIZE, ListedTensor, list_torch_zip
 
     found = list_torch_zip(path, weights=shard)
     if found is None:
         return None
     tensors = {n: t for n, t in found.items() if isinstance(t, ListedTensor)}
-    hashers = {}
+    hashers, gathered = {}, []
     for name, t in tensors.items():
         nbytes = ITEMSIZE[t.dtype] * math.prod(t.shape)  # the header a .safetensors copy gets
-        h = plain_tensor_hasher(name, t.dtype, t.shape, nbytes, EXACT,
-                                threads=t.nbytes >= _THREADED_BYTES)
-        if not t.contiguous:  # the span holds more than the elements: never a plain digest
+        h = plain_tensor_hasher(name, t.dtype, t.shape, nbytes, algo,
+                                threads=t.nbytes >= THREADED_BYTES)
+        if not t.contiguous and canonical:
+            gathered.append(name)
+        elif not t.contiguous:  # the span holds more than the elements: never a plain digest
             h.update(f"strided\0{list(t.strides)}\0".encode())
         hashers[name] = h
-    _stream(path, [_Span(n, t.begin, t.nbytes) for n, t in tensors.items()],
-            lambda name, chunk: hashers[name].update(chunk))
+    _stream(path, [_Span(n, t.begin, t.nbytes) for n, t in tensors.items()
+                   if n not in gathered], lambda name, chunk: hashers[name].update(chunk))
+    if gathered:
+        _gather(path, {n: tensors[n] for n in gathered}, hashers)
     return {n: Listed(v.dtype, v.shape, hashers[n].hexdigest()) if n in tensors else v
             for n, v in found.items()}
+
+
+def _gather(path: Path, views: dict[str, Any], hashers: dict[str, Any]) -> None:
+    """Feed each non-contiguous view's elements, in row-major order, to its hash: the
+    canonical bytes torch's ``contiguous()`` gives (one copy of the view, as there)."""
+    import mmap
+
+    import numpy as np
+
+    from torchverity.pickles._listing import ITEMSIZE
+
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for name, t in views.items():
+            item = ITEMSIZE[t.dtype]  # elements as raw byte rows: every dtype alike
+            view = np.ndarray((*t.shape, item), np.uint8, buffer=mm, offset=t.begin,
+                              strides=(*(s * item for s in t.strides), 1))
+            hashers[name].update(np.ascontiguousarray(view).data)
+            del view  # the map closes only once no array points into it
 
 
 def _stream(path: Path, spans: list[_Span], feed: Any) -> None:

@@ -3,26 +3,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from torchverity.checkpoint._fp_record import (
-    DEVICE,
-    EXACT,
-    LEGACY_EXACT,
-    Fingerprint,
-    Mode,
-    TensorDigest,
-    from_entries,
-    plain_tensor_hasher,
-)
-
-if TYPE_CHECKING:
-    from torchverity.checkpoint._st_header import RawHeader
-    from torchverity.digest import Hasher
-
-# Below this, starting blake3's thread pool and splitting the work costs more than it saves.
-_THREADED_BYTES = 1 << 20
+from torchverity.checkpoint._fp_record import DEVICE, EXACT, LEGACY_EXACT, Fingerprint, Mode
 
 
 def fingerprint_file(path: str | os.PathLike[str], *,
@@ -31,7 +13,10 @@ def fingerprint_file(path: str | os.PathLike[str], *,
 
     A .safetensors file streams each tensor's bytes through its hash with one
     small buffer (memory stays flat whatever the size, and torch is not
-    imported); .pt files go through PyTorch's restricted ``weights_only``
+    imported). So does a .pt file laid out as ``torch.save`` writes a state dict
+    (its pickle is read inertly, :mod:`torchverity.pickles._listing`; a
+    non-contiguous view's elements are gathered with numpy). Any other .pt file,
+    and the ``device`` mode, go through PyTorch's restricted ``weights_only``
     unpickler with memory-mapped storages.
     """
     from torchverity._formats import file_format
@@ -41,71 +26,21 @@ def fingerprint_file(path: str | os.PathLike[str], *,
     target = resolve(path)
     algo = {"exact": EXACT, "auto": EXACT}.get(mode, mode)
     onnx = target.index is None and is_onnx(target.file)
-    if target.index is None and not onnx and algo in (EXACT, LEGACY_EXACT) \
-            and file_format(target.file) == "safetensors":
-        from torchverity.pickles._limits import check_safetensors_limits
+    if not onnx and algo in (EXACT, LEGACY_EXACT):
+        if target.index is None and file_format(target.file) == "safetensors":
+            from torchverity.checkpoint._st_fingerprint import fingerprint_safetensors
+            from torchverity.pickles._limits import check_safetensors_limits
 
-        check_safetensors_limits(target.file)  # a huge header is refused before it is parsed
-        return fingerprint_safetensors(target.file, algo)
+            check_safetensors_limits(target.file)  # a huge header is refused before parsing
+            return fingerprint_safetensors(target.file, algo)
+        from torchverity.checkpoint._diff_listing import fingerprint_of, listing
+
+        found = listing(path, algo, canonical=True)
+        if found is not None:
+            return fingerprint_of(found, algo)
     from torchverity.checkpoint._fingerprint import fingerprint
     from torchverity.checkpoint._onnx import onnx_initializers
     from torchverity.checkpoint._read import read_unverified
 
     obj = onnx_initializers(target.file) if onnx else read_unverified(path)
     return fingerprint(obj, mode=DEVICE if algo == DEVICE else mode)
-
-
-def checkpoint_files(path: str | os.PathLike[str]) -> tuple[list[Path], bool]:
-    """The files of a checkpoint file, Hugging Face folder or index (shards in name order),
-    and whether they are the shards of an index."""
-    from torchverity.checkpoint._folders import resolve
-    from torchverity.checkpoint._index import read_index
-
-    target = resolve(path)
-    if target.index is None:
-        return [target.file], False
-    return [target.folder / s for s in sorted(set(read_index(target.index).values()))], True
-
-
-def safetensors_files(path: str | os.PathLike[str]) -> list[Path] | None:
-    """The .safetensors files of a checkpoint file, Hugging Face folder or index (shards in
-    name order); None when one of them is missing or not .safetensors."""
-    from torchverity._formats import file_format
-
-    files, _ = checkpoint_files(path)
-    if all(f.is_file() and file_format(f) == "safetensors" for f in files):
-        return files
-    return None
-
-
-def fingerprint_safetensors(path: Path, algo: str = EXACT, *, header: RawHeader | None = None,
-                            whole: Hasher | None = None) -> Fingerprint:
-    """Stream a .safetensors file's tensor bytes through their entry hashes (no torch).
-
-    ``header`` is the file's parsed header when the caller has it; ``whole`` is also fed
-    every byte of the file in order, header included, so one read gives the file's digest
-    too (the header's layout checks leave no byte outside a tensor).
-    """
-    from torchverity.checkpoint._st_header import parse_header, stream_tensor_bytes
-
-    header = header or parse_header(path)
-    hashers = {e.name: plain_tensor_hasher(e.name, e.dtype_name, e.shape, e.nbytes, algo,
-                                           threads=e.nbytes >= _THREADED_BYTES)
-               for e in header.entries}
-    if whole is None:
-        stream_tensor_bytes(path, header.entries,
-                            lambda name, chunk: hashers[name].update(chunk))
-    else:
-        with open(path, "rb") as fh:
-            whole.update(fh.read(header.data_start))
-        stream_tensor_bytes(path, header.entries,
-                            lambda name, chunk: _feed(hashers[name], whole, chunk))
-    return from_entries(algo, [
-        TensorDigest(e.name, e.dtype_name, e.shape, hashers[e.name].hexdigest())
-        for e in header.entries
-    ])
-
-
-def _feed(tensor: Hasher, whole: Hasher, chunk: memoryview) -> None:
-    tensor.update(chunk)
-    whole.update(chunk)

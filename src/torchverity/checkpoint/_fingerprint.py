@@ -43,7 +43,6 @@ the root.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +62,7 @@ from torchverity.checkpoint._fp_record import (
     _header,
     from_entries,
     plain_tensor_hasher,
+    value_digest,
 )
 from torchverity.errors import FormatError, UsageError
 
@@ -110,7 +110,7 @@ def _exact_digest(name: str, value: Any, algo: str = EXACT, spread: bool = False
                           threads=spread and len(data) >= _SPREAD_MIN_BYTES)
         h.update(data)
         return TensorDigest(name, dtype_name(value.dtype), tuple(value.shape), h.hexdigest())
-    return _value_digest(name, value)
+    return value_digest(name, value)
 
 
 def layout(obj: Any) -> dict[str, TensorDigest]:
@@ -122,16 +122,9 @@ def layout(obj: Any) -> dict[str, TensorDigest]:
     """
     return {
         name: (TensorDigest(name, dtype_name(v.dtype), tuple(v.shape), "")
-               if isinstance(v, torch.Tensor) else _value_digest(name, v))
+               if isinstance(v, torch.Tensor) else value_digest(name, v))
         for name, v in iter_leaves(obj)
     }
-
-
-def _value_digest(name: str, value: Any) -> TensorDigest:
-    kind = type(value).__name__ if value is not None else "none"
-    text = value.hex() if isinstance(value, float) else json.dumps(value)
-    payload = _header("value", name, kind, (), len(text)) + text.encode()
-    return TensorDigest(name, kind, (), hashlib.sha256(payload).hexdigest())
 
 
 def device_checksum(tensor: torch.Tensor) -> torch.Tensor:
@@ -174,7 +167,7 @@ def _device_digests(leaves: list[tuple[str, Any]]) -> list[TensorDigest]:
         payload += (s1 & ((1 << 64) - 1)).to_bytes(8, "little")
         payload += (s2 & ((1 << 64) - 1)).to_bytes(8, "little")
         by_name[name] = TensorDigest(name, dtype, shape, hashlib.sha256(payload).hexdigest())
-    return [by_name[n] if n in by_name else _value_digest(n, v) for n, v in leaves]
+    return [by_name[n] if n in by_name else value_digest(n, v) for n, v in leaves]
 
 
 def _resolve_mode(mode: str, leaves: list[tuple[str, Any]]) -> str:

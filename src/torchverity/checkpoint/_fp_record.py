@@ -6,6 +6,7 @@ without importing torch (see :mod:`torchverity.checkpoint._fingerprint` for the 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -111,6 +112,14 @@ def plain_tensor_hasher(name: str, dtype: str, shape: Sequence[int], nbytes: int
     h = blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
     h.update(header)
     return h
+
+
+def value_digest(name: str, value: Any) -> TensorDigest:
+    """The entry of a plain value (None, bool, int, float, str)."""
+    kind = type(value).__name__ if value is not None else "none"
+    text = value.hex() if isinstance(value, float) else json.dumps(value)
+    payload = _header("value", name, kind, (), len(text)) + text.encode()
+    return TensorDigest(name, kind, (), hashlib.sha256(payload).hexdigest())
 
 
 def _root(algo: str, entries: Sequence[TensorDigest]) -> str:

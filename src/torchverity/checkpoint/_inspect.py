@@ -124,6 +124,8 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     whole = new_hasher(recorded_side[0] if recorded_side else "sha256", threads=True) \
         if fmt == "safetensors" else None
     listed = _safetensors_contents(p, algo, whole) if fmt in ("safetensors", "sharded") else None
+    if listed is None and fmt in ("pt", "sharded") and _openable(scan):
+        listed = _listed_contents(p, algo)
     if listed is not None:
         (rows, values, root), not_loaded = listed, None
     else:
@@ -153,10 +155,14 @@ def _scan(path: Path) -> Any:
     return scan_file(path)
 
 
+def _openable(scan: Any) -> bool:
+    return scan is None or scan.verdict not in ("unsafe", "malformed")
+
+
 def _open(path: Path, scan: Any) -> tuple[Any, str | None]:
     from torchverity.checkpoint._read import read_unverified
 
-    if scan is not None and scan.verdict in ("unsafe", "malformed"):
+    if not _openable(scan):
         return None, f"not opened: the scan found it {scan.verdict} ({scan.reason})"
     try:
         return read_unverified(path), None
@@ -180,8 +186,8 @@ def _safetensors_contents(path: Path, algo: str, whole: Any = None,
 
     None when some file is not .safetensors (then tensors are opened the usual way).
     """
-    from torchverity.checkpoint._file_fingerprint import fingerprint_safetensors, safetensors_files
     from torchverity.checkpoint._fp_record import from_entries
+    from torchverity.checkpoint._st_fingerprint import fingerprint_safetensors, safetensors_files
     from torchverity.checkpoint._st_header import parse_header
 
     try:
@@ -197,6 +203,22 @@ def _safetensors_contents(path: Path, algo: str, whole: Any = None,
         return None  # reported by the usual path, with its own wording
     rows.sort(key=lambda r: r.name)
     return tuple(rows), {}, from_entries(algo, entries).root
+
+
+def _listed_contents(path: Path, algo: str,
+                     ) -> tuple[tuple[TensorRow, ...], dict[str, str], str | None] | None:
+    """Rows, values and fingerprint of torch zip files (and .safetensors shards) listed
+    without torch; None when some file cannot be listed that way (then it is opened)."""
+    from torchverity.checkpoint._diff_listing import Listed, fingerprint_of, listing
+    from torchverity.pickles._torch_names import ITEMSIZE
+
+    found = listing(path, algo, canonical=True)
+    if found is None:
+        return None
+    rows = sorted((TensorRow(n, v.dtype, v.shape, _numel(v.shape) * ITEMSIZE[v.dtype])
+                   for n, v in found.items() if isinstance(v, Listed)), key=lambda r: r.name)
+    values = {n: repr(v) for n, v in found.items() if not isinstance(v, Listed)}
+    return tuple(rows), values, fingerprint_of(found, algo).root
 
 
 def _contents(obj: Any, algo: str) -> tuple[tuple[TensorRow, ...], dict[str, str], str | None]:

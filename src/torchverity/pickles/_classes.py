@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Final, Literal
 
 from torchverity.pickles._ops import GlobalRef
+from torchverity.pickles._torch_names import MODELED
 
 # A file's verdict (torchverity.pickles._verdict says which, worst first).
 Verdict = Literal["safe", "needs-allowlist", "needs-review", "unsafe", "malformed"]
@@ -209,6 +210,12 @@ def torch_allowlist() -> frozenset[str]:
     return frozenset(wo._get_allowed_globals())
 
 
+def in_torch_allowlist(qualname: str) -> bool:
+    """Whether torch's weights_only loader accepts this global; the names a plain state
+    dict pickles are known without importing torch (start-up costs more than the scan)."""
+    return qualname in MODELED or qualname in torch_allowlist()
+
+
 def _torch_class_ok(module: str, name: str) -> bool:
     """A torch module/optimizer/scheduler class, looked up only among already-imported modules."""
     if not module.startswith(_TORCH_CLASS_MODULES):
@@ -256,7 +263,7 @@ def classify(ref: GlobalRef, protocol: int = 0) -> tuple[Category, str]:
             return DANGEROUS, "dotted attribute path: reaches nested attributes of the module"
         return DANGEROUS, "not a valid module/attribute name"
     qual = f"{module}.{name}"
-    if qual in torch_allowlist():
+    if in_torch_allowlist(qual):
         return TORCH, "in torch's weights_only allowlist"
     if qual in _BENIGN:
         return BENIGN, _BENIGN[qual]

@@ -27,22 +27,8 @@ from typing import Any, BinaryIO
 from torchverity._leaves import iter_tree, weights_in
 from torchverity.pickles._placeholders import InertUnpickler
 from torchverity.pickles._source import Limits
+from torchverity.pickles._torch_names import CALLABLES, ITEMSIZE, MODELED, STORAGES
 
-# torch's dtype name -> bytes per element, for every dtype a zip checkpoint can name.
-ITEMSIZE = {
-    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
-    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "complex32": 4, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1,
-    "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
-}
-# The typed storage classes torch.save names (others go through UntypedStorage + dtype).
-_STORAGES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
-    "BoolStorage": "bool", "ComplexDoubleStorage": "complex128",
-    "ComplexFloatStorage": "complex64",
-}
 _DEVICES = frozenset({"cpu", "cuda", "mps", "xpu", "meta", "hpu"})
 
 
@@ -171,22 +157,15 @@ class _StorageType(_NoState):
 
 
 def _stand_ins() -> dict[str, Any]:
-    table: dict[str, Any] = {
-        "collections.OrderedDict": OrderedDict,
-        "torch._utils._rebuild_tensor_v2": _rebuild_v2,
-        "torch._utils._rebuild_tensor_v3": _rebuild_v3,
-        "torch._utils._rebuild_parameter": _parameter,
-        "torch.Size": _size,
-        "torch.device": _device,
-        "torch.storage.UntypedStorage": _StorageType(None),
-    }
-    table.update({f"torch.{cls}": _StorageType(dtype) for cls, dtype in _STORAGES.items()})
+    calls = (OrderedDict, _rebuild_v2, _rebuild_v3, _parameter, _size, _device,
+             _StorageType(None))
+    table: dict[str, Any] = dict(zip(CALLABLES, calls, strict=True))
+    table.update({f"torch.{cls}": _StorageType(dtype) for cls, dtype in STORAGES.items()})
     table.update({f"torch.{name}": _Dtype(name) for name in ITEMSIZE})
     return table
 
 
-_STAND_INS = _stand_ins()
-MODELED = frozenset(_STAND_INS)  # every one is in torch's weights_only allowlist
+_STAND_INS = _stand_ins()  # keyed by exactly MODELED
 
 
 def list_torch_zip(path: str | os.PathLike[str], *, weights: bool = False,
@@ -199,7 +178,7 @@ def list_torch_zip(path: str | os.PathLike[str], *, weights: bool = False,
     file, or holds something not modeled here: then the loader reads it.
     """
     from torchverity.pickles._containers import scan_container
-    from torchverity.pickles._zip import zip_views
+    from torchverity.pickles._zip import inflation_problems, zip_views
 
     limits = Limits()
     try:
@@ -208,13 +187,26 @@ def list_torch_zip(path: str | os.PathLike[str], *, weights: bool = False,
             return None
         with open(path, "rb") as fh:
             problems: list[str] = []
-            views = zip_views(fh, os.fstat(fh.fileno()).st_size, problems)
-            if problems or len(views) != 1:
+            size = os.fstat(fh.fileno()).st_size
+            views = zip_views(fh, size, problems)
+            # A record the loader's preflight refuses (a bomb) is refused here too, unread.
+            if problems or len(views) != 1 or inflation_problems(views[0].members, size, limits):
                 return None
             root = _read(fh, views[0].members, container.torch_entry, limits)
-        return dict(iter_listed(_weights_of(root) if weights else root))
+        return _unique(iter_listed(_weights_of(root) if weights else root))
     except Exception:  # only stand-ins ran: a pickle they cannot build, or damage
         return None
+
+
+def _unique(pairs: Iterator[tuple[str, Any]]) -> dict[str, Any]:
+    """The pairs as a dict; refused when two flatten to one name (the loaded object's
+    fingerprint is an error then, and a diff keeps only one: the loader says which)."""
+    found: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in found:
+            raise _Refused
+        found[name] = value
+    return found
 
 
 def _plain_torch_zip(container: Any) -> bool:

@@ -51,6 +51,7 @@ from torchverity.pickles._classes import (
     Category,
     Verdict,
     classify,
+    in_torch_allowlist,
     torch_allowlist,
 )
 from torchverity.pickles._containers import Container, scan_container
@@ -64,6 +65,7 @@ from torchverity.pickles._ops import (
     first_arg,
     ref_of,
 )
+from torchverity.pickles._torch_names import MODELED
 from torchverity.pickles._verdict import GlobalFinding, findings_of, problems_of, verdict_of
 
 __all__ = [
@@ -112,9 +114,11 @@ class ScanResult:
 
 def _torch_name(ref: GlobalRef) -> tuple[str, str]:
     """The name torch's weights_only unpickler looks up (it remaps Python 2 names)."""
+    key = (ref.module, ref.name)
+    if ref.qualname in MODELED:  # none is a Python 2 name: known without importing torch
+        return key
     from torch._utils import IMPORT_MAPPING, NAME_MAPPING
 
-    key = (ref.module, ref.name)
     if key in NAME_MAPPING:
         return NAME_MAPPING[key]
     return IMPORT_MAPPING.get(ref.module, ref.module), ref.name
@@ -262,7 +266,6 @@ def plan_load(path: str, container: Container) -> LoadPlan | None:
     entry = next((e for e in container.entries if e.name == container.torch_entry), None)
     if entry is None:
         return LoadPlan(container.torch_entry, False, (), "", ("torch finds no pickle to load",))
-    allowed = torch_allowlist()
     categories: dict[str, str] = {}
     needs: list[str] = []
     notes: list[str] = []
@@ -273,14 +276,14 @@ def plan_load(path: str, container: Container) -> LoadPlan | None:
         notes.extend(stream_notes)
         for ref in report.globals:
             name = ".".join(_torch_name(ref))
-            if name not in allowed:
+            if not in_torch_allowlist(name):
                 needs.append(name)
                 categories.setdefault(name, classify(ref, report.protocol)[0])
         for build in report.builds:
             built = _build_type(build)
             if built == "numpy.dtype(?)":
                 notes.append(f"BUILD at offset {build.offset}: numpy dtype class not known")
-            elif built is not None and built not in allowed:
+            elif built is not None and not in_torch_allowlist(built):
                 needs.append(built)
     needs = list(dict.fromkeys(needs))
     for name in needs:

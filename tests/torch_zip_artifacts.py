@@ -1,0 +1,98 @@
+"""Checkpoints as users save them, for the tests of the torch-free zip readers: every
+dtype, views with offsets, shared storages, non-contiguous views and plain values; real
+Lightning Trainer checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def state(epoch: int = 3) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 8, generator=g)
+    ints = torch.arange(-4, 4)
+    model = {
+        "w": torch.randn(16, 8, generator=g), "h": torch.randn(10, generator=g).half(),
+        "bf": torch.randn(10, generator=g).bfloat16(), "d": torch.randn(3, generator=g).double(),
+        "f8": torch.randn(5, generator=g).to(torch.float8_e4m3fn),
+        "f8b": torch.randn(5, generator=g).to(torch.float8_e5m2),
+        "c64": torch.randn(4, generator=g, dtype=torch.complex64),
+        "c128": torch.randn(2, generator=g, dtype=torch.complex128),
+        **{str(dt).removeprefix("torch."): ints.to(dt) for dt in (
+            torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)},
+        **{str(dt).removeprefix("torch."): ints.abs().to(dt) for dt in (
+            torch.uint16, torch.uint32, torch.uint64)},
+        "mask": torch.tensor([True, False, True]),
+        "base": base, "rows": base[2:5], "t": base.t(), "every3": base[:, ::3],
+        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+        "p": torch.nn.Parameter(torch.ones(3)),
+    }
+    return {"model": model, "epoch": epoch, "lr": 0.1, "name": "run", "note": None,
+            "done": False, "dtype": torch.float16, "device": torch.device("cpu"),
+            "sizes": [torch.Size([2, 3]), (1, 2.5)]}
+
+
+def flip(t: torch.Tensor, index: int, bit: int) -> None:
+    raw = t.view(-1).view(torch.uint8)
+    raw[index * t.element_size() + bit // 8] ^= 1 << (bit % 8)
+
+
+def lightning_checkpoints(root: Path, hparams: Any) -> tuple[Path, Path]:
+    import lightning as L
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    class Net(L.LightningModule):
+        def __init__(self, cfg: Any) -> None:
+            super().__init__()
+            self.save_hyperparameters(cfg)
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    net = Net(hparams)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)),
+                                       batch_size=2)
+    paths = []
+    for steps in (2, 4):
+        trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=str(root), accelerator="cpu", devices=1)
+        trainer.fit(net, data)
+        paths.append(root / f"step{steps}.ckpt")
+        trainer.save_checkpoint(paths[-1])
+    return paths[0], paths[1]
+
+
+def bert() -> Any:
+    """A small transformers BERT model (skips the test without transformers)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                                     intermediate_size=37, vocab_size=100,
+                                     max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.BertModel(config).eval()
+
+
+def save_bin_shards(model: Any, folder: Path, max_shard_size: str = "40KB") -> None:
+    """The sharded pytorch_model-*.bin layout with its index, as transformers 4.x wrote it
+    (one pytorch_model.bin when it fits in one shard)."""
+    from huggingface_hub import save_torch_state_dict
+
+    folder.mkdir(parents=True)
+    model.config.save_pretrained(folder)
+    save_torch_state_dict(model.state_dict(), folder, safe_serialization=False,
+                          max_shard_size=max_shard_size)
