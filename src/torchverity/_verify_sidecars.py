@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import shlex
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from torchverity._formats import broken_download
 from torchverity._verify_results import VerifyEntry, VerifyResult, _damaged_tensors
 from torchverity.digest import ALGORITHMS, digest_file, find_sidecar, read_sidecar
-from torchverity.errors import FormatError, InputError
+from torchverity.errors import FormatError, InputError, shell_path
 from torchverity.manifest import list_files
 
 _SIDECAR_SUFFIXES = tuple(f".{a}" for a in ALGORITHMS)
@@ -70,7 +69,7 @@ def verify_sidecars(root: Path, exclude: Sequence[str] = (),
         raise InputError(
             f"{root}: no manifest and no per-file sidecars (FILE.sha256, .blake3, .xxh128) "
             "in this folder", path=root,
-            hint=f"record the folder from a trusted copy: torchverity manifest {root}",
+            hint=f"record the folder from a trusted copy: torchverity manifest {shell_path(root)}",
         )
     entries = [check_sidecar(root / rel, rel, progress) for rel in checked]
     algos = sorted({read_sidecar(find_sidecar(root / rel) or root)[0] for rel in checked})
@@ -113,7 +112,7 @@ def verify_by_manifest(path: Path, progress: Callable[[int], None] | None,
 def advice(result: VerifyResult) -> list[str]:
     """One next step per kind of problem: an extra file is not damage."""
     counts = result.counts
-    target = shlex.quote(result.target)
+    target = shell_path(result.target)
     steps = []
     for entry in result.problems:
         broken = broken_download(_entry_path(result, entry.path))
@@ -124,7 +123,8 @@ def advice(result: VerifyResult) -> list[str]:
                      "files from a good copy, then rerun torchverity verify")
     if counts["missing"]:
         steps.append("missing: copy those files from the source (or the record is stale: "
-                     f"rebuild it from a trusted copy with torchverity manifest {target})")
+                     "rebuild it from a trusted copy with torchverity manifest "
+                     f"{target})")
     if counts["extra"]:
         steps.append("extra: files the record does not list; if they belong, record them "
                      f"(torchverity manifest {target}), else remove them or skip them with "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
-from torchverity.errors import FormatError, InputError, UsageError
+from torchverity.errors import FormatError, InputError, UsageError, shell_path
 
 if TYPE_CHECKING:
     import queue
@@ -99,7 +99,7 @@ def open_for_reading(path: Path) -> io.FileIO:
         raise InputError(
             f"{path}: is a directory, not a file",
             path=path,
-            hint=f"torchverity manifest {path}",
+            hint=f"torchverity manifest {shell_path(path)}",
         ) from None
     except PermissionError:
         raise InputError(
@@ -306,7 +306,8 @@ def read_sidecar(sidecar: str | os.PathLike[str]) -> tuple[str, str, str]:
             f"{p}: not a valid {algo} sidecar "
             f"(expected one line '<{HEX_LENGTH[algo]} hex digits>  <name>')",
             path=p,
-            hint=f"rewrite it with: torchverity hash --algo {algo} --write {p.with_suffix('')}",
+            hint=f"rewrite it with: torchverity hash --algo {algo} --write "
+                 f"{shell_path(p.with_suffix(''))}",
         )
     return algo, match["hex"].lower(), match["name"]
 

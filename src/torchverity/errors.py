@@ -28,6 +28,7 @@ error: a bug to report, never a verdict on the input.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -77,11 +78,16 @@ class InputError(TorchVerityError):
     """An input is missing or cannot be read."""
 
 
-def unreadable(path: str | Path, exc: OSError) -> InputError:
-    """The error for a file that exists but cannot be read, with the step that fits why."""
+def shell_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as one word of a shell command in a hint (quoted only where it must be)."""
     import shlex
 
-    quoted = shlex.quote(str(path))
+    return shlex.quote(os.fspath(path))
+
+
+def unreadable(path: str | Path, exc: OSError) -> InputError:
+    """The error for a file that exists but cannot be read, with the step that fits why."""
+    quoted = shell_path(path)
     hint = (f"check its permissions (ls -l {quoted}), or run as a user allowed to read it"
             if isinstance(exc, PermissionError) else
             f"check that {quoted} is a regular file on a healthy disk (the kernel log names I/O "

@@ -34,7 +34,7 @@ from torchverity.digest import (
     format_sidecar_line,
     new_hasher,
 )
-from torchverity.errors import FormatError, InputError
+from torchverity.errors import FormatError, InputError, shell_path
 
 MANIFEST_NAME = "torchverity.manifest.json"
 SHA256SUM_NAME = "manifest-sha256.txt"
@@ -182,7 +182,7 @@ def find_manifest(directory: str | os.PathLike[str]) -> Path:
     raise InputError(
         f"{root}: no manifest ({MANIFEST_NAME} or {SHA256SUM_NAME}) in this folder",
         path=root,
-        hint=f"record one first: torchverity manifest {root}",
+        hint=f"record one first: torchverity manifest {shell_path(root)}",
     )
 
 
@@ -204,7 +204,7 @@ def _bad(p: Path, what: str) -> FormatError:
     return FormatError(
         f"{p}: invalid manifest: {what}",
         path=p,
-        hint=f"re-create it from trusted files: torchverity manifest {p.parent}",
+        hint=f"re-create it from trusted files: torchverity manifest {shell_path(p.parent)}",
     )
 
 
@@ -319,5 +319,6 @@ def _existing_dir(directory: str | os.PathLike[str]) -> Path:
     if not root.exists():
         raise InputError(f"{root}: no such directory", path=root)
     if not root.is_dir():
-        raise InputError(f"{root}: not a directory", path=root, hint=f"torchverity hash {root}")
+        raise InputError(f"{root}: not a "
+                         f"directory", path=root, hint=f"torchverity hash {shell_path(root)}")
     return root

@@ -28,7 +28,7 @@ from torchverity._verify_sidecars import (
     verify_sidecars,
 )
 from torchverity.digest import digest_file, digest_files, find_sidecar, sidecar_path
-from torchverity.errors import InputError
+from torchverity.errors import InputError, shell_path
 from torchverity.manifest import (
     MANIFEST_FILES,
     find_manifest,
@@ -62,8 +62,9 @@ def verify_file(
         raise InputError(
             f"{p}: no sidecar ({sidecar_path(p).name} or {sidecar_path(p, 'blake3').name})",
             path=p,
-            hint=f"record one from a trusted copy: torchverity hash --write {p} (or list it "
-                 f"in a manifest of its folder: torchverity manifest {p.parent})",
+            hint=f"record one from a trusted copy: torchverity hash --write {shell_path(p)} (or "
+                 "list it in a manifest of its folder: torchverity manifest "
+                 f"{shell_path(p.parent)})",
         )
     if not p.exists():
         entry = VerifyEntry(p.name, "missing", expected=expected)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torchverity.batch._item import ItemFn
+from torchverity.errors import shell_path
 
 
 class ModelFactory(Protocol):
@@ -44,7 +45,7 @@ def golden_gate(fn: ItemFn, golden: str, when: str) -> None:
         f"'{first.output}': {first.message}",
         path=golden,
         tensors=list(result.weights_changed or ()),
-        hint=f"torchverity golden check --golden {golden} shows every failed part; "
+        hint=f"torchverity golden check --golden {shell_path(golden)} shows every failed part; "
         "torchverity selftest checks the device",
     )
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torchverity._generation_pointer import has_pointer
 from torchverity.checkpoint._index import find_index
-from torchverity.errors import InputError
+from torchverity.errors import InputError, shell_path
 
 # In the order transformers' from_pretrained prefers them.
 WEIGHT_NAMES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
@@ -53,7 +53,8 @@ def resolve(path: str | os.PathLike[str]) -> Target:
         raise InputError(
             f"{p}: a distributed checkpoint folder (torch.distributed.checkpoint): its tensors "
             "are read on every rank, with torchverity.distributed.load_dcp", path=p,
-            hint=f"check its files and any training guard's certification: torchverity verify {p}")
+            hint="check its files and any training guard's certification: torchverity verify "
+                 f"{shell_path(p)}")
     return Target(p, single_weights_file(p), p)
 
 

@@ -49,6 +49,7 @@ from torchverity.digest import (
 from torchverity.errors import (
     FormatError,
     IntegrityError,
+    shell_path,
 )
 
 log = logging.getLogger("torchverity.checkpoint")
@@ -72,7 +73,7 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
         raise
     if expected is None and policy == "warn":
         notes.append(f"{p}: no sidecar: the file's bytes were not verified "
-                     f"(write one with: torchverity hash --write {p})")
+                     f"(write one with: torchverity hash --write {shell_path(p)})")
     full_pickle = _trusted(p, trust_sha256)
     bound = _digest_binds_fingerprint(expected, meta) and not recheck_tensors
     if fmt == "safetensors":
@@ -125,7 +126,8 @@ def _check_meta_digest(p: Path, meta: Mapping[str, Any] | None,
         raise IntegrityError(
             f"{p}: meta.json records {recorded[0]} {recorded[1]}, the file's is {actual}: "
             "the record was made for other bytes", path=p, expected=recorded[1], actual=actual,
-            hint=f"restore {p.name}.meta.json with its checkpoint; torchverity inspect {p}",
+            hint=f"restore {p.name}.meta.json with its checkpoint; torchverity inspect "
+                 f"{shell_path(p)}",
         )
 
 
@@ -135,7 +137,8 @@ def _check_meta_size(p: Path, meta: Mapping[str, Any] | None) -> None:
         raise IntegrityError(
             f"{p}: meta.json records {meta['size']} bytes, the file has {p.stat().st_size}: "
             "the record belongs to another file", path=p,
-            hint=f"restore {p.name}.meta.json with its checkpoint; torchverity inspect {p}",
+            hint=f"restore {p.name}.meta.json with its checkpoint; torchverity inspect "
+                 f"{shell_path(p)}",
         )
 
 
@@ -155,7 +158,8 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPol
                 f"(meta.json records {recorded.get('hex')}, sidecar {hexd}): "
                 "one of them belongs to another save", path=p, expected=hexd,
                 actual=str(recorded.get("hex")),
-                hint=f"torchverity verify {p}; restore the matching checkpoint, sidecar and meta",
+                hint=f"torchverity verify {shell_path(p)}; restore the matching checkpoint, "
+                     "sidecar and meta",
             )
         return ExpectedDigest(algo, hexd, "sidecar")
     listed = manifest_entry(p) if policy != "ignore" and p.is_file() else None
@@ -167,7 +171,8 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPol
         raise IntegrityError(
             f"{p}: no sidecar ({p.name}.sha256), no entry in a manifest of its folder, and "
             "sidecar='require': refusing to load unverified bytes", path=p,
-            hint=f"save with torchverity.save, or record the digest: torchverity hash --write {p}",
+            hint="save with torchverity.save, or record the digest: torchverity hash --write "
+                 f"{shell_path(p)}",
         )
     if policy != "ignore" and isinstance(recorded, dict) and "hex" in recorded:
         return ExpectedDigest(str(recorded["algo"]), str(recorded["hex"]), "meta")
@@ -194,7 +199,7 @@ def _digest_mismatch(p: Path, expected: ExpectedDigest, actual: str,
         f"{p}: {algo} digest does not match {record}: the file changed after it was saved "
         f"(expected {want}, got {actual}); {where}",
         path=p, expected=want, actual=actual, tensors=damaged,
-        hint=f"restore {p.name} from a verified copy; torchverity diff {p} <good copy> "
+        hint=f"restore {p.name} from a verified copy; torchverity diff {shell_path(p)} <good copy> "
              "shows every changed value",
     )
 
@@ -366,7 +371,7 @@ def _content_mismatch(p: Path, recorded: Fingerprint, actual: Mapping[str, Tenso
         path=p, expected=want.digest if want else None,
         actual=(got.digest or None) if got else None, tensors=bad,
         hint=f"restore {p.name} from a verified copy, or its meta.json if only that changed; "
-             f"torchverity diff {p} <good copy>",
+             f"torchverity diff {shell_path(p)} <good copy>",
     )
 
 

@@ -20,6 +20,7 @@ from torchverity.checkpoint._key_map import (
 from torchverity.errors import (
     FormatError,
     StateDictMismatchError,
+    shell_path,
 )
 
 
@@ -81,7 +82,7 @@ def _mismatch_error(path: Path, model: torch.nn.Module, missing: list[str],
     diagnosis = None if mismatched else prefix_diagnosis(missing, unexpected)
     hint = diagnosis or (
         f"check the model config matches the one that saved it; "
-        f"torchverity inspect {path} lists the checkpoint's tensors"
+        f"torchverity inspect {shell_path(path)} lists the checkpoint's tensors"
         + ("; strict=False (CLI: --no-strict) loads what fits and reports the rest"
            if not mismatched else ""))
     return StateDictMismatchError(

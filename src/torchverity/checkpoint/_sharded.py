@@ -49,7 +49,13 @@ from torchverity.digest import (
     new_hasher,
     sidecar_path,
 )
-from torchverity.errors import CheckpointWriteError, FormatError, IntegrityError, UsageError
+from torchverity.errors import (
+    CheckpointWriteError,
+    FormatError,
+    IntegrityError,
+    UsageError,
+    shell_path,
+)
 
 
 def save_sharded(
@@ -244,7 +250,8 @@ def _check_shards_exist(folder: Path, index: Path, weight_map: dict[str, str],
 def _check_shard_names(index: Path, shard: str, obj: Any, listed: set[str]) -> None:
     if not isinstance(obj, Mapping):
         raise FormatError(f"{shard}: shard holds a {type(obj).__name__}, not a state_dict",
-                          path=index.parent / shard, hint=f"torchverity inspect {index.parent}")
+                          path=index.parent / shard, hint="torchverity inspect "
+                                                          f"{shell_path(index.parent)}")
     absent, extra = sorted(listed - set(obj)), sorted(set(obj) - listed)
     if absent or extra:
         raise IntegrityError(

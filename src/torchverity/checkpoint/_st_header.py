@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torchverity._formats import MAX_HEADER_BYTES
-from torchverity.errors import FormatError
+from torchverity.errors import FormatError, shell_path
 
 # safetensors dtype code -> (torch's dtype name, bytes per element)
 DTYPE_NAMES = {
@@ -181,5 +181,5 @@ def _check_layout(path: Path, entries: list[RawEntry], data_start: int, size: in
 def _bad(path: Path, what: str) -> FormatError:
     return FormatError(
         f"{path}: not a valid .safetensors file: {what}", path=path,
-        hint=f"torchverity inspect {path}; restore the file from a verified copy",
+        hint=f"torchverity inspect {shell_path(path)}; restore the file from a verified copy",
     )

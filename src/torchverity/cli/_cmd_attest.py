@@ -8,6 +8,7 @@ from typing import Any
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.cli._signing_args import add_signing_args
+from torchverity.errors import shell_path
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -44,7 +45,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
                  f"{len(statement['subject'])} files of {args.checkpoint}")
         for name, rec in statement["predicate"].get("checkpoint", {}).items():
             out.line(f"  {name}: fingerprint {rec['fingerprint']['root']}")
-        out.info(f"check it with: torchverity verify {args.checkpoint} --attestation {path}"
+        out.info(f"check it with: torchverity verify {shell_path(args.checkpoint)} "
+                 f"--attestation {shell_path(path)}"
                  + (" --public-key PUB.pem" if args.key else ""))
 
     return out.result({"ok": True, "attestation": str(path), "signed": bool(args.key),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, get_args
 from torchverity.batch._item import DurabilityMode, EngineName
 from torchverity.cli._fit_args import add_fit_args, fit_kwargs
 from torchverity.cli._output import Output
+from torchverity.errors import shell_path
 
 if TYPE_CHECKING:
     from torchverity.batch import BatchReport, BatchVerifyResult
@@ -127,7 +128,7 @@ def _print_report(report: BatchReport, out: Output) -> None:
         out.line(f"... and {len(report.problems) - _MAX_LISTED} more (see --json)")
     if report.ok:
         out.line(f"ok: {report.committed} outputs committed; check them with: "
-                 f"torchverity batch verify {report.out}")
+                 f"torchverity batch verify {shell_path(report.out)}")
 
 
 def _verify(args: argparse.Namespace, out: Output) -> int:

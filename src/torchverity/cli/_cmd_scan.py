@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE
+from torchverity.errors import EXIT_CHECK_FAILED, EXIT_OK, EXIT_USAGE, shell_path
 
 if TYPE_CHECKING:
     from torchverity.pickles._scan import ScanReport, ScanResult, Skipped
@@ -68,14 +68,14 @@ def _print_result(result: ScanResult, out: Output, show_all: bool) -> None:
         out.line("  torch.load(weights_only=True) cannot read this file:")
         for note in plan.notes:
             out.line(f"    {note}")
-        out.line(f"  convert it: torchverity migrate {result.path} NEW.safetensors")
+        out.line(f"  convert it: torchverity migrate {shell_path(result.path)} NEW.safetensors")
     elif plan.needs:
         out.line(f"  torch.load(weights_only=True) will ask for {len(plan.needs)} globals:")
         for line in plan.code.rstrip("\n").splitlines():
             out.line(f"    {line}")
         if result.verdict in ("unsafe", "needs-review"):
             out.line("  do not allowlist code you have not read; extract the data instead: "
-                     f"torchverity migrate {result.path} NEW.safetensors")
+                     f"torchverity migrate {shell_path(result.path)} NEW.safetensors")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
 from torchverity.cli._signing_args import add_signing_args
+from torchverity.errors import shell_path
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
             out.info(f"reused {len(report.reused)} recorded digests ({', '.join(sources)}); "
                      f"hashed {len(report.hashed)} files")
         trust = "--certificate CA.pem" if report.mode == "certificate" else "--public-key PUB.pem"
-        out.info(f"check it with: torchverity verify {report.target} "
+        out.info(f"check it with: torchverity verify {shell_path(report.target)} "
                  f"--signature {report.signature} {trust}")
 
     return out.result({"ok": True, **report.__dict__}, render)

@@ -37,7 +37,7 @@ from torchverity.distributed._comm import (
 )
 from torchverity.distributed._fullsums import ALGO as FULL_ALGO
 from torchverity.distributed._fullsums import full_sums, leaves
-from torchverity.errors import FormatError, InputError, IntegrityError, TorchVerityError
+from torchverity.errors import FormatError, InputError, IntegrityError, TorchVerityError, shell_path
 from torchverity.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -115,7 +115,8 @@ def save_rank0(
         raise IntegrityError(
             f"rank {c.ranks[0]} could not write a verified checkpoint {path}; rank {c.rank} "
             "holds the only copy of its state",
-            path=path, hint=f"see rank {c.ranks[0]}'s error, then torchverity verify {path}",
+            path=path, hint=f"see rank {c.ranks[0]}'s error, then torchverity verify "
+                            f"{shell_path(path)}",
         )
     return report or SaveReport(os.fspath(path), save_kwargs.get("algo", DEFAULT_ALGO), "", "",
                                 None, None, written=False)
@@ -215,7 +216,8 @@ def save_dcp(
         raise InputError(
             f"{root}: rank {failed[0]['rank']} could not hash the files it wrote: "
             f"{failed[0]['error']}; no manifest was written",
-            path=root, hint=f"fix the storage, then record the folder: torchverity manifest {root}",
+            path=root, hint="fix the storage, then record the folder: torchverity manifest "
+                            f"{shell_path(root)}",
         )
     entries = tuple(sorted(
         (ManifestEntry(e["path"], e["size"], e["digest"]) for share in shares
@@ -232,7 +234,7 @@ def save_dcp(
     if broadcast_status(c, error is not None, f"the manifest of {root}"):
         raise error or IntegrityError(
             f"rank {c.ranks[0]} could not write the manifest of {root}", path=root,
-            hint=f"see rank {c.ranks[0]}'s error, then torchverity manifest {root}",
+            hint=f"see rank {c.ranks[0]}'s error, then torchverity manifest {shell_path(root)}",
         )
     return manifest
 
@@ -323,7 +325,7 @@ def load_dcp(
             f"{root}: {len(problems)} file(s) of the distributed checkpoint do not match its "
             f"manifest: {listed}; nothing was loaded",
             path=root, tensors=[p["path"] for p in problems],
-            hint=f"torchverity verify {root}; load an older verified checkpoint",
+            hint=f"torchverity verify {shell_path(root)}; load an older verified checkpoint",
         )
     dcp.load(state_dict, checkpoint_id=root, process_group=group)
     verified = _check_fingerprints(c, root, state_dict)
@@ -395,7 +397,7 @@ def read_certification(path: str | os.PathLike[str]) -> dict[str, Any] | None:
                                   and isinstance(found.get("certified"), bool)):
         raise FormatError(f"{root / SHARDS_NAME}: the certification it records is malformed",
                           path=root / SHARDS_NAME,
-                          hint=f"torchverity verify {path}; save the checkpoint again")
+                          hint=f"torchverity verify {shell_path(path)}; save the checkpoint again")
     return found
 
 

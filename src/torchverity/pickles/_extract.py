@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchverity.errors import FormatError, UnsafeFileError, UsageError
+from torchverity.errors import FormatError, UnsafeFileError, UsageError, shell_path
 from torchverity.pickles._inert import Inert, InertLoader
 from torchverity.pickles._unwrap import NOT_CONFIG, hyper_value
 
@@ -45,7 +45,7 @@ def inert_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     if scan.verdict in ("unsafe", "malformed"):
         error = UnsafeFileError if scan.verdict == "unsafe" else FormatError
         raise error(f"{p}: not read: the scan found it {scan.verdict} ({scan.reason})", path=p,
-                    hint=f"torchverity scan {p} shows where")
+                    hint=f"torchverity scan {shell_path(p)} shows where")
     obj, _ = inert_load(p, "pickle" if scan.format == "pickle" else "torch")
     extractor = Extractor()
     try:

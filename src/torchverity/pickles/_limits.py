@@ -20,6 +20,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from torchverity.errors import shell_path
 from torchverity.pickles._source import Limits, PickleError
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def _refuse(path: Path, what: str) -> None:
 
     raise FormatError(
         f"{path}: refused before loading: {what}", path=path,
-        hint=f"torchverity scan {path} shows every reading of the file",
+        hint=f"torchverity scan {shell_path(path)} shows every reading of the file",
     )
 
 

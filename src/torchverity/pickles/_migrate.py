@@ -37,6 +37,7 @@ from torchverity.errors import (
     IntegrityError,
     UnsafeFileError,
     UsageError,
+    shell_path,
 )
 from torchverity.pickles._extract import Extractor, inert_load
 from torchverity.pickles._inert import Inert
@@ -67,7 +68,8 @@ def _check_archive_crcs(path: Path) -> int:
     except (zipfile.BadZipFile, UnicodeDecodeError, EOFError) as exc:
         raise IntegrityError(
             f"{path}: tensor data in the archive is damaged: {exc}", path=path,
-            hint=f"restore a good copy (torchverity verify {path} checks it against its sidecar)",
+            hint=f"restore a good copy (torchverity verify {shell_path(path)} checks it against "
+                 "its sidecar)",
         ) from None
     return checked
 
@@ -160,7 +162,8 @@ def _refuse(scan: ScanResult, path: Path, *, trusted: bool) -> None:
             f"{path}: refused: the file holds globals that run code or touch the system: "
             f"{', '.join(f'{n} ({why[n]})' for n in dangerous[:5])}",
             path=path, globals_found=dangerous,
-            hint=f"do not load it; if you made it yourself, torchverity migrate {path} NEW "
+            hint="do not load it; if you made it yourself, torchverity migrate "
+                 f"{shell_path(path)} NEW "
                  "--trust-sha256 <its sha256> (still read inertly: nothing runs)",
         )
 
@@ -194,7 +197,8 @@ def migrate(
         raise UsageError("migrate writes a new file: give a different target path")
     if nested and dst.suffix != ".pt":
         raise UsageError("a nested output (model + optimizer) is written as .pt",
-                         hint=f"torchverity migrate {src} {dst.with_suffix('.pt')} --nested")
+                         hint=f"torchverity migrate {shell_path(src)} "
+                              f"{shell_path(dst.with_suffix('.pt'))} --nested")
     if src.is_dir():
         raise _folder_source(src, dst)
     scan = scan_file(src)
@@ -263,5 +267,6 @@ def _unpickle(src: Path, scan: ScanResult) -> tuple[Any, list[str]]:
             f"{src}: cannot be read inertly ({type(exc).__name__}: {exc}); only a real "
             "unpickler, which runs the file's code, could read it",
             path=src, globals_found=scan.names(),
-            hint=f"torchverity scan {src} lists what it holds; load it only in a sandbox",
+            hint=f"torchverity scan {shell_path(src)} lists what it holds; load it only in a "
+                 "sandbox",
         ) from None

@@ -33,7 +33,7 @@ from torchverity.checkpoint._load_file import (
 from torchverity.checkpoint._meta import META_SUFFIX
 from torchverity.checkpoint._results import DigestSource, ExpectedDigest
 from torchverity.digest import ALGORITHMS, FASTER_THAN_COPY, digest_file, new_hasher
-from torchverity.errors import InputError, IntegrityError
+from torchverity.errors import InputError, IntegrityError, shell_path
 from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, find_manifest, read_manifest
 
 _BLOB = re.compile(r"^[0-9a-f]{64}$")
@@ -170,8 +170,8 @@ def mismatch(record: Record, actual: str) -> IntegrityError:
         f"{p}: {record.algo} digest does not match {record.record}: the file changed after it "
         f"was recorded (expected {record.hexdigest}, got {actual})",
         path=p, expected=record.hexdigest, actual=actual,
-        hint=f"restore {p.name} from a verified copy; torchverity verify {p.parent} lists "
-             "every changed file",
+        hint=f"restore {p.name} from a verified copy; torchverity verify {shell_path(p.parent)} "
+             "lists every changed file",
     )
 
 

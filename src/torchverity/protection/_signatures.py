@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from torchverity.digest import ALGORITHMS
-from torchverity.errors import IntegrityError
+from torchverity.errors import IntegrityError, shell_path
 from torchverity.protection._records import Record, signatures_near
 from torchverity.protection._session import Session
 from torchverity.protection._state import CHAIN_ENV, PUBLIC_KEY_ENV, Event, caller_site
@@ -62,7 +62,8 @@ def _from_signature(session: Session, path: Path, record: Record | None, sig: st
         raise IntegrityError(
             f"{path}: not covered by signature {sig} (signed by {signed.signer}): the file "
             "was added after the model was signed", path=path,
-            hint=f"torchverity verify {os.path.dirname(sig)} --signature {sig} "
+            hint=f"torchverity verify {shell_path(os.path.dirname(sig))} --signature "
+                 f"{shell_path(sig)} "
                  f"--{'public-key' if trust.public_key else 'certificate'} PEM lists every file")
     if found is None or found[0] not in ALGORITHMS:  # pieces of files, or blake2
         _check_folder(session, path, sig, key, rel)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from torchverity.digest import atomic_write_text, digest_files
-from torchverity.errors import FormatError, InputError, UsageError, require_extra
+from torchverity.errors import FormatError, InputError, UsageError, require_extra, shell_path
 from torchverity.provenance._oms import (
     DEFAULT_SIGNATURE,
     GIT_PATHS,
@@ -89,7 +89,7 @@ def _meta_of(path: Path) -> dict[str, Any] | None:
         data = json.loads(meta.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{meta}: unreadable meta.json ({exc})", path=meta,
-                          hint=f"torchverity verify {path}") from None
+                          hint=f"torchverity verify {shell_path(path)}") from None
     return data if isinstance(data, dict) else None
 
 
@@ -229,7 +229,8 @@ def _load_document(att: Path) -> dict[str, Any]:
         doc = json.loads(att.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise InputError(f"{att}: no such attestation", path=att,
-                         hint=f"write one: torchverity attest CKPT --out {att}") from None
+                         hint="write one: torchverity attest CKPT --out "
+                              f"{shell_path(att)}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{att}: not an attestation (JSON): {exc}", path=att) from None
     if not isinstance(doc, dict) or not ("dsseEnvelope" in doc or "_type" in doc):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchverity.digest import Hasher, hash_stream, new_hasher, open_for_reading
-from torchverity.errors import InputError, IntegrityError
+from torchverity.errors import InputError, IntegrityError, shell_path
 
 HubStatus = Literal["ok", "damaged", "changed", "dangling", "outside", "missing", "unchecked"]
 HUB_STATUSES: tuple[HubStatus, ...] = (
@@ -322,7 +322,7 @@ def verify_local_dir(local_dir: str | os.PathLike[str]) -> HubResult:
     downloads = root / DOWNLOAD_RECORDS
     if not downloads.is_dir() or downloads.is_symlink():
         raise InputError(f"{root}: no {DOWNLOAD_RECORDS} records: not a local_dir download",
-                         path=root, hint=f"torchverity manifest {root}")
+                         path=root, hint=f"torchverity manifest {shell_path(root)}")
     records = sorted(downloads.rglob("*.metadata"), key=lambda p: os.fspath(p).encode())
     pairs = [_local_entry(root, rec, downloads) for rec in records]
     digests = _hash_all((t, e.algo) for e, t in pairs if t is not None and e.algo)
@@ -364,7 +364,7 @@ def verify_hub_path(path: str | os.PathLike[str]) -> HubResult:
     if kind == "local-dir":
         return verify_local_dir(p)
     raise InputError(f"{p}: not a Hugging Face hub cache, repository, snapshot or local_dir",
-                     path=p, hint=f"torchverity verify {p}")
+                     path=p, hint=f"torchverity verify {shell_path(p)}")
 
 
 def snapshot_of(p: Path) -> tuple[Path, str, str] | None:

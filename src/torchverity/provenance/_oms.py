@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchverity._verify_results import EntryTally
-from torchverity.errors import FormatError, InputError, UsageError, require_extra
+from torchverity.errors import FormatError, InputError, UsageError, require_extra, shell_path
 from torchverity.manifest import MANIFEST_FILES, walk_files
 from torchverity.provenance._keys import (
     check_signing_certificate,
@@ -232,7 +232,8 @@ def _read_bundle(sig: Path) -> Any:
 
     if not sig.is_file():
         raise InputError(f"{sig}: no such signature file", path=sig,
-                         hint=f"sign first: torchverity sign MODEL --key KEY.pem --signature {sig}")
+                         hint="sign first: torchverity sign MODEL --key KEY.pem --signature "
+                              f"{shell_path(sig)}")
     try:
         return sign_sigstore_pb.Signature.read(sig)
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
@@ -445,7 +446,8 @@ def signed_digests(
     if expected is None:
         raise IntegrityError(
             f"{p}: signature {sig} does not verify ({reason}); refusing to load", path=p,
-            hint=f"torchverity verify {p.parent} --signature {sig} --public-key PUB.pem")
+            hint=f"torchverity verify {shell_path(p.parent)} --signature {shell_path(sig)} "
+                 "--public-key PUB.pem")
     digests = {rd.identifier: (rd.digest.algorithm, rd.digest.digest_hex)
                for rd in expected.resource_descriptors()}
     method = str(expected.serialization_type.get("method", "files"))
@@ -500,4 +502,5 @@ def require_signed_folder(
     what = result.reason or ", ".join(f"{e.path} {e.status}" for e in result.problems[:10])
     raise IntegrityError(
         f"{folder}: signature {signature} refuses these weights: {what}", path=os.fspath(folder),
-        hint=f"torchverity verify {folder} --signature {signature} lists every file")
+        hint=f"torchverity verify {shell_path(folder)} --signature {shell_path(signature)} "
+             "lists every file")

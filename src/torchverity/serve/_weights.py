@@ -23,7 +23,7 @@ import torch
 from torchverity.checkpoint._folders import manifest_entry, resolve
 from torchverity.checkpoint._key_map import KeyFit
 from torchverity.digest import digest_file, find_sidecar
-from torchverity.errors import InputError, IntegrityError
+from torchverity.errors import InputError, IntegrityError, shell_path
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,8 @@ def _attested(path: Path, attestation: str | os.PathLike[str],
         what = result.reason or ", ".join(f"{e.path} {e.status}" for e in result.problems)
         raise IntegrityError(f"{path}: attestation {attestation} does not vouch for these "
                              f"weights: {what}", path=path,
-                             hint=f"torchverity verify {path} --attestation {attestation}")
+                             hint=f"torchverity verify {shell_path(path)} --attestation "
+                                  f"{shell_path(attestation)}")
     return {"path": os.fspath(attestation), "signer": result.signer,
             "subjects": [{"name": e.path, "sha256": e.expected} for e in result.entries],
             "predicate": result.predicate}
@@ -107,14 +108,15 @@ def _check_against_manifest(path: Path) -> tuple[str, str]:
         raise IntegrityError(
             f"{path}: no recorded digest (no {path.name}.sha256 sidecar and no manifest in "
             f"{path.parent}): refusing to serve unverified weights",
-            path=path, hint=f"record it from a trusted copy: torchverity hash --write {path}",
+            path=path, hint="record it from a trusted copy: torchverity hash --write "
+                            f"{shell_path(path)}",
         ) from None
     manifest = read_manifest(record)
     entry = next((e for e in manifest.entries if e.path == path.name), None)
     if entry is None:
         raise IntegrityError(
             f"{path}: not listed in {record}: refusing to serve unverified weights",
-            path=path, hint=f"torchverity hash --write {path}, or rebuild the manifest",
+            path=path, hint=f"torchverity hash --write {shell_path(path)}, or rebuild the manifest",
         )
     algo = manifest.algo
     actual = digest_file(path, algo).hexdigest
@@ -123,6 +125,7 @@ def _check_against_manifest(path: Path) -> tuple[str, str]:
             f"{path}: {algo} digest does not match {record.name}: the file changed after it "
             f"was recorded (expected {entry.digest}, got {actual})",
             path=path, expected=entry.digest, actual=actual,
-            hint=f"restore {path.name} from a verified copy; torchverity verify {path.parent}",
+            hint=f"restore {path.name} from a verified copy; torchverity verify "
+                 f"{shell_path(path.parent)}",
         )
     return algo, actual

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from torchverity.errors import TrainingAnomalyError, UsageError
+from torchverity.errors import TrainingAnomalyError, UsageError, shell_path
 from torchverity.training._events import (
     ACTIONS,
     DEFAULT_POLICIES,
@@ -70,7 +70,7 @@ def resolve_actions(events: list[AnomalyEvent], replay: Callable[[int], str]
 
 def stop_error(event: AnomalyEvent, log_path: Path | None) -> TrainingAnomalyError:
     where = f"; replay says {event.replay}" if event.replay else ""
-    hint = (f"see every event with: torchverity report {log_path}"
+    hint = (f"see every event with: torchverity report {shell_path(log_path)}"
             if log_path else "pass log='events.jsonl' to TrainingGuard to keep events")
     return TrainingAnomalyError(
         f"training anomaly at {event.describe()}{where}",

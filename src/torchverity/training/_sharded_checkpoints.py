@@ -27,7 +27,7 @@ from torchverity._generation_pointer import MANIFEST_IN_GENERATION
 from torchverity.distributed._checkpoint import load_dcp, read_certification, save_dcp
 from torchverity.distributed._comm import DEFAULT_TIMEOUT_S, Comm, all_gather_json, open_comm
 from torchverity.distributed._dcp_generations import data_folder
-from torchverity.errors import IntegrityError, UsageError
+from torchverity.errors import IntegrityError, UsageError, shell_path
 
 if TYPE_CHECKING:
     from torchverity.training._guard import TrainingGuard
@@ -160,7 +160,8 @@ def load(guard: TrainingGuard, path: Path) -> dict[str, Any]:
     if record is None or not record["certified"] or "optimizer_state" not in record:
         raise IntegrityError(
             f"{path}: not a certified checkpoint of the training guard; nothing was loaded",
-            path=path, hint=f"torchverity verify {path}; roll back to an older checkpoint")
+            path=path, hint=f"torchverity verify {shell_path(path)}; roll back to an older "
+                            "checkpoint")
     key = f"rank{g.rank}"
     state: dict[str, Any] = {"model": get_model_state_dict(g.model), "guard": {key: b""}}
     if record["optimizer_state"]:
