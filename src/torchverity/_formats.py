@@ -10,6 +10,8 @@ from typing import Literal
 from torchverity.errors import (
     FormatError,
     InputError,
+    restore_step,
+    shell_path,
     unreadable,
 )
 
@@ -32,7 +34,8 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
     p = Path(path)
     if p.is_dir():
         raise InputError(f"{p}: is a folder", path=p,
-                         hint=f"folders load through their *.index.json: torchverity inspect {p}")
+                         hint="folders load through their *.index.json: torchverity inspect "
+                              f"{shell_path(p)}")
     try:
         size = p.stat().st_size
         with open(p, "rb") as fh:
@@ -57,13 +60,18 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
     if p.suffix.lower() == ".onnx" and head[:1] == b"\x08":
         raise FormatError(
             f"{p}: an ONNX model, not a PyTorch checkpoint: it does not load into a module",
-            path=p, hint=f"run it with onnxruntime; torchverity inspect {p} lists its "
-                         f"initializers and torchverity fingerprint {p} covers them",
+            path=p, hint=f"run it with onnxruntime; torchverity inspect {shell_path(p)} lists its "
+                         f"initializers and torchverity fingerprint {shell_path(p)} covers them",
         )
+    if p.suffix.lower() == ".safetensors" and head[:8] == bytes(8):
+        raise FormatError(f"{p}: a damaged .safetensors file: its header length is 0 (the "
+                          "header was never written, or was zeroed)", path=p,
+                          hint=restore_step(p))
     raise FormatError(
         f"{p}: not a checkpoint (neither a PyTorch zip/pickle nor .safetensors; "
         f"starts with {head[:8]!r})", path=p,
-        hint=f"check the path and how the file was made (file {p} names many formats)",
+        hint="check the path and how the file was made (the file command names many formats: "
+             f"file {shell_path(p)})",
     )
 
 

@@ -85,6 +85,12 @@ def shell_path(path: str | os.PathLike[str]) -> str:
     return shlex.quote(os.fspath(path))
 
 
+def restore_step(path: str | os.PathLike[str]) -> str:
+    """The next step for a file whose bytes are damaged or cut short."""
+    return ("restore the file from a good copy or download it again (torchverity verify "
+            f"{shell_path(path)} tells a good copy when it has a sidecar or a manifest)")
+
+
 def unreadable(path: str | Path, exc: OSError) -> InputError:
     """The error for a file that exists but cannot be read, with the step that fits why."""
     quoted = shell_path(path)

@@ -30,6 +30,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.checkpoint._inspect import inspect
     from torchverity.checkpoint._inspect_damage import problems
+    from torchverity.errors import restore_step
 
     result = inspect(args.path)
     found = problems(result)
@@ -39,6 +40,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
                       lambda: _print(result, args.limit, out))
     for text in found:
         out.err.write(f"torchverity: damaged: {text}\n")
+    if found or (result.scan is not None and result.scan.verdict == "malformed"):
+        out.err.write(f"  next: {restore_step(result.path)}\n")
     return code
 
 

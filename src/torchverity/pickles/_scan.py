@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchverity.errors import restore_step, shell_path
 from torchverity.pickles._classes import (
     _BENIGN,
     _NP_CORE,
@@ -324,9 +325,7 @@ def scan_file(path: str | os.PathLike[str], *, limits: Limits | None = None) -> 
 
 def next_step(result: ScanResult) -> str:
     """What to do about a file, for the formats and verdicts whose answer is not a load plan."""
-    import shlex
-
-    path = shlex.quote(result.path)
+    path = shell_path(result.path)
     if result.format == "torchscript":
         return ("do not torch.jit.load it unless you trust its code; extract its tensors "
                 f"without running it: torchverity migrate {path} NEW.safetensors")
@@ -338,8 +337,7 @@ def next_step(result: ScanResult) -> str:
         return "download the file again; check the URL and any access token"
     if result.verdict != MALFORMED:
         return ""
-    return ("restore the file from a good copy or download it again (torchverity verify "
-            f"{path} tells a good copy when it has a sidecar or a manifest)")
+    return restore_step(result.path)
 
 
 @dataclass(frozen=True)
