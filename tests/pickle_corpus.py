@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import pickle
 import struct
+import subprocess
+import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -482,3 +485,31 @@ def user_class_checkpoint(path: Path) -> Path:
     torch.save({"model": model, "config": UserConfig(), "epoch": 7,
                 "args": argparse.Namespace(lr=0.01, batch=32)}, path)
     return path
+
+
+_LIVE_UNDER_TORCH_LOAD = """
+import json, os, sys, torch
+sentinel, ran = sys.argv[1], {}
+for path in sys.argv[2:]:
+    try:
+        torch.load(path, weights_only=False)
+    except Exception:
+        pass
+    ran[path] = os.path.exists(sentinel)
+    if ran[path]:
+        os.remove(sentinel)
+print(json.dumps(ran))
+"""
+
+
+def live_torch_files(root: Path, sentinel: Path) -> list[Case]:
+    """The torch.save-shaped (.pt/.bin) malicious cases, each shown in a throwaway process
+    to create ``sentinel`` under a plain ``torch.load(weights_only=False)``."""
+    cases = [c for c in malicious(root, sentinel)
+             if c.path.suffix in (".pt", ".bin") and c.live is not None]
+    proof = subprocess.run([sys.executable, "-c", _LIVE_UNDER_TORCH_LOAD, str(sentinel),
+                            *(str(c.path) for c in cases)], capture_output=True, text=True,
+                           timeout=300, check=True)
+    ran = json.loads(proof.stdout.strip().splitlines()[-1])
+    assert all(ran.values()), [path for path, did in ran.items() if not did]
+    return cases

@@ -42,9 +42,11 @@ def flip(t: torch.Tensor, index: int, bit: int) -> None:
     raw[index * t.element_size() + bit // 8] ^= 1 << (bit % 8)
 
 
-def lightning_checkpoints(root: Path, hparams: Any) -> tuple[Path, Path]:
+def lightning_net(hparams: Any) -> Any:
+    """A one-layer LightningModule whose hyper-parameters are ``hparams``."""
     import lightning as L
 
+    logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
 
@@ -60,19 +62,29 @@ def lightning_checkpoints(root: Path, hparams: Any) -> tuple[Path, Path]:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.parameters(), lr=0.01)
 
-    torch.manual_seed(0)
-    net = Net(hparams)
+    return Net(hparams)
+
+
+def lightning_checkpoint(net: Any, path: Path, steps: int) -> Path:
+    """Train ``net`` ``steps`` steps with a real Trainer and save its checkpoint at ``path``."""
+    import lightning as L
+
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)),
                                        batch_size=2)
-    paths = []
-    for steps in (2, 4):
-        trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            default_root_dir=str(root), accelerator="cpu", devices=1)
-        trainer.fit(net, data)
-        paths.append(root / f"step{steps}.ckpt")
-        trainer.save_checkpoint(paths[-1])
-    return paths[0], paths[1]
+    trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(path.parent), accelerator="cpu", devices=1)
+    trainer.fit(net, data)
+    trainer.save_checkpoint(path)
+    return path
+
+
+def lightning_checkpoints(root: Path, hparams: Any) -> tuple[Path, Path]:
+    """Two checkpoints of one run (after 2 and 4 steps)."""
+    torch.manual_seed(0)
+    net = lightning_net(hparams)
+    return (lightning_checkpoint(net, root / "step2.ckpt", 2),
+            lightning_checkpoint(net, root / "step4.ckpt", 4))
 
 
 def bert() -> Any:

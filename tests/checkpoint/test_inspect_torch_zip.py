@@ -7,8 +7,6 @@ malicious files never run.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -140,22 +138,6 @@ def test_names_that_collide_when_flattened_are_refused_as_when_loaded(tmp_path: 
         fingerprint_file(tmp_path / "twice.pt")
 
 
-_LIVE = """
-import json, sys, torch
-sentinel, ran = sys.argv[1], {}
-for path in sys.argv[2:]:
-    try:
-        torch.load(path, weights_only=False)
-    except Exception:
-        pass
-    import os
-    ran[path] = os.path.exists(sentinel)
-    if ran[path]:
-        os.remove(sentinel)
-print(json.dumps(ran))
-"""
-
-
 def test_malicious_torch_files_never_run(tmp_path: Path, run_cli: Any) -> None:
     """Each file's payload runs under a plain torch.load in a throwaway process; inspect
     and fingerprint list none of them and run none of them."""
@@ -163,13 +145,8 @@ def test_malicious_torch_files_never_run(tmp_path: Path, run_cli: Any) -> None:
     from torchverity.checkpoint._diff_listing import listing
 
     sentinel = tmp_path / "SENTINEL"
-    cases = [c for c in pickle_corpus.malicious(tmp_path / "bad", sentinel)
-             if c.path.suffix in (".pt", ".bin") and c.live is not None]
+    cases = pickle_corpus.live_torch_files(tmp_path / "bad", sentinel)
     assert len(cases) >= 5
-    proof = subprocess.run([sys.executable, "-c", _LIVE, str(sentinel),
-                            *(str(c.path) for c in cases)], capture_output=True, text=True,
-                           timeout=300, check=True)
-    assert all(json.loads(proof.stdout.strip().splitlines()[-1]).values())
     for case in cases:
         assert listing(case.path, canonical=True) is None, case.name
         for command in ("inspect", "fingerprint"):

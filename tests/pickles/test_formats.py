@@ -9,7 +9,6 @@ pointer and an HTML page under weight names).
 from __future__ import annotations
 
 import json
-import logging
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -51,36 +50,14 @@ def _hf_folder(root: Path) -> Path:
 
 
 def _lightning_ckpt(root: Path) -> tuple[Path, torch.nn.Module]:
-    import lightning as L
     import omegaconf
 
-    logging.getLogger("lightning").setLevel(logging.ERROR)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-
-    class Net(L.LightningModule):
-        def __init__(self, cfg: Any) -> None:
-            super().__init__()
-            self.save_hyperparameters(cfg)
-            self.layer = torch.nn.Linear(2, 1)
-
-        def training_step(self, batch: Any, index: int) -> torch.Tensor:
-            return self.layer(batch[0]).sum()
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=0.01)
+    from torch_zip_artifacts import lightning_checkpoint, lightning_net
 
     cfg = omegaconf.OmegaConf.create({"model": {"width": 4, "acts": ["relu", "gelu"]},
                                       "lr": 0.01, "note": None})
-    net = Net(cfg)
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)),
-                                       batch_size=2)
-    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(root), accelerator="cpu", devices=1)
-    trainer.fit(net, data)
-    path = root / "run.ckpt"
-    trainer.save_checkpoint(path)
-    return path, net
+    net = lightning_net(cfg)
+    return lightning_checkpoint(net, root / "run.ckpt", 2), net
 
 
 class _Scripted(torch.nn.Module):
