@@ -49,6 +49,20 @@ def test_inspect_lists_initializers_and_fingerprint_covers_them(exported: Path, 
     assert fp.differing(fingerprint_file(changed)) == [init.name]
 
 
+def test_inspect_and_fingerprint_read_onnx_without_torch_as_torch_would(
+        exported: Path) -> None:
+    from torch_free_probe import cli
+    from torchverity.checkpoint._fingerprint import fingerprint
+    from torchverity.checkpoint._onnx import onnx_initializers
+
+    as_tensors = fingerprint(onnx_initializers(exported))  # the same initializers via torch
+    assert fingerprint_file(exported) == as_tensors
+    for command in ("inspect", "fingerprint"):
+        probed = cli(command, exported, "--json")
+        assert probed["code"] == 0 and probed["torch"] is False, (command, probed)
+        assert as_tensors.root in str(probed["out"])
+
+
 def test_load_names_onnx_and_points_elsewhere(exported: Path) -> None:
     with pytest.raises(FormatError, match="an ONNX model") as caught:
         torchverity.load(exported)

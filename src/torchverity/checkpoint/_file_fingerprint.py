@@ -26,6 +26,12 @@ def fingerprint_file(path: str | os.PathLike[str], *,
     target = resolve(path)
     algo = {"exact": EXACT, "auto": EXACT}.get(mode, mode)
     onnx = target.index is None and is_onnx(target.file)
+    if onnx and algo in (EXACT, LEGACY_EXACT):
+        from torchverity.checkpoint._onnx import onnx_contents
+
+        found_onnx = onnx_contents(target.file, algo)
+        if found_onnx is not None:
+            return found_onnx[1]
     if not onnx and algo in (EXACT, LEGACY_EXACT):
         if target.index is None and file_format(target.file) == "safetensors":
             from torchverity.checkpoint._st_fingerprint import fingerprint_safetensors

@@ -126,6 +126,8 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     listed = _safetensors_contents(p, algo, whole) if fmt in ("safetensors", "sharded") else None
     if listed is None and fmt in ("pt", "sharded") and _openable(scan):
         listed = _listed_contents(p, algo)
+    if fmt == "onnx":
+        listed = _onnx_contents(record, algo)
     if listed is not None:
         (rows, values, root), not_loaded = listed, None
     else:
@@ -203,6 +205,22 @@ def _safetensors_contents(path: Path, algo: str, whole: Any = None,
         return None  # reported by the usual path, with its own wording
     rows.sort(key=lambda r: r.name)
     return tuple(rows), {}, from_entries(algo, entries).root
+
+
+def _onnx_contents(path: Path, algo: str,
+                   ) -> tuple[tuple[TensorRow, ...], dict[str, str], str | None] | None:
+    """Rows and fingerprint of an ONNX file's initializers, without torch; None when it
+    cannot be read that way (then it is opened, and a damaged file reported, as before)."""
+    from torchverity.checkpoint._onnx import onnx_contents
+
+    try:
+        found = onnx_contents(path, algo)
+    except TorchVerityError:
+        return None
+    if found is None:
+        return None
+    rows, fp = found
+    return tuple(sorted((TensorRow(*r) for r in rows), key=lambda r: r.name)), {}, fp.root
 
 
 def _listed_contents(path: Path, algo: str,
