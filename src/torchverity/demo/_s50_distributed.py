@@ -30,7 +30,8 @@ from typing import Any
 
 from torchverity.demo import DemoContext, DemoFailure, small_model
 
-TITLE = "Distributed: a corrupted shard on an HSDP mesh is named and healed from its replicas"
+TITLE = ("Distributed: a corrupted shard on an HSDP mesh is named, healed from its replicas "
+         "or rolled back to a certified checkpoint")
 NODES, PER_NODE = 2, 3
 DEADLINE_S = 120
 
