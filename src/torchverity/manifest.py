@@ -294,7 +294,7 @@ def check_relative_path(manifest: Path, path: str) -> str:
             f"{manifest}: path '{path}' escapes the folder or is not a normalized relative path",
             path=manifest,
             hint="manifests hold relative paths inside their folder; re-create it with "
-            f"torchverity manifest {manifest.parent}",
+            f"torchverity manifest {shell_path(manifest.parent)}",
         )
     return path
 

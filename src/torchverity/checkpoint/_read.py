@@ -20,6 +20,8 @@ from torchverity.errors import (
     FormatError,
     IntegrityError,
     UnsafeFileError,
+    restore_step,
+    shell_path,
 )
 
 
@@ -96,7 +98,7 @@ def _load_failure(p: Path, fmt: FileFormat, exc: Exception) -> Exception:
         return FormatError(
             f"{p}: damaged or truncated PyTorch zip archive (its central directory, written "
             "last, is missing: the save was interrupted or the copy is partial)", path=p,
-            hint=f"restore a good copy; torchverity verify {p} checks it against its sidecar",
+            hint=restore_step(p),
         )
     return _explained_load_error(p, exc)
 
@@ -107,7 +109,7 @@ def _explained_load_error(p: Path, exc: Exception) -> Exception:
     message = strip_ansi(str(exc)).strip()  # torch bolds part of its weights_only message
     first = message.splitlines()[0] if message else ""
     text = f"{type(exc).__name__}: {first}"
-    hint = f"torchverity inspect {p}"
+    hint = f"torchverity inspect {shell_path(p)}"
     explanation = explain_exception(exc)
     if explanation is not None:
         explanation = with_file(explanation, os.fspath(p))
@@ -123,7 +125,7 @@ def _explained_load_error(p: Path, exc: Exception) -> Exception:
     if "weights_only" in str(exc) or "Unsupported global" in str(exc):
         return UnsafeFileError(
             f"{p}: refused by the weights_only loader: {text}", path=p,
-            hint=f"torchverity scan {p}; if you trust this exact file, pass "
+            hint=f"torchverity scan {shell_path(p)}; if you trust this exact file, pass "
                  "trust_sha256=<its sha256> (torchverity inspect shows it)",
         )
     return FormatError(f"{p}: cannot load: {text}", path=p, hint=hint)

@@ -37,6 +37,7 @@ from torchverity.errors import (
     IntegrityError,
     UnsafeFileError,
     UsageError,
+    restore_step,
     shell_path,
 )
 from torchverity.pickles._extract import Extractor, inert_load
@@ -68,8 +69,7 @@ def _check_archive_crcs(path: Path) -> int:
     except (zipfile.BadZipFile, UnicodeDecodeError, EOFError) as exc:
         raise IntegrityError(
             f"{path}: tensor data in the archive is damaged: {exc}", path=path,
-            hint=f"restore a good copy (torchverity verify {shell_path(path)} checks it against "
-                 "its sidecar)",
+            hint=restore_step(path),
         ) from None
     return checked
 

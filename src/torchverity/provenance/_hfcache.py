@@ -437,7 +437,7 @@ def hub_record(path: str | os.PathLike[str]) -> tuple[str, str, str] | None:
         status, blob, why = link_target(p, found[0])
         if status in ("outside", "dangling"):
             raise IntegrityError(f"{p}: hub snapshot entry refused: {why}", path=os.fspath(p),
-                                 hint=f"torchverity verify {found[0]}")
+                                 hint=f"torchverity verify {shell_path(found[0])}")
         if status is None and blob is not None and blob_algo(blob.name) == "sha256":
             return "sha256", blob.name, "hub"
     elif (folder := _local_dir_of(p) if p.is_file() else None) is not None:
