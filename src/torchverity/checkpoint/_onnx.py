@@ -80,9 +80,16 @@ def onnx_contents(path: Path, algo: str) -> tuple[list[Row], Fingerprint] | None
         return None
     rows, entries = [], []
     for name, array in arrays.items():
-        shape, data = tuple(int(n) for n in array.shape), memoryview(array.tobytes())
+        # The array's own bytes, viewed, not copied (onnx_arrays made them little-endian).
+        shape, data = tuple(int(n) for n in array.shape), _byte_view(array)
         hasher = plain_tensor_hasher(name, array.dtype.name, shape, data.nbytes, algo)
         hasher.update(data)
         rows.append((name, array.dtype.name, shape, data.nbytes))
         entries.append(TensorDigest(name, array.dtype.name, shape, hasher.hexdigest()))
     return rows, from_entries(algo, entries)
+
+
+def _byte_view(array: Any) -> memoryview:
+    import numpy as np
+
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data

@@ -127,9 +127,10 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback, _ExportableState):
             self.guard.after_update()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self.record_checkpoints:
+        sharded = self.guard is not None and self.guard._sharded
+        if not self.record_checkpoints or not (state.is_world_process_zero or sharded):
             return
-        # On every rank: for a sharded model the ranks agree on the certification together.
+        # A sharded model's ranks agree on the certification together; otherwise rank 0's.
         certification = self.certification()
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if state.is_world_process_zero and folder.is_dir():
