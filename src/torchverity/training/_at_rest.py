@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -242,8 +243,13 @@ class AtRest:
         if self.fused is None:
             self.optimizer.step()
             return None
-        names, tensors = self.covered(self.config.optimizer_state)
-        pair = self._verify_moved(names, tensors)
+        tensors = self.covered_tensors(self.config.optimizer_state)
+        same = self._same(tensors)
+        # The names are rebuilt only when the set changed: formatting them for every
+        # state tensor at every update costs more than the guard's other Python.
+        names = self.names if same else self.covered(self.config.optimizer_state)[0]
+        pair = None if same or self.record is None else (
+            word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names)
         try:
             before, after = self.fused(tensors)
         except Exception as exc:  # compiling raises before anything runs: step eagerly
@@ -258,22 +264,18 @@ class AtRest:
         self._set_fused(names, tensors, after)
         return pair
 
-    def _verify_moved(self, names: tuple[str, ...], tensors: list[torch.Tensor]) -> Pair | None:
-        """When the covered tensors are not those of the record (state created by the
-        last update, storage moved): verify the recorded ones in a pass of their own."""
-        if self.record is None or self._same(tensors):
-            return None
-        return word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names
-
     def _same(self, tensors: list[torch.Tensor]) -> bool:
-        return len(tensors) == len(self._fused_tensors) and all(
-            a is b for a, b in zip(tensors, self._fused_tensors, strict=True)
-        ) and [t.data_ptr() for t in tensors] == self._fused_ptrs
+        """Whether ``tensors`` are those of the record, in the same storage (not so when
+        the last update created state, or storage moved: the recorded ones are then
+        verified in a pass of their own)."""
+        return (len(tensors) == len(self._fused_tensors)
+                and all(map(operator.is_, tensors, self._fused_tensors))
+                and list(map(torch.Tensor.data_ptr, tensors)) == self._fused_ptrs)
 
     def _set_fused(self, names: tuple[str, ...], tensors: list[torch.Tensor],
                    after: torch.Tensor) -> None:
         self.names, self._fused_tensors = names, tensors
-        self._fused_ptrs = [t.data_ptr() for t in tensors]
+        self._fused_ptrs = list(map(torch.Tensor.data_ptr, tensors))
         self.record = after.unsqueeze(1)
         self._after = self.record
 
