@@ -74,7 +74,7 @@ def verify_file(
         entry = VerifyEntry(p.name, status, expected, actual.hexdigest, actual_size=actual.size,
                             tensors=_damaged_tensors(p) if status == "mismatched" else ())
     return VerifyResult(os.fspath(p), "file", algo, (entry,), os.fspath(sidecar),
-                        _certification([p]))
+                        certification_of([p]))
 
 
 def verify_directory(
@@ -121,12 +121,12 @@ def verify_directory(
     entries.sort(key=lambda e: e.path.encode())
     return VerifyResult(
         os.fspath(root), "directory", manifest.algo, tuple(entries), os.fspath(record),
-        _certification([root / e.path for e in entries if e.status != "extra"]),
+        certification_of([root / e.path for e in entries if e.status != "extra"]),
         tuple(records),
     )
 
 
-def _certification(paths: list[Path]) -> dict[str, Any] | None:
+def certification_of(paths: list[Path]) -> dict[str, Any] | None:
     """The training guard's certification in the meta.json of any of ``paths``, or beside
     a distributed checkpoint's fingerprints (the uncertified one first: one doubtful file
     makes the whole doubtful)."""

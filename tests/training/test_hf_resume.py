@@ -204,11 +204,53 @@ def test_a_missing_or_tampered_guard_state_is_reported_once_and_not_used(
     [said] = resumed.warnings
     assert "checkpoint-15" in said and "torchverity verify" in said
     assert "start afresh" in said
-    if how == "tampered":
-        assert "failed verification" in said and "SHA-256" in said
-        assert str(flipped.out / "checkpoint-15") in said  # where it was saved
-    else:
-        assert "holds no guard state" in said
     begin = resumed.probe.begin
     assert begin is not None  # nothing of the edited record was taken
     assert int(begin["stats"]["count"]) == 0 and begin["tally"]["anomalies"] == {}
+    cert = _certification(tmp_path / "other-out" / "checkpoint-20")
+    if how == "tampered":
+        assert "failed verification" in said and "SHA-256" in said
+        assert str(flipped.out / "checkpoint-15") in said  # where it was saved
+        # Found where the record says it was saved (the same trainer_state.json): its
+        # meta.json's certification is carried over, the hidden flip with it.
+        assert "saved uncertified" in said and "carried over" in said
+        assert not cert["certified"] and cert["verified"]["at_rest"] == "passed"
+        assert [(u["step"], u["suspects"]) for u in cert["unresolved"]] == [(FLIP_STEP, [NAME])]
+    else:  # copied elsewhere and named to train() only: no callback can tell where it is
+        assert "holds no guard state" in said and "certified on what this run sees" in said
+        assert cert["certified"]
+
+
+def _strip_guard_entries(out: Path) -> None:
+    for folder in out.glob("checkpoint-*"):
+        _edit_guard_entry(folder, "missing")
+
+
+def test_a_resume_without_guard_state_carries_the_folders_uncertified_verdict(
+        flipped: Run, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Resumed from the latest folder of output_dir (``resume_from_checkpoint=True``),
+    saved without the guard's state: the folder's meta.json said uncertified, so nothing
+    saved from those weights is certified."""
+    out = Path(shutil.copytree(flipped.out, tmp_path / "out"))
+    _strip_guard_entries(out)
+    resumed = _train(out, tmp_path / "resumed.jsonl", steps=25, resume=True, caplog=caplog)
+    [said] = resumed.warnings
+    assert "holds no guard state" in said and "saved uncertified" in said
+    assert f"torchverity verify {out}/checkpoint-*" in said
+    assert resumed.guard.guard.events == []  # carried, not raised again
+    cert = _certification(out / "checkpoint-25")
+    assert not cert["certified"] and cert["verified"]["at_rest"] == "passed"
+    assert [(u["step"], u["kind"], u["suspects"]) for u in cert["unresolved"]] == [
+        (FLIP_STEP, "weights_changed", [NAME])]
+
+
+def test_a_resume_without_guard_state_from_a_certified_folder_certifies_again(
+        clean: Run, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    out = Path(shutil.copytree(clean.out, tmp_path / "out"))
+    _strip_guard_entries(out)
+    resumed = _train(out, tmp_path / "resumed.jsonl", steps=25, resume=True, caplog=caplog)
+    [said] = resumed.warnings
+    assert "was certified when it was saved" in said
+    assert f"torchverity verify {out / 'checkpoint-15'}" in said
+    assert resumed.guard.guard.events == []
+    assert all(_certified(out / f"checkpoint-{s}") for s in (20, 25))

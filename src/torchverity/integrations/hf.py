@@ -43,7 +43,13 @@ from typing import Any
 import torch
 
 from torchverity._jsonable import to_jsonable
-from torchverity.errors import FormatError, IntegrityError, UsageError, require_extra
+from torchverity.errors import (
+    FormatError,
+    IntegrityError,
+    UsageError,
+    require_extra,
+    shell_path,
+)
 from torchverity.integrations._common import (
     CheckpointRecord,
     GuardCallbackBase,
@@ -52,6 +58,7 @@ from torchverity.integrations._common import (
 )
 from torchverity.integrations._guard_record import decode_record, encode_record
 from torchverity.training import TrainingGuard
+from torchverity.verify import certification_of
 
 _transformers = require_extra("transformers", extra="hf", feature="the Hugging Face callback")
 _TrainerCallback: Any = _transformers.TrainerCallback
@@ -90,8 +97,9 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback, _ExportableState):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
                        optimizer: Any = None, **kwargs: Any) -> None:
         name = type(self).__name__
+        carried = None
         if state.global_step:
-            self._restored = _resumed_state(state, name)
+            self._restored, carried = _resumed_state(args, state, name)
         # The Trainer updates only the entries its trainer_state.json already has: resumed
         # from a folder saved without this callback, its next save would fail (KeyError).
         state.stateful_callbacks.setdefault(name, {})
@@ -100,6 +108,8 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback, _ExportableState):
         self._start_guard(TrainingGuard(model, optimizer, log=self.log_path,
                                         start_step=state.global_step,
                                         fused_unavailable=self._reason, **self.guard_options))
+        if carried is not None and self.guard is not None:
+            self.guard._recovery.carry(carried)
         self._hook = model.register_forward_hook(self._capture_loss)
 
     def _capture_loss(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
@@ -177,38 +187,82 @@ def _torch_optimizer(optimizer: Any) -> tuple[Any, str | None]:
     return optimizer.optimizer, None
 
 
-def _resumed_state(state: Any, name: str) -> dict[str, Any] | None:
-    """The guard state saved in the ``trainer_state.json`` that training resumes from
-    (the Trainer passes its content as ``state``); None, said in one warning, when it is
-    not there or fails verification."""
+def _resumed_state(args: Any, state: Any, name: str
+                   ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """``(guard state, certification to carry)`` for a resume: the guard state saved in the
+    ``trainer_state.json`` that training resumes from (the Trainer passes its content as
+    ``state``). When it is not there or fails verification, it is not used, and one warning
+    says so; the certification that the checkpoint's meta.json recorded at its save is then
+    carried over when it was uncertified and the folder can be found."""
     entry = (state.stateful_callbacks or {}).get(name)
     if isinstance(entry, list):  # several callbacks of the class: the first with a state
         entry = next((e for e in entry if isinstance(e, dict) and "guard" in e), None)
     record = entry.get("guard") if isinstance(entry, dict) else None
-    folder = f"checkpoint-{state.global_step}"
-    if record is None:
-        _warn_afresh(folder, state.global_step, "its trainer_state.json holds no guard state "
-                     "(saved without GuardCallback, or by an older torchverity)")
-        return None
     saved_in = record.get("saved_in") if isinstance(record, dict) else None
-    if isinstance(saved_in, str):
-        folder += f", saved as {saved_in}"
-    try:
-        return decode_record(record, state.global_step)
-    except (FormatError, IntegrityError) as exc:
-        _warn_afresh(folder, state.global_step, "the guard state in its trainer_state.json "
-                     f"failed verification and is not used: {exc.message}")
-        return None
+    saved_in = saved_in if isinstance(saved_in, str) else None
+    label = f"checkpoint-{state.global_step}"
+    if saved_in is not None:
+        label += f", saved as {saved_in}"
+    if record is None:
+        why = ("its trainer_state.json holds no guard state (saved without GuardCallback, "
+               "or by an older torchverity)")
+    else:
+        try:
+            return decode_record(record, state.global_step), None
+        except (FormatError, IntegrityError) as exc:
+            why = ("the guard state in its trainer_state.json failed verification and is "
+                   f"not used: {exc.message}")
+    folder = _resumed_folder(args, state, saved_in)
+    certification = certification_of(
+        [p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES]) if folder else None
+    found = (folder, certification) if folder and certification else None
+    _warn_afresh(label, state.global_step, why, found)
+    if found is not None and not found[1].get("certified"):
+        return None, found[1]
+    return None, None
 
 
-def _warn_afresh(folder: str, step: int, why: str) -> None:
+def _resumed_folder(args: Any, state: Any, saved_in: str | None) -> Path | None:
+    """The checkpoint folder training resumes from, where it can be told: the Trainer
+    names it to no callback, so the candidates are the folders it would be (named in the
+    arguments, the latest in ``output_dir``, where the record says it was saved), and the
+    one whose trainer_state.json is the state resumed."""
+    named = args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else None
+    for candidate in (named, str(Path(args.output_dir) / f"checkpoint-{state.global_step}"),
+                      saved_in):
+        if candidate is None:
+            continue
+        try:
+            saved = json.loads((Path(candidate) / "trainer_state.json").read_text("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            continue
+        if (isinstance(saved, dict) and saved.get("global_step") == state.global_step
+                and saved.get("log_history") == state.log_history):
+            return Path(candidate)
+    return None
+
+
+def _warn_afresh(label: str, step: int, why: str,
+                 found: tuple[Path, dict[str, Any]] | None) -> None:
+    if found is None:
+        then = ("and so do its unresolved anomalies: checkpoints saved from now on are "
+                "certified on what this run sees only. Next: run `torchverity verify` on that "
+                "folder (it fails an uncertified or damaged checkpoint) before trusting them, "
+                "or resume from an intact copy of a folder saved with GuardCallback.")
+    elif found[1].get("certified"):
+        then = (f"and {found[0]} was certified when it was saved (its meta.json), so "
+                "checkpoints saved from now on are certified from those weights. Next: run "
+                f"`torchverity verify {shell_path(found[0])}` to check its files are still "
+                "those.")
+    else:
+        then = (f"but {found[0]} was saved uncertified (its meta.json says why), and that "
+                "is carried over: no checkpoint saved from these weights is certified until a "
+                "rollback. Next: resume from an earlier certified folder (`torchverity verify "
+                f"{shell_path(found[0].parent)}/checkpoint-*` tells them apart).")
     log.warning(
         "torchverity: training resumed at global step %d from the checkpoint folder %s, "
-        "but %s. The guard's rolling windows, counters and unresolved anomalies start "
-        "afresh, so checkpoints saved from now on are certified on what this run sees "
-        "only. Next: run `torchverity verify` on that folder (it fails an uncertified "
-        "or damaged checkpoint) before trusting them, or resume from an intact copy of "
-        "a folder saved with GuardCallback.", step, folder, why)
+        "but %s. The guard's rolling windows and counters start afresh, %s",
+        step, label, why, then)
 
 
 def record_checkpoint_folder(folder: Path, step: int | None = None,

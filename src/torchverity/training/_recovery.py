@@ -134,6 +134,24 @@ class Recovery:
                                         e["values"], e["thresholds"], tuple(e["suspects"]),
                                         e["rank"]) for e in state.get("unresolved", [])]
 
+    def carry(self, certification: dict[str, Any]) -> list[AnomalyEvent]:
+        """Take over what left a checkpoint uncertified (its meta.json's certification),
+        for a resume whose own guard state is gone: its unresolved anomalies stay
+        unresolved, and a failed at-rest verification at that save counts as one, so
+        nothing saved from these weights is certified until a rollback."""
+        taken = [AnomalyEvent(int(u["step"]), str(u["kind"]), "record", "recorded", {}, {},
+                              tuple(map(str, u.get("suspects", ()))))
+                 for u in certification.get("unresolved", ()) if isinstance(u, dict)
+                 and isinstance(u.get("step"), int) and isinstance(u.get("kind"), str)]
+        verified = certification.get("verified")
+        if isinstance(verified, dict) and verified.get("at_rest") == "failed":
+            step = certification.get("step")
+            taken.append(AnomalyEvent(step if isinstance(step, int) else 0, "weights_changed",
+                                      "record", "recorded", {}, {},
+                                      tuple(map(str, certification.get("changed", ())))))
+        self.unresolved.extend(taken)
+        return taken
+
     # ------------------------------------------------------------ saving
 
     def save(self) -> Path:
