@@ -127,6 +127,49 @@ def test_lightning_guard_state_is_saved_and_restored_on_resume(tmp_path: Path) -
     assert resumed.summary.steps == 30 and resumed.guard.events == []
 
 
+def _without_guard_state(path: Path) -> Path:
+    """The checkpoint as a run without the callback (or an older torchverity) saves it."""
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint.pop("callbacks")
+    stripped = path.with_name(f"stripped-{path.name}")
+    torch.save(checkpoint, stripped)
+    Path(f"{path}.meta.json").replace(Path(f"{stripped}.meta.json"))
+    return stripped
+
+
+@pytest.mark.parametrize("flip", [True, False])
+def test_lightning_resume_without_guard_state_keeps_the_checkpoints_verdict(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, flip: bool) -> None:
+    """Resumed from a checkpoint without the guard's state: an uncertified one (a flip at
+    step 12 left standing) stays so for everything saved from its weights; a certified one
+    raises nothing and certifies again."""
+    first = tmp_path / "first"
+    _lightning(first, "record", steps=20, flip=flip)
+    stripped = _without_guard_state(sorted((first / "ckpt").glob("*step=20*.ckpt"))[0])
+    caplog.clear()
+    resumed, _ = _lightning(tmp_path / "resumed", "record", steps=30, flip=False,
+                            resume=stripped)
+    [said] = [r.getMessage() for r in caplog.records if r.name.startswith("torchverity")]
+    assert "holds no guard state" in said and "start afresh" in said
+    # The flip is carried over, not raised again (the exponent flip keeps the loss
+    # non-finite, so those updates are still skipped).
+    assert [e for e in resumed.guard.events if e.kind == "weights_changed"] == []
+    assert flip or resumed.guard.events == []
+    saved = sorted((tmp_path / "resumed" / "ckpt").glob("*.ckpt"),
+                   key=lambda p: p.stat().st_mtime)
+    certs = [_meta(p)["certification"] for p in saved if "step=2" in p.name or "step=3" in p.name]
+    assert len(certs) == 2  # steps 25 and 30
+    if flip:
+        assert "saved uncertified" in said and f"{first / 'ckpt'}/*.ckpt" in said
+        for cert in certs:
+            assert not cert["certified"] and cert["verified"]["at_rest"] == "passed"
+            assert cert["unresolved"] == [{"step": FLIP_STEP, "kind": "weights_changed",
+                                           "suspects": ["net.2.weight"]}]
+    else:
+        assert "was certified when it was saved" in said
+        assert all(cert["certified"] for cert in certs)
+
+
 # ------------------------------------------------------------ Hugging Face
 
 

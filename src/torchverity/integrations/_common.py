@@ -13,12 +13,33 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_file, write_sidecar
-from torchverity.errors import FormatError, UsageError
+from torchverity.errors import FormatError, UsageError, shell_path
 
 if TYPE_CHECKING:
     from torchverity.training import GuardSummary, TrainingGuard
 
 log = logging.getLogger("torchverity.integrations")
+
+
+def afresh_consequence(found: tuple[Path, dict[str, Any]] | None, others: str = "") -> str:
+    """What a resume without the guard's own state means, given the checkpoint it resumes
+    from and the certification its meta.json recorded (None when neither is known);
+    ``others``: the shell words that name the run's other checkpoints."""
+    if found is None:
+        return ("and so do its unresolved anomalies: checkpoints saved from now on are "
+                "certified on what this run sees only. Next: run `torchverity verify` on that "
+                "checkpoint (it fails an uncertified or damaged one) before trusting them, "
+                "or resume from an intact copy of one saved with GuardCallback.")
+    where, certification = found
+    if certification.get("certified"):
+        return (f"and {where} was certified when it was saved (its meta.json), so "
+                "checkpoints saved from now on are certified from those weights. Next: run "
+                f"`torchverity verify {shell_path(where)}` to check its files are still "
+                "those.")
+    return (f"but {where} was saved uncertified (its meta.json says why), and that is "
+            "carried over: no checkpoint saved from these weights is certified until a "
+            "rollback. Next: resume from an earlier certified checkpoint (`torchverity "
+            f"verify {others}` tells them apart).")
 
 
 class GuardCallbackBase:

@@ -53,6 +53,7 @@ from torchverity.errors import (
 from torchverity.integrations._common import (
     CheckpointRecord,
     GuardCallbackBase,
+    afresh_consequence,
     log,
     record_checkpoint_file,
 )
@@ -244,25 +245,11 @@ def _resumed_folder(args: Any, state: Any, saved_in: str | None) -> Path | None:
 
 def _warn_afresh(label: str, step: int, why: str,
                  found: tuple[Path, dict[str, Any]] | None) -> None:
-    if found is None:
-        then = ("and so do its unresolved anomalies: checkpoints saved from now on are "
-                "certified on what this run sees only. Next: run `torchverity verify` on that "
-                "folder (it fails an uncertified or damaged checkpoint) before trusting them, "
-                "or resume from an intact copy of a folder saved with GuardCallback.")
-    elif found[1].get("certified"):
-        then = (f"and {found[0]} was certified when it was saved (its meta.json), so "
-                "checkpoints saved from now on are certified from those weights. Next: run "
-                f"`torchverity verify {shell_path(found[0])}` to check its files are still "
-                "those.")
-    else:
-        then = (f"but {found[0]} was saved uncertified (its meta.json says why), and that "
-                "is carried over: no checkpoint saved from these weights is certified until a "
-                "rollback. Next: resume from an earlier certified folder (`torchverity verify "
-                f"{shell_path(found[0].parent)}/checkpoint-*` tells them apart).")
     log.warning(
         "torchverity: training resumed at global step %d from the checkpoint folder %s, "
         "but %s. The guard's rolling windows and counters start afresh, %s",
-        step, label, why, then)
+        step, label, why,
+        afresh_consequence(found, f"{shell_path(found[0].parent)}/checkpoint-*" if found else ""))
 
 
 def record_checkpoint_folder(folder: Path, step: int | None = None,

@@ -25,12 +25,15 @@ from typing import Any
 
 import torch
 
-from torchverity.errors import UsageError, require_extra
+from torchverity.errors import UsageError, require_extra, shell_path
 from torchverity.integrations._common import (
     GuardCallbackBase,
+    afresh_consequence,
+    log,
     record_checkpoint_file,
 )
 from torchverity.training import TrainingGuard
+from torchverity.verify import certification_of
 
 __all__ = ["GuardCallback"]
 
@@ -112,9 +115,12 @@ class GuardCallback(GuardCallbackBase, _Callback):
             # AMP's GradScaler drives the optimizer's found_inf itself.
             options.setdefault("fused_skip", False)
         self._reason = _stepping_reason(trainer.precision_plugin)
+        restored = self._restored is not None
         self._start_guard(TrainingGuard(pl_module, trainer.optimizers[0], log=self.log_path,
                                         start_step=trainer.global_step,
                                         fused_unavailable=self._reason, **options))
+        if trainer.ckpt_path and not restored:
+            self._resumed_without_state(Path(trainer.ckpt_path), trainer.global_step)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         self._loss = loss.detach()
@@ -135,6 +141,19 @@ class GuardCallback(GuardCallbackBase, _Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._stop_guard()
+
+    def _resumed_without_state(self, path: Path, step: int) -> None:
+        """Resumed from a checkpoint that holds no guard state: said once; the verdict its
+        meta.json recorded at its save is kept when it was uncertified."""
+        certification = certification_of([path])
+        found = (path, certification) if certification is not None else None
+        if found is not None and not found[1].get("certified") and self.guard is not None:
+            self.guard._recovery.carry(found[1])
+        log.warning(
+            "torchverity: training resumed at global step %d from %s, but that checkpoint "
+            "holds no guard state (saved without GuardCallback, or by an older torchverity). "
+            "The guard's rolling windows and counters start afresh, %s", step, path,
+            afresh_consequence(found, f"{shell_path(path.parent)}/*.ckpt"))
 
     def state_dict(self) -> dict[str, Any]:
         return {"guard": self.guard.state_dict()} if self.guard is not None else {}
