@@ -128,8 +128,27 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity inspect {file}",
     ),
     _rule(
+        "numpy-npy",
+        r"Unsupported operand 147\b",
+        "the file is most likely a numpy array file (numpy.save), not a torch checkpoint: "
+        "byte 147 (0x93) opens numpy's '\\x93NUMPY' header, where a pickle of protocol 2 "
+        "or later opens with PROTO (byte 128).",
+        "read it with numpy.load(path, allow_pickle=False); an object array holds a pickle, "
+        "so check it before allowing pickles.",
+        "torchverity scan {file}",
+    ),
+    _rule(
+        "zip-not-torch",
+        r"file in archive is not in a subdirectory",
+        "the file is a zip archive torch.save did not write (torch.save puts every entry in "
+        "one folder): most often a numpy .npz (numpy.savez), else another tool's archive.",
+        "read a .npz with numpy.load(path, allow_pickle=False); otherwise check how the file "
+        "was made (unzip -l lists its entries).",
+        "torchverity scan {file}",
+    ),
+    _rule(
         "unsupported-opcode",
-        r"Unsupported operand (?!118\b|60\b|8\b)(?P<op>\d+)",
+        r"Unsupported operand (?!118\b|60\b|8\b|147\b)(?P<op>\d+)",
         "the file was pickled with protocol 4 or later{detail} (operand 149 is FRAME), e.g. by "
         "pickle.dump or torch.save(pickle_protocol=4); torch's weights_only unpickler reads "
         "protocol 2 only.",

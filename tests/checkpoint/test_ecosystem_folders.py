@@ -1,0 +1,279 @@
+"""Folders the ecosystem writes, built with the real libraries: a diffusers pipeline
+(``save_pretrained``, safetensors and .bin), a PEFT LoRA adapter and its merged model, and a
+folder of ONNX models. Every artifact command gives the right verdict and a next step that fits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchverity
+from torchverity.errors import StateDictMismatchError
+
+diffusers = pytest.importorskip("diffusers")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+_ARTIFACT_COMMANDS = ("scan", "inspect", "fingerprint", "verify")
+
+
+def _pipeline(folder: Path, **save: Any) -> Path:
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DModel(
+        sample_size=8, in_channels=1, out_channels=1, layers_per_block=1,
+        block_out_channels=(8, 16), norm_num_groups=4,
+        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"))
+    pipe = diffusers.DDPMPipeline(unet=unet, scheduler=diffusers.DDPMScheduler(
+        num_train_timesteps=10))
+    pipe.save_pretrained(folder, **save)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pipelines")
+    return {"safetensors": _pipeline(root / "ddpm"),
+            "bin": _pipeline(root / "ddpm_bin", safe_serialization=False)}
+
+
+def _gpt2() -> Any:
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64,
+                                     n_positions=32)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _lora(model: Any) -> Any:
+    return peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["c_attn"],
+                                                      init_lora_weights=False))
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("peft")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _lora(_gpt2())
+        model.save_pretrained(root / "lora")
+        model.merge_and_unload().save_pretrained(root / "merged")
+    return {"lora": root / "lora", "merged": root / "merged"}
+
+
+def _json(run_cli: Callable[..., Any], *args: Any) -> tuple[int, dict[str, Any]]:
+    result = run_cli(args[0], "--json", *args[1:])
+    assert "Traceback" not in result.out + result.err
+    return result.code, json.loads(result.out)
+
+
+# ------------------------------------------------------------ diffusers pipelines
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "bin"])
+def test_pipeline_root_names_its_components(pipelines: dict[str, Path], layout: str,
+                                            run_cli: Callable[..., Any]) -> None:
+    """inspect, fingerprint and diff of a pipeline root say it is made of components and
+    how to read each, instead of 'no weights files'; scan covers every component."""
+    root = pipelines[layout]
+    for args in (("inspect", root), ("fingerprint", root), ("diff", root, root)):
+        code, doc = _json(run_cli, *args)
+        assert code == 2, args
+        assert "diffusers pipeline" in doc["message"] and "unet" in doc["message"], doc
+        assert "0 weights files" not in doc["message"]
+        assert f"{root / 'unet'}" in doc["hint"] and f"torchverity scan {root}" in doc["hint"]
+    code, doc = _json(run_cli, "scan", root)
+    assert code == 0
+    assert [Path(f["path"]).relative_to(root).parts[0] for f in doc["files"]] == ["unet"]
+    assert {Path(s["path"]).name for s in doc["skipped"]} == {
+        "model_index.json", "scheduler_config.json", "config.json"}
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "bin"])
+def test_pipeline_component_is_a_checkpoint(pipelines: dict[str, Path], layout: str,
+                                            run_cli: Callable[..., Any]) -> None:
+    """The hint's component folder reads as a checkpoint, the same in either format."""
+    unet = pipelines[layout] / "unet"
+    code, doc = _json(run_cli, "fingerprint", unet)
+    assert code == 0 and len(doc["tensors"]) == 114
+    code, listed = _json(run_cli, "inspect", unet)
+    assert code == 0 and len(listed["tensors"]) == 114
+    other = pipelines["bin" if layout == "safetensors" else "safetensors"] / "unet"
+    assert _json(run_cli, "fingerprint", other)[1]["root"] == doc["root"]
+    assert _json(run_cli, "diff", unet, other)[0] == 0
+
+
+def test_migrate_names_the_nested_component_file(pipelines: dict[str, Path], tmp_path: Path,
+                                                 run_cli: Callable[..., Any]) -> None:
+    """migrate of a .bin pipeline names unet/diffusion_pytorch_model.bin, not 'no checkpoint'."""
+    code, doc = _json(run_cli, "migrate", pipelines["bin"], tmp_path / "new.safetensors")
+    assert code == 2
+    assert "holds no torch checkpoint" not in doc["hint"]
+    assert str(pipelines["bin"] / "unet" / "diffusion_pytorch_model.bin") in doc["hint"]
+
+
+def test_component_file_verifies_against_the_pipeline_manifest(
+        pipelines: dict[str, Path], tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    """A manifest at the pipeline root vouches for unet/... when verify or load is given the
+    file itself; a flipped bit in it is found both ways."""
+    root = shutil.copytree(pipelines["safetensors"], tmp_path / "ddpm")
+    assert run_cli("manifest", root).code == 0
+    weights = root / "unet" / "diffusion_pytorch_model.safetensors"
+    code, doc = _json(run_cli, "verify", weights)
+    assert code == 0, doc
+    assert doc["results"][0]["record"] == str(root / "torchverity.manifest.json")
+    _, report = torchverity.load(weights, with_report=True, sidecar="require")
+    assert report.digest_source == "manifest"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x10
+    weights.write_bytes(bytes(data))
+    code, doc = _json(run_cli, "verify", weights)
+    assert code == 1 and doc["results"][0]["entries"][0]["status"] == "mismatched"
+    assert _json(run_cli, "verify", root)[0] == 1
+
+
+_LIVE = """
+import os, sys, torch
+try:
+    torch.load(sys.argv[1], weights_only=False)
+except Exception:
+    pass
+print(os.path.exists(sys.argv[2]))
+"""
+
+
+class _Evil:
+    def __init__(self, sentinel: Path) -> None:
+        self.cmd = f"touch {sentinel}"
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return os.system, (self.cmd,)
+
+
+def test_malicious_component_is_found_from_the_root_and_never_runs(
+        pipelines: dict[str, Path], tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    """A pipeline whose unet .bin carries a payload (proven live under torch.load in a
+    throwaway process): scan of the root is unsafe and names the file; no command runs it."""
+    root = shutil.copytree(pipelines["bin"], tmp_path / "ddpm_bin")
+    weights = root / "unet" / "diffusion_pytorch_model.bin"
+    sentinel = tmp_path / "SENTINEL"
+    state = torch.load(weights, weights_only=True)
+    torch.save({**state, "x": _Evil(sentinel)}, weights)  # type: ignore[dict-item]
+    proof = subprocess.run([sys.executable, "-c", _LIVE, str(weights), str(sentinel)],
+                           capture_output=True, text=True, timeout=120, check=True)
+    assert proof.stdout.strip() == "True"
+    sentinel.unlink()
+    code, doc = _json(run_cli, "scan", root)
+    assert code == 1
+    assert [(f["path"], f["verdict"]) for f in doc["files"]] == [(str(weights), "unsafe")]
+    for args in (("inspect", root / "unet"), ("fingerprint", root / "unet"),
+                 ("migrate", weights, tmp_path / "new.safetensors"),
+                 ("diff", root / "unet", pipelines["bin"] / "unet")):
+        code, _ = _json(run_cli, *args)
+        assert code in (1, 2), args
+        assert not sentinel.exists(), f"{args[0]}: the payload ran"
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "bin"])
+def test_every_command_on_the_pipeline_speaks_json(pipelines: dict[str, Path], layout: str,
+                                                   tmp_path: Path,
+                                                   run_cli: Callable[..., Any]) -> None:
+    root = shutil.copytree(pipelines[layout], tmp_path / layout)
+    for command in _ARTIFACT_COMMANDS:
+        code, doc = _json(run_cli, command, root)
+        assert code in (0, 2), (command, doc)
+        if code == 2:
+            assert doc["hint"] and f"torchverity {command} {root}" not in doc["hint"], command
+    assert _json(run_cli, "manifest", root)[0] == 0
+    code, doc = _json(run_cli, "verify", root)
+    assert code == 0 and len(doc["results"][0]["entries"]) == 4
+
+
+# ------------------------------------------------------------ PEFT adapters
+
+
+def test_adapter_folder_reads_as_a_checkpoint(adapter: dict[str, Path],
+                                              run_cli: Callable[..., Any]) -> None:
+    code, doc = _json(run_cli, "inspect", adapter["lora"])
+    assert code == 0
+    assert {t["name"].rsplit(".", 2)[-2] for t in doc["tensors"]} == {"lora_A", "lora_B"}
+    assert len(_json(run_cli, "fingerprint", adapter["lora"])[1]["tensors"]) == 4
+    assert _json(run_cli, "scan", adapter["lora"])[0] == 0
+
+
+def test_adapter_into_a_peft_model_says_how(adapter: dict[str, Path]) -> None:
+    """PEFT files leave the adapter name out of their keys: the mismatch error says so and
+    gives the way that works, strict or not; strict=False never loads nothing quietly."""
+    weights = adapter["lora"] / "adapter_model.safetensors"
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _lora(_gpt2())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for strict in (True, False):
+        with pytest.raises(StateDictMismatchError) as caught:
+            torchverity.load(weights, model=model, strict=strict, sidecar="ignore")
+        assert "adapter name 'default'" in (caught.value.hint or "")
+        assert "set_peft_model_state_dict" in (caught.value.hint or "")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    state = torchverity.load(weights, sidecar="ignore")
+    assert peft.set_peft_model_state_dict(model, state).unexpected_keys == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference = peft.PeftModel.from_pretrained(_gpt2(), adapter["lora"])
+    ours, theirs = model.state_dict(), reference.state_dict()
+    lora = [k for k in ours if "lora_" in k]
+    assert len(lora) == 4 and all(torch.equal(ours[k], theirs[k]) for k in lora)
+
+
+def test_merged_model_loads_into_its_class_with_tied_weights(adapter: dict[str, Path]) -> None:
+    """save_pretrained writes GPT-2's tied lm_head.weight once: it is not 'missing'."""
+    model = _gpt2()
+    _, report = torchverity.load(adapter["merged"], model=model, with_report=True,
+                                 sidecar="ignore")
+    assert report.missing_keys == () and report.unexpected_keys == ()
+    merged = torchverity.load(adapter["merged"], sidecar="ignore")
+    assert torch.equal(model.lm_head.weight, merged["transformer.wte.weight"])
+
+
+def test_adapter_with_a_prefix_strips_it(adapter: dict[str, Path], tmp_path: Path) -> None:
+    """The merged weights saved by a DDP-wrapped trainer load with strip_prefix."""
+    merged = torchverity.load(adapter["merged"], sidecar="ignore")
+    path = tmp_path / "ddp.pt"
+    torch.save({f"module.{k}": v for k, v in merged.items()}, path)
+    model = _gpt2()
+    with pytest.raises(StateDictMismatchError, match="unexpected") as caught:
+        torchverity.load(path, model=model, sidecar="ignore")
+    assert "strip_prefix='module.'" in (caught.value.hint or "")
+    torchverity.load(path, model=model, sidecar="ignore", strip_prefix="module.")
+    assert torch.equal(model.transformer.wte.weight, merged["transformer.wte.weight"])
+
+
+# ------------------------------------------------------------ ONNX folders
+
+
+def test_scan_of_an_onnx_folder_names_inspect_and_fingerprint(
+        tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    pytest.importorskip("onnx")
+    folder = tmp_path / "onnx_only"
+    folder.mkdir()
+    model = folder / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(torch.nn.Linear(3, 2), (torch.ones(1, 3),), str(model), dynamo=False)
+    result = run_cli("scan", folder)
+    assert result.code == 2 and "Traceback" not in result.err
+    step = result.err.split("next: ", 1)[1]
+    assert f"torchverity inspect {model}" in step and f"torchverity fingerprint {model}" in step
+    assert run_cli("inspect", model).code == 0
