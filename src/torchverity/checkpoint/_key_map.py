@@ -112,9 +112,9 @@ def adapter_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str 
     named: dict[str, str] = {}
     for key in missing:
         head, _, leaf = key.rpartition(".")
-        stem, _, name = head.rpartition(".")
+        stem, _, adapter = head.rpartition(".")
         if stem:
-            named[f"{stem}.{leaf}"] = name
+            named[f"{stem}.{leaf}"] = adapter
     names = {named.get(k) for k in unexpected}
     name = names.pop() if len(names) == 1 else None
     if name is None:
