@@ -277,3 +277,17 @@ def test_scan_of_an_onnx_folder_names_inspect_and_fingerprint(
     step = result.err.split("next: ", 1)[1]
     assert f"torchverity inspect {model}" in step and f"torchverity fingerprint {model}" in step
     assert run_cli("inspect", model).code == 0
+    for command in ("inspect", "fingerprint"):
+        code, doc = _json(run_cli, command, folder)
+        assert code == 2 and doc["hint"] == f"give the ONNX model file instead: {model}"
+
+
+def test_migrate_of_a_safetensors_folder_says_nothing_to_migrate(
+        pipelines: dict[str, Path], adapter: dict[str, Path], tmp_path: Path,
+        run_cli: Callable[..., Any]) -> None:
+    for folder, weights in ((pipelines["safetensors"], "unet/diffusion_pytorch_model"),
+                            (adapter["lora"], "adapter_model"),
+                            (adapter["merged"], "model")):
+        code, doc = _json(run_cli, "migrate", folder, tmp_path / "new.pt")
+        assert code == 2 and "nothing to migrate" in doc["hint"], doc
+        assert f"torchverity inspect {folder / weights}.safetensors" in doc["hint"]

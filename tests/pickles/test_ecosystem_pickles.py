@@ -183,3 +183,33 @@ def test_explain_names_numpy_files_torch_load_refuses(files: dict[str, Path], na
     code, doc = _json(run_cli, "explain", str(caught.value))
     assert code == 0
     assert [e["key"] for e in doc["explanations"]] == [key]
+
+
+_LIVE_JOBLIB = """
+import os, sys, joblib
+try:
+    joblib.load(sys.argv[1])
+except Exception:
+    pass
+print(os.path.exists(sys.argv[2]))
+"""
+
+
+def test_malicious_joblib_is_unsafe_and_never_runs(tmp_path: Path,
+                                                   run_cli: Callable[..., Any]) -> None:
+    """A joblib dump of arrays plus a payload (proven live under joblib.load in a throwaway
+    process): scan and inspect call it unsafe (exit 1), not merely 'not a checkpoint'."""
+    sentinel = tmp_path / "SENTINEL"
+    path = tmp_path / "evil.joblib"
+    joblib.dump({"a": np.arange(4.0), "x": _EvilNet(sentinel)}, path)
+    proof = subprocess.run([sys.executable, "-c", _LIVE_JOBLIB, str(path), str(sentinel)],
+                           capture_output=True, text=True, timeout=120, check=True)
+    assert proof.stdout.strip() == "True"
+    sentinel.unlink()
+    assert _json(run_cli, "scan", path)[1]["files"][0]["verdict"] == "unsafe"
+    code, doc = _json(run_cli, "inspect", path)
+    assert code == 1 and doc["scan"]["verdict"] == "unsafe", doc
+    for args in (("fingerprint", path), ("diff", path, path),
+                 ("migrate", path, tmp_path / "new.safetensors")):
+        assert _json(run_cli, *args)[0] in (1, 2), args
+    assert not sentinel.exists()

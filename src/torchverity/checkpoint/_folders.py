@@ -72,15 +72,22 @@ def single_weights_file(folder: Path) -> Path:
         if parts:
             raise _pipeline_error(folder, parts)
     listed = ", ".join(f.name for f in found) if found else "none"
-    # Any command resolves folders here, so the hint names paths, never a command.
     raise InputError(
         f"{folder}: folder has no *.index.json and {len(found)} weights files ({listed}), "
         "so it is neither a sharded nor a single-file checkpoint", path=folder,
-        hint="give one weights file instead of the folder, e.g. "
-        + " or ".join(shlex.quote(os.fspath(f)) for f in found[:2])
-        if found else f"list the folder (ls {shlex.quote(os.fspath(folder))}); weights are "
-                      "*.safetensors or *.bin",
-    )
+        hint=_weights_hint(folder, found))
+
+
+def _weights_hint(folder: Path, found: list[Path]) -> str:
+    # Any command resolves folders here, so the hint names paths, never a command.
+    if found:
+        return "give one weights file instead of the folder, e.g. " + " or ".join(
+            shlex.quote(os.fspath(f)) for f in found[:2])
+    onnx = sorted(folder.glob("*.onnx"))
+    if onnx:
+        return f"give the ONNX model file instead: {shell_path(onnx[0])}"
+    return (f"list the folder (ls {shlex.quote(os.fspath(folder))}); weights are "
+            "*.safetensors or *.bin")
 
 
 def _holds_weights(folder: Path) -> bool:

@@ -120,7 +120,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     recorded = (meta or {}).get("fingerprint_algo")
     algo = recorded if recorded in (EXACT, LEGACY_EXACT) else EXACT
     scan = _scan(record) if fmt in ("pt", "pt-legacy") else None
-    if scan is not None and scan.format == "joblib":
+    if scan is not None and scan.format == "joblib" and _openable(scan):
         from torchverity.pickles._extract import joblib_refusal
 
         raise joblib_refusal(record)

@@ -143,6 +143,9 @@ def _folder_source(src: Path, dst: Path) -> InputError:
     elif files:
         hint = "name one checkpoint file in it: " + ", ".join(
             f.relative_to(src).as_posix() for f in files[:5])
+    elif safetensors := sorted((*src.glob("*.safetensors"), *src.glob("*/*.safetensors"))):
+        hint = (f"its weights are .safetensors already, with nothing to migrate: torchverity "
+                f"inspect {shell_path(safetensors[0])} lists them")
     else:
         hint = (f"it holds no torch checkpoint ({', '.join(_PICKLE_SUFFIXES)}): "
                 f"ls {shlex.quote(os.fspath(src))}")
