@@ -237,6 +237,23 @@ def test_adapter_into_a_peft_model_says_how(adapter: dict[str, Path]) -> None:
     assert len(lora) == 4 and all(torch.equal(ours[k], theirs[k]) for k in lora)
 
 
+def test_explain_names_a_peft_adapter_given_to_load_state_dict(
+        adapter: dict[str, Path], run_cli: Callable[..., Any]) -> None:
+    """torch's own error for the adapter file loaded into the PeftModel: one PEFT block, not
+    the general 'prefix or another architecture'."""
+    from safetensors.torch import load_file
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _lora(_gpt2())
+    with pytest.raises(RuntimeError) as caught:
+        model.load_state_dict(load_file(adapter["lora"] / "adapter_model.safetensors"))
+    code, doc = _json(run_cli, "explain", str(caught.value))
+    assert code == 0
+    assert [e["key"] for e in doc["explanations"]] == ["peft-adapter-keys"]
+    assert "set_peft_model_state_dict" in doc["explanations"][0]["fix"]
+
+
 def test_merged_model_loads_into_its_class_with_tied_weights(adapter: dict[str, Path]) -> None:
     """save_pretrained writes GPT-2's tied lm_head.weight once: it is not 'missing'."""
     model = _gpt2()

@@ -190,6 +190,17 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity inspect {file}",
     ),
     _rule(
+        "peft-adapter-keys",
+        r"Unexpected key\(s\) in state_dict:[^\n]*?\.lora_(?:A|B|embedding_A|embedding_B)"
+        r"\.weight\b",
+        "the file is a PEFT adapter (adapter_model.safetensors / .bin): its keys leave out the "
+        "adapter name the PeftModel's keys carry ('lora_A.weight' for 'lora_A.default.weight'), "
+        "and it holds the adapter's tensors only, so load_state_dict on the whole model fails.",
+        "load it the way peft does: PeftModel.from_pretrained(base, folder), or "
+        "set_peft_model_state_dict(model, torchverity.load(path)) to verify the file first.",
+        "torchverity inspect {file}",
+    ),
+    _rule(
         "missing-unexpected-keys",
         r"(?:Missing|Unexpected) key\(s\) in state_dict",
         "the state_dict keys do not match the model: a 'module.' prefix from "
@@ -279,6 +290,8 @@ _RULES: tuple[_Rule, ...] = (
     ),
 )
 
+# A cause that explains the same lines better than a general one replaces it.
+_SUPERSEDES = {"peft-adapter-keys": "missing-unexpected-keys"}
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _DETAILS_SHOWN = 5
@@ -308,6 +321,9 @@ def explain_text(text: str) -> list[Explanation]:
     for rule, match in _matches(strip_ansi(text)):
         grouped.setdefault(rule.key, []).append(match)
         rules[rule.key] = rule
+    for specific, general in _SUPERSEDES.items():
+        if specific in grouped:
+            grouped.pop(general, None)
     return [_render(rules[key], matches) for key, matches in grouped.items()]
 
 
