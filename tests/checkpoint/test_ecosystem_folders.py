@@ -112,6 +112,20 @@ def test_pipeline_component_is_a_checkpoint(pipelines: dict[str, Path], layout: 
     assert _json(run_cli, "diff", unet, other)[0] == 0
 
 
+def test_component_with_a_variant_reads_the_default_file(tmp_path: Path,
+                                                         run_cli: Callable[..., Any]) -> None:
+    """A component saved plain and as the fp16 variant reads as diffusers' from_pretrained
+    reads it without variant=: the default file."""
+    root = _pipeline(tmp_path / "ddpm")
+    _pipeline(root, variant="fp16")
+    unet = root / "unet"
+    assert (unet / "diffusion_pytorch_model.fp16.safetensors").is_file()
+    code, doc = _json(run_cli, "inspect", unet)
+    assert code == 0, doc
+    default = _json(run_cli, "fingerprint", unet / "diffusion_pytorch_model.safetensors")[1]
+    assert doc["fingerprint"] == default["root"]
+
+
 def test_migrate_names_the_nested_component_file(pipelines: dict[str, Path], tmp_path: Path,
                                                  run_cli: Callable[..., Any]) -> None:
     """migrate of a .bin pipeline names unet/diffusion_pytorch_model.bin, not 'no checkpoint'."""

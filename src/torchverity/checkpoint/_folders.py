@@ -19,8 +19,11 @@ from torchverity._generation_pointer import has_pointer
 from torchverity.checkpoint._index import find_index
 from torchverity.errors import InputError, shell_path
 
-# In the order transformers' from_pretrained prefers them.
-WEIGHT_NAMES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
+# In the order transformers' (and diffusers') from_pretrained prefers them; diffusers
+# picks its default file over variants (diffusion_pytorch_model.fp16.safetensors) unless
+# asked for one.
+WEIGHT_NAMES = ("model.safetensors", "pytorch_model.bin", "diffusion_pytorch_model.safetensors",
+                "diffusion_pytorch_model.bin", "model.pt", "model.pth")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 
