@@ -85,7 +85,7 @@ def test_pipeline_root_names_its_components(pipelines: dict[str, Path], layout: 
     """inspect, fingerprint and diff of a pipeline root say it is made of components and
     how to read each, instead of 'no weights files'; scan covers every component."""
     root = pipelines[layout]
-    for args in (("inspect", root), ("fingerprint", root), ("diff", root, root)):
+    for args in (("inspect", root), ("fingerprint", root)):
         code, doc = _json(run_cli, *args)
         assert code == 2, args
         assert "diffusers pipeline" in doc["message"] and "unet" in doc["message"], doc
@@ -124,6 +124,27 @@ def test_component_with_a_variant_reads_the_default_file(tmp_path: Path,
     assert code == 0, doc
     default = _json(run_cli, "fingerprint", unet / "diffusion_pytorch_model.safetensors")[1]
     assert doc["fingerprint"] == default["root"]
+
+
+def test_diff_of_two_pipelines_compares_every_component(
+        pipelines: dict[str, Path], adapter: dict[str, Path], tmp_path: Path,
+        run_cli: Callable[..., Any]) -> None:
+    """A flipped bit anywhere in a pipeline is found and located by its component; the
+    same pipeline saved as .bin and as safetensors is equal."""
+    assert _json(run_cli, "diff", pipelines["safetensors"], pipelines["bin"])[0] == 0
+    bad = shutil.copytree(pipelines["safetensors"], tmp_path / "bad")
+    weights = bad / "unet" / "diffusion_pytorch_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x10
+    weights.write_bytes(bytes(data))
+    code, doc = _json(run_cli, "diff", pipelines["safetensors"], bad)
+    assert code == 1 and doc["counts"]["identical"] == 113
+    changed = [e for e in doc["entries"] if e["status"] != "identical"]
+    assert [(e["name"].split("/")[0], e["kind"]) for e in changed] == [("unet", "bit-flip")]
+    weights_file = adapter["merged"] / "model.safetensors"
+    code, doc = _json(run_cli, "diff", pipelines["safetensors"], weights_file)
+    assert code == 2
+    assert doc["hint"].endswith(f"{pipelines['safetensors'] / 'unet'} {weights_file}")
 
 
 def test_migrate_names_the_nested_component_file(pipelines: dict[str, Path], tmp_path: Path,

@@ -104,6 +104,14 @@ def components(folder: Path) -> list[Path]:
                   if d.is_dir() and not d.name.startswith(".") and _holds_weights(d))
 
 
+def pipeline_components(path: str | os.PathLike[str]) -> list[Path]:
+    """The component folders of a pipeline root (no weights or index of its own), else []."""
+    p = Path(path)
+    if not p.is_dir() or _holds_weights(p):
+        return []
+    return components(p)
+
+
 def _pipeline_error(folder: Path, parts: list[Path]) -> InputError:
     kind = ("a diffusers pipeline (model_index.json)" if (folder / "model_index.json").is_file()
             else "a folder of components")
@@ -112,8 +120,8 @@ def _pipeline_error(folder: Path, parts: list[Path]) -> InputError:
         f"{folder}: {kind} with no weights of its own: they are in component folders, each a "
         f"checkpoint read on its own: {names}", path=folder,
         hint=f"give one component folder instead, e.g. {shell_path(parts[0])}; torchverity scan "
-             f"{shell_path(folder)} and torchverity verify {shell_path(folder)} cover every "
-             "component")
+             f"{shell_path(folder)}, torchverity verify {shell_path(folder)} and torchverity "
+             f"diff {shell_path(folder)} OTHER cover every component")
 
 
 def manifest_entry(path: Path) -> tuple[str, str, Path] | None:
