@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import torchverity
-from torchverity.errors import StateDictMismatchError
+from torchverity.errors import InputError, StateDictMismatchError
 
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
@@ -28,13 +28,17 @@ _ARTIFACT_COMMANDS = ("scan", "inspect", "fingerprint", "verify")
 
 
 def _pipeline(folder: Path, **save: Any) -> Path:
+    """A latent-diffusion pipeline of two weight components (unet/, vqvae/) and a scheduler."""
     torch.manual_seed(0)
+    vqvae = diffusers.VQModel(in_channels=1, out_channels=1, block_out_channels=(8,),
+                              layers_per_block=1, latent_channels=2, num_vq_embeddings=8,
+                              norm_num_groups=4, sample_size=8)
     unet = diffusers.UNet2DModel(
-        sample_size=8, in_channels=1, out_channels=1, layers_per_block=1,
+        sample_size=8, in_channels=2, out_channels=2, layers_per_block=1,
         block_out_channels=(8, 16), norm_num_groups=4,
         down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"))
-    pipe = diffusers.DDPMPipeline(unet=unet, scheduler=diffusers.DDPMScheduler(
-        num_train_timesteps=10))
+    pipe = diffusers.LDMPipeline(vqvae=vqvae, unet=unet,
+                                 scheduler=diffusers.DDIMScheduler(num_train_timesteps=10))
     pipe.save_pretrained(folder, **save)
     return folder
 
@@ -80,22 +84,29 @@ def _json(run_cli: Callable[..., Any], *args: Any) -> tuple[int, dict[str, Any]]
 
 
 @pytest.mark.parametrize("layout", ["safetensors", "bin"])
-def test_pipeline_root_names_its_components(pipelines: dict[str, Path], layout: str,
-                                            run_cli: Callable[..., Any]) -> None:
-    """inspect, fingerprint and diff of a pipeline root say it is made of components and
-    how to read each, instead of 'no weights files'; scan covers every component."""
+def test_pipeline_root_covers_every_component(pipelines: dict[str, Path], layout: str,
+                                              run_cli: Callable[..., Any]) -> None:
+    """scan, inspect and fingerprint of a pipeline root cover each component (not 'no
+    weights files'); load, which reads one checkpoint, names the components to choose from."""
     root = pipelines[layout]
-    for args in (("inspect", root), ("fingerprint", root)):
-        code, doc = _json(run_cli, *args)
-        assert code == 2, args
-        assert "diffusers pipeline" in doc["message"] and "unet" in doc["message"], doc
-        assert "0 weights files" not in doc["message"]
-        assert f"{root / 'unet'}" in doc["hint"] and f"torchverity scan {root}" in doc["hint"]
     code, doc = _json(run_cli, "scan", root)
     assert code == 0
-    assert [Path(f["path"]).relative_to(root).parts[0] for f in doc["files"]] == ["unet"]
+    assert sorted(Path(f["path"]).relative_to(root).parts[0] for f in doc["files"]) == [
+        "unet", "vqvae"]
     assert {Path(s["path"]).name for s in doc["skipped"]} == {
         "model_index.json", "scheduler_config.json", "config.json"}
+    code, doc = _json(run_cli, "inspect", root)
+    assert code == 0 and sorted(doc["components"]) == ["unet", "vqvae"]
+    assert all(c["tensors"] and c["fingerprint"] for c in doc["components"].values())
+    code, prints = _json(run_cli, "fingerprint", root)
+    assert code == 0
+    for name, component in prints["components"].items():
+        assert component["root"] == _json(run_cli, "fingerprint", root / name)[1]["root"]
+        assert component["root"] == doc["components"][name]["fingerprint"]
+    with pytest.raises(InputError, match="diffusers pipeline") as caught:
+        torchverity.load(root, sidecar="ignore")
+    assert "unet, vqvae" in caught.value.message
+    assert f"{root / 'unet'}" in (caught.value.hint or "")
 
 
 @pytest.mark.parametrize("layout", ["safetensors", "bin"])
@@ -138,9 +149,11 @@ def test_diff_of_two_pipelines_compares_every_component(
     data[-5] ^= 0x10
     weights.write_bytes(bytes(data))
     code, doc = _json(run_cli, "diff", pipelines["safetensors"], bad)
-    assert code == 1 and doc["counts"]["identical"] == 113
-    changed = [e for e in doc["entries"] if e["status"] != "identical"]
-    assert [(e["name"].split("/")[0], e["kind"]) for e in changed] == [("unet", "bit-flip")]
+    unet = len(_json(run_cli, "inspect", bad / "unet")[1]["tensors"])
+    vqvae = len(_json(run_cli, "inspect", bad / "vqvae")[1]["tensors"])
+    assert code == 1 and doc["counts"]["identical"] == unet + vqvae - 1
+    assert [(e["name"].split("/")[0], e["kind"]) for e in doc["entries"]] == [
+        ("unet", "bit-flip")]
     weights_file = adapter["merged"] / "model.safetensors"
     code, doc = _json(run_cli, "diff", pipelines["safetensors"], weights_file)
     assert code == 2
@@ -149,11 +162,17 @@ def test_diff_of_two_pipelines_compares_every_component(
 
 def test_migrate_names_the_nested_component_file(pipelines: dict[str, Path], tmp_path: Path,
                                                  run_cli: Callable[..., Any]) -> None:
-    """migrate of a .bin pipeline names unet/diffusion_pytorch_model.bin, not 'no checkpoint'."""
+    """migrate of a .bin pipeline names each component's file, not 'no checkpoint'."""
     code, doc = _json(run_cli, "migrate", pipelines["bin"], tmp_path / "new.safetensors")
     assert code == 2
-    assert "holds no torch checkpoint" not in doc["hint"]
-    assert str(pipelines["bin"] / "unet" / "diffusion_pytorch_model.bin") in doc["hint"]
+    assert doc["hint"] == ("name one checkpoint file in it: unet/diffusion_pytorch_model.bin, "
+                           "vqvae/diffusion_pytorch_model.bin")
+    one = shutil.copytree(pipelines["bin"], tmp_path / "one", ignore=shutil.ignore_patterns(
+        "vqvae"))
+    code, doc = _json(run_cli, "migrate", one, tmp_path / "new.safetensors")
+    assert code == 2 and doc["hint"] == (
+        f"migrate its checkpoint file: torchverity migrate "
+        f"{one / 'unet' / 'diffusion_pytorch_model.bin'} {tmp_path / 'new.safetensors'}")
 
 
 def test_component_file_verifies_against_the_pipeline_manifest(
@@ -211,7 +230,9 @@ def test_malicious_component_is_found_from_the_root_and_never_runs(
     sentinel.unlink()
     code, doc = _json(run_cli, "scan", root)
     assert code == 1
-    assert [(f["path"], f["verdict"]) for f in doc["files"]] == [(str(weights), "unsafe")]
+    verdicts = {Path(f["path"]).relative_to(root).as_posix(): f["verdict"] for f in doc["files"]}
+    assert verdicts == {"unet/diffusion_pytorch_model.bin": "unsafe",
+                        "vqvae/diffusion_pytorch_model.bin": "safe"}
     for args in (("inspect", root / "unet"), ("fingerprint", root / "unet"),
                  ("migrate", weights, tmp_path / "new.safetensors"),
                  ("diff", root / "unet", pipelines["bin"] / "unet")):
@@ -232,7 +253,7 @@ def test_every_command_on_the_pipeline_speaks_json(pipelines: dict[str, Path], l
             assert doc["hint"] and f"torchverity {command} {root}" not in doc["hint"], command
     assert _json(run_cli, "manifest", root)[0] == 0
     code, doc = _json(run_cli, "verify", root)
-    assert code == 0 and len(doc["results"][0]["entries"]) == 4
+    assert code == 0 and len(doc["results"][0]["entries"]) == 6
 
 
 # ------------------------------------------------------------ PEFT adapters

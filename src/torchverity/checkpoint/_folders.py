@@ -119,9 +119,8 @@ def _pipeline_error(folder: Path, parts: list[Path]) -> InputError:
     return InputError(
         f"{folder}: {kind} with no weights of its own: they are in component folders, each a "
         f"checkpoint read on its own: {names}", path=folder,
-        hint=f"give one component folder instead, e.g. {shell_path(parts[0])}; torchverity scan "
-             f"{shell_path(folder)}, torchverity verify {shell_path(folder)} and torchverity "
-             f"diff {shell_path(folder)} OTHER cover every component")
+        hint=f"give one component folder instead, e.g. {shell_path(parts[0])} (torchverity "
+             f"inspect {shell_path(folder)} shows every component)")
 
 
 def manifest_entry(path: Path) -> tuple[str, str, Path] | None:
