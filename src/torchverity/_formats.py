@@ -39,7 +39,7 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
     try:
         size = p.stat().st_size
         with open(p, "rb") as fh:
-            head = fh.read(16)
+            head = fh.read(512)
     except FileNotFoundError:
         raise InputError(f"{p}: no such file", path=p, hint="check the path") from None
     except OSError as exc:
@@ -48,6 +48,9 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
         raise FormatError(f"{p}: file is empty (0 bytes): not a checkpoint", path=p,
                           hint="the save that wrote it was probably interrupted; "
                                "restore the previous checkpoint")
+    not_torch = numpy_or_foreign_zip(p, head)
+    if not_torch is not None:
+        raise not_torch
     if head.startswith(b"PK\x03\x04"):
         return "pt"
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
@@ -73,6 +76,34 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
         hint="check the path and how the file was made (the file command names many formats: "
              f"file {shell_path(p)})",
     )
+
+
+def numpy_or_foreign_zip(path: Path, head: bytes) -> FormatError | None:
+    """The error for numpy's .npy/.npz files and zips torch.save did not write.
+
+    torch.save puts every zip entry in one folder and torch.load refuses an archive
+    whose first entry is not in one, so such a zip is never a torch checkpoint."""
+    scan = f"torchverity scan {shell_path(path)}"
+    if head.startswith(b"\x93NUMPY"):
+        return FormatError(
+            f"{path}: a numpy .npy array file (numpy.save), not a PyTorch checkpoint", path=path,
+            hint=f"{scan} says whether it holds pickled objects; numpy.load(path, "
+                 "allow_pickle=False) reads a plain array")
+    if not head.startswith(b"PK\x03\x04") or len(head) < 30:
+        return None
+    (name_len,) = struct.unpack_from("<H", head, 26)
+    name = head[30 : 30 + name_len].decode("utf-8", "replace")
+    if name_len == 0 or name_len > len(head) - 30 or "/" in name:
+        return None
+    if name.lower().endswith(".npy"):
+        return FormatError(
+            f"{path}: a numpy .npz archive (numpy.savez), not a PyTorch checkpoint", path=path,
+            hint=f"{scan} says whether its arrays hold pickled objects; numpy.load(path, "
+                 "allow_pickle=False) reads plain arrays")
+    return FormatError(
+        f"{path}: a zip archive torch.save did not write (its first entry {name!r} is not in "
+        "a folder, as torch.save's are), so torch.load cannot read it", path=path,
+        hint=f"check how the file was made: unzip -l {shell_path(path)} lists its entries")
 
 
 LFS_POINTER = b"version https://git-lfs.github.com/spec/"

@@ -32,22 +32,30 @@ opened (see :mod:`torchverity.checkpoint._diff_listing`).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchverity.checkpoint._diff_result import DiffResult, TensorDiff
+from torchverity.errors import InputError, shell_path
 
 if TYPE_CHECKING:
     from torchverity.checkpoint._diff_listing import Listing
 
 
 def diff(a: Any, b: Any, *, rtol: float = 0.0, atol: float = 0.0) -> DiffResult:
-    """Compare two checkpoints: paths (.pt, .safetensors, sharded folders) or loaded objects.
+    """Compare two checkpoints: paths (.pt, .safetensors, sharded folders, pipelines of
+    component folders) or loaded objects.
 
     Files are read without executing code from them (see
     :func:`torchverity.checkpoint.read_unverified`).
     """
     from torchverity.checkpoint._diff_listing import listing
+    from torchverity.checkpoint._folders import pipeline_components
 
+    parts = pipeline_components(a) if isinstance(a, (str, os.PathLike)) else []
+    if parts and isinstance(b, (str, os.PathLike)):
+        return _diff_pipelines(Path(a), Path(b), [c.name for c in parts], rtol, atol)
     listed_a = listing(a)
     listed_b = listing(b) if listed_a is not None else None
     if listed_a is not None and listed_b is not None:
@@ -60,6 +68,24 @@ def diff(a: Any, b: Any, *, rtol: float = 0.0, atol: float = 0.0) -> DiffResult:
     entries = tuple(compare(n, leaves_a.get(n, ABSENT), leaves_b.get(n, ABSENT), rtol, atol)
                     for n in names)
     return DiffResult(label_a, label_b, rtol, atol, entries)
+
+
+def _diff_pipelines(a: Path, b: Path, names: list[str], rtol: float, atol: float,
+                    ) -> DiffResult:
+    """Two pipelines (diffusers' unet/, vae/...), component by component: names as
+    ``unet/conv_in.weight``."""
+    from torchverity.checkpoint._folders import pipeline_components
+
+    other = [c.name for c in pipeline_components(b)]
+    if other != names:
+        raise InputError(
+            f"{a} and {b} are not the same pipeline: components {', '.join(names)} against "
+            f"{', '.join(other) or 'none'}", path=b,
+            hint=f"compare one component at a time, e.g. torchverity diff "
+                 f"{shell_path(a / names[0])} {shell_path(b / names[0] if other else b)}")
+    entries = [replace(e, name=f"{name}/{e.name}") for name in names
+               for e in diff(a / name, b / name, rtol=rtol, atol=atol).entries]
+    return DiffResult(os.fspath(a), os.fspath(b), rtol, atol, tuple(entries))
 
 
 def _leaves(obj: Any) -> tuple[dict[str, Any], str]:

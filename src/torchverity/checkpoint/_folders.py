@@ -19,8 +19,11 @@ from torchverity._generation_pointer import has_pointer
 from torchverity.checkpoint._index import find_index
 from torchverity.errors import InputError, shell_path
 
-# In the order transformers' from_pretrained prefers them.
-WEIGHT_NAMES = ("model.safetensors", "pytorch_model.bin", "model.pt", "model.pth")
+# In the order transformers' (and diffusers') from_pretrained prefers them; diffusers
+# picks its default file over variants (diffusion_pytorch_model.fp16.safetensors) unless
+# asked for one.
+WEIGHT_NAMES = ("model.safetensors", "pytorch_model.bin", "diffusion_pytorch_model.safetensors",
+                "diffusion_pytorch_model.bin", "model.pt", "model.pth")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 
 
@@ -67,27 +70,71 @@ def single_weights_file(folder: Path) -> Path:
                    if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
     if len(found) == 1:
         return found[0]
+    if not found:
+        parts = components(folder)
+        if parts:
+            raise _pipeline_error(folder, parts)
     listed = ", ".join(f.name for f in found) if found else "none"
-    # Any command resolves folders here, so the hint names paths, never a command.
     raise InputError(
         f"{folder}: folder has no *.index.json and {len(found)} weights files ({listed}), "
         "so it is neither a sharded nor a single-file checkpoint", path=folder,
-        hint="give one weights file instead of the folder, e.g. "
-        + " or ".join(shlex.quote(os.fspath(f)) for f in found[:2])
-        if found else f"list the folder (ls {shlex.quote(os.fspath(folder))}); weights are "
-                      "*.safetensors or *.bin",
-    )
+        hint=_weights_hint(folder, found))
+
+
+def _weights_hint(folder: Path, found: list[Path]) -> str:
+    # Any command resolves folders here, so the hint names paths, never a command.
+    if found:
+        return "give one weights file instead of the folder, e.g. " + " or ".join(
+            shlex.quote(os.fspath(f)) for f in found[:2])
+    onnx = sorted(folder.glob("*.onnx"))
+    if onnx:
+        return f"give the ONNX model file instead: {shell_path(onnx[0])}"
+    return (f"list the folder (ls {shlex.quote(os.fspath(folder))}); weights are "
+            "*.safetensors or *.bin")
+
+
+def _holds_weights(folder: Path) -> bool:
+    return any(f.is_file() and (f.suffix in WEIGHT_SUFFIXES or f.name.endswith(".index.json"))
+               for f in folder.iterdir())
+
+
+def components(folder: Path) -> list[Path]:
+    """Sub-folders holding weights: the components of a diffusers pipeline (unet/, vae/...)."""
+    return sorted(d for d in folder.iterdir()
+                  if d.is_dir() and not d.name.startswith(".") and _holds_weights(d))
+
+
+def pipeline_components(path: str | os.PathLike[str]) -> list[Path]:
+    """The component folders of a pipeline root (no weights or index of its own), else []."""
+    p = Path(path)
+    if not p.is_dir() or _holds_weights(p):
+        return []
+    return components(p)
+
+
+def _pipeline_error(folder: Path, parts: list[Path]) -> InputError:
+    kind = ("a diffusers pipeline (model_index.json)" if (folder / "model_index.json").is_file()
+            else "a folder of components")
+    names = ", ".join(d.name for d in parts)
+    return InputError(
+        f"{folder}: {kind} with no weights of its own: they are in component folders, each a "
+        f"checkpoint read on its own: {names}", path=folder,
+        hint=f"give one component folder instead, e.g. {shell_path(parts[0])} (torchverity "
+             f"inspect {shell_path(folder)} shows every component)")
 
 
 def manifest_entry(path: Path) -> tuple[str, str, Path] | None:
-    """``(algo, hex, manifest)`` for a file listed in its folder's manifest, else None."""
+    """``(algo, hex, manifest)`` for a file listed in the manifest of its folder, or of the
+    nearest folder above that has one (a pipeline's root lists ``unet/...``), else None."""
     from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, read_manifest
 
-    folder = path.parent
-    record = next((folder / n for n in (MANIFEST_NAME, SHA256SUM_NAME)
-                   if (folder / n).is_file()), None)
-    if record is None:
-        return None
-    manifest = read_manifest(record)
-    entry = next((e for e in manifest.entries if e.path == path.name), None)
-    return None if entry is None else (manifest.algo, entry.digest, record)
+    for folder in path.absolute().parents:
+        record = next((folder / n for n in (MANIFEST_NAME, SHA256SUM_NAME)
+                       if (folder / n).is_file()), None)
+        if record is None:
+            continue
+        rel = path.absolute().relative_to(folder).as_posix()
+        manifest = read_manifest(record)
+        entry = next((e for e in manifest.entries if e.path == rel), None)
+        return None if entry is None else (manifest.algo, entry.digest, record)
+    return None

@@ -120,6 +120,10 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     recorded = (meta or {}).get("fingerprint_algo")
     algo = recorded if recorded in (EXACT, LEGACY_EXACT) else EXACT
     scan = _scan(record) if fmt in ("pt", "pt-legacy") else None
+    if scan is not None and scan.format == "joblib" and _openable(scan):
+        from torchverity.pickles._extract import joblib_refusal
+
+        raise joblib_refusal(record)
     # One read of a .safetensors file gives both its digest and its fingerprint.
     whole = new_hasher(recorded_side[0] if recorded_side else "sha256", threads=True) \
         if fmt == "safetensors" else None

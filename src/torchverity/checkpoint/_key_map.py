@@ -106,6 +106,24 @@ def prefix_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str |
     return None
 
 
+def adapter_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str | None:
+    """Say so when every unexpected key is a missing key less one adapter name: PEFT saves
+    ``...lora_A.weight`` for the model's ``...lora_A.default.weight``."""
+    named: dict[str, str] = {}
+    for key in missing:
+        head, _, leaf = key.rpartition(".")
+        stem, _, adapter = head.rpartition(".")
+        if stem:
+            named[f"{stem}.{leaf}"] = adapter
+    names = {named.get(k) for k in unexpected}
+    name = names.pop() if len(names) == 1 else None
+    if name is None:
+        return None
+    return (f"every unexpected key is a missing key without the adapter name '{name}': a PEFT "
+            "adapter file, whose keys leave the name out; verify it with torchverity and let "
+            "peft insert the name: set_peft_model_state_dict(model, torchverity.load(path))")
+
+
 def _common_prefix(keys: list[str]) -> tuple[str, ...]:
     first = keys[0].split(".", 1)[0] + "."
     return (first,) if first not in KNOWN_PREFIXES and all(k.startswith(first) for k in keys) \

@@ -13,6 +13,7 @@ from torchverity._tensors import dtype_name
 from torchverity.checkpoint._key_map import (
     FitReport,
     KeyFit,
+    adapter_diagnosis,
     non_persistent_buffers,
     prefix_diagnosis,
     rename_keys,
@@ -47,13 +48,27 @@ def check_against_model(obj: Any, model: torch.nn.Module, path: Path,
     want = model.state_dict()
     ignored = sorted((set(state) - set(want)) & non_persistent_buffers(model))
     state = {k: v for k, v in state.items() if k not in ignored}
-    missing = sorted(set(want) - set(state))
+    missing = sorted(set(want) - set(state) - _tied(want, state))
     unexpected = sorted(set(state) - set(want))
     mismatched = _mismatched(want, state)
-    if mismatched or (fit.strict and (missing or unexpected)):
+    # strict=False that would load none of the file's tensors is never what was meant.
+    nothing_fits = bool(state) and not state.keys() & want.keys()
+    if mismatched or nothing_fits or (fit.strict and (missing or unexpected)):
         raise _mismatch_error(path, model, missing, unexpected, mismatched)
     model.load_state_dict({k: v for k, v in state.items() if k in want}, strict=False)
     return FitReport(tuple(missing), tuple(unexpected), tuple(ignored), renamed)
+
+
+def _tied(want: Mapping[str, Any], state: Mapping[str, Any]) -> set[str]:
+    """Model keys that are the very tensor of a key the file holds: tied weights (GPT-2's
+    lm_head.weight is transformer.wte.weight), which save_pretrained writes once."""
+    def ident(t: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
+        return t.data_ptr(), tuple(t.shape), t.dtype
+
+    loaded = {ident(t) for k, t in want.items()
+              if k in state and isinstance(t, torch.Tensor) and t.numel() and t.data_ptr()}
+    return {k for k, t in want.items() if k not in state and isinstance(t, torch.Tensor)
+            and t.numel() and t.data_ptr() and ident(t) in loaded}
 
 
 def _mismatched(want: Mapping[str, Any], state: Mapping[str, Any]) -> list[dict[str, str]]:
@@ -79,7 +94,8 @@ def _mismatch_error(path: Path, model: torch.nn.Module, missing: list[str],
         parts.append(f"{len(unexpected)} unexpected: {', '.join(unexpected[:10])}")
     for m in mismatched[:10]:
         parts.append(f"'{m['name']}' is {m['actual']}, model expects {m['expected']}")
-    diagnosis = None if mismatched else prefix_diagnosis(missing, unexpected)
+    diagnosis = None if mismatched else (prefix_diagnosis(missing, unexpected)
+                                         or adapter_diagnosis(missing, unexpected))
     hint = diagnosis or (
         f"check the model config matches the one that saved it; "
         f"torchverity inspect {shell_path(path)} lists the checkpoint's tensors"

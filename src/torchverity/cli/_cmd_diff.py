@@ -13,7 +13,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p = add_command(
         subparsers, common, "diff", _run,
         help="compare two checkpoints tensor by tensor (bit flips, drift, shape changes)",
-        description="Compare A and B (.pt, .safetensors or sharded folders, in any mix). Each "
+        description="Compare A and B (.pt, .safetensors or sharded folders, in any mix; two "
+        "pipeline folders such as diffusers' component by component, as unet/NAME). Each "
         "value change is classified: bit-flip (which bit: sign, exponent or mantissa), "
         "few-bits, drift (within --rtol/--atol) or large. Exit 0 when equal within "
         "tolerance, 1 otherwise. Never executes code from the files; .safetensors and torch.save "

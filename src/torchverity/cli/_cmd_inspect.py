@@ -21,28 +21,58 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "unsafe.",
     )
     p.add_argument("path", metavar="PATH", help="a .pt/.bin/.safetensors/.onnx file, a Hugging "
-                   "Face folder (single file or sharded) or its index")
+                   "Face folder (single file or sharded) or its index, or a pipeline folder "
+                   "(diffusers: each component in turn)")
     p.add_argument("--limit", type=int, default=50,
                    help="list at most this many tensors, and this many plain values "
                    "(default 50; 0 lists all)")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
+    from torchverity.checkpoint._folders import pipeline_components
     from torchverity.checkpoint._inspect import inspect
-    from torchverity.checkpoint._inspect_damage import problems
-    from torchverity.errors import restore_step
 
+    parts = pipeline_components(args.path)
+    if parts:  # a pipeline (diffusers): each component folder is a checkpoint of its own
+        results = {part.name: inspect(part) for part in parts}
+        checked = {name: _checked(r) for name, r in results.items()}
+
+        def render() -> None:
+            for r in results.values():
+                _print(r, args.limit, out)
+
+        code = out.result(
+            {"ok": all(ok for ok, _ in checked.values()), "path": args.path,
+             "components": {name: {"ok": checked[name][0], "problems": checked[name][1],
+                                   **r.to_dict()} for name, r in results.items()}}, render)
+        for name, r in results.items():
+            _advise(r, checked[name][1], out)
+        return code
     result = inspect(args.path)
+    ok, found = _checked(result)
+    code = out.result({"ok": ok, "problems": found, **result.to_dict()},
+                      lambda: _print(result, args.limit, out))
+    _advise(result, found, out)
+    return code
+
+
+def _checked(result: Any) -> tuple[bool, list[str]]:
+    """Whether the checkpoint is intact and safe, and the damage found in it."""
+    from torchverity.checkpoint._inspect_damage import problems
+
     found = problems(result)
     bad = (result.sidecar.status == "mismatched" or result.fingerprint_matches_meta is False
            or (result.scan is not None and not result.scan.ok) or bool(found))
-    code = out.result({"ok": not bad, "problems": found, **result.to_dict()},
-                      lambda: _print(result, args.limit, out))
+    return not bad, found
+
+
+def _advise(result: Any, found: list[str], out: Output) -> None:
+    from torchverity.errors import restore_step
+
     for text in found:
         out.err.write(f"torchverity: damaged: {text}\n")
     if found or (result.scan is not None and result.scan.verdict == "malformed"):
         out.err.write(f"  next: {restore_step(result.path)}\n")
-    return code
 
 
 def _print(r: Any, limit: int, out: Output) -> None:

@@ -117,8 +117,20 @@ def _nothing_judged(folder: str, skipped: tuple[Skipped, ...]) -> str:
     kinds = ", ".join(sorted({s.reason for s in inside}))
     return (f"torchverity: error: {folder}: nothing to scan: none of its {len(inside)} files "
             f"can hold a pickle (skipped: {kinds}), so this scan vouches for nothing\n"
-            f"  next: check the path (ls -la {quoted}); point scan at the files that hold the "
-            "weights")
+            f"  next: {_unscanned_step(quoted, inside)}")
+
+
+def _unscanned_step(quoted: str, inside: list[Skipped]) -> str:
+    """ONNX weights are initializers, not pickles: name the commands that read them."""
+    from torchverity.pickles._scan import SKIPPED_ONNX
+
+    onnx = [s.path for s in inside if s.reason == SKIPPED_ONNX]
+    if not onnx:
+        return (f"check the path (ls -la {quoted}); point scan at the files that hold the "
+                "weights")
+    model = shell_path(onnx[0])
+    return (f"ONNX models hold initializers, not pickles: torchverity inspect {model} lists "
+            f"them and torchverity fingerprint {model} hashes them")
 
 
 def _print(report: ScanReport, out: Output, show_all: bool) -> None:

@@ -128,8 +128,27 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity inspect {file}",
     ),
     _rule(
+        "numpy-npy",
+        r"Unsupported operand 147\b",
+        "the file is most likely a numpy array file (numpy.save), not a torch checkpoint: "
+        "byte 147 (0x93) opens numpy's '\\x93NUMPY' header, where a pickle of protocol 2 "
+        "or later opens with PROTO (byte 128).",
+        "read it with numpy.load(path, allow_pickle=False); an object array holds a pickle, "
+        "so check it before allowing pickles.",
+        "torchverity scan {file}",
+    ),
+    _rule(
+        "zip-not-torch",
+        r"file in archive is not in a subdirectory",
+        "the file is a zip archive torch.save did not write (torch.save puts every entry in "
+        "one folder): most often a numpy .npz (numpy.savez), else another tool's archive.",
+        "read a .npz with numpy.load(path, allow_pickle=False); otherwise check how the file "
+        "was made (unzip -l lists its entries).",
+        "torchverity scan {file}",
+    ),
+    _rule(
         "unsupported-opcode",
-        r"Unsupported operand (?!118\b|60\b|8\b)(?P<op>\d+)",
+        r"Unsupported operand (?!118\b|60\b|8\b|147\b)(?P<op>\d+)",
         "the file was pickled with protocol 4 or later{detail} (operand 149 is FRAME), e.g. by "
         "pickle.dump or torch.save(pickle_protocol=4); torch's weights_only unpickler reads "
         "protocol 2 only.",
@@ -168,6 +187,17 @@ _RULES: tuple[_Rule, ...] = (
         "(vocabulary size, number of classes, hidden width){detail}.",
         "build the model with the configuration saved with the checkpoint (meta.json or "
         "hyperparameters), or compare both sides to see every differing tensor.",
+        "torchverity inspect {file}",
+    ),
+    _rule(
+        "peft-adapter-keys",
+        r"Unexpected key\(s\) in state_dict:[^\n]*?\.lora_(?:A|B|embedding_A|embedding_B)"
+        r"\.weight\b",
+        "the file is a PEFT adapter (adapter_model.safetensors / .bin): its keys leave out the "
+        "adapter name the PeftModel's keys carry ('lora_A.weight' for 'lora_A.default.weight'), "
+        "and it holds the adapter's tensors only, so load_state_dict on the whole model fails.",
+        "load it the way peft does: PeftModel.from_pretrained(base, folder), or "
+        "set_peft_model_state_dict(model, torchverity.load(path)) to verify the file first.",
         "torchverity inspect {file}",
     ),
     _rule(
@@ -260,6 +290,8 @@ _RULES: tuple[_Rule, ...] = (
     ),
 )
 
+# A cause that explains the same lines better than a general one replaces it.
+_SUPERSEDES = {"peft-adapter-keys": "missing-unexpected-keys"}
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _DETAILS_SHOWN = 5
@@ -289,6 +321,9 @@ def explain_text(text: str) -> list[Explanation]:
     for rule, match in _matches(strip_ansi(text)):
         grouped.setdefault(rule.key, []).append(match)
         rules[rule.key] = rule
+    for specific, general in _SUPERSEDES.items():
+        if specific in grouped:
+            grouped.pop(general, None)
     return [_render(rules[key], matches) for key, matches in grouped.items()]
 
 

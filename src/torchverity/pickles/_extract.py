@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,8 +37,6 @@ def inert_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
     Files the scan finds unsafe or malformed are refused with its reason (a file naming
     code-running globals is not something to work with, even inertly)."""
-    from pathlib import Path
-
     from torchverity.pickles._scan import scan_file
 
     p = Path(path)
@@ -46,6 +45,8 @@ def inert_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         error = UnsafeFileError if scan.verdict == "unsafe" else FormatError
         raise error(f"{p}: not read: the scan found it {scan.verdict} ({scan.reason})", path=p,
                     hint=f"torchverity scan {shell_path(p)} shows where")
+    if scan.format == "joblib":
+        raise joblib_refusal(p)
     obj, _ = inert_load(p, "pickle" if scan.format == "pickle" else "torch")
     extractor = Extractor()
     try:
@@ -54,6 +55,14 @@ def inert_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         raise FormatError(f"{p}: the object nests too deeply to read", path=p) from None
     return extractor.tensors
 
+
+
+def joblib_refusal(path: Path) -> FormatError:
+    """A joblib file is a pickle, but of numpy arrays read by joblib, never by torch.load."""
+    return FormatError(f"{path}: a joblib file (joblib.dump), not a PyTorch checkpoint: it holds "
+                       "numpy arrays and Python objects that torch.load cannot read", path=path,
+                       hint=f"torchverity scan {shell_path(path)} names every class joblib.load "
+                            "would build; load it with joblib.load only if you trust them")
 
 
 @dataclass

@@ -134,12 +134,18 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 def _folder_source(src: Path, dst: Path) -> InputError:
     """migrate reads one file: name the folder's checkpoint file when there is one."""
-    files = sorted(f for f in src.iterdir() if f.is_file() and f.suffix in _PICKLE_SUFFIXES)
+    # A diffusers pipeline keeps each component's weights one folder down (unet/, vae/).
+    files = sorted(f for f in (*src.glob("*"), *src.glob("*/*"))
+                   if f.is_file() and f.suffix in _PICKLE_SUFFIXES)
     if len(files) == 1:
         hint = (f"migrate its checkpoint file: torchverity migrate "
                 f"{shlex.quote(os.fspath(files[0]))} {shlex.quote(os.fspath(dst))}")
     elif files:
-        hint = "name one checkpoint file in it: " + ", ".join(f.name for f in files[:5])
+        hint = "name one checkpoint file in it: " + ", ".join(
+            f.relative_to(src).as_posix() for f in files[:5])
+    elif safetensors := sorted((*src.glob("*.safetensors"), *src.glob("*/*.safetensors"))):
+        hint = (f"its weights are .safetensors already, with nothing to migrate: torchverity "
+                f"inspect {shell_path(safetensors[0])} lists them")
     else:
         hint = (f"it holds no torch checkpoint ({', '.join(_PICKLE_SUFFIXES)}): "
                 f"ls {shlex.quote(os.fspath(src))}")
@@ -153,7 +159,8 @@ def _refuse(scan: ScanResult, path: Path, *, trusted: bool) -> None:
                           hint=next_step(scan))
     if scan.format not in _MIGRATABLE:
         raise UsageError(f"{path}: {scan.format} files are not migrated (no torch checkpoint)",
-                         hint="migrate reads torch .pt/.pth/.bin/.ckpt files (TorchScript "
+                         hint=f"torchverity scan {shell_path(path)} checks it for code; "
+                              "migrate reads torch .pt/.pth/.bin/.ckpt files (TorchScript "
                               "included) and plain pickles")
     dangerous = scan.names(DANGEROUS)
     if dangerous and not trusted:

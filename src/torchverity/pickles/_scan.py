@@ -377,7 +377,8 @@ _WEIGHT_SUFFIXES = frozenset({
     ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".safetensors", ".npy", ".npz",
     ".joblib", ".h5", ".msgpack", ".model", ".tar", ".onnx",
 })
-_SKIPPED_FORMATS = {"text": "text file (no pickle)", "onnx": "ONNX model (no pickle)",
+SKIPPED_ONNX = "ONNX model (no pickle)"
+_SKIPPED_FORMATS = {"text": "text file (no pickle)", "onnx": SKIPPED_ONNX,
                     "data": "binary data that no unpickler can read", "empty": "empty file"}
 
 
