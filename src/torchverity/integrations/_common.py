@@ -66,12 +66,19 @@ class GuardCallbackBase:
         """The guard's at-rest verification of the weights as they are now (being saved)."""
         return self.guard.certify() if self.guard is not None else None
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the guarded model is sharded (its ranks certify checkpoints together)."""
+        return self.guard is not None and self.guard._sharded
+
     def _record(self, records: list[CheckpointRecord],
-                certification: dict[str, Any] | None) -> None:
-        """Keep the records of one checkpoint the trainer saved and log it in the guard's event
-        log and summary, as the guard's own saves are (``torchverity report`` counts them).
-        The event names its first file with a fingerprint (the weights), else its first."""
-        self.checkpoints.extend(records)
+                certification: dict[str, Any] | None, *, keep: bool = True) -> None:
+        """Keep the records of one checkpoint the trainer saved (unless ``keep`` is false: a
+        rank that did not write them) and log it in the guard's event log and summary, as
+        the guard's own saves are (``torchverity report`` counts them). The event names its
+        first file with a fingerprint (the weights), else its first."""
+        if keep:
+            self.checkpoints.extend(records)
         if self.guard is None or not records:
             return
         from torchverity.training._recovery import log_checkpoint

@@ -138,8 +138,7 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback, _ExportableState):
             self.guard.after_update()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        sharded = self.guard is not None and self.guard._sharded
-        if not self.record_checkpoints or not (state.is_world_process_zero or sharded):
+        if not self.record_checkpoints or not (state.is_world_process_zero or self.sharded):
             return
         # A sharded model's ranks agree on the certification together; otherwise rank 0's.
         certification = self.certification()
