@@ -27,8 +27,7 @@ RUNS: dict[str, tuple[bool, dict[str, Any], bool]] = {
     "clean": (False, {}, True),
     "record": (True, _RECORD, True),
     "record_full": (True, _RECORD, False),
-    # the default policy (stop), the ranks' flags combined: every rank stops at that step
-    "stop_together": (True, {"reducer": "FlagReducer"}, True),
+    "stop": (True, {}, True),  # the default policy
 }
 
 
@@ -94,10 +93,6 @@ def run(name: str, out: Path, rank: int) -> dict[str, Any]:
     from torchverity.integrations.lightning import GuardCallback
 
     flip, options, distributed = RUNS[name]
-    if options.get("reducer") == "FlagReducer":
-        import torchverity.distributed as tvd
-
-        options = {**options, "reducer": tvd.FlagReducer()}
     where = out / name
     guard = GuardCallback(log=where / "events.jsonl", **options)
     saver = pl.callbacks.ModelCheckpoint(dirpath=where / "ckpt", every_n_train_steps=5,

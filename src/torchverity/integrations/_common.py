@@ -42,6 +42,20 @@ def afresh_consequence(found: tuple[Path, dict[str, Any]] | None, others: str = 
             f"verify {others}` tells them apart).")
 
 
+def guard_options_for(model: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:
+    """The guard's options for ``model``: of a sharded one, its ranks' flags combined by
+    default (``FlagReducer``), so that every rank acts on a flag together; on its own, the
+    rank whose shard flipped would stop or skip alone while the others wait in their
+    next collective."""
+    from torchverity.distributed._placements import is_dtensor
+
+    if "reducer" in options or not any(is_dtensor(p) for p in model.parameters()):
+        return options
+    from torchverity.distributed import FlagReducer
+
+    return {**options, "reducer": FlagReducer()}
+
+
 class GuardCallbackBase:
     """What both trainer callbacks hold; ``framework`` names the trainer in messages."""
 

@@ -35,6 +35,7 @@ from torchverity.integrations._common import (
     CheckpointRecord,
     GuardCallbackBase,
     afresh_consequence,
+    guard_options_for,
     log,
     record_checkpoint_file,
 )
@@ -170,7 +171,7 @@ class GuardCallback(GuardCallbackBase, _Callback):
         if len(trainer.optimizers) != 1:
             raise UsageError("GuardCallback guards exactly one optimizer",
                              hint="use TrainingGuard per optimizer in manual optimization")
-        options = dict(self.guard_options)
+        options = dict(guard_options_for(pl_module, self.guard_options))
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             # AMP's GradScaler drives the optimizer's found_inf itself.
             options.setdefault("fused_skip", False)
