@@ -42,6 +42,20 @@ def afresh_consequence(found: tuple[Path, dict[str, Any]] | None, others: str = 
             f"verify {others}` tells them apart).")
 
 
+def guard_options_for(model: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:
+    """The guard's options for ``model``: of a sharded one, its ranks' flags combined by
+    default (``FlagReducer``), so that every rank acts on a flag together; on its own, the
+    rank whose shard flipped would stop or skip alone while the others wait in their
+    next collective."""
+    from torchverity.distributed._placements import is_dtensor
+
+    if "reducer" in options or not any(is_dtensor(p) for p in model.parameters()):
+        return options
+    from torchverity.distributed import FlagReducer
+
+    return {**options, "reducer": FlagReducer()}
+
+
 class GuardCallbackBase:
     """What both trainer callbacks hold; ``framework`` names the trainer in messages."""
 
@@ -66,12 +80,19 @@ class GuardCallbackBase:
         """The guard's at-rest verification of the weights as they are now (being saved)."""
         return self.guard.certify() if self.guard is not None else None
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the guarded model is sharded (its ranks certify checkpoints together)."""
+        return self.guard is not None and self.guard._sharded
+
     def _record(self, records: list[CheckpointRecord],
-                certification: dict[str, Any] | None) -> None:
-        """Keep the records of one checkpoint the trainer saved and log it in the guard's event
-        log and summary, as the guard's own saves are (``torchverity report`` counts them).
-        The event names its first file with a fingerprint (the weights), else its first."""
-        self.checkpoints.extend(records)
+                certification: dict[str, Any] | None, *, keep: bool = True) -> None:
+        """Keep the records of one checkpoint the trainer saved (unless ``keep`` is false: a
+        rank that did not write them) and log it in the guard's event log and summary, as
+        the guard's own saves are (``torchverity report`` counts them). The event names its
+        first file with a fingerprint (the weights), else its first."""
+        if keep:
+            self.checkpoints.extend(records)
         if self.guard is None or not records:
             return
         from torchverity.training._recovery import log_checkpoint

@@ -21,6 +21,8 @@ On every save, once the guard has verified the weights at rest, each weight file
 ``checkpoint-N/`` gets a sidecar, the safetensors model file a meta.json with its
 fingerprint and the guard's certification, and the folder gets a
 ``torchverity.manifest.json``, so ``torchverity verify checkpoint-N`` checks it.
+A sharded model's ranks combine their flags (a ``FlagReducer`` unless ``reducer=`` is
+given) and certify every save together.
 
 The guard's state travels in the folder's ``trainer_state.json``: the callback is a
 stateful callback (``ExportableState``), and its entry there holds the state as a
@@ -54,6 +56,7 @@ from torchverity.integrations._common import (
     CheckpointRecord,
     GuardCallbackBase,
     afresh_consequence,
+    guard_options_for,
     log,
     record_checkpoint_file,
 )
@@ -108,7 +111,8 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback, _ExportableState):
         optimizer, self._reason = _torch_optimizer(optimizer)
         self._start_guard(TrainingGuard(model, optimizer, log=self.log_path,
                                         start_step=state.global_step,
-                                        fused_unavailable=self._reason, **self.guard_options))
+                                        fused_unavailable=self._reason,
+                                        **guard_options_for(model, self.guard_options)))
         if carried is not None and self.guard is not None:
             self.guard._recovery.carry(carried)
         self._hook = model.register_forward_hook(self._capture_loss)
@@ -138,8 +142,7 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback, _ExportableState):
             self.guard.after_update()
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        sharded = self.guard is not None and self.guard._sharded
-        if not self.record_checkpoints or not (state.is_world_process_zero or sharded):
+        if not self.record_checkpoints or not (state.is_world_process_zero or self.sharded):
             return
         # A sharded model's ranks agree on the certification together; otherwise rank 0's.
         certification = self.certification()

@@ -13,13 +13,18 @@ precision plugin that steps the optimizer its own way (DeepSpeed, XLA) or anothe
 optimizer it takes two passes, and the guard's first log event says why. The
 trainer's ``CheckpointIO`` is wrapped so every file it saves gets, once the guard
 has verified the weights at rest, a sidecar and a meta.json with the fingerprint of
-the saved dictionary and the guard's certification. The guard's state is the
+the saved dictionary and the guard's certification. Of a sharded model
+(``ModelParallelStrategy``: FSDP2, tensor parallel) every rank verifies its own shards
+when a checkpoint is saved and the ranks agree on the certification; a distributed
+checkpoint folder gets a manifest (every rank's shard files) and its ``meta.pt`` the
+meta.json with that certification. The guard's state is the
 callback's ``state_dict`` (saved in every checkpoint, restored on resume). Replay
 needs a step function and is not offered here; use the plain-loop guard for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +32,10 @@ import torch
 
 from torchverity.errors import UsageError, require_extra, shell_path
 from torchverity.integrations._common import (
+    CheckpointRecord,
     GuardCallbackBase,
     afresh_consequence,
+    guard_options_for,
     log,
     record_checkpoint_file,
 )
@@ -40,6 +47,9 @@ __all__ = ["GuardCallback"]
 _pl = require_extra("lightning.pytorch", extra="lightning", feature="the Lightning callback")
 _plugins = require_extra("lightning.fabric.plugins", extra="lightning",
                          feature="the Lightning callback")
+_METADATA_FILENAME: str = require_extra(
+    "lightning.fabric.utilities.load", extra="lightning",
+    feature="the Lightning callback")._METADATA_FILENAME
 _Callback: Any = _pl.Callback
 _CheckpointIO: Any = _plugins.CheckpointIO
 _precision = _pl.plugins.precision
@@ -69,13 +79,13 @@ class _RecordingIO(_CheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any = None) -> None:
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        if self.callback.sharded:
+            return  # only rank 0 writes here: every rank certifies in _CertifiedSave
         # The dictionary shares the live tensors' storage: verifying them at rest now
         # verifies what was just written.
         certification = self.callback.certification()
-        user = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
-        self.callback._record([record_checkpoint_file(
-            path, checkpoint, source="lightning", user=user, certification=certification)],
-            certification)
+        self.callback._record(_record_saved(Path(path), checkpoint, certification),
+                              certification)
 
     def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> Any:
         return self.inner.load_checkpoint(path, *args, **kwargs)
@@ -87,6 +97,53 @@ class _RecordingIO(_CheckpointIO):
 
     def teardown(self) -> None:
         self.inner.teardown()
+
+
+def _record_saved(path: Path, checkpoint: dict[str, Any],
+                  certification: dict[str, Any] | None) -> list[CheckpointRecord]:
+    """Sidecar and meta.json of the file the trainer saved; of a distributed checkpoint
+    folder (``ModelParallelStrategy``), those of its ``meta.pt`` (what ``checkpoint``
+    holds once the strategy has taken the sharded state out) and a manifest of the
+    folder, which covers every rank's shard files."""
+    from torchverity.manifest import write_manifest
+
+    user = {"global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch")}
+    target = path / _METADATA_FILENAME if path.is_dir() else path
+    records = [record_checkpoint_file(target, checkpoint, source="lightning", user=user,
+                                      certification=certification)]
+    if path.is_dir():
+        write_manifest(path)
+    return records
+
+
+class _CertifiedSave:
+    """The strategy's ``save_checkpoint`` (which every rank calls) for a sharded model:
+    after it the ranks verify their shards at rest together, rank 0 records what was
+    written (the file its CheckpointIO wrote, or the distributed checkpoint folder that
+    ``ModelParallelStrategy`` writes without one) and every rank's event log gets the
+    checkpoint with the agreed verdict. Installed on the strategy instance."""
+
+    def __init__(self, strategy: Any, callback: GuardCallback) -> None:
+        self.strategy, self.callback = strategy, callback
+        self._inner = strategy.save_checkpoint
+        strategy.save_checkpoint = self
+
+    def __call__(self, checkpoint: dict[str, Any], filepath: Any,
+                 storage_options: Any = None) -> None:
+        self._inner(checkpoint, filepath, storage_options=storage_options)
+        if not self.callback.sharded:
+            return
+        from torchverity.distributed._comm import DEFAULT_TIMEOUT_S, all_gather_json, open_comm
+
+        certification = self.callback.certification()
+        records = (_record_saved(Path(filepath), checkpoint, certification)
+                   if self.strategy.is_global_zero else [])
+        what = "the checkpoint record exchange"
+        comm = open_comm(None, DEFAULT_TIMEOUT_S, f"GuardCallback: {what}")
+        main = [dataclasses.asdict(r) for r in records[:1]]
+        written = all_gather_json(comm, main, what)[0]
+        self.callback._record(records or [CheckpointRecord(**r) for r in written],
+                              certification, keep=bool(records))
 
 
 class GuardCallback(GuardCallbackBase, _Callback):
@@ -102,15 +159,19 @@ class GuardCallback(GuardCallbackBase, _Callback):
         self._reason: str | None = None
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        io = trainer.strategy.checkpoint_io
-        if self.record_checkpoints and stage == "fit" and not isinstance(io, _RecordingIO):
-            trainer.strategy.checkpoint_io = _RecordingIO(io, self)
+        if not self.record_checkpoints or stage != "fit":
+            return
+        strategy = trainer.strategy
+        if not isinstance(strategy.checkpoint_io, _RecordingIO):
+            strategy.checkpoint_io = _RecordingIO(strategy.checkpoint_io, self)
+        if not isinstance(vars(strategy).get("save_checkpoint"), _CertifiedSave):
+            _CertifiedSave(strategy, self)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
             raise UsageError("GuardCallback guards exactly one optimizer",
                              hint="use TrainingGuard per optimizer in manual optimization")
-        options = dict(self.guard_options)
+        options = dict(guard_options_for(pl_module, self.guard_options))
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             # AMP's GradScaler drives the optimizer's found_inf itself.
             options.setdefault("fused_skip", False)
