@@ -121,9 +121,9 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     algo = recorded if recorded in (EXACT, LEGACY_EXACT) else EXACT
     scan = _scan(record) if fmt in ("pt", "pt-legacy") else None
     if scan is not None and scan.format == "joblib" and _openable(scan):
-        from torchverity.pickles._extract import joblib_refusal
+        from torchverity._formats import joblib_file_error
 
-        raise joblib_refusal(record)
+        raise joblib_file_error(record)
     # One read of a .safetensors file gives both its digest and its fingerprint.
     whole = new_hasher(recorded_side[0] if recorded_side else "sha256", threads=True) \
         if fmt == "safetensors" else None

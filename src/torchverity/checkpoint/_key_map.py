@@ -124,6 +124,18 @@ def adapter_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str 
             "peft insert the name: set_peft_model_state_dict(model, torchverity.load(path))")
 
 
+def base_adapter_diagnosis(unexpected: Iterable[str]) -> str | None:
+    """Say so when the checkpoint is a whole PEFT adapter file given to its base model: every
+    key carries the ``base_model.model.`` prefix PEFT saves adapters under."""
+    keys = list(unexpected)
+    if not keys or not all(k.startswith("base_model.model.") for k in keys):
+        return None
+    return ("the checkpoint is a PEFT adapter (every key starts with 'base_model.model.'): it "
+            "holds the adapter's tensors only and goes onto the base model through peft: "
+            "PeftModel.from_pretrained(base, folder), or verify it first with "
+            "set_peft_model_state_dict(get_peft_model(base, config), torchverity.load(path))")
+
+
 def _common_prefix(keys: list[str]) -> tuple[str, ...]:
     first = keys[0].split(".", 1)[0] + "."
     return (first,) if first not in KNOWN_PREFIXES and all(k.startswith(first) for k in keys) \

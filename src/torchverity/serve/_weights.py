@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from torchverity._formats import foreign_format
 from torchverity.checkpoint._folders import manifest_entry, resolve
 from torchverity.checkpoint._key_map import KeyFit
 from torchverity.digest import digest_file, find_sidecar
@@ -64,9 +65,12 @@ def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str],
     given = dict(provenance or {})
     signature, attestation = given.pop("signature", None), given.pop("attestation", None)
     target = resolve(path)
+    foreign = foreign_format(target.file) if target.index is None else None
+    if foreign is not None:  # a pointer, web page or numpy file: no digest makes it weights
+        raise foreign
     if signature is None and find_sidecar(target.record) is None \
             and manifest_entry(target.record) is None:
-        _check_against_manifest(target.record)  # raises: nothing records its digest
+        _unrecorded(target.record)
     fit = fit or KeyFit()
     _obj, report = load(path, model=model, sidecar="ignore" if signature else "require",
                         with_report=True, strict=fit.strict, strip_prefix=fit.strip_prefixes,
@@ -96,6 +100,16 @@ def _attested(path: Path, attestation: str | os.PathLike[str],
     return {"path": os.fspath(attestation), "signer": result.signer,
             "subjects": [{"name": e.path, "sha256": e.expected} for e in result.entries],
             "predicate": result.predicate}
+
+
+def _unrecorded(path: Path) -> None:
+    """Refuse weights whose digest nothing records, naming a joblib file as what it is."""
+    from torchverity.checkpoint._read import joblib_error
+
+    try:
+        _check_against_manifest(path)  # raises: nothing records its digest
+    except IntegrityError as exc:
+        raise joblib_error(path) or exc from None
 
 
 def _check_against_manifest(path: Path) -> tuple[str, str]:
