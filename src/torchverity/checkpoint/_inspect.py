@@ -41,7 +41,8 @@ class SidecarCheck:
     algo: str
     actual: str
     expected: str | None = None
-    sidecar: str | None = None
+    sidecar: str | None = None  # the sidecar's path, or the hub blob's whose name is the digest
+    source: Literal["sidecar", "hub"] = "sidecar"
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
         fmt = "onnx" if is_onnx(record) else file_format(record)
         size = record.stat().st_size
     found = find_sidecar(record)
-    recorded_side = read_sidecar(found)[:2] if found is not None else None
+    recorded_side = read_sidecar(found)[:2] if found is not None else _hub_record(record)
     meta = _meta_summary(meta_path_for(record)) if meta_path_for(record).exists() else None
     # Compared with meta.json, so rebuilt with the algorithm the record names.
     recorded = (meta or {}).get("fingerprint_algo")
@@ -149,10 +150,20 @@ def _check_sidecar(path: Path, found: Path | None, recorded: tuple[str, str] | N
     ``actual`` is the file's digest when it was computed while reading the tensors."""
     algo = recorded[0] if recorded else "sha256"
     actual = actual or digest_file(path, algo).hexdigest
-    if found is None or recorded is None:
+    if recorded is None:
         return SidecarCheck("missing", algo, actual)
     status: SidecarStatus = "ok" if actual == recorded[1] else "mismatched"
+    if found is None:  # the hub named the blob by its digest
+        return SidecarCheck(status, algo, actual, recorded[1], os.fspath(path.resolve()), "hub")
     return SidecarCheck(status, algo, actual, recorded[1], os.fspath(found))
+
+
+def _hub_record(path: Path) -> tuple[str, str] | None:
+    """The Hugging Face hub cache's record of an LFS file: its blob's name, its SHA-256."""
+    from torchverity.provenance import hub_record
+
+    found = hub_record(path)
+    return (found[0], found[1]) if found else None
 
 
 def _scan(path: Path) -> Any:
