@@ -168,3 +168,74 @@ def test_peft_adapter_given_to_its_base_model_is_named(tmp_path: Path) -> None:
         hint = caught.value.hint or ""
         assert "PEFT adapter" in hint and "PeftModel.from_pretrained" in hint
         assert "strict=False" not in hint
+
+
+def test_a_sharded_folder_with_no_records_is_told_to_record_them_all(
+        tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    """A sidecar for the index alone would be refused shard by shard: the folder's manifest
+    records every shard at once, and then the folder loads."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+    folder = tmp_path / "sharded"
+    model.save_pretrained(folder, max_shard_size="4KB")
+    assert len(list(folder.glob("model-*.safetensors"))) > 1
+    with pytest.raises(torchverity.errors.IntegrityError) as caught:
+        torchverity.load(folder, model=model, sidecar="require")
+    assert caught.value.hint is not None
+    assert caught.value.hint.endswith(f"torchverity manifest {folder}")
+    assert run_cli("manifest", folder).code == 0
+    torchverity.load(folder, model=model, sidecar="require")
+
+
+def test_golden_says_when_the_model_cannot_take_the_inputs(
+        model_module: str, tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    """A model raising on --shape inputs (or returning objects, such as a KV cache) is bad
+    input, exit 2 with what to give instead, not an internal error; the load's own warnings
+    are this command's warnings, not Python's."""
+    weights = tmp_path / "lin.pt"
+    torch.save(Lin().state_dict(), weights)
+    result = run_cli("golden", "record", "--model", f"{model_module}:build", "--weights",
+                     weights, "--golden", tmp_path / "g.json", "--shape", "1,5")
+    assert result.code == 2, result.err
+    assert "Lin raised RuntimeError on the inputs float32[1, 5]" in result.err
+    assert "internal error" not in result.err and "--dtype" in result.err
+    assert f"warning: {weights}: no sidecar" in result.err
+    assert "CheckpointWarning" not in result.err
+
+
+def test_golden_names_an_output_it_cannot_record() -> None:
+    from torchverity.errors import InputError
+    from torchverity.golden._run import output_leaves
+
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8))
+    with torch.no_grad():
+        outputs = model(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(InputError, match="DynamicCache") as caught:
+        output_leaves(outputs)
+    assert "use_cache=False" in (caught.value.hint or "")
+    model.config.use_cache = False
+    with torch.no_grad():
+        assert [n for n, _ in output_leaves(model(torch.tensor([[1, 2, 3]])))] == ["logits"]
+
+
+def test_a_head_checkpoint_into_its_base_model_names_the_prefix_and_strict(
+        tmp_path: Path) -> None:
+    """Some unexpected keys are a prefix plus a missing key, others are a head's: nothing
+    fits as saved, and stripping the prefix with strict=False is what loads it."""
+    path = tmp_path / "head.pt"
+    torch.save({"bert.l.weight": torch.ones(2, 4), "bert.l.bias": torch.ones(2),
+                "cls.w": torch.ones(3)}, path)
+    with pytest.raises(StateDictMismatchError) as caught:
+        torchverity.load(path, model=Lin(), sidecar="ignore")
+    hint = caught.value.hint or ""
+    assert "2 of the 3 unexpected keys are 'bert.' + a missing key" in hint
+    assert "--strip-prefix bert." in hint and "strict=False" in hint
+    model = Lin()
+    with pytest.warns(torchverity.checkpoint.CheckpointWarning, match="cls.w"):
+        torchverity.load(path, model=model, sidecar="ignore", strict=False, strip_prefix="bert.")
+    assert torch.equal(model.l.weight, torch.ones(2, 4))

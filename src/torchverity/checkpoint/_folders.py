@@ -123,6 +123,15 @@ def _pipeline_error(folder: Path, parts: list[Path]) -> InputError:
              f"inspect {shell_path(folder)} shows every component)")
 
 
+def record_step(path: Path) -> str:
+    """The command that records ``path``'s digest from a trusted copy: for a file of a
+    sharded folder (its index or a shard) the folder's manifest, which records every shard
+    at once; else its sidecar."""
+    if any(path.parent.glob("*.index.json")):
+        return f"torchverity manifest {shell_path(path.parent)}"
+    return f"torchverity hash --write {shell_path(path)}"
+
+
 def manifest_entry(path: Path) -> tuple[str, str, Path] | None:
     """``(algo, hex, manifest)`` for a file listed in the manifest of its folder, or of the
     nearest folder above that has one (a pipeline's root lists ``unet/...``), else None."""

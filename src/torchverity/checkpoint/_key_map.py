@@ -106,6 +106,24 @@ def prefix_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str |
     return None
 
 
+def partial_prefix_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str | None:
+    """Say so when some unexpected keys are a prefix plus a missing key and others are extra
+    (a model with a head, ``bert.*`` and ``cls.*``, loaded into its base model)."""
+    missing_set, extra = set(missing), list(unexpected)
+    heads = tuple(sorted({k.split(".", 1)[0] + "." for k in extra if "." in k}))
+    best: tuple[str, int] | None = None
+    for prefix in KNOWN_PREFIXES + heads:
+        hits = sum(k.startswith(prefix) and k[len(prefix):] in missing_set for k in extra)
+        if hits and (best is None or hits > best[1]):
+            best = (prefix, hits)
+    if best is None or best[1] == len(extra):
+        return None
+    prefix, hits = best
+    return (f"{hits} of the {len(extra)} unexpected keys are '{prefix}' + a missing key: strip "
+            f"it (strip_prefix='{prefix}', CLI: --strip-prefix {prefix}) and load with "
+            "strict=False (CLI: --no-strict), which reports the keys left over")
+
+
 def adapter_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str | None:
     """Say so when every unexpected key is a missing key less one adapter name: PEFT saves
     ``...lora_A.weight`` for the model's ``...lora_A.default.weight``."""

@@ -29,7 +29,7 @@ from torchverity.checkpoint._fingerprint import (
     layout,
     tensor_hasher,
 )
-from torchverity.checkpoint._folders import manifest_entry
+from torchverity.checkpoint._folders import manifest_entry, record_step
 from torchverity.checkpoint._hashing_reader import HashingReader, lane
 from torchverity.checkpoint._meta import (
     META_SUFFIX,
@@ -177,8 +177,7 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPol
         raise IntegrityError(
             f"{p}: no sidecar ({p.name}.sha256), no entry in a manifest of its folder, and "
             "sidecar='require': refusing to load unverified bytes", path=p,
-            hint="save with torchverity.save, or record the digest: torchverity hash --write "
-                 f"{shell_path(p)}",
+            hint=f"save with torchverity.save, or record the digest: {record_step(p)}",
         )
     if policy != "ignore" and isinstance(recorded, dict) and "hex" in recorded:
         return ExpectedDigest(str(recorded["algo"]), str(recorded["hex"]), "meta")

@@ -16,6 +16,7 @@ from torchverity.checkpoint._key_map import (
     adapter_diagnosis,
     base_adapter_diagnosis,
     non_persistent_buffers,
+    partial_prefix_diagnosis,
     prefix_diagnosis,
     rename_keys,
 )
@@ -99,7 +100,8 @@ def _mismatch_error(path: Path, model: torch.nn.Module, missing: list[str],
         parts.append("none of the checkpoint's keys is one of the model's")
     diagnosis = None if mismatched else (prefix_diagnosis(missing, unexpected)
                                          or adapter_diagnosis(missing, unexpected)
-                                         or base_adapter_diagnosis(unexpected))
+                                         or base_adapter_diagnosis(unexpected)
+                                         or partial_prefix_diagnosis(missing, unexpected))
     hint = diagnosis or (
         f"check the model config matches the one that saved it; "
         f"torchverity inspect {shell_path(path)} lists the checkpoint's tensors"

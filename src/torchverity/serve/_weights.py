@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from torchverity._formats import foreign_format
-from torchverity.checkpoint._folders import manifest_entry, resolve
+from torchverity.checkpoint._folders import manifest_entry, record_step, resolve
 from torchverity.checkpoint._key_map import KeyFit
 from torchverity.digest import digest_file, find_sidecar
 from torchverity.errors import InputError, IntegrityError, shell_path
@@ -122,8 +122,7 @@ def _check_against_manifest(path: Path) -> tuple[str, str]:
         raise IntegrityError(
             f"{path}: no recorded digest (no {path.name}.sha256 sidecar and no manifest in "
             f"{path.parent}): refusing to serve unverified weights",
-            path=path, hint="record it from a trusted copy: torchverity hash --write "
-                            f"{shell_path(path)}",
+            path=path, hint=f"record it from a trusted copy: {record_step(path)}",
         ) from None
     manifest = read_manifest(record)
     entry = next((e for e in manifest.entries if e.path == path.name), None)
