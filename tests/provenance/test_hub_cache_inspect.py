@@ -87,3 +87,42 @@ def test_a_diffusers_pipeline_in_a_hub_cache_verifies_and_scans(
     assert listed["ok"] is False
     assert listed["components"]["unet"]["sidecar"]["status"] == "mismatched"
     assert listed["components"]["vqvae"]["sidecar"]["status"] == "ok"
+
+
+class _Lin(torch.nn.Module):
+    input_spec = ("x:float32:-1,4",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x)
+
+
+def test_serve_takes_weights_from_a_hub_cache(tmp_path: Path) -> None:
+    """The hub's record (the blob's name) vouches for the weights as a sidecar does, as it
+    does for load, golden and batch; a changed blob keeps the service from starting."""
+    pytest.importorskip("fastapi")
+    from torchverity.errors import IntegrityError
+    from torchverity.serve import Client, create_app
+    from uvicorn_server import start
+
+    torch.manual_seed(0)
+    folder = tmp_path / "m"
+    folder.mkdir()
+    save_file(_Lin().state_dict(), folder / "model.safetensors")
+    (folder / "config.json").write_text("{}")
+    snapshot = hub_cache_from_folder(tmp_path / "hub", "org/lin", _REV, folder) / "snapshots" \
+        / _REV
+    svc = start(create_app(_Lin, snapshot, recheck_interval=None))
+    try:
+        with Client(svc.url) as client:
+            weights = client.metadata()["parameters"]["weights"]
+    finally:
+        svc.stop()
+    blob = (snapshot / "model.safetensors").resolve()
+    assert weights["verified_by"] == "hub" and weights["digest"] == blob.name
+    flip_bit(blob, blob.stat().st_size - 2)
+    with pytest.raises(IntegrityError, match="the name the Hugging Face hub gave it"):
+        create_app(_Lin, snapshot, recheck_interval=None)

@@ -1,12 +1,13 @@
 """Start-up verification of the weights a service will hold.
 
 The file's digest must be recorded somewhere the service can check before
-unpickling: a sidecar (``CKPT.sha256``) or the folder's manifest. The
-checkpoint is then loaded with ``torchverity.load`` (``weights_only=True``),
-which also checks the content fingerprint against ``CKPT.meta.json`` when
-present and the keys, shapes and dtypes against the model. With an OpenSSF
-model signature the signature is the record instead; an in-toto attestation,
-when given, must verify too and is exposed in ``/metadata``.
+unpickling: a sidecar (``CKPT.sha256``), the folder's manifest, or the name a
+Hugging Face hub cache gave its blob. The checkpoint is then loaded with
+``torchverity.load`` (``weights_only=True``), which also checks the content
+fingerprint against ``CKPT.meta.json`` when present and the keys, shapes and
+dtypes against the model. With an OpenSSF model signature the signature is the
+record instead; an in-toto attestation, when given, must verify too and is
+exposed in ``/metadata``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class WeightsInfo:
     path: str
     algo: str
     digest: str
-    digest_source: str  # "sidecar" or "manifest"
+    digest_source: str  # "sidecar", "manifest", "hub" or "signature"
     file_fingerprint: str | None  # root recorded in meta.json and checked, if there was one
     missing_keys: tuple[str, ...] = ()  # loaded with strict=False: left at initial values
     unexpected_keys: tuple[str, ...] = ()  # loaded with strict=False: not loaded
@@ -69,7 +70,7 @@ def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str],
     if foreign is not None:  # a pointer, web page or numpy file: no digest makes it weights
         raise foreign
     if signature is None and find_sidecar(target.record) is None \
-            and manifest_entry(target.record) is None:
+            and manifest_entry(target.record) is None and not _in_hub(target.record):
         _unrecorded(target.record)
     fit = fit or KeyFit()
     _obj, report = load(path, model=model, sidecar="ignore" if signature else "require",
@@ -100,6 +101,13 @@ def _attested(path: Path, attestation: str | os.PathLike[str],
     return {"path": os.fspath(attestation), "signer": result.signer,
             "subjects": [{"name": e.path, "sha256": e.expected} for e in result.entries],
             "predicate": result.predicate}
+
+
+def _in_hub(path: Path) -> bool:
+    """Whether a Hugging Face hub cache names the file by its digest (load checks it)."""
+    from torchverity.provenance import hub_record
+
+    return hub_record(path) is not None
 
 
 def _unrecorded(path: Path) -> None:
