@@ -160,6 +160,10 @@ def _check_sidecar(path: Path, found: Path | None, recorded: tuple[str, str] | N
 
 def _hub_record(path: Path) -> tuple[str, str] | None:
     """The Hugging Face hub cache's record of an LFS file: its blob's name, its SHA-256."""
+    from torchverity.provenance._hub_paths import in_hub_layout
+
+    if not in_hub_layout(path):  # the hub checks' imports cost more than this question
+        return None
     from torchverity.provenance import hub_record
 
     found = hub_record(path)
