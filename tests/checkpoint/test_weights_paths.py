@@ -239,3 +239,32 @@ def test_a_head_checkpoint_into_its_base_model_names_the_prefix_and_strict(
     with pytest.warns(torchverity.checkpoint.CheckpointWarning, match="cls.w"):
         torchverity.load(path, model=model, sidecar="ignore", strict=False, strip_prefix="bert.")
     assert torch.equal(model.l.weight, torch.ones(2, 4))
+
+
+def test_a_shard_that_is_a_pointer_is_named_before_the_records(
+        tmp_path: Path, model_module: str, run_cli: Callable[..., Any]) -> None:
+    """A sharded folder cloned without git-lfs: one shard is a pointer. That is said first,
+    not 'record every shard with torchverity manifest' (which would vouch for the pointer)."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    save_file({"l.weight": torch.ones(2, 4)}, folder / "model-00001-of-00002.safetensors")
+    (folder / "model-00002-of-00002.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:" + "c" * 64 + "\nsize 40\n")
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "l.weight": "model-00001-of-00002.safetensors",
+        "l.bias": "model-00002-of-00002.safetensors"}}))
+    pointer = folder / "model-00002-of-00002.safetensors"
+    for sidecar in ("warn", "require"):
+        with pytest.raises(FormatError, match="a Git LFS pointer file") as caught:
+            torchverity.load(folder, model=Lin(), sidecar=sidecar)  # type: ignore[arg-type]
+        assert caught.value.path == str(pointer)
+    for args in (("serve", "--model", f"{model_module}:build", "--input-spec", "x:float32:-1,4",
+                  "--check"),
+                 ("golden", "record", "--model", f"{model_module}:build", "--golden",
+                  tmp_path / "g.json", "--shape", "1,4")):
+        result = run_cli(*args, "--weights", folder)
+        assert result.code == 2, result.err
+        assert f"{pointer}: a Git LFS pointer file" in result.err
+        assert "torchverity manifest" not in result.err

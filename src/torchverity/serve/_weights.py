@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from torchverity._formats import foreign_format
-from torchverity.checkpoint._folders import manifest_entry, record_step, resolve
+from torchverity.checkpoint._folders import manifest_entry, not_weights, record_step, resolve
 from torchverity.checkpoint._key_map import KeyFit
 from torchverity.digest import digest_file, find_sidecar
 from torchverity.errors import InputError, IntegrityError, shell_path
@@ -66,7 +65,7 @@ def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str],
     given = dict(provenance or {})
     signature, attestation = given.pop("signature", None), given.pop("attestation", None)
     target = resolve(path)
-    foreign = foreign_format(target.file) if target.index is None else None
+    foreign = not_weights(target)
     if foreign is not None:  # a pointer, web page or numpy file: no digest makes it weights
         raise foreign
     if signature is None and find_sidecar(target.record) is None \
