@@ -200,7 +200,7 @@ def test_golden_says_when_the_model_cannot_take_the_inputs(
                      weights, "--golden", tmp_path / "g.json", "--shape", "1,5")
     assert result.code == 2, result.err
     assert "Lin raised RuntimeError on the inputs float32[1, 5]" in result.err
-    assert "internal error" not in result.err and "--dtype" in result.err
+    assert "internal error" not in result.err and "--inputs FILE" in result.err
     assert f"warning: {weights}: no sidecar" in result.err
     assert "CheckpointWarning" not in result.err
 
