@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import bz2
+import lzma
 import os
 import struct
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +21,15 @@ from torchverity.errors import (
 
 FileFormat = Literal["pt", "pt-legacy", "safetensors"]
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on its JSON header
+
+# Compression magics as joblib matches them (zlib: any 0x78 byte), with their decompressors.
+COMPRESSED: tuple[tuple[bytes, str, Callable[[], object]], ...] = (
+    (b"\x1f\x8b", "gzip", lambda: zlib.decompressobj(16 + zlib.MAX_WBITS)),
+    (b"BZ", "bz2", bz2.BZ2Decompressor),
+    (b"\xfd7zXZ", "xz", lzma.LZMADecompressor),
+    (b"\x5d\x00", "lzma", lzma.LZMADecompressor),
+    (b"\x78", "zlib", zlib.decompressobj),
+)
 
 
 def is_safetensors(path: Path) -> bool:
@@ -57,15 +70,9 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
         return "pt-legacy"
     if is_safetensors(p):
         return "safetensors"
-    broken = broken_download(p)
-    if broken is not None:
-        raise broken
-    if p.suffix.lower() == ".onnx" and head[:1] == b"\x08":
-        raise FormatError(
-            f"{p}: an ONNX model, not a PyTorch checkpoint: it does not load into a module",
-            path=p, hint=f"run it with onnxruntime; torchverity inspect {shell_path(p)} lists its "
-                         f"initializers and torchverity fingerprint {shell_path(p)} covers them",
-        )
+    foreign = foreign_format(p, head)
+    if foreign is not None:
+        raise foreign
     if p.suffix.lower() == ".safetensors" and head[:8] == bytes(8):
         raise FormatError(f"{p}: a damaged .safetensors file: its header length is 0 (the "
                           "header was never written, or was zeroed)", path=p,
@@ -76,6 +83,65 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
         hint="check the path and how the file was made (the file command names many formats: "
              f"file {shell_path(p)})",
     )
+
+
+def foreign_format(path: Path, head: bytes | None = None) -> FormatError | None:
+    """The error naming a file that is something other than a checkpoint, known from its
+    first bytes: a numpy array or archive, a Git LFS pointer or HTML page, an ONNX model,
+    a compressed joblib file. None for anything else, checkpoints and damaged files alike."""
+    if head is None:
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(512)
+        except OSError:
+            return None
+    if head.startswith(b"\x93NUMPY") or (head.startswith(b"PK\x03\x04")
+                                         and _first_zip_entry(head).lower().endswith(".npy")):
+        return numpy_or_foreign_zip(path, head)
+    broken = broken_download(path)
+    if broken is not None:
+        return broken
+    if path.suffix.lower() == ".onnx" and head[:1] == b"\x08":
+        return FormatError(
+            f"{path}: an ONNX model, not a PyTorch checkpoint: it does not load into a module",
+            path=path, hint=f"run it with onnxruntime; torchverity inspect {shell_path(path)} "
+                            f"lists its initializers and torchverity fingerprint "
+                            f"{shell_path(path)} covers them")
+    packed = compressed_pickle(head)
+    return None if packed is None else joblib_file_error(path, packed)
+
+
+def compressed_pickle(head: bytes) -> str | None:
+    """The compression (``"zlib"``, ``"gzip"``...) of a file whose first bytes decompress to
+    a pickle, as ``joblib.dump(..., compress=...)`` writes it; else None."""
+    for magic, name, make in COMPRESSED:
+        if not head.startswith(magic):
+            continue
+        try:
+            out = make().decompress(head)  # type: ignore[attr-defined]
+        except (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError):
+            return None
+        return name if out[:1] == b"\x80" and out[1:2] in (b"\x02", b"\x03", b"\x04",
+                                                             b"\x05") else None
+    return None
+
+
+def joblib_file_error(path: Path, compression: str | None = None) -> FormatError:
+    """A joblib file is a pickle, but of numpy arrays read by joblib, never by torch.load."""
+    article = "an" if compression in ("xz", "lzma") else "a"
+    what = f"{article} {compression}-compressed joblib file (joblib.dump with compress=...)" \
+        if compression else "a joblib file (joblib.dump)"
+    return FormatError(f"{path}: {what}, not a PyTorch checkpoint: it holds numpy arrays and "
+                       "Python objects that torch.load cannot read", path=path,
+                       hint=f"torchverity scan {shell_path(path)} names every class joblib.load "
+                            "would build; load it with joblib.load only if you trust them")
+
+
+def _first_zip_entry(head: bytes) -> str:
+    if len(head) < 30:
+        return ""
+    (name_len,) = struct.unpack_from("<H", head, 26)
+    return head[30 : 30 + name_len].decode("utf-8", "replace")
 
 
 def numpy_or_foreign_zip(path: Path, head: bytes) -> FormatError | None:
@@ -91,9 +157,8 @@ def numpy_or_foreign_zip(path: Path, head: bytes) -> FormatError | None:
                  "allow_pickle=False) reads a plain array")
     if not head.startswith(b"PK\x03\x04") or len(head) < 30:
         return None
-    (name_len,) = struct.unpack_from("<H", head, 26)
-    name = head[30 : 30 + name_len].decode("utf-8", "replace")
-    if name_len == 0 or name_len > len(head) - 30 or "/" in name:
+    name = _first_zip_entry(head)
+    if not name or len(name.encode("utf-8", "replace")) > len(head) - 30 or "/" in name:
         return None
     if name.lower().endswith(".npy"):
         return FormatError(

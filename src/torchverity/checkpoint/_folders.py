@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torchverity._generation_pointer import has_pointer
 from torchverity.checkpoint._index import find_index
-from torchverity.errors import InputError, shell_path
+from torchverity.errors import FormatError, InputError, shell_path
 
 # In the order transformers' (and diffusers') from_pretrained prefers them; diffusers
 # picks its default file over variants (diffusion_pytorch_model.fp16.safetensors) unless
@@ -121,6 +121,31 @@ def _pipeline_error(folder: Path, parts: list[Path]) -> InputError:
         f"checkpoint read on its own: {names}", path=folder,
         hint=f"give one component folder instead, e.g. {shell_path(parts[0])} (torchverity "
              f"inspect {shell_path(folder)} shows every component)")
+
+
+def not_weights(target: Target) -> FormatError | None:
+    """The error naming the first file of ``target`` (its weights file, or each shard its
+    index lists) that is something else: a Git LFS pointer, an HTML page, a numpy or
+    joblib file. Reads the first bytes of each, nothing more."""
+    from torchverity._formats import foreign_format
+    from torchverity.checkpoint._index import read_index
+
+    files = [target.file] if target.index is None else [
+        target.folder / s for s in sorted(set(read_index(target.index).values()))]
+    for file in files:
+        found = foreign_format(file) if file.is_file() else None
+        if found is not None:
+            return found
+    return None
+
+
+def record_step(path: Path) -> str:
+    """The command that records ``path``'s digest from a trusted copy: for a file of a
+    sharded folder (its index or a shard) the folder's manifest, which records every shard
+    at once; else its sidecar."""
+    if any(path.parent.glob("*.index.json")):
+        return f"torchverity manifest {shell_path(path.parent)}"
+    return f"torchverity hash --write {shell_path(path)}"
 
 
 def manifest_entry(path: Path) -> tuple[str, str, Path] | None:

@@ -41,7 +41,8 @@ class SidecarCheck:
     algo: str
     actual: str
     expected: str | None = None
-    sidecar: str | None = None
+    sidecar: str | None = None  # the sidecar's path, or the hub blob's whose name is the digest
+    source: Literal["sidecar", "hub"] = "sidecar"
 
 
 @dataclass(frozen=True)
@@ -114,16 +115,16 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
         fmt = "onnx" if is_onnx(record) else file_format(record)
         size = record.stat().st_size
     found = find_sidecar(record)
-    recorded_side = read_sidecar(found)[:2] if found is not None else None
+    recorded_side = read_sidecar(found)[:2] if found is not None else _hub_record(record)
     meta = _meta_summary(meta_path_for(record)) if meta_path_for(record).exists() else None
     # Compared with meta.json, so rebuilt with the algorithm the record names.
     recorded = (meta or {}).get("fingerprint_algo")
     algo = recorded if recorded in (EXACT, LEGACY_EXACT) else EXACT
     scan = _scan(record) if fmt in ("pt", "pt-legacy") else None
     if scan is not None and scan.format == "joblib" and _openable(scan):
-        from torchverity.pickles._extract import joblib_refusal
+        from torchverity._formats import joblib_file_error
 
-        raise joblib_refusal(record)
+        raise joblib_file_error(record)
     # One read of a .safetensors file gives both its digest and its fingerprint.
     whole = new_hasher(recorded_side[0] if recorded_side else "sha256", threads=True) \
         if fmt == "safetensors" else None
@@ -149,10 +150,24 @@ def _check_sidecar(path: Path, found: Path | None, recorded: tuple[str, str] | N
     ``actual`` is the file's digest when it was computed while reading the tensors."""
     algo = recorded[0] if recorded else "sha256"
     actual = actual or digest_file(path, algo).hexdigest
-    if found is None or recorded is None:
+    if recorded is None:
         return SidecarCheck("missing", algo, actual)
     status: SidecarStatus = "ok" if actual == recorded[1] else "mismatched"
+    if found is None:  # the hub named the blob by its digest
+        return SidecarCheck(status, algo, actual, recorded[1], os.fspath(path.resolve()), "hub")
     return SidecarCheck(status, algo, actual, recorded[1], os.fspath(found))
+
+
+def _hub_record(path: Path) -> tuple[str, str] | None:
+    """The Hugging Face hub cache's record of an LFS file: its blob's name, its SHA-256."""
+    from torchverity.provenance._hub_paths import in_hub_layout
+
+    if not in_hub_layout(path):  # the hub checks' imports cost more than this question
+        return None
+    from torchverity.provenance import hub_record
+
+    found = hub_record(path)
+    return (found[0], found[1]) if found else None
 
 
 def _scan(path: Path) -> Any:

@@ -106,6 +106,24 @@ def prefix_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str |
     return None
 
 
+def partial_prefix_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str | None:
+    """Say so when some unexpected keys are a prefix plus a missing key and others are extra
+    (a model with a head, ``bert.*`` and ``cls.*``, loaded into its base model)."""
+    missing_set, extra = set(missing), list(unexpected)
+    heads = tuple(sorted({k.split(".", 1)[0] + "." for k in extra if "." in k}))
+    best: tuple[str, int] | None = None
+    for prefix in KNOWN_PREFIXES + heads:
+        hits = sum(k.startswith(prefix) and k[len(prefix):] in missing_set for k in extra)
+        if hits and (best is None or hits > best[1]):
+            best = (prefix, hits)
+    if best is None or best[1] == len(extra):
+        return None
+    prefix, hits = best
+    return (f"{hits} of the {len(extra)} unexpected keys are '{prefix}' + a missing key: strip "
+            f"it (strip_prefix='{prefix}', CLI: --strip-prefix {prefix}) and load with "
+            "strict=False (CLI: --no-strict), which reports the keys left over")
+
+
 def adapter_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str | None:
     """Say so when every unexpected key is a missing key less one adapter name: PEFT saves
     ``...lora_A.weight`` for the model's ``...lora_A.default.weight``."""
@@ -122,6 +140,18 @@ def adapter_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str 
     return (f"every unexpected key is a missing key without the adapter name '{name}': a PEFT "
             "adapter file, whose keys leave the name out; verify it with torchverity and let "
             "peft insert the name: set_peft_model_state_dict(model, torchverity.load(path))")
+
+
+def base_adapter_diagnosis(unexpected: Iterable[str]) -> str | None:
+    """Say so when the checkpoint is a whole PEFT adapter file given to its base model: every
+    key carries the ``base_model.model.`` prefix PEFT saves adapters under."""
+    keys = list(unexpected)
+    if not keys or not all(k.startswith("base_model.model.") for k in keys):
+        return None
+    return ("the checkpoint is a PEFT adapter (every key starts with 'base_model.model.'): it "
+            "holds the adapter's tensors only and goes onto the base model through peft: "
+            "PeftModel.from_pretrained(base, folder), or verify it first with "
+            "set_peft_model_state_dict(get_peft_model(base, config), torchverity.load(path))")
 
 
 def _common_prefix(keys: list[str]) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from torchverity.checkpoint._folders import resolve
+from torchverity.checkpoint._folders import not_weights, resolve
 from torchverity.checkpoint._key_map import FitReport, KeyFit, rename_keys
 from torchverity.checkpoint._load_file import _load_file
 from torchverity.checkpoint._model_fit import check_against_model, state_dict_of
@@ -72,6 +72,10 @@ def load(
                      signature, public_key, certificate_chain)
     if target.index is not None:
         from torchverity.checkpoint._sharded import load_sharded
+
+        foreign = not_weights(target)  # a shard that is a pointer comes before the records
+        if foreign is not None:
+            raise foreign
 
         obj, report = load_sharded(target.folder, map_location=map_location, sidecar=sidecar,
                                    mmap=mmap, recheck_tensors=recheck_tensors,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import torchverity.checkpoint._safetensors as st
-from torchverity._formats import FileFormat, download_kind, file_format
+from torchverity._formats import FileFormat, download_kind, file_format, foreign_format
 from torchverity._tensors import dtype_name
 from torchverity.checkpoint._damage import _locate_pt_damage
 from torchverity.checkpoint._fingerprint import (
@@ -29,7 +29,7 @@ from torchverity.checkpoint._fingerprint import (
     layout,
     tensor_hasher,
 )
-from torchverity.checkpoint._folders import manifest_entry
+from torchverity.checkpoint._folders import manifest_entry, record_step
 from torchverity.checkpoint._hashing_reader import HashingReader, lane
 from torchverity.checkpoint._meta import (
     META_SUFFIX,
@@ -37,7 +37,7 @@ from torchverity.checkpoint._meta import (
     meta_path_for,
     read_meta,
 )
-from torchverity.checkpoint._read import _count_tensors, _load_failure, _torch_load
+from torchverity.checkpoint._read import _count_tensors, _load_failure, _torch_load, joblib_error
 from torchverity.checkpoint._records import Records, recorded_digest, resolve_records
 from torchverity.checkpoint._results import ExpectedDigest, LoadReport, SidecarPolicy
 from torchverity.digest import (
@@ -59,7 +59,13 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
                mmap: bool, recheck_tensors: bool = False,
                signed: ExpectedDigest | None = None) -> tuple[Any, LoadReport]:
     notes = []
-    expected, meta, pending = current_expectation(p, policy)
+    foreign = foreign_format(p) if p.is_file() else None
+    if foreign is not None:  # what the file is comes before whether its digest is recorded
+        raise foreign
+    try:
+        expected, meta, pending = current_expectation(p, policy)
+    except IntegrityError as exc:
+        raise joblib_error(p) or exc from None
     if pending:
         notes.append(f"{p}: its save was interrupted after the file was renamed; verified "
                      "against the pending records (the next save replaces them)")
@@ -171,8 +177,7 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPol
         raise IntegrityError(
             f"{p}: no sidecar ({p.name}.sha256), no entry in a manifest of its folder, and "
             "sidecar='require': refusing to load unverified bytes", path=p,
-            hint="save with torchverity.save, or record the digest: torchverity hash --write "
-                 f"{shell_path(p)}",
+            hint=f"save with torchverity.save, or record the digest: {record_step(p)}",
         )
     if policy != "ignore" and isinstance(recorded, dict) and "hex" in recorded:
         return ExpectedDigest(str(recorded["algo"]), str(recorded["hex"]), "meta")

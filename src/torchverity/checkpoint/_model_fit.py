@@ -14,7 +14,9 @@ from torchverity.checkpoint._key_map import (
     FitReport,
     KeyFit,
     adapter_diagnosis,
+    base_adapter_diagnosis,
     non_persistent_buffers,
+    partial_prefix_diagnosis,
     prefix_diagnosis,
     rename_keys,
 )
@@ -54,7 +56,7 @@ def check_against_model(obj: Any, model: torch.nn.Module, path: Path,
     # strict=False that would load none of the file's tensors is never what was meant.
     nothing_fits = bool(state) and not state.keys() & want.keys()
     if mismatched or nothing_fits or (fit.strict and (missing or unexpected)):
-        raise _mismatch_error(path, model, missing, unexpected, mismatched)
+        raise _mismatch_error(path, model, missing, unexpected, mismatched, nothing_fits)
     model.load_state_dict({k: v for k, v in state.items() if k in want}, strict=False)
     return FitReport(tuple(missing), tuple(unexpected), tuple(ignored), renamed)
 
@@ -86,7 +88,7 @@ def _mismatched(want: Mapping[str, Any], state: Mapping[str, Any]) -> list[dict[
 
 def _mismatch_error(path: Path, model: torch.nn.Module, missing: list[str],
                     unexpected: list[str], mismatched: list[dict[str, str]],
-                    ) -> StateDictMismatchError:
+                    nothing_fits: bool = False) -> StateDictMismatchError:
     parts = []
     if missing:
         parts.append(f"{len(missing)} missing: {', '.join(missing[:10])}")
@@ -94,13 +96,17 @@ def _mismatch_error(path: Path, model: torch.nn.Module, missing: list[str],
         parts.append(f"{len(unexpected)} unexpected: {', '.join(unexpected[:10])}")
     for m in mismatched[:10]:
         parts.append(f"'{m['name']}' is {m['actual']}, model expects {m['expected']}")
+    if nothing_fits:
+        parts.append("none of the checkpoint's keys is one of the model's")
     diagnosis = None if mismatched else (prefix_diagnosis(missing, unexpected)
-                                         or adapter_diagnosis(missing, unexpected))
+                                         or adapter_diagnosis(missing, unexpected)
+                                         or base_adapter_diagnosis(unexpected)
+                                         or partial_prefix_diagnosis(missing, unexpected))
     hint = diagnosis or (
         f"check the model config matches the one that saved it; "
         f"torchverity inspect {shell_path(path)} lists the checkpoint's tensors"
         + ("; strict=False (CLI: --no-strict) loads what fits and reports the rest"
-           if not mismatched else ""))
+           if not (mismatched or nothing_fits) else ""))
     return StateDictMismatchError(
         f"{path}: checkpoint does not fit {type(model).__name__}: " + "; ".join(parts),
         path=path, missing=missing, unexpected=unexpected, mismatched=mismatched, hint=hint,

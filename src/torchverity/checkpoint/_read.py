@@ -13,12 +13,13 @@ from typing import Any
 import torch
 
 import torchverity.checkpoint._safetensors as st
-from torchverity._formats import FileFormat, file_format
+from torchverity._formats import FileFormat, file_format, joblib_file_error
 from torchverity._tensors import iter_leaves
 from torchverity.checkpoint._model_fit import state_dict_of
 from torchverity.errors import (
     FormatError,
     IntegrityError,
+    TorchVerityError,
     UnsafeFileError,
     restore_step,
     shell_path,
@@ -100,7 +101,20 @@ def _load_failure(p: Path, fmt: FileFormat, exc: Exception) -> Exception:
             "last, is missing: the save was interrupted or the copy is partial)", path=p,
             hint=restore_step(p),
         )
-    return _explained_load_error(p, exc)
+    return joblib_error(p) or _explained_load_error(p, exc)
+
+
+def joblib_error(p: Path) -> FormatError | None:
+    """The error naming a joblib file (a plain pickle of numpy arrays), or None: a scan tells
+    them apart from other pickles, so only refusals and failures pay for it."""
+    from torchverity.pickles._scan import scan_file
+
+    try:
+        if file_format(p) != "pt-legacy" or scan_file(p).format != "joblib":
+            return None
+    except TorchVerityError:
+        return None
+    return joblib_file_error(p)
 
 
 def _explained_load_error(p: Path, exc: Exception) -> Exception:

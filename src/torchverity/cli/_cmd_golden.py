@@ -68,13 +68,13 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     chk.set_defaults(func=_check)
 
 
-def build_model(spec: str, weights: Path | None, device: str,
+def build_model(spec: str, weights: Path | None, device: str, out: Output,
                 fit: dict[str, Any] | None = None) -> Any:
-    """Build the model from ``module:callable``, load verified weights, move it to ``device``."""
+    """Build the model from ``module:callable``, load verified weights, move it to ``device``;
+    what the load could not verify is printed as warnings."""
     import torch
 
     from torchverity._callables import import_callable
-    from torchverity.checkpoint._load import load
     from torchverity.selftest import resolve_device
 
     dev = resolve_device(device)
@@ -82,8 +82,23 @@ def build_model(spec: str, weights: Path | None, device: str,
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"'{spec}' returned a {type(model).__name__}, not a torch.nn.Module")
     if weights is not None:
-        load(weights, model=model, map_location="cpu", **(fit or {}))
+        _loaded(weights, out, model=model, map_location="cpu", **(fit or {}))
     return model.to(dev)
+
+
+def _loaded(path: Path, out: Output, **kwargs: Any) -> Any:
+    """``torchverity.load``, what it could not verify printed as this command's warnings."""
+    import warnings
+
+    from torchverity.checkpoint._load import load
+    from torchverity.checkpoint._results import CheckpointWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        obj, report = load(path, with_report=True, **kwargs)
+    for text in report.warnings:
+        out.warn(text)
+    return obj
 
 
 def _require_fingerprint(path: Path) -> None:
@@ -94,16 +109,14 @@ def _require_fingerprint(path: Path) -> None:
                          hint="record it again with the model: torchverity golden record ...")
 
 
-def _inputs(args: argparse.Namespace) -> Any:
+def _inputs(args: argparse.Namespace, out: Output) -> Any:
     import torch
 
     if (args.inputs is None) == (args.shape is None):
         raise UsageError("give exactly one of --inputs FILE or --shape DIMS",
                          hint="for example --shape 4,3,32,32")
     if args.inputs is not None:
-        from torchverity.checkpoint._load import load
-
-        return load(args.inputs)
+        return _loaded(args.inputs, out)
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise UsageError(f"unknown dtype '{args.dtype}'", hint="for example float32 or bfloat16")
@@ -119,8 +132,8 @@ def _inputs(args: argparse.Namespace) -> Any:
 def _record(args: argparse.Namespace, out: Output) -> int:
     from torchverity import golden
 
-    model = build_model(args.model, args.weights, args.device, fit_kwargs(args))
-    rec = golden.record(model, _inputs(args), args.golden, sample_size=args.sample_size)
+    model = build_model(args.model, args.weights, args.device, out, fit_kwargs(args))
+    rec = golden.record(model, _inputs(args, out), args.golden, sample_size=args.sample_size)
     return out.result({"ok": True, "record": rec}, lambda: _print_record(rec, args.golden, out))
 
 
@@ -140,7 +153,7 @@ def _print_record(rec: GoldenRecord, path: Path, out: Output) -> None:
 def _check(args: argparse.Namespace, out: Output) -> int:
     from torchverity import golden
 
-    model = build_model(args.model, args.weights, args.device, fit_kwargs(args))
+    model = build_model(args.model, args.weights, args.device, out, fit_kwargs(args))
     exact = _EXACT[args.mode]
     if args.check_weights:
         _require_fingerprint(args.golden)

@@ -79,8 +79,9 @@ def _print(r: Any, limit: int, out: Output) -> None:
     out.line(f"{r.path}: {r.format} checkpoint, {_size(r.size)}"
              + (f", {len(r.shards)} shards" if r.shards else ""))
     s = r.sidecar
-    side = {"ok": f"matches {s.sidecar}", "missing": "no sidecar",
-            "mismatched": f"DOES NOT MATCH {s.sidecar} (expected {s.expected})"}[s.status]
+    record = s.sidecar if s.source == "sidecar" else "the hub's record (its blob's name)"
+    side = {"ok": f"matches {record}", "missing": "no sidecar",
+            "mismatched": f"DOES NOT MATCH {record} (expected {s.expected})"}[s.status]
     out.line(f"  {s.algo:<11} {s.actual}  {side}")
     if r.scan is not None:
         plan = r.scan.plan

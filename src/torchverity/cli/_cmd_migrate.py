@@ -27,7 +27,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="the source's SHA-256: migrate it although it names code-running "
                         "globals (still inert)")
     p.add_argument("--nested", action="store_true",
-                   help="write NEW.pt as {'model': state_dict, 'optimizer': state_dict}")
+                   help="write NEW.pt as {'model': state_dict, 'optimizer': state_dict} "
+                        "({'optimizer': ...} for a file holding an optimizer alone)")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from torchverity._formats import joblib_file_error
 from torchverity.errors import FormatError, UnsafeFileError, UsageError, shell_path
 from torchverity.pickles._inert import Inert, InertLoader
 from torchverity.pickles._unwrap import NOT_CONFIG, hyper_value
@@ -46,7 +47,7 @@ def inert_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         raise error(f"{p}: not read: the scan found it {scan.verdict} ({scan.reason})", path=p,
                     hint=f"torchverity scan {shell_path(p)} shows where")
     if scan.format == "joblib":
-        raise joblib_refusal(p)
+        raise joblib_file_error(p)
     obj, _ = inert_load(p, "pickle" if scan.format == "pickle" else "torch")
     extractor = Extractor()
     try:
@@ -55,14 +56,6 @@ def inert_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         raise FormatError(f"{p}: the object nests too deeply to read", path=p) from None
     return extractor.tensors
 
-
-
-def joblib_refusal(path: Path) -> FormatError:
-    """A joblib file is a pickle, but of numpy arrays read by joblib, never by torch.load."""
-    return FormatError(f"{path}: a joblib file (joblib.dump), not a PyTorch checkpoint: it holds "
-                       "numpy arrays and Python objects that torch.load cannot read", path=path,
-                       hint=f"torchverity scan {shell_path(path)} names every class joblib.load "
-                            "would build; load it with joblib.load only if you trust them")
 
 
 @dataclass

@@ -246,14 +246,14 @@ def _save_nested(obj: Any, extractor: Extractor, dst: Path, meta: dict[str, Any]
                  algo: str) -> tuple[Any, int]:
     from torchverity.checkpoint._load import load
     from torchverity.checkpoint._save import save
-    from torchverity.pickles._nested_out import nested_checkpoint, same_tree
+    from torchverity.pickles._nested_out import nested_checkpoint, same_tree, tensor_count
 
     out = nested_checkpoint(obj, extractor.tensors)
     report = save(out, dst, meta=meta, algo=algo)
     if not same_tree(load(dst, sidecar="require"), out):
         raise IntegrityError(f"{dst}: the nested checkpoint read back differs", path=dst,
                              hint="the output is not trustworthy: delete it and report this")
-    return report, len(out["model"])
+    return report, tensor_count(out)
 
 
 def _unpickle(src: Path, scan: ScanResult) -> tuple[Any, list[str]]:

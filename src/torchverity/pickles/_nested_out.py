@@ -4,7 +4,7 @@ The optimizer part is what ``torch.optim.Optimizer.state_dict()`` returns
 (parameters numbered in the order of their groups), so ``load_state_dict``
 accepts it; it is rebuilt from a whole pickled optimizer (an inert
 placeholder) or taken from a saved optimizer state dict (Lightning's
-``optimizer_states``).
+``optimizer_states``). A file holding an optimizer alone gives ``{"optimizer": ...}``.
 """
 
 from __future__ import annotations
@@ -71,11 +71,22 @@ def _optimizer(obj: Any) -> dict[str, Any] | None:
 
 
 def nested_checkpoint(obj: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    alone = _optimizer_state(obj)
+    if alone is not None:  # an optimizer's state_dict (or the optimizer) saved on its own
+        return {"optimizer": alone}
     out: dict[str, Any] = {"model": _model(obj, tensors)}
     opt = _optimizer(obj)
     if opt is not None:
         out["optimizer"] = opt
     return out
+
+
+def tensor_count(out: Mapping[str, Any]) -> int:
+    """The model's tensors, or for an optimizer alone its per-parameter state tensors."""
+    if "model" in out:
+        return len(out["model"])
+    return sum(isinstance(v, torch.Tensor) for per in out["optimizer"]["state"].values()
+               for v in per.values())
 
 
 def same_tree(a: Any, b: Any) -> bool:

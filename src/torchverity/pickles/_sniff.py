@@ -8,14 +8,12 @@ tar archives, and the compression magics joblib dispatches on.
 
 from __future__ import annotations
 
-import bz2
-import lzma
 import re
 import struct
 import tarfile
-import zlib
-from collections.abc import Callable
 from typing import BinaryIO
+
+from torchverity._formats import COMPRESSED
 
 HEAD_BYTES = 4096
 _LFS = re.compile(rb"^version https://git-lfs\.github\.com/spec/v\d+\r?\noid sha256:[0-9a-f]{64}")
@@ -23,14 +21,6 @@ _HTML = re.compile(rb"^\s*(?:<!doctype html|<html|<head|<body|<\?xml[^>]*>\s*<ht
 # ModelProto fields (number -> wire type) an ONNX file starts with.
 _ONNX_FIELDS = {1: 0, 2: 2, 3: 2, 4: 2, 5: 0, 6: 2, 7: 2, 8: 2, 14: 2, 20: 2, 25: 2}
 
-# Compression magics as joblib matches them (zlib: any 0x78 byte), with their decompressors.
-COMPRESSED: tuple[tuple[bytes, str, Callable[[], object]], ...] = (
-    (b"\x1f\x8b", "gzip", lambda: zlib.decompressobj(16 + zlib.MAX_WBITS)),
-    (b"BZ", "bz2", bz2.BZ2Decompressor),
-    (b"\xfd7zXZ", "xz", lzma.LZMADecompressor),
-    (b"\x5d\x00", "lzma", lzma.LZMADecompressor),
-    (b"\x78", "zlib", zlib.decompressobj),
-)
 UNSUPPORTED_COMPRESSED = {b"ZF": "joblib < 0.9.3 compressed format", b"\x04\x22\x4d\x18": "lz4"}
 
 

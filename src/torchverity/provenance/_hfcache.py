@@ -26,14 +26,18 @@ from typing import Any, Literal
 
 from torchverity.digest import Hasher, hash_stream, new_hasher, open_for_reading
 from torchverity.errors import InputError, IntegrityError, shell_path
+from torchverity.provenance._hub_paths import (
+    DOWNLOAD_RECORDS,
+    REPO_PREFIXES,
+    local_dir_of,
+    snapshot_of,
+)
 
 HubStatus = Literal["ok", "damaged", "changed", "dangling", "outside", "missing", "unchecked"]
 HUB_STATUSES: tuple[HubStatus, ...] = (
     "ok", "damaged", "changed", "dangling", "outside", "missing", "unchecked")
 # Statuses that do not make a result fail: "unchecked" files have no name to check against.
 _PASSING = frozenset({"ok", "unchecked"})
-REPO_PREFIXES = ("models--", "datasets--", "spaces--")
-DOWNLOAD_RECORDS = Path(".cache") / "huggingface" / "download"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _SHA1 = re.compile(r"^[0-9a-f]{40}$")
 
@@ -367,24 +371,6 @@ def verify_hub_path(path: str | os.PathLike[str]) -> HubResult:
                      path=p, hint=f"torchverity verify {shell_path(p)}")
 
 
-def snapshot_of(p: Path) -> tuple[Path, str, str] | None:
-    """``(repo, revision, rel)`` for a path under ``models--X/snapshots/REV/``, lexically."""
-    parts = Path(os.path.abspath(p)).parts
-    for i in range(len(parts) - 3, 0, -1):
-        if parts[i] == "snapshots" and parts[i - 1].startswith(REPO_PREFIXES):
-            return Path(*parts[:i]), parts[i + 1], "/".join(parts[i + 2:])
-    return None
-
-
-def _local_dir_of(p: Path) -> Path | None:
-    absolute = Path(os.path.abspath(p))
-    for folder in absolute.parents:
-        rel = absolute.relative_to(folder).as_posix()
-        if (folder / DOWNLOAD_RECORDS / f"{rel}.metadata").is_file():
-            return folder
-    return None
-
-
 def hub_blob_check(path: str | os.PathLike[str]) -> HubEntry | None:
     """For a file inside a hub snapshot or local_dir download, its check; else None.
 
@@ -395,7 +381,7 @@ def hub_blob_check(path: str | os.PathLike[str]) -> HubEntry | None:
     if found is not None and p.is_symlink():
         repo, revision, rel = found
         return _check_links([_Link(repo, revision, rel, p)])[0]
-    folder = _local_dir_of(p) if p.is_file() else None
+    folder = local_dir_of(p) if p.is_file() else None
     if folder is None:
         return None
     downloads = folder / DOWNLOAD_RECORDS
@@ -440,7 +426,7 @@ def hub_record(path: str | os.PathLike[str]) -> tuple[str, str, str] | None:
                                  hint=f"torchverity verify {shell_path(found[0])}")
         if status is None and blob is not None and blob_algo(blob.name) == "sha256":
             return "sha256", blob.name, "hub"
-    elif (folder := _local_dir_of(p) if p.is_file() else None) is not None:
+    elif (folder := local_dir_of(p) if p.is_file() else None) is not None:
         downloads = folder / DOWNLOAD_RECORDS
         rel = Path(os.path.abspath(p)).relative_to(folder).as_posix()
         entry, _target = _local_entry(folder, downloads / f"{rel}.metadata", downloads)

@@ -1,12 +1,13 @@
 """Start-up verification of the weights a service will hold.
 
 The file's digest must be recorded somewhere the service can check before
-unpickling: a sidecar (``CKPT.sha256``) or the folder's manifest. The
-checkpoint is then loaded with ``torchverity.load`` (``weights_only=True``),
-which also checks the content fingerprint against ``CKPT.meta.json`` when
-present and the keys, shapes and dtypes against the model. With an OpenSSF
-model signature the signature is the record instead; an in-toto attestation,
-when given, must verify too and is exposed in ``/metadata``.
+unpickling: a sidecar (``CKPT.sha256``), the folder's manifest, or the name a
+Hugging Face hub cache gave its blob. The checkpoint is then loaded with
+``torchverity.load`` (``weights_only=True``), which also checks the content
+fingerprint against ``CKPT.meta.json`` when present and the keys, shapes and
+dtypes against the model. With an OpenSSF model signature the signature is the
+record instead; an in-toto attestation, when given, must verify too and is
+exposed in ``/metadata``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from torchverity.checkpoint._folders import manifest_entry, resolve
+from torchverity.checkpoint._folders import manifest_entry, not_weights, record_step, resolve
 from torchverity.checkpoint._key_map import KeyFit
 from torchverity.digest import digest_file, find_sidecar
 from torchverity.errors import InputError, IntegrityError, shell_path
@@ -33,7 +34,7 @@ class WeightsInfo:
     path: str
     algo: str
     digest: str
-    digest_source: str  # "sidecar" or "manifest"
+    digest_source: str  # "sidecar", "manifest", "hub" or "signature"
     file_fingerprint: str | None  # root recorded in meta.json and checked, if there was one
     missing_keys: tuple[str, ...] = ()  # loaded with strict=False: left at initial values
     unexpected_keys: tuple[str, ...] = ()  # loaded with strict=False: not loaded
@@ -64,9 +65,12 @@ def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str],
     given = dict(provenance or {})
     signature, attestation = given.pop("signature", None), given.pop("attestation", None)
     target = resolve(path)
+    foreign = not_weights(target)
+    if foreign is not None:  # a pointer, web page or numpy file: no digest makes it weights
+        raise foreign
     if signature is None and find_sidecar(target.record) is None \
-            and manifest_entry(target.record) is None:
-        _check_against_manifest(target.record)  # raises: nothing records its digest
+            and manifest_entry(target.record) is None and not _in_hub(target.record):
+        _unrecorded(target.record)
     fit = fit or KeyFit()
     _obj, report = load(path, model=model, sidecar="ignore" if signature else "require",
                         with_report=True, strict=fit.strict, strip_prefix=fit.strip_prefixes,
@@ -98,6 +102,23 @@ def _attested(path: Path, attestation: str | os.PathLike[str],
             "predicate": result.predicate}
 
 
+def _in_hub(path: Path) -> bool:
+    """Whether a Hugging Face hub cache names the file by its digest (load checks it)."""
+    from torchverity.provenance import hub_record
+
+    return hub_record(path) is not None
+
+
+def _unrecorded(path: Path) -> None:
+    """Refuse weights whose digest nothing records, naming a joblib file as what it is."""
+    from torchverity.checkpoint._read import joblib_error
+
+    try:
+        _check_against_manifest(path)  # raises: nothing records its digest
+    except IntegrityError as exc:
+        raise joblib_error(path) or exc from None
+
+
 def _check_against_manifest(path: Path) -> tuple[str, str]:
     """Check the file against its folder's manifest entry: ``(algo, hex)``."""
     from torchverity.manifest import find_manifest, read_manifest
@@ -108,8 +129,7 @@ def _check_against_manifest(path: Path) -> tuple[str, str]:
         raise IntegrityError(
             f"{path}: no recorded digest (no {path.name}.sha256 sidecar and no manifest in "
             f"{path.parent}): refusing to serve unverified weights",
-            path=path, hint="record it from a trusted copy: torchverity hash --write "
-                            f"{shell_path(path)}",
+            path=path, hint=f"record it from a trusted copy: {record_step(path)}",
         ) from None
     manifest = read_manifest(record)
     entry = next((e for e in manifest.entries if e.path == path.name), None)
