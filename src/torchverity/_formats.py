@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import bz2
-import lzma
 import os
 import struct
 import zlib
@@ -22,12 +20,26 @@ from torchverity.errors import (
 FileFormat = Literal["pt", "pt-legacy", "safetensors"]
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on its JSON header
 
+
+
+def _bz2() -> object:
+    import bz2  # imported when a file starts like one: not on every command's start-up
+
+    return bz2.BZ2Decompressor()
+
+
+def _lzma() -> object:
+    import lzma
+
+    return lzma.LZMADecompressor()
+
+
 # Compression magics as joblib matches them (zlib: any 0x78 byte), with their decompressors.
 COMPRESSED: tuple[tuple[bytes, str, Callable[[], object]], ...] = (
     (b"\x1f\x8b", "gzip", lambda: zlib.decompressobj(16 + zlib.MAX_WBITS)),
-    (b"BZ", "bz2", bz2.BZ2Decompressor),
-    (b"\xfd7zXZ", "xz", lzma.LZMADecompressor),
-    (b"\x5d\x00", "lzma", lzma.LZMADecompressor),
+    (b"BZ", "bz2", _bz2),
+    (b"\xfd7zXZ", "xz", _lzma),
+    (b"\x5d\x00", "lzma", _lzma),
     (b"\x78", "zlib", zlib.decompressobj),
 )
 
@@ -119,8 +131,8 @@ def compressed_pickle(head: bytes) -> str | None:
             continue
         try:
             out = make().decompress(head)  # type: ignore[attr-defined]
-        except (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError):
-            return None
+        except Exception:  # the decompressor's own error (zlib.error, lzma.LZMAError,
+            return None  # OSError...): not this compression
         return name if out[:1] == b"\x80" and out[1:2] in (b"\x02", b"\x03", b"\x04",
                                                              b"\x05") else None
     return None
