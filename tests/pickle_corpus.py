@@ -502,6 +502,14 @@ print(json.dumps(ran))
 """
 
 
+def payload_runs(path: Path, sentinel: Path) -> bool:
+    """Whether loading ``path`` with a plain ``torch.load(weights_only=False)``, in a
+    throwaway process, creates ``sentinel`` (removed again)."""
+    proof = subprocess.run([sys.executable, "-c", _LIVE_UNDER_TORCH_LOAD, str(sentinel),
+                            str(path)], capture_output=True, text=True, timeout=300, check=True)
+    return bool(json.loads(proof.stdout.strip().splitlines()[-1])[str(path)])
+
+
 def live_torch_files(root: Path, sentinel: Path) -> list[Case]:
     """The torch.save-shaped (.pt/.bin) malicious cases, each shown in a throwaway process
     to create ``sentinel`` under a plain ``torch.load(weights_only=False)``."""

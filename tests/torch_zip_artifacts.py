@@ -108,3 +108,22 @@ def save_bin_shards(model: Any, folder: Path, max_shard_size: str = "40KB") -> N
     model.config.save_pretrained(folder)
     save_torch_state_dict(model.state_dict(), folder, safe_serialization=False,
                           max_shard_size=max_shard_size)
+
+
+def tiny_ldm_pipeline(folder: Path, **save: Any) -> Path:
+    """A diffusers latent-diffusion pipeline of two weight components (unet/, vqvae/) and a
+    scheduler, saved with ``save_pretrained(folder, **save)``."""
+    import diffusers
+
+    torch.manual_seed(0)
+    vqvae = diffusers.VQModel(in_channels=1, out_channels=1, block_out_channels=(8,),
+                              layers_per_block=1, latent_channels=2, num_vq_embeddings=8,
+                              norm_num_groups=4, sample_size=8)
+    unet = diffusers.UNet2DModel(
+        sample_size=8, in_channels=2, out_channels=2, layers_per_block=1,
+        block_out_channels=(8, 16), norm_num_groups=4,
+        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"))
+    pipe = diffusers.LDMPipeline(vqvae=vqvae, unet=unet,
+                                 scheduler=diffusers.DDIMScheduler(num_train_timesteps=10))
+    pipe.save_pretrained(folder, **save)
+    return folder

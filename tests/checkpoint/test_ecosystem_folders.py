@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +16,8 @@ import pytest
 import torch
 
 import torchverity
+from pickle_corpus import payload_runs
+from torch_zip_artifacts import tiny_ldm_pipeline
 from torchverity.errors import InputError, StateDictMismatchError
 
 diffusers = pytest.importorskip("diffusers")
@@ -27,27 +27,11 @@ transformers = pytest.importorskip("transformers")
 _ARTIFACT_COMMANDS = ("scan", "inspect", "fingerprint", "verify")
 
 
-def _pipeline(folder: Path, **save: Any) -> Path:
-    """A latent-diffusion pipeline of two weight components (unet/, vqvae/) and a scheduler."""
-    torch.manual_seed(0)
-    vqvae = diffusers.VQModel(in_channels=1, out_channels=1, block_out_channels=(8,),
-                              layers_per_block=1, latent_channels=2, num_vq_embeddings=8,
-                              norm_num_groups=4, sample_size=8)
-    unet = diffusers.UNet2DModel(
-        sample_size=8, in_channels=2, out_channels=2, layers_per_block=1,
-        block_out_channels=(8, 16), norm_num_groups=4,
-        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"))
-    pipe = diffusers.LDMPipeline(vqvae=vqvae, unet=unet,
-                                 scheduler=diffusers.DDIMScheduler(num_train_timesteps=10))
-    pipe.save_pretrained(folder, **save)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def pipelines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("pipelines")
-    return {"safetensors": _pipeline(root / "ddpm"),
-            "bin": _pipeline(root / "ddpm_bin", safe_serialization=False)}
+    return {"safetensors": tiny_ldm_pipeline(root / "ddpm"),
+            "bin": tiny_ldm_pipeline(root / "ddpm_bin", safe_serialization=False)}
 
 
 def _gpt2() -> Any:
@@ -127,8 +111,8 @@ def test_component_with_a_variant_reads_the_default_file(tmp_path: Path,
                                                          run_cli: Callable[..., Any]) -> None:
     """A component saved plain and as the fp16 variant reads as diffusers' from_pretrained
     reads it without variant=: the default file."""
-    root = _pipeline(tmp_path / "ddpm")
-    _pipeline(root, variant="fp16")
+    root = tiny_ldm_pipeline(tmp_path / "ddpm")
+    tiny_ldm_pipeline(root, variant="fp16")
     unet = root / "unet"
     assert (unet / "diffusion_pytorch_model.fp16.safetensors").is_file()
     code, doc = _json(run_cli, "inspect", unet)
@@ -195,14 +179,6 @@ def test_component_file_verifies_against_the_pipeline_manifest(
     assert _json(run_cli, "verify", root)[0] == 1
 
 
-_LIVE = """
-import os, sys, torch
-try:
-    torch.load(sys.argv[1], weights_only=False)
-except Exception:
-    pass
-print(os.path.exists(sys.argv[2]))
-"""
 
 
 class _Evil:
@@ -224,10 +200,7 @@ def test_malicious_component_is_found_from_the_root_and_never_runs(
     sentinel = tmp_path / "SENTINEL"
     state = torch.load(weights, weights_only=True)
     torch.save({**state, "x": _Evil(sentinel)}, weights)  # type: ignore[dict-item]
-    proof = subprocess.run([sys.executable, "-c", _LIVE, str(weights), str(sentinel)],
-                           capture_output=True, text=True, timeout=120, check=True)
-    assert proof.stdout.strip() == "True"
-    sentinel.unlink()
+    assert payload_runs(weights, sentinel)
     code, doc = _json(run_cli, "scan", root)
     assert code == 1
     verdicts = {Path(f["path"]).relative_to(root).as_posix(): f["verdict"] for f in doc["files"]}

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 import torch
 
+from pickle_corpus import payload_runs
+
 joblib = pytest.importorskip("joblib")
 sklearn_linear = pytest.importorskip("sklearn.linear_model")
 
@@ -125,14 +127,6 @@ def torchverity_load(path: Path) -> dict[str, torch.Tensor]:
     return dict(torchverity.load(path))
 
 
-_LIVE = """
-import os, sys, torch
-try:
-    torch.load(sys.argv[1], weights_only=False)
-except Exception:
-    pass
-print(os.path.exists(sys.argv[2]))
-"""
 
 
 def test_malicious_whole_module_is_unsafe_and_never_runs(
@@ -140,10 +134,7 @@ def test_malicious_whole_module_is_unsafe_and_never_runs(
     sentinel = tmp_path / "SENTINEL"
     path = tmp_path / "evil_model.pt"
     torch.save(_EvilNet(sentinel), path)
-    proof = subprocess.run([sys.executable, "-c", _LIVE, str(path), str(sentinel)],
-                           capture_output=True, text=True, timeout=120, check=True)
-    assert proof.stdout.strip() == "True"
-    sentinel.unlink()
+    assert payload_runs(path, sentinel)
     code, doc = _json(run_cli, "scan", path)
     assert code == 1 and doc["files"][0]["verdict"] == "unsafe"
     for args in (("inspect", path), ("fingerprint", path), ("diff", path, path),

@@ -14,6 +14,8 @@ import torch
 from provenance_helpers import flip_bit, hub_cache_from_folder
 from safetensors.torch import save_file
 
+from torch_zip_artifacts import tiny_ldm_pipeline
+
 _REV = "a" * 40
 
 
@@ -51,18 +53,8 @@ def test_inspect_checks_a_hub_file_against_its_blob_name(
 
 def test_a_diffusers_pipeline_in_a_hub_cache_verifies_and_scans(
         tmp_path: Path, run_cli: Callable[..., Any]) -> None:
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(0)
-    vqvae = diffusers.VQModel(in_channels=1, out_channels=1, block_out_channels=(8,),
-                              layers_per_block=1, latent_channels=2, num_vq_embeddings=8,
-                              norm_num_groups=4, sample_size=8)
-    unet = diffusers.UNet2DModel(
-        sample_size=8, in_channels=2, out_channels=2, layers_per_block=1,
-        block_out_channels=(8, 16), norm_num_groups=4,
-        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"))
-    diffusers.LDMPipeline(vqvae=vqvae, unet=unet,
-                          scheduler=diffusers.DDIMScheduler(num_train_timesteps=10)
-                          ).save_pretrained(tmp_path / "pipe")
+    pytest.importorskip("diffusers")
+    tiny_ldm_pipeline(tmp_path / "pipe")
     storage = hub_cache_from_folder(tmp_path / "hub", "org/ldm", _REV, tmp_path / "pipe")
     snapshot = storage / "snapshots" / _REV
 
