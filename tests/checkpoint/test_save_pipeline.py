@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,26 +48,42 @@ def test_the_replaced_file_is_closed_and_its_mode_kept(tmp_path: Path) -> None:
     assert torch.equal(torchverity.load(path)["w"], torch.full((1000,), 2.0))
 
 
+_FORKED = """
+import os, sys, time
+from pathlib import Path
+import torch
+import torchverity
+
+folder = Path(sys.argv[1])
+state = {"w": torch.randn(300, 300)}
+torchverity.save(state, folder / "parent.pt")
+torchverity.load(folder / "parent.pt")
+pid = os.fork()
+if pid == 0:
+    try:
+        torchverity.save(state, folder / "child.pt")
+        ok = torch.equal(torchverity.load(folder / "child.pt")["w"], state["w"])
+        os._exit(0 if ok else 1)
+    except BaseException:
+        os._exit(2)
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.05)
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+sys.exit(3)
+"""
+
+
 def test_a_forked_child_saves_and_loads_with_its_own_workers(tmp_path: Path) -> None:
-    """The parent's worker threads do not exist in a fork: the child starts its own."""
-    state = {"w": torch.randn(300, 300)}
-    torchverity.save(state, tmp_path / "parent.pt")
-    torchverity.load(tmp_path / "parent.pt")
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through its exit status
-        try:
-            torchverity.save(state, tmp_path / "child.pt")
-            ok = torch.equal(torchverity.load(tmp_path / "child.pt")["w"], state["w"])
-            os._exit(0 if ok else 1)
-        except BaseException:
-            os._exit(2)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0
-            return
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    pytest.fail("the forked child hung waiting for its parent's worker threads")
+    """The parent's worker threads do not exist in a fork: the child starts its own. In a
+    process of its own: a test worker whose earlier tests ran torch's OpenMP threads would
+    hang any forked child in its next parallel torch op, whatever this package does."""
+    run = subprocess.run([sys.executable, "-c", _FORKED, str(tmp_path)], timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, check=False)
+    assert run.returncode != 3, "the forked child hung waiting for its parent's worker threads"
+    assert run.returncode == 0, run.stderr
