@@ -110,7 +110,7 @@ def foreign_format(path: Path, head: bytes | None = None) -> FormatError | None:
     if head.startswith(b"\x93NUMPY") or (head.startswith(b"PK\x03\x04")
                                          and _first_zip_entry(head).lower().endswith(".npy")):
         return numpy_or_foreign_zip(path, head)
-    broken = broken_download(path)
+    broken = broken_download(path, head)
     if broken is not None:
         return broken
     if path.suffix.lower() == ".onnx" and head[:1] == b"\x08":
@@ -186,13 +186,15 @@ def numpy_or_foreign_zip(path: Path, head: bytes) -> FormatError | None:
 LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
-def download_kind(path: Path) -> str | None:
-    """``"lfs-pointer"`` or ``"html"`` when a file is one of the two common broken downloads."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(512)
-    except OSError:
-        return None
+def download_kind(path: Path, head: bytes | None = None) -> str | None:
+    """``"lfs-pointer"`` or ``"html"`` when a file is one of the two common broken downloads
+    (``head``: its first 512 bytes, when already read)."""
+    if head is None:
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(512)
+        except OSError:
+            return None
     if head.startswith(LFS_POINTER):
         return "lfs-pointer"
     text = head.lstrip(b"\xef\xbb\xbf \t\r\n").lower()
@@ -201,9 +203,9 @@ def download_kind(path: Path) -> str | None:
     return None
 
 
-def broken_download(path: Path) -> FormatError | None:
+def broken_download(path: Path, head: bytes | None = None) -> FormatError | None:
     """The error naming a Git LFS pointer or an HTML page saved under a weights name."""
-    kind = download_kind(path)
+    kind = download_kind(path, head)
     if kind == "lfs-pointer":
         return FormatError(
             f"{path}: a Git LFS pointer file ({path.stat().st_size} bytes), not the weights: "

@@ -134,7 +134,7 @@ class Recovery:
                                         e["values"], e["thresholds"], tuple(e["suspects"]),
                                         e["rank"]) for e in state.get("unresolved", [])]
 
-    def carry(self, certification: dict[str, Any]) -> list[AnomalyEvent]:
+    def carry(self, certification: dict[str, Any]) -> None:
         """Take over what left a checkpoint uncertified (its meta.json's certification),
         for a resume whose own guard state is gone: its unresolved anomalies stay
         unresolved, and a failed at-rest verification at that save counts as one, so
@@ -150,7 +150,6 @@ class Recovery:
                                       "record", "recorded", {}, {},
                                       tuple(map(str, certification.get("changed", ())))))
         self.unresolved.extend(taken)
-        return taken
 
     # ------------------------------------------------------------ saving
 
