@@ -6,12 +6,15 @@ one run against the same optimizer unguarded in the same mode.
 Models: a small MLP and a small transformer encoder, trained with AdamW on synthetic
 data, torch pinned to one thread. Two modes, each against its own baseline:
 
-* *compiled*: the user's loop calls ``torch.compile(optimizer.step)``; the guard (its
-  default) runs the at-rest check inside the compiled update (fused);
-* *eager*: the user's loop calls ``optimizer.step()``; the guard with ``fused=False``
-  verifies in two passes (what other optimizers get).
+* *eager*: the user's loop calls ``optimizer.step()``; the guard at its defaults runs the
+  at-rest check inside the update's own pass (on the CPU the native update, bit for bit
+  the eager step), and with ``fused=False`` verifies in two passes (what other
+  optimizers get);
+* *compiled*: the user's loop calls ``torch.compile(optimizer.step)``; the guard with
+  ``native=False`` runs the check inside the compiled update (what a GPU, and float16 or
+  bfloat16 parameters, get).
 
-A last row compares the default guard (fused) with the user's plain eager loop. The run
+A last row compares the default guard with the compiled unguarded step. The run
 is many short rounds; in each, blocks of steps alternate baseline, configuration,
 baseline, ... (the order of the configurations rotated from round to round), so load
 from other jobs hits them alike. A block's ratio is to the mean of the two baseline
@@ -40,6 +43,7 @@ import torch
 
 from torchverity.training import TrainingGuard
 from torchverity.training._fused import FusedUpdate, tensor_lrs
+from torchverity.training._native import NativeUpdate
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "guard.md"
 TARGETS = {1: 3.0, 10: 1.0}  # check interval -> max overhead in percent, every window verified
@@ -57,23 +61,35 @@ class Config:
 
 EAGER = "eager, unguarded"
 COMPILED = "compiled step, unguarded"
-COMPILED_ROW = "compiled, guard fused (default), interval 1"
-CONFIGS = (
-    Config(EAGER, None),
-    Config("eager, unguarded (A/A)", None),
-    Config("eager, guard in two passes (fused=False), interval 10",
-           {"check_every": 10, "fused": False}, interval=10),
-    Config("eager, guard in two passes (fused=False), interval 1",
-           {"check_every": 1, "fused": False}, interval=1),
-    Config(COMPILED, None, compiled=True, baseline=COMPILED),
-    Config("compiled, guard fused (default), interval 10", {"check_every": 10},
-           compiled=True, baseline=COMPILED, interval=10),
-    Config("compiled, guard fused (default), interval 1", {"check_every": 1},
-           compiled=True, baseline=COMPILED, interval=1),
-    Config("guard fused (default), interval 10, against the plain eager loop",
-           {"check_every": 10}, compiled=True, baseline=EAGER,
-           runner="compiled, guard fused (default), interval 10"),
-)
+DEFAULT = "guard fused (default)"
+COMPILED_GUARD = "compiled, guard fused (native=False)"
+TWO_PASSES = "eager, guard in two passes (fused=False)"
+AGAINST_COMPILED = f"{DEFAULT}, interval 10, against the compiled step"
+
+
+def configs(device: torch.device) -> tuple[Config, ...]:
+    """The rows. The default guard's update is the eager one's bits on the CPU (the
+    native update) and the compiled one's on a GPU: it is judged against that mode."""
+    native = device.type == "cpu"
+    mode, base = ("eager", EAGER) if native else ("compiled", COMPILED)
+    return (
+        Config(EAGER, None),
+        Config("eager, unguarded (A/A)", None),
+        Config(f"{mode}, {DEFAULT}, interval 10", {"check_every": 10}, compiled=not native,
+               baseline=base, interval=10),
+        Config(f"{mode}, {DEFAULT}, interval 1", {"check_every": 1}, compiled=not native,
+               baseline=base, interval=1),
+        Config(f"{TWO_PASSES}, interval 10", {"check_every": 10, "fused": False}, interval=10),
+        Config(f"{TWO_PASSES}, interval 1", {"check_every": 1, "fused": False}, interval=1),
+        Config(COMPILED, None, compiled=True, baseline=COMPILED),
+        Config(f"{COMPILED_GUARD}, interval 10", {"check_every": 10, "native": False},
+               compiled=True, baseline=COMPILED, interval=10),
+        Config(f"{COMPILED_GUARD}, interval 1", {"check_every": 1, "native": False},
+               compiled=True, baseline=COMPILED, interval=1),
+        *((Config(AGAINST_COMPILED, {"check_every": 10}, baseline=COMPILED,
+                  runner=f"eager, {DEFAULT}, interval 10"),) if native else ()),
+    )
+
 
 Batch = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 
@@ -174,12 +190,13 @@ def measure(make: Callable[[], tuple[torch.nn.Module, Batch, str]], rounds: int,
     """Each round runs baseline, config, baseline, config, ... baseline (per baseline), in
     a rotated order; a config's ratio is to the mean of the two baseline blocks around it,
     each as long as the config's block (:func:`block_steps`)."""
-    wall: dict[str, list[float]] = {c.name: [] for c in CONFIGS if c.name != c.baseline}
+    rows = configs(device)
+    wall: dict[str, list[float]] = {c.name: [] for c in rows if c.name != c.baseline}
     cpu: dict[str, list[float]] = {name: [] for name in wall}
     ms: dict[str, list[float]] = {name: [] for name in wall}
-    groups = [[c for c in CONFIGS if c.baseline == b and c.name != b]
-              for b in dict.fromkeys(c.baseline for c in CONFIGS)]
-    runners = {c.name: Runner(make, c, device) for c in CONFIGS if c.runner is None}
+    groups = [[c for c in rows if c.baseline == b and c.name != b]
+              for b in dict.fromkeys(c.baseline for c in rows)]
+    runners = {c.name: Runner(make, c, device) for c in rows if c.runner is None}
     for r in range(rounds):
         for group in groups:
             order = group[r % len(group):] + group[: r % len(group)]
@@ -198,33 +215,43 @@ def measure(make: Callable[[], tuple[torch.nn.Module, Batch, str]], rounds: int,
     for runner in runners.values():
         runner.close()
     return [Row(c, statistics.median(ms[c.name]) * 1e3, _summary(wall[c.name]),
-                _summary(cpu[c.name])[0]) for c in CONFIGS if c.name in wall]
+                _summary(cpu[c.name])[0]) for c in rows if c.name in wall]
+
+
+def _covered(runner: Runner) -> list[torch.Tensor]:
+    return [*runner.model.parameters(),
+            *(v for state in runner.opt.state.values() for v in state.values()
+              if isinstance(v, torch.Tensor) and v.device == runner.device)]
 
 
 def update_alone(make: Callable[[], tuple[torch.nn.Module, Batch, str]], calls: int,
-                 device: torch.device) -> tuple[float, float]:
-    """Median CPU ms of one AdamW update: ``torch.compile(optimizer.step)`` and the guard's
-    compiled update with the word sums, on the same model's state, calls interleaved."""
-    runner = Runner(make, Config(COMPILED, None, compiled=True, baseline=COMPILED), device)
-    opt = runner.opt
-    tensor_lrs(opt)
-    fused = FusedUpdate(opt)
-    tensors = [*runner.model.parameters(),
-               *(v for state in opt.state.values() for v in state.values()
-                 if isinstance(v, torch.Tensor) and v.device == device)]
-    plain: list[float] = []
-    summed: list[float] = []
+                 device: torch.device) -> dict[str, float]:
+    """Median ms of one AdamW update, each way interleaved with the others on its own copy
+    of the model's state: the eager and the compiled step, and the guard's native and
+    compiled updates with the word sums of every parameter and state tensor."""
+    eager = Runner(make, Config(EAGER, None), device)
+    compiled = Runner(make, Config(COMPILED, None, compiled=True, baseline=COMPILED), device)
+    ways: dict[str, Callable[[], Any]] = {"eager": eager.step, "compiled": compiled.step}
+    if device.type == "cpu":
+        summing = Runner(make, Config(EAGER, None), device)
+        native = NativeUpdate(summing.opt)
+        ways["native"] = lambda: native(_covered(summing))
+    fused_runner = Runner(make, Config(COMPILED, None, compiled=True, baseline=COMPILED), device)
+    tensor_lrs(fused_runner.opt)
+    fused = FusedUpdate(fused_runner.opt)
+    ways["compiled with sums"] = lambda: fused(_covered(fused_runner))
+    times: dict[str, list[float]] = {name: [] for name in ways}
     # On a GPU the kernels' time, waited for; on the CPU the process's CPU time.
     clock = time.perf_counter if device.type == "cuda" else time.process_time
     for i in range(calls + 3):  # the first three compile and warm up
-        for call, out in ((runner.step, plain), (lambda: fused(tensors), summed)):
+        for name, call in ways.items():
             start = clock()
             call()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i >= 3:
-                out.append((clock() - start) * 1e3)
-    return statistics.median(plain), statistics.median(summed)
+                times[name].append((clock() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def block_steps(config: Config, steps: int) -> int:
@@ -248,19 +275,24 @@ def verdict(row: Row, noise: float) -> str:
     return f"NOT met (> {target:g}%, by {median - target:.1f} points)"
 
 
-def _target_line(label: str, rows: list[Row], noise: float) -> str:
+def _target_line(label: str, rows: list[Row], noise: float, device: torch.device) -> str:
     by = {r.config.name: r for r in rows}
 
     def judged(prefix: str) -> str:
         return ", ".join(f"interval {n}: {by[f'{prefix}, interval {n}'].wall[0]:+.1f}% "
                          f"({verdict(by[f'{prefix}, interval {n}'], noise)})" for n in (10, 1))
 
-    plain = by["guard fused (default), interval 10, against the plain eager loop"]
-    return (f"* {label}: the default guard (fused) against the compiled step "
-            f"{judged('compiled, guard fused (default)')}; the two-pass guard against the "
-            f"eager step {judged('eager, guard in two passes (fused=False)')}; the default "
-            f"guard at interval 10 against the plain eager loop {plain.wall[0]:+.1f}% "
-            f"({plain.ms:.2f} ms against the eager loop's step); A/A {noise:+.1f}%.")
+    mode = "eager" if device.type == "cpu" else "compiled"
+    line = (f"* {label}: the default guard against the {mode} step "
+            f"{judged(f'{mode}, {DEFAULT}')}; ")
+    if device.type == "cpu":
+        line += f"the compiled guard against the compiled step {judged(COMPILED_GUARD)}; "
+    line += f"the two-pass guard against the eager step {judged(TWO_PASSES)}; "
+    if AGAINST_COMPILED in by:
+        row = by[AGAINST_COMPILED]
+        line += (f"the default guard at interval 10 against the compiled step "
+                 f"{row.wall[0]:+.1f}% ({row.ms:.2f} ms a step); ")
+    return line + f"A/A {noise:+.1f}%."
 
 
 def main() -> int:
@@ -304,11 +336,12 @@ def main() -> int:
     summary = ["", "## Targets (at most 1% at interval 10, at most 3% at interval 1)", ""]
     alone = ["", "## The update alone", "",
              "One AdamW update of the whole model, median ms of 40 calls interleaved (CPU time; "
-             "on a GPU, wall time to the end of its kernels): "
-             "`torch.compile(optimizer.step)` and the guard's compiled update with the word "
-             "sums of every parameter and state tensor as it reads and writes them.", "",
-             "| model | compiled update | with the word sums | difference | "
-             "of the guarded step |", "|---|---|---|---|---|"]
+             "on a GPU, wall time to the end of its kernels): the eager `optimizer.step()`, "
+             "the guard's native update with the word sums of every parameter and state "
+             "tensor as it reads and writes them (CPU only), `torch.compile(optimizer.step)`, "
+             "and the guard's compiled update with the same sums.", "",
+             "| model | eager step | native update with the sums | compiled step | "
+             "compiled update with the sums |", "|---|---|---|---|---|"]
     started = time.perf_counter()
     for make, steps, rounds in plan:
         label = make()[2]
@@ -321,13 +354,12 @@ def main() -> int:
                 f"{med:+.2f}% | {q1:+.1f}..{q3:+.1f}% | +-{half:.2f}% | {row.cpu:+.2f}% | "
                 f"{verdict(row, noise)} |")
             print(lines[-1], flush=True)
-        summary.append(_target_line(label, rows, noise))
+        summary.append(_target_line(label, rows, noise, device))
         print(summary[-1], flush=True)
-        plain, summed = update_alone(make, 40, device)
-        step = next(r.ms for r in rows if r.config.name == COMPILED_ROW)
-        alone.append(f"| {label} | {plain:.2f} | {summed:.2f} | {summed - plain:+.2f} "
-                     f"({(summed - plain) / plain * 100:+.0f}%) | "
-                     f"{(summed - plain) / step * 100:.1f}% |")
+        ms = update_alone(make, 40, device)
+        native = f"{ms['native']:.2f}" if "native" in ms else "n/a"
+        alone.append(f"| {label} | {ms['eager']:.2f} | {native} | {ms['compiled']:.2f} | "
+                     f"{ms['compiled with sums']:.2f} |")
         print(alone[-1], flush=True)
     lines += [*summary, *alone, "", f"The run took {time.perf_counter() - started:.0f} s.", "",
               NOTES, ""]
@@ -342,27 +374,25 @@ NOTES = (
     "Configurations: *guard fused (default)* = `TrainingGuard(model, opt, check_every=N)`, "
     "everything else default: every detector on (rules on floats for CPU parameters), "
     "every update window verified at rest, the word sums of each parameter and AdamW "
-    "state tensor taken inside the compiled update as it reads and writes them; compared "
-    "with the same AdamW stepped by `torch.compile(optimizer.step)` (both with a tensor "
-    "learning rate). *guard in two passes* = the same with `fused=False`: a record after "
-    "each update and a verification before the next (what optimizers other than SGD, "
-    "Adam and AdamW get), compared with the eager `optimizer.step()`. The last row times "
-    "the default guard against a user's plain eager loop. A target is *met* when the "
-    "median plus the larger of its 95% half-width and the A/A median stays within it; "
-    "*within noise* when only the median does.\n\n"
+    "state tensor taken in the update's own pass as it reads and writes them. On the CPU "
+    "that update is the native one, bit for bit the eager `optimizer.step()`, so it is "
+    "compared with the same AdamW stepped eagerly; on a GPU it is the compiled one, "
+    "compared with `torch.compile(optimizer.step)`. *guard fused (native=False)* = the "
+    "compiled update on the CPU, compared with `torch.compile(optimizer.step)` (both with "
+    "a tensor learning rate). *guard in two passes* = `fused=False`: a record after each "
+    "update and a verification before the next (what optimizers other than SGD, Adam and "
+    "AdamW get), compared with the eager step. A target is *met* when the median plus the "
+    "larger of its 95% half-width and the A/A median stays within it; *within noise* when "
+    "only the median does.\n\n"
     "Where the cost is, on the CPU: the table under *The update alone*. At these sizes "
     "the update is bound by memory traffic: it reads each parameter, its gradient and both "
-    "moments and writes three of them back. In the C++ that inductor generates, the "
-    "word sums of what the update is about to overwrite in place are taken in loops of "
-    "their own before the update's loop (its CPU fusion puts a reduction in a loop only "
-    "after the stores there, and these sums must read the words before they are "
-    "overwritten), and the sums of the new moments are taken in that earlier loop by "
-    "computing the moments a second time; only the sum of the new parameter rides in "
-    "the update's own loop. That is about one and a half times the update's memory "
-    "traffic. A kernel that sums as it reads and writes, in one loop, would bring the "
-    "difference down to a few integer adds per word. What the guard does besides the "
-    "update (the gradient norms its rules read before the update, and a fixed amount of "
-    "Python per step) is the rest of the overhead."
+    "moments and writes three of them back. The eager step makes that trip once per "
+    "operation (about eight); the native update makes it once, in blocks that stay in the "
+    "first-level cache while the old words are summed, the update runs and the new words "
+    "are summed, so the sums cost a few integer adds per word. In the C++ that inductor "
+    "generates for the compiled update, the sums of what the update is about to overwrite "
+    "in place are taken in loops of their own before the update's loop, about half the "
+    "update's memory traffic again."
 )
 
 

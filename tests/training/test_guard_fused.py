@@ -1,8 +1,8 @@
 """Full at-rest coverage by default: every single-bit flip in a parameter or optimizer-state
 tensor, between two updates, is reported at the next update and named, on the fused path
-(the check compiled into the optimizer's update) and on the two-pass fallback; the fused
-update is bit-identical to ``torch.compile(optimizer.step)``, the fallback to the eager
-optimizer."""
+(the check in the optimizer's own pass) and on the two-pass fallback; the fused update is
+bit-identical to the eager optimizer (the native update) or to
+``torch.compile(optimizer.step)`` (the compiled one), the fallback to the eager optimizer."""
 
 from __future__ import annotations
 
@@ -62,22 +62,29 @@ def _state_bits(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[list
     return out
 
 
+@pytest.mark.parametrize("update", ["native", "compiled"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_fused_update_is_bit_identical_to_the_compiled_optimizer_then_catches_every_flip(
-        name: str) -> None:
+def test_fused_update_is_bit_identical_to_its_optimizer_then_catches_every_flip(
+        name: str, update: str) -> None:
     """200 clean steps (param groups, an LR scheduler): no event, and the bits of every
-    parameter and state tensor are those of ``torch.compile(optimizer.step)``. Then, in
-    the same run, random single-bit flips at rest: each reported at the next update."""
+    parameter and state tensor are those of the eager ``optimizer.step()`` (the native
+    update, the CPU default) or of ``torch.compile(optimizer.step)`` (``native=False``).
+    Then, in the same run, random single-bit flips at rest: each reported at the next
+    update."""
     model, opt = make_model(OPTIMIZERS[name])
     schedule = _scheduler(opt)
-    guard = TrainingGuard(model, opt, policies={"weights_changed": "record"})
+    guard = TrainingGuard(model, opt, policies={"weights_changed": "record"},
+                          native=update == "native")
     assert guard._rest.coverage()["verification"] == FUSED
-    # What a user of a compiled optimizer writes: tensor learning rates, a compiled step.
+    assert guard._rest.coverage()["update"] == update
     ref_model, ref_opt = make_model(OPTIMIZERS[name])
-    for group in ref_opt.param_groups:
-        group["lr"] = torch.tensor(group["lr"])
+    ref_step = ref_opt.step
+    if update == "compiled":
+        # What a user of a compiled optimizer writes: tensor learning rates, a compiled step.
+        for group in ref_opt.param_groups:
+            group["lr"] = torch.tensor(group["lr"])
+        ref_step = torch.compile(ref_opt.step)
     ref_schedule = _scheduler(ref_opt)
-    ref_step = torch.compile(ref_opt.step)
     for step in range(200):
         step_once(guard, model, step)
         schedule.step()
@@ -110,7 +117,7 @@ def test_two_pass_fallback_is_bit_identical_to_the_eager_optimizer_over_200_step
     schedule = _scheduler(opt)
     guard = TrainingGuard(model, opt, fused=False)
     assert guard._rest.coverage() == {"windows": "every", "tensors": "parameters and optimizer "
-                                      "state", "verification": "two passes",
+                                      "state", "verification": "two passes", "update": None,
                                       "fallback_reason": "fused=False", "frozen_parameters": 0}
     ref_model, ref_opt = make_model(OPTIMIZERS[name])
     ref_schedule = _scheduler(ref_opt)
@@ -213,7 +220,7 @@ def test_other_optimizers_fall_back_to_two_passes_and_say_so_once(tmp_path: Path
     said = [r for r in records if "coverage" in r]
     assert len(said) == 1 and said[0]["coverage"] == {
         "windows": "every", "tensors": "parameters and optimizer state",
-        "verification": "two passes",
+        "verification": "two passes", "update": None,
         "fallback_reason": "RMSprop has no fused verification (SGD, Adam, AdamW do)",
         "frozen_parameters": 0}
 
@@ -270,23 +277,36 @@ def test_compiled_word_sums_equal_the_eager_ones_when_they_wrap_around(dtype: to
 
 
 def test_a_machine_without_a_compiler_falls_back_says_so_once_and_still_catches_flips(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No C compiler at all: the native update cannot be built, the compiled one fails
+    at its first update, and the guard verifies in two passes from there, saying so."""
     import torch._inductor.config as inductor
+
+    from torchverity.training import _native
 
     model, opt = make_model(lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
     log = tmp_path / "events.jsonl"
-    guard = TrainingGuard(model, opt, log=log, check_every=1,
-                          policies={"weights_changed": "record"})
-    # No C++ compiler here; the config's own patch puts it back for the tests that follow
-    # in this process (they compile).
-    with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):
-        for step in range(6):
-            if step == 3:
-                faults.flip_bit(model[0].weight, 2, 1)
-            step_once(guard, model, step)
-    guard.close()
+    # No cc on PATH and no kernel built before; the cache is cleared again at the end so
+    # the tests that follow in this process build it.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("TORCHVERITY_CACHE_DIR", str(tmp_path / "cache"))
+    _native._kernel.cache_clear()
+    try:
+        guard = TrainingGuard(model, opt, log=log, check_every=1,
+                              policies={"weights_changed": "record"})
+        # The config's own patch puts inductor's compiler back for later tests.
+        with inductor.patch({"cpp.cxx": ("/nonexistent/c++",)}):
+            for step in range(6):
+                if step == 3:
+                    faults.flip_bit(model[0].weight, 2, 1)
+                step_once(guard, model, step)
+        guard.close()
+    finally:
+        _native._kernel.cache_clear()
     said = [json.loads(x)["coverage"] for x in log.read_text().splitlines() if '"coverage"' in x]
-    assert [c["verification"] for c in said] == ["fused into the update", "two passes"]
+    assert [(c["verification"], c["update"]) for c in said] == [
+        ("fused into the update", "compiled"), ("two passes", None)]
     assert said[1]["fallback_reason"].startswith("torch.compile failed")
     assert [(e.step, e.kind, e.suspects) for e in guard.events] == [
         (3, "weights_changed", ("0.weight",))]

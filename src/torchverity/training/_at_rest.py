@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from torchverity.errors import UsageError
+from torchverity.training import _native
 from torchverity.training._checksum import PairedSums
 from torchverity.training._config import GuardConfig
 from torchverity.training._distributed_hook import (
@@ -39,7 +40,13 @@ from torchverity.training._distributed_hook import (
     local_shard,
     shard_suffix,
 )
-from torchverity.training._fused import FusedUpdate, tensor_lrs, unsupported, word_sums
+from torchverity.training._fused import (
+    FusedUpdate,
+    tensor_lrs,
+    unsupported,
+    update_with_sums,
+    word_sums,
+)
 from torchverity.training._snapshot import Snapshot
 
 log = logging.getLogger("torchverity.training")
@@ -139,17 +146,33 @@ class AtRest:
         self._copy_sums: PairedSums | None = None
         self._updates = 0  # updates concluded under this guard: the two-pass cadence
         self.reason = self._fallback_reason(reducer, policies, fallback)
-        self.fused: FusedUpdate | None = None
+        self.fused: FusedUpdate | _native.NativeUpdate | None = None
+        self.native_reason: str | None = None  # why a fused update is the compiled one
         if self.reason is not None and config.fused:
             raise UsageError(f"TrainingGuard: fused=True, but {self.reason}",
                              hint="leave fused unset: the guard then verifies in two passes")
         if self.reason is None:
-            tensor_lrs(optimizer)
-            self.fused = FusedUpdate(optimizer)
+            self.fused = self._fused_update(optimizer)
         self._fused_tensors: list[torch.Tensor] = []
         self._fused_ptrs: list[int] = []
         self._after: torch.Tensor | None = None  # sums the fused update wrote, until settled
         self._before: torch.Tensor | None = None  # and those it read
+
+    def _fused_update(self, optimizer: torch.optim.Optimizer
+                      ) -> FusedUpdate | _native.NativeUpdate:
+        """The one-pass kernel where it reproduces ``optimizer.step()`` here, else the
+        optimizer's step compiled with the sums."""
+        if not self.config.native:
+            self.native_reason = "native=False"
+        else:
+            self.native_reason = _native.unsupported(optimizer) or _native.agrees(optimizer)
+        if self.native_reason is None:
+            return _native.NativeUpdate(optimizer)
+        if self.config.native and self._device.type == "cpu":
+            log.info("torchverity: the at-rest check rides in the compiled update (%s)",
+                     self.native_reason)
+        tensor_lrs(optimizer)
+        return FusedUpdate(optimizer)
 
     def _fallback_reason(self, reducer: object, policies: dict[str, str],
                          fallback: str | None) -> str | None:
@@ -174,8 +197,10 @@ class AtRest:
         windows = "every" if cfg.rest_every == 1 else f"1 in {cfg.rest_every}"
         tensors = "parameters and optimizer state" if cfg.optimizer_state else "parameters"
         how = "fused into the update" if self.fused is not None else "two passes"
+        update = None if self.fused is None else (
+            "native" if isinstance(self.fused, _native.NativeUpdate) else "compiled")
         return {"windows": windows, "tensors": tensors, "verification": how,
-                "fallback_reason": self.reason if self.fused is None else None,
+                "update": update, "fallback_reason": self.reason if self.fused is None else None,
                 "frozen_parameters": len(self.frozen.names)}
 
     # ------------------------------------------------------------ tensors covered
@@ -251,7 +276,10 @@ class AtRest:
         pair = None if same or self.record is None else (
             word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names)
         try:
-            before, after = self.fused(tensors)
+            sums = self.fused(tensors)
+            # None: the native update leaves this one to the optimizer (it creates state).
+            before, after = sums if sums is not None else update_with_sums(
+                lambda opt: type(opt).step(opt), self.optimizer, tensors)
         except Exception as exc:  # compiling raises before anything runs: step eagerly
             if pair is None and self.record is not None:  # verify the window in a pass
                 pair = word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names

@@ -35,7 +35,8 @@ class GuardConfig:
     rest_weighted: bool = False
     optimizer_state: bool = True
     frozen_parameters: bool = True  # requires_grad=False parameters verified at rest too
-    fused: bool | None = None  # at-rest check inside the compiled update; None: where it can
+    fused: bool | None = None  # at-rest check inside the update's own pass; None: where it can
+    native: bool = True  # fused on CPU float32: the one-pass kernel, bit for bit the eager step
     fused_skip: bool = True
     host_skip: bool | None = None
     overlap: bool = False

@@ -54,7 +54,7 @@ def word_sums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([word_sum(t) for t in tensors])
 
 
-def _update_with_sums(step: Callable[[torch.optim.Optimizer], Any],
+def update_with_sums(step: Callable[[torch.optim.Optimizer], Any],
                       optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor]
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     before = word_sums(tensors)
@@ -123,8 +123,8 @@ class FusedUpdate:
         # A code object of its own: torch.compile keeps at most a few compiled versions
         # per code object and runs the rest eagerly, and each optimizer needs one.
         FusedUpdate._made += 1
-        code = _update_with_sums.__code__.replace(co_name=f"_update_with_sums_{self._made}")
-        fn = types.FunctionType(code, _update_with_sums.__globals__, code.co_name)
+        code = update_with_sums.__code__.replace(co_name=f"_update_with_sums_{self._made}")
+        fn = types.FunctionType(code, update_with_sums.__globals__, code.co_name)
         self._fn: Callable[..., Any] = torch.compile(fn, dynamic=False)
 
     def __call__(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,364 @@
+"""The at-rest check in the optimizer's own pass, on the CPU: one loop that reads, sums,
+updates, sums and writes each block of every parameter and state tensor.
+
+``torch.compile`` cannot give that loop on a CPU: the C++ it generates sums what an
+in-place update is about to overwrite in loops of its own, before the update's, which
+costs about half the update again in memory traffic. This module compiles a small C
+file (``_native_update.c``, with the system's C compiler, once per machine, into the
+user's cache) that does SGD, Adam and AdamW on contiguous float32 tensors with the same
+arithmetic as torch's eager kernels, so the update is bit for bit what
+``optimizer.step()`` computes, eagerly. That claim is not taken on trust: before a guard
+uses the kernel, :func:`agrees` runs the optimizer itself and the kernel side by side
+on tensors of every length class (vector bodies, scalar tails, thread splits) with the
+optimizer's own settings, and any differing bit sends the guard to the compiled update.
+
+Nothing from a checkpoint or a model reaches the compiler: the source is this package's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.optim.optimizer as _optim
+
+from torchverity.training._fused import word_sums
+
+log = logging.getLogger("torchverity.training")
+
+_SOURCE = Path(__file__).with_name("_native_update.c")
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+_SLOTS = 5  # p, first state, second state, max second state, step
+
+
+class _Item(ctypes.Structure):
+    _fields_ = [("p", ctypes.c_void_p), ("g", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("v", ctypes.c_void_p), ("vmax", ctypes.c_void_p), ("step", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("slot", ctypes.c_int32 * _SLOTS),
+                ("group", ctypes.c_int32), ("neg_step_size", ctypes.c_float),
+                ("bc2_sqrt", ctypes.c_float)]
+
+
+class _Group(ctypes.Structure):
+    _fields_ = [("adam", ctypes.c_int32), ("maximize", ctypes.c_int32),
+                ("has_wd", ctypes.c_int32), ("decoupled", ctypes.c_int32),
+                ("amsgrad", ctypes.c_int32), ("lerp_small", ctypes.c_int32),
+                ("has_momentum", ctypes.c_int32), ("nesterov", ctypes.c_int32),
+                ("p_mul", ctypes.c_float), ("wd", ctypes.c_float), ("w1", ctypes.c_float),
+                ("beta2", ctypes.c_float), ("c2", ctypes.c_float), ("eps", ctypes.c_float),
+                ("momentum", ctypes.c_float), ("one_minus_dampening", ctypes.c_float),
+                ("neg_lr", ctypes.c_float), ("lr", ctypes.c_double), ("beta1", ctypes.c_double),
+                ("beta2d", ctypes.c_double)]
+
+
+# ---------------------------------------------------------------- building the kernel
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TORCHVERITY_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torchverity")
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(compiler: str) -> Path:
+    """The shared library, compiled once per source, compiler and machine."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             check=True, timeout=30).stdout
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(_FLAGS).encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"native_update-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out), "-lm"],
+                       capture_output=True, text=True, check=True, timeout=120)
+        os.replace(out, target)  # whole or absent, whichever process finishes first
+    return target
+
+
+def _vsqrt() -> int | None:
+    """The address of MKL's ``vsSqrt`` inside torch: what ATen's float32 sqrt calls."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for path in sorted(lib_dir.glob("libtorch_cpu.*")):
+        try:
+            fn = ctypes.CDLL(str(path)).vsSqrt
+        except (OSError, AttributeError):
+            continue
+        return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
+@functools.cache
+def _kernel() -> tuple[ctypes.CDLL, int] | str:
+    """``(library, vsSqrt address)``, or why there is none on this machine."""
+    if sys.platform != "linux":
+        return f"the native update is built on Linux only (this is {sys.platform})"
+    sqrt = _vsqrt()
+    if sqrt is None:
+        return "this torch build does not take its float32 sqrt from MKL"
+    compiler = _compiler()
+    if compiler is None:
+        return "no C compiler (cc, gcc or clang) on PATH"
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        return f"compiling the native update failed: {str(detail).strip()[:300]}"
+    lib.tv_prepare.argtypes = [ctypes.POINTER(_Item), ctypes.c_int64, ctypes.POINTER(_Group),
+                               ctypes.c_void_p, ctypes.c_void_p]
+    lib.tv_run.argtypes = [ctypes.POINTER(_Item), ctypes.c_int64, ctypes.POINTER(_Group),
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p]
+    lib.tv_prepare.restype = lib.tv_run.restype = None
+    return lib, sqrt
+
+
+# ---------------------------------------------------------------- which optimizers
+
+def _group_reason(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | None:
+    if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
+        return f"{type(optimizer).__name__} has no native update"
+    for flag in ("fused", "capturable", "differentiable"):
+        if group.get(flag):
+            return f"{flag}=True"
+    if isinstance(group["lr"], torch.Tensor) or any(
+            isinstance(b, torch.Tensor) for b in group.get("betas", ())):
+        return "a tensor lr or betas"
+    for p in group["params"]:
+        if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+            return "parameters other than contiguous float32 on the CPU"
+    return None
+
+
+def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why the native update cannot run this optimizer; None when it can."""
+    for group in optimizer.param_groups:
+        reason = _group_reason(optimizer, group)
+        if reason is not None:
+            return reason
+    kernel = _kernel()
+    return kernel if isinstance(kernel, str) else None
+
+
+def _fill_group(out: _Group, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+    """The group's scalars, each rounded to float as torch's kernels receive it."""
+    lr, wd = float(group["lr"]), float(group["weight_decay"])
+    out.maximize, out.has_wd = bool(group["maximize"]), wd != 0
+    out.wd, out.lr = wd, lr
+    if isinstance(optimizer, torch.optim.Adam):
+        beta1, beta2 = (float(b) for b in group["betas"])
+        out.adam, out.amsgrad = 1, bool(group["amsgrad"])
+        out.decoupled = bool(group.get("decoupled_weight_decay")) or isinstance(
+            optimizer, torch.optim.AdamW)
+        out.p_mul = 1 - lr * wd
+        out.w1 = 1 - beta1
+        out.lerp_small = abs(out.w1) < 0.5  # ATen's test, on the weight as a float
+        out.beta2, out.c2, out.eps = beta2, 1 - beta2, float(group["eps"])
+        out.beta1, out.beta2d = beta1, beta2
+    else:
+        momentum = float(group["momentum"])
+        out.adam, out.has_momentum = 0, momentum != 0
+        out.momentum, out.one_minus_dampening = momentum, 1 - float(group["dampening"])
+        out.nesterov, out.neg_lr = bool(group["nesterov"]), -lr
+
+
+# ---------------------------------------------------------------- the update
+
+_STATE_KEYS = {True: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"),
+               False: ("momentum_buffer", None, None, None)}
+
+
+class NativeUpdate:
+    """``optimizer.step()`` on the CPU with the word sums of ``tensors`` before and after,
+    in one pass; :meth:`__call__` returns None when the step must run eagerly (state
+    not created yet, a tensor in a layout the kernel does not take)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        kernel = _kernel()
+        assert not isinstance(kernel, str)
+        self._lib, self._sqrt = kernel
+        self.optimizer = optimizer
+        self._key: list[int] | None = None
+        self._items: Any = None
+        self._grads: list[tuple[int, torch.Tensor, bool]] = []
+        self._total = 0
+        self._groups = (_Group * len(optimizer.param_groups))()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __call__(self, tensors: Sequence[torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if _has_hooks(self.optimizer):
+            return None  # the step hooks must run: the optimizer's own step
+        key = [t.data_ptr() for t in tensors]
+        if key != self._key and not self._layout(tensors, key):
+            return None
+        if not self._point_grads():
+            return None
+        for out, group in zip(self._groups, self.optimizer.param_groups, strict=True):
+            _fill_group(out, self.optimizer, group)
+        n = len(tensors)
+        threads = self._threads()
+        sums = torch.zeros(2, threads, max(n, 1), dtype=torch.int32)
+        old, new = sums[0], sums[1]
+        self._lib.tv_prepare(self._items, len(self._items), self._groups,
+                             old[0].data_ptr(), new[0].data_ptr())
+        self._run(threads, old, new)
+        # What the LR scheduler's wrapper of ``step`` would have noted (it warns otherwise).
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        before, after = old.sum(0, dtype=torch.int32), new.sum(0, dtype=torch.int32)
+        return before[:n], after[:n]
+
+    def _threads(self) -> int:
+        total = self._total
+        return max(1, min(torch.get_num_threads(), total >> 16))
+
+    def _run(self, threads: int, old: torch.Tensor, new: torch.Tensor) -> None:
+        total, run = self._total, self._lib.tv_run
+        cuts = [total * t // threads for t in range(threads + 1)]
+        calls = [(self._items, len(self._items), self._groups, cuts[t], cuts[t + 1],
+                  self._sqrt, old[t].data_ptr(), new[t].data_ptr()) for t in range(threads)]
+        if threads == 1:
+            run(*calls[0])
+            return
+        if self._pool is None or self._pool._max_workers != threads - 1:
+            self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="torchverity-update")
+        futures = [self._pool.submit(run, *c) for c in calls[1:]]  # ctypes drops the GIL
+        run(*calls[0])
+        for f in futures:
+            f.result()
+
+    def _layout(self, tensors: Sequence[torch.Tensor], key: list[int]) -> bool:
+        """Build the per-tensor descriptors; False when some tensor is not one the kernel
+        takes (then this update runs eagerly)."""
+        slot = {id(t): i for i, t in enumerate(tensors)}
+        adam = isinstance(self.optimizer, torch.optim.Adam)
+        placed: set[int] = set()
+        items: list[tuple[list[int | None], int, list[int], int]] = []
+        grads: list[tuple[int, torch.Tensor, bool]] = []
+        for g, group in enumerate(self.optimizer.param_groups):
+            for p in group["params"]:
+                state = self.optimizer.state.get(p, {})
+                parts = [p] + [state.get(k) if k else None for k in _STATE_KEYS[adam]]
+                if any(t is not None and not _takes(t) for t in parts):
+                    return False
+                # State the optimizer creates in the first update with a gradient.
+                fresh = not state if adam else (parts[1] is None and group["momentum"] != 0)
+                placed.update(id(t) for t in parts if t is not None)
+                grads.append((len(items), p, fresh))
+                items.append(([t.data_ptr() if t is not None else None for t in parts],
+                              p.numel(), [slot.get(id(t), -1) if t is not None else -1
+                                          for t in parts], g))
+        if any(id(t) not in placed for t in tensors):
+            return False  # a covered tensor the update does not touch: sums in passes
+        arr = (_Item * len(items))()
+        for it, (ptrs, n, slots, g) in zip(arr, items, strict=True):
+            it.p, it.m, it.v, it.vmax, it.step = ptrs
+            it.n, it.group = n, g
+            it.slot[:] = slots
+        self._items, self._grads, self._key = arr, grads, key
+        self._total = sum(n for _, n, _, _ in items)
+        return True
+
+    def _point_grads(self) -> bool:
+        """Each item's gradient pointer for this update (None: the update skips it);
+        False when a gradient is in a layout the kernel does not take, or meets a
+        parameter whose state the optimizer has yet to create."""
+        items = self._items
+        for i, p, fresh in self._grads:
+            grad = p.grad
+            if grad is None:
+                items[i].g = None
+            elif fresh or grad.is_sparse or not _takes(grad):
+                return False
+            else:
+                items[i].g = grad.data_ptr()
+        return True
+
+
+def _takes(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _has_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    return any((optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks,
+                _optim._global_optimizer_pre_hooks, _optim._global_optimizer_post_hooks))
+
+
+# ---------------------------------------------------------------- the proof, per machine
+
+# Lengths that take every path through torch's kernels and this one: shorter than one
+# vector, vector bodies with and without scalar tails, more than one block, and more
+# than ATen's grain (32768 elements), where its threads split a tensor.
+_PROBE_LENGTHS = (1, 3, 8, 15, 16, 17, 33, 1023, 1025, 4099, 70001)
+_PROBE_STEPS = 4
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
+                   ) -> list[torch.Tensor]:
+    return [v for p in params for v in optimizer.state.get(p, {}).values()
+            if isinstance(v, torch.Tensor)]
+
+
+def _bits(tensors: Sequence[torch.Tensor]) -> list[bytes]:
+    return [t.detach().reshape(-1).numpy().tobytes() for t in tensors]
+
+
+@torch.no_grad()
+def agrees(optimizer: torch.optim.Optimizer) -> str | None:
+    """None when the kernel reproduces ``optimizer.step()`` bit for bit, and its word
+    sums those of :func:`~torchverity.training._fused.word_sums`, on probe tensors with
+    each group's own settings; otherwise what differed."""
+    gen = torch.Generator().manual_seed(0x5EED)
+    for index, group in enumerate(optimizer.param_groups):
+        settings = {k: v for k, v in group.items() if k != "params"}
+        base = [torch.randn(n, generator=gen) for n in _PROBE_LENGTHS]
+        theirs = [torch.nn.Parameter(b.clone()) for b in base]
+        ours = [torch.nn.Parameter(b.clone()) for b in base]
+        make: Any = type(optimizer)  # SGD, Adam or AdamW: every setting has a default
+        reference, probe = make(theirs), make(ours)
+        reference.param_groups[0].update(settings)
+        probe.param_groups[0].update(settings)
+        native = NativeUpdate(probe)
+        for step in range(_PROBE_STEPS):
+            for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
+                skip = step == 2 and i == 1  # a parameter without a gradient this time
+                grad = None if skip else torch.randn(a.shape, generator=gen)
+                a.grad, b.grad = grad, None if grad is None else grad.clone()
+            reference.step()
+            tensors = ours + _state_tensors(probe, ours)
+            read = word_sums(tensors)
+            sums = native(tensors)
+            if sums is None:
+                if step > 0:
+                    return f"group {index}: the native update declined a probe step"
+                probe.step()
+            if _bits(theirs + _state_tensors(reference, theirs)) != _bits(
+                    ours + _state_tensors(probe, ours)):
+                return f"group {index}: the native update differs from " \
+                       f"{type(optimizer).__name__}.step() in step {step + 1}"
+            if sums is not None and not (torch.equal(sums[0], read)
+                                         and torch.equal(sums[1], word_sums(tensors))):
+                return f"group {index}: the native update's word sums differ"
+    return None

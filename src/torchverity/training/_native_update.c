@@ -1,0 +1,164 @@
+/* One pass per update: SGD, Adam and AdamW on contiguous float32 CPU tensors, with the
+ * word sums of each tensor as the update reads it and as it writes it.
+ *
+ * The arithmetic is that of torch's eager CPU kernels, operation by operation, so the
+ * update is bit for bit what optimizer.step() computes: ATen's vectorized add with alpha,
+ * lerp and addcmul round once through a fused multiply-add (and so must we: fmaf, with
+ * contraction off everywhere else), and its float32 sqrt is MKL's vsSqrt, which is not
+ * correctly rounded, so the caller hands in that very function. The Python side checks
+ * the claim against the optimizer itself before it uses this file (a CPU, a torch build
+ * or an MKL whose results differ sends it back to the compiled update).
+ *
+ * Each tensor is processed in blocks that stay in the first-level cache: the old words
+ * are summed, the update runs, the new words are summed, all while the block is there,
+ * so memory is read and written once. Word sums are modulo 2**32 (unsigned wrap-around,
+ * the same bits as the int32 sums of torchverity.training._fused.word_sum). */
+
+#include <math.h>
+#include <stdint.h>
+
+#define BLOCK 1024
+
+typedef void (*vsqrt_fn)(int n, const float *in, float *out);
+
+typedef struct {
+    float *p;
+    const float *g;     /* NULL: the parameter has no gradient, the update skips it */
+    float *m;           /* SGD: the momentum buffer (or NULL); Adam: exp_avg */
+    float *v;           /* Adam: exp_avg_sq */
+    float *vmax;        /* Adam with amsgrad: max_exp_avg_sq */
+    float *step;        /* Adam: the step counter (a 0-dim float32 tensor) */
+    int64_t n;
+    int32_t slot[5];    /* where the sums of p, m, v, vmax, step go (-1: none) */
+    int32_t group;
+    /* filled by tv_prepare: the step-dependent scalars, as torch rounds them to float */
+    float neg_step_size;
+    float bc2_sqrt;
+} tv_item;
+
+typedef struct {
+    int32_t adam;       /* 0: SGD, 1: Adam or AdamW */
+    int32_t maximize, has_wd, decoupled, amsgrad, lerp_small, has_momentum, nesterov;
+    float p_mul;        /* 1 - lr * weight_decay (decoupled) */
+    float wd;           /* weight_decay (added to the gradient) */
+    float w1;           /* 1 - beta1: the lerp weight */
+    float beta2, c2;    /* beta2, 1 - beta2 */
+    float eps;
+    float momentum, one_minus_dampening, neg_lr;
+    double lr, beta1, beta2d;
+} tv_group;
+
+static uint32_t word_sum(const float *x, int64_t n) {
+    const uint32_t *w = (const uint32_t *)x;
+    uint32_t s = 0;
+    for (int64_t i = 0; i < n; i++) s += w[i];
+    return s;
+}
+
+static void add_sum(uint32_t *sums, int32_t slot, const float *x, int64_t n) {
+    if (slot >= 0 && x != 0) sums[slot] += word_sum(x, n);
+}
+
+/* The step counters and the scalars that depend on them, once per update, before the
+ * element passes (which several threads may share). The step's sums are taken here. */
+void tv_prepare(tv_item *items, int64_t count, const tv_group *groups,
+                uint32_t *old_sums, uint32_t *new_sums) {
+    for (int64_t k = 0; k < count; k++) {
+        tv_item *it = &items[k];
+        const tv_group *gr = &groups[it->group];
+        if (!gr->adam || it->step == 0) continue;
+        add_sum(old_sums, it->slot[4], it->step, 1);
+        if (it->g != 0) *it->step = *it->step + 1.0f;  /* no gradient: the update skips it */
+        add_sum(new_sums, it->slot[4], it->step, 1);
+        if (it->g == 0) continue;
+        double step = (double)*it->step;
+        double bc1 = 1.0 - pow(gr->beta1, step);
+        double bc2 = 1.0 - pow(gr->beta2d, step);
+        double step_size = gr->lr / bc1;
+        it->neg_step_size = (float)(-step_size);
+        it->bc2_sqrt = (float)pow(bc2, 0.5);
+    }
+}
+
+/* torch.maximum's vector kernel: the larger value, or a NaN of all ones bits. */
+static inline float maximum(float a, float b) {
+    if (a != a || b != b) {
+        union { uint32_t u; float f; } nan = {0xFFFFFFFFu};
+        return nan.f;
+    }
+    return a > b ? a : b;
+}
+
+static void adam_block(const tv_group *gr, const tv_item *it, int64_t lo, int64_t nb,
+                       vsqrt_fn vsqrt) {
+    float grad[BLOCK], denom[BLOCK];
+    float *p = it->p + lo, *m = it->m + lo, *v = it->v + lo;
+    const float *g = it->g + lo;
+    for (int64_t i = 0; i < nb; i++) {
+        float gi = gr->maximize ? -g[i] : g[i];
+        if (gr->has_wd && !gr->decoupled) gi = fmaf(p[i], gr->wd, gi);
+        grad[i] = gi;
+    }
+    if (gr->has_wd && gr->decoupled)
+        for (int64_t i = 0; i < nb; i++) p[i] = p[i] * gr->p_mul;
+    if (gr->lerp_small) {
+        for (int64_t i = 0; i < nb; i++) m[i] = fmaf(gr->w1, grad[i] - m[i], m[i]);
+    } else {
+        float coeff = gr->w1 - 1.0f;
+        for (int64_t i = 0; i < nb; i++) m[i] = fmaf(coeff, grad[i] - m[i], grad[i]);
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        float t = v[i] * gr->beta2;
+        v[i] = fmaf(gr->c2 * grad[i], grad[i], t);
+    }
+    const float *second = v;
+    if (gr->amsgrad) {
+        float *vm = it->vmax + lo;
+        for (int64_t i = 0; i < nb; i++) vm[i] = maximum(vm[i], v[i]);
+        second = vm;
+    }
+    vsqrt((int)nb, second, denom);
+    float bc2_sqrt = it->bc2_sqrt, eps = gr->eps, neg_step = it->neg_step_size;
+    for (int64_t i = 0; i < nb; i++) denom[i] = denom[i] / bc2_sqrt + eps;
+    for (int64_t i = 0; i < nb; i++) p[i] = p[i] + (neg_step * m[i]) / denom[i];
+}
+
+static void sgd_block(const tv_group *gr, const tv_item *it, int64_t lo, int64_t nb) {
+    float *p = it->p + lo, *buf = it->m ? it->m + lo : 0;
+    const float *g = it->g + lo;
+    for (int64_t i = 0; i < nb; i++) {
+        float gi = gr->maximize ? -g[i] : g[i];
+        if (gr->has_wd) gi = fmaf(p[i], gr->wd, gi);
+        if (buf) {
+            float b = fmaf(gi, gr->one_minus_dampening, buf[i] * gr->momentum);
+            buf[i] = b;
+            gi = gr->nesterov ? fmaf(b, gr->momentum, gi) : b;
+        }
+        p[i] = fmaf(gi, gr->neg_lr, p[i]);
+    }
+}
+
+/* The elements [lo, hi) of the items laid end to end: several threads may each take a
+ * range (their sums are added afterwards). tv_prepare must have run for this update. */
+void tv_run(const tv_item *items, int64_t count, const tv_group *groups, int64_t lo,
+            int64_t hi, vsqrt_fn vsqrt, uint32_t *old_sums, uint32_t *new_sums) {
+    int64_t base = 0;
+    for (int64_t k = 0; k < count && base < hi; base += items[k].n, k++) {
+        const tv_item *it = &items[k];
+        int64_t a = lo > base ? lo - base : 0;
+        int64_t b = hi - base < it->n ? hi - base : it->n;
+        const tv_group *gr = &groups[it->group];
+        for (int64_t start = a; start < b; start += BLOCK) {
+            int64_t nb = b - start < BLOCK ? b - start : BLOCK;
+            float *ts[4] = {it->p, it->m, it->v, it->vmax};
+            for (int j = 0; j < 4; j++)
+                if (ts[j]) add_sum(old_sums, it->slot[j], ts[j] + start, nb);
+            if (it->g != 0) {
+                if (gr->adam) adam_block(gr, it, start, nb, vsqrt);
+                else sgd_block(gr, it, start, nb);
+            }
+            for (int j = 0; j < 4; j++)
+                if (ts[j]) add_sum(new_sums, it->slot[j], ts[j] + start, nb);
+        }
+    }
+}

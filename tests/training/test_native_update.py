@@ -1,0 +1,150 @@
+"""The native update (the at-rest check in the optimizer's own pass on the CPU) computes bit
+for bit what the eager ``optimizer.step()`` computes, in every setting of SGD, Adam and
+AdamW, split across threads or not, with parameters that skip an update; the proof it runs
+before a guard uses it refuses a kernel that differs in one ulp; step hooks still run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy
+import pytest
+import torch
+
+from torchverity import faults
+from torchverity.training import TrainingGuard, _native
+
+Make = Callable[[Any], torch.optim.Optimizer]
+
+SETTINGS: dict[str, Make] = {
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05, foreach=True),
+    "adam-l2-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1, amsgrad=True),
+    # beta1 < 0.5 takes lerp's other branch
+    "adam-maximize-low-beta1": lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.3, 0.9),
+                                                           maximize=True, eps=1e-6),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2),
+    "sgd-dampened": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.3),
+    "sgd-nesterov-maximize": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.8, nesterov=True,
+                                                        weight_decay=1e-3, maximize=True),
+}
+
+X = torch.randn(64, 300, generator=torch.Generator().manual_seed(3))
+Y = torch.randn(64, 1, generator=torch.Generator().manual_seed(4))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    # 150 641 parameters: large enough for the native update to split across two threads
+    return torch.nn.Sequential(torch.nn.Linear(300, 500), torch.nn.Tanh(),
+                               torch.nn.Linear(500, 1))
+
+
+def _backward(model: torch.nn.Module, step: int, sign: float = 1.0) -> torch.Tensor:
+    """The loss (``sign=-1``: its negative, for a maximizing optimizer) and its gradient."""
+    loss = sign * torch.nn.functional.mse_loss(model(X), Y)
+    loss.backward()
+    if step % 7 == 3:
+        model[2].bias.grad = None  # this parameter skips this update
+    return loss
+
+
+def _bits(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[bytes]:
+    tensors = list(model.parameters())
+    tensors += [v for p in model.parameters() for v in opt.state[p].values()
+                if isinstance(v, torch.Tensor)]
+    return [t.detach().reshape(-1).numpy().tobytes() for t in tensors]
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_the_native_update_is_the_eager_step_bit_for_bit(name: str) -> None:
+    with _threads(2):
+        model, ref = _model(), _model()
+        opt, ref_opt = SETTINGS[name](model.parameters()), SETTINGS[name](ref.parameters())
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 60)
+        ref_schedule = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, 60)
+        guard = TrainingGuard(model, opt, policies={"weights_changed": "record"})
+        assert guard._rest.coverage()["update"] == "native"
+        sign = -1.0 if "maximize" in name else 1.0
+        for step in range(60):
+            opt.zero_grad()
+            loss = _backward(model, step, sign)
+            guard.check(loss)
+            guard.step()
+            schedule.step()
+            ref_opt.zero_grad()
+            _backward(ref, step, sign)
+            ref_opt.step()
+            ref_schedule.step()
+        assert guard.flush() == [] and guard.events == []
+        native = guard._rest.fused
+        assert isinstance(native, _native.NativeUpdate) and native._threads() == 2
+        assert _bits(model, opt) == _bits(ref, ref_opt)
+        # and the window after the last update is still watched
+        faults.flip_bit(model[0].weight, 17, 0)
+        opt.zero_grad()
+        guard.check(_backward(model, 60, sign))
+        guard.step()
+        guard.flush()
+        assert [e.kind for e in guard.events] == ["weights_changed"]
+        guard.close()
+
+
+def test_the_proof_refuses_a_kernel_one_ulp_off_and_the_guard_compiles_instead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    fill = _native._fill_group
+
+    def off_by_one_ulp(out: Any, optimizer: torch.optim.Optimizer, group: dict[str, Any]
+                       ) -> None:
+        fill(out, optimizer, group)
+        # what a scalar rounded the wrong way would do
+        out.w1 = float(numpy.nextafter(numpy.float32(out.w1), numpy.float32(1)))
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert _native.agrees(opt) is None
+    monkeypatch.setattr(_native, "_fill_group", off_by_one_ulp)
+    assert _native.agrees(opt) == "group 0: the native update differs from AdamW.step() in step 2"
+    guard = TrainingGuard(model, opt)
+    coverage = guard._rest.coverage()
+    assert (coverage["verification"], coverage["update"]) == ("fused into the update", "compiled")
+    assert guard._rest.native_reason == "group 0: the native update differs from AdamW.step() " \
+                                        "in step 2"
+    guard.close()
+
+
+def test_with_step_hooks_the_optimizers_own_step_runs_and_flips_are_still_named() -> None:
+    model, ref = _model(), _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    calls: list[int] = []
+    opt.register_step_post_hook(lambda *_: calls.append(1))
+    guard = TrainingGuard(model, opt, policies={"weights_changed": "record"})
+    assert guard._rest.coverage()["update"] == "native"
+    for step in range(8):
+        if step == 5:
+            faults.flip_bit(model[2].weight, 3, 3)  # a low mantissa bit: no statistic moves
+            faults.flip_bit(ref[2].weight, 3, 3)
+        opt.zero_grad()
+        guard.check(_backward(model, step))
+        guard.step()
+        ref_opt.zero_grad()
+        _backward(ref, step)
+        ref_opt.step()
+    guard.flush()
+    assert len(calls) == 8
+    assert [(e.step, e.suspects) for e in guard.events if e.kind == "weights_changed"] == [
+        (5, ("2.weight",))]
+    assert _bits(model, opt) == _bits(ref, ref_opt)
+    guard.close()
