@@ -148,3 +148,46 @@ def test_with_step_hooks_the_optimizers_own_step_runs_and_flips_are_still_named(
         (5, ("2.weight",))]
     assert _bits(model, opt) == _bits(ref, ref_opt)
     guard.close()
+
+
+def test_settings_changed_mid_run_are_proven_again_or_stepped_by_the_optimizer(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Weight decay turned on and a group added are proven again and stay native; a
+    tensor lr is not native, so the optimizer steps itself from then on, the sums in
+    passes: bit for bit the eager run throughout, and a flip after it still named."""
+    model, ref = _model(), _model()
+    runs = []
+    for net in (model, ref):
+        opt = torch.optim.AdamW([net[0].weight, net[0].bias], lr=1e-3, weight_decay=0.0)
+        runs.append((net, opt))
+    guard = TrainingGuard(model, runs[0][1], policies={"weights_changed": "record"})
+
+    def change(step: int, net: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        if step == 5:
+            opt.param_groups[0]["weight_decay"] = 0.01
+        if step == 10:
+            opt.add_param_group({"params": [net[2].weight, net[2].bias], "lr": 3e-3})
+        if step == 15:
+            opt.param_groups[1]["lr"] = torch.tensor(2e-3)
+
+    kinds = []
+    for step in range(20):
+        for net, opt in runs:
+            change(step, net, opt)
+        if step == 18:
+            faults.flip_bit(model[2].weight, 1, 2)
+            faults.flip_bit(ref[2].weight, 1, 2)
+        runs[0][1].zero_grad()
+        guard.check(_backward(model, step))
+        guard.step()
+        runs[1][1].zero_grad()
+        _backward(ref, step)
+        runs[1][1].step()
+        kinds.append(guard._rest.fused.declined)  # type: ignore[union-attr]
+    guard.flush()
+    assert kinds[:15] == [None] * 15 and kinds[15:] == ["a tensor lr or betas"] * 5
+    assert _bits(model, runs[0][1]) == _bits(ref, runs[1][1])
+    assert [(e.step, e.suspects) for e in guard.events if e.kind == "weights_changed"] == [
+        (18, ("2.weight",))]
+    assert sum("no longer reproduces" in r.message for r in caplog.records) == 1
+    guard.close()

@@ -206,11 +206,15 @@ class NativeUpdate:
         self._total = 0
         self._groups = (_Group * len(optimizer.param_groups))()
         self._pool: ThreadPoolExecutor | None = None
+        self._proven = _branches(optimizer)  # what agrees() was run with
+        self.declined: str | None = None  # why the settings now in place are not proven
 
     def __call__(self, tensors: Sequence[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if _has_hooks(self.optimizer):
             return None  # the step hooks must run: the optimizer's own step
+        if not self._still_proven():
+            return None
         key = [t.data_ptr() for t in tensors]
         if key != self._key and not self._layout(tensors, key):
             return None
@@ -229,6 +233,24 @@ class NativeUpdate:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         before, after = old.sum(0, dtype=torch.int32), new.sum(0, dtype=torch.int32)
         return before[:n], after[:n]
+
+    def _still_proven(self) -> bool:
+        """Whether the optimizer's settings take the paths the proof took. A change (a
+        group added, weight decay turned on, a tensor lr) is proven again, once; what
+        fails to prove steps the optimizer's own way from then on, with the sums in
+        passes of their own."""
+        branches = _branches(self.optimizer)
+        if branches != self._proven:
+            self._proven = branches
+            self.declined = unsupported(self.optimizer) or agrees(self.optimizer)
+            if self.declined is not None:
+                log.warning("torchverity: the optimizer's settings changed and the native "
+                            "update no longer reproduces its step (%s); the optimizer "
+                            "steps itself, the at-rest sums are taken in passes",
+                            self.declined)
+            self._groups = (_Group * len(self.optimizer.param_groups))()
+            self._key = None
+        return self.declined is None
 
     def _threads(self) -> int:
         total = self._total
@@ -299,6 +321,20 @@ class NativeUpdate:
 
 def _takes(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _branches(optimizer: torch.optim.Optimizer) -> tuple[tuple[object, ...], ...]:
+    """What decides which operations each group's update runs (the values themselves
+    only pass through the same roundings)."""
+    def of(g: dict[str, Any]) -> tuple[object, ...]:
+        betas = g.get("betas", (0.0, 0.0))
+        return (isinstance(g["lr"], torch.Tensor), any(isinstance(b, torch.Tensor) for b in betas),
+                abs(1 - float(betas[0])) < 0.5, float(g["weight_decay"]) != 0,
+                float(g.get("momentum", 0.0)) != 0,
+                *(bool(g.get(k)) for k in ("maximize", "amsgrad", "nesterov", "foreach", "fused",
+                                            "capturable", "differentiable",
+                                            "decoupled_weight_decay")))
+    return tuple(of(g) for g in optimizer.param_groups)
 
 
 def _has_hooks(optimizer: torch.optim.Optimizer) -> bool:
