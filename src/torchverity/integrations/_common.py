@@ -131,7 +131,7 @@ class GuardCallbackBase:
 
 class GuardedStep:
     """The guard's update standing in for ``optimizer.step()``, which a trainer calls
-    itself: the at-rest check then rides in the compiled update (one pass over each
+    itself: the at-rest check then rides in the guard's update (one pass over each
     tensor) instead of two passes of its own.
 
     Installed on the optimizer instance (the class and other instances are untouched)

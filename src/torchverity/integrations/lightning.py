@@ -6,7 +6,7 @@
 Hooks used: ``on_before_backward`` (keeps the loss tensor), then
 ``on_before_optimizer_step`` (flags computed, after the closure's backward) and
 ``on_train_batch_end`` (decision, at-rest record, host read every ``check_every``
-steps). For SGD, Adam and AdamW the guard's compiled update stands in for the
+steps). For SGD, Adam and AdamW the guard's update stands in for the
 optimizer's ``step`` (which Lightning calls with its closure), so the at-rest check
 of every window rides in the update; with a gradient scaler (``16-mixed``), a
 precision plugin that steps the optimizer its own way (DeepSpeed, XLA) or another

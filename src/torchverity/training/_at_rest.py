@@ -3,9 +3,11 @@ from the end of one update to the start of the next.
 
 Two ways to take it, chosen once per guard:
 
-* **fused** (SGD, Adam, AdamW; :mod:`torchverity.training._fused`): the update is
-  compiled together with a word sum of each tensor as it is read (the verification of
-  the window that has just ended) and as it is written (the record of the next one);
+* **fused** (SGD, Adam, AdamW): a word sum of each tensor as the update reads it (the
+  verification of the window that has just ended) and as it writes it (the record of
+  the next one), in the native update on the CPU (:mod:`torchverity.training._native`,
+  bit for bit the eager step) where it is proven to reproduce the optimizer, else
+  compiled together with the optimizer's step (:mod:`torchverity.training._fused`);
 * **two passes** (any other optimizer, or no compiler): a record of every tensor after
   the update and a verification before the next one
   (:mod:`torchverity.training._checksum`), one window in ``rest_every``.

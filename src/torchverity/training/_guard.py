@@ -20,8 +20,8 @@ are on the CPU: :mod:`~torchverity.training._host_rules`, else
 spikes, relative loss jumps, optionally per-layer and update-ratio spikes and replay
 mismatches, and ``weights_changed``: any bit of a parameter or optimizer-state tensor
 that changed between two updates, in every window by default
-(:mod:`~torchverity.training._at_rest`; for SGD, Adam and AdamW inside the compiled
-update itself, :mod:`~torchverity.training._fused`).
+(:mod:`~torchverity.training._at_rest`; for SGD, Adam and AdamW inside the update
+itself, :mod:`~torchverity.training._native` and :mod:`~torchverity.training._fused`).
 
 The host reads the flags every ``check_every`` steps (one transfer); the interval changes
 when an anomaly is reported, never what is detected. On the CPU a skipped update is
@@ -177,7 +177,7 @@ class TrainingGuard:
 
     @property
     def fused(self) -> bool:
-        """Whether the at-rest check runs inside the optimizer's compiled update."""
+        """Whether the at-rest check runs inside the optimizer's update (native or compiled)."""
         return self._rest.fused is not None
 
     @property
