@@ -118,7 +118,8 @@ def test_two_pass_fallback_is_bit_identical_to_the_eager_optimizer_over_200_step
     guard = TrainingGuard(model, opt, fused=False)
     assert guard._rest.coverage() == {"windows": "every", "tensors": "parameters and optimizer "
                                       "state", "verification": "two passes", "update": None,
-                                      "fallback_reason": "fused=False", "frozen_parameters": 0}
+                                      "update_reason": None, "fallback_reason": "fused=False",
+                                      "frozen_parameters": 0}
     ref_model, ref_opt = make_model(OPTIMIZERS[name])
     ref_schedule = _scheduler(ref_opt)
     for step in range(200):
@@ -220,7 +221,7 @@ def test_other_optimizers_fall_back_to_two_passes_and_say_so_once(tmp_path: Path
     said = [r for r in records if "coverage" in r]
     assert len(said) == 1 and said[0]["coverage"] == {
         "windows": "every", "tensors": "parameters and optimizer state",
-        "verification": "two passes", "update": None,
+        "verification": "two passes", "update": None, "update_reason": None,
         "fallback_reason": "RMSprop has no fused verification (SGD, Adam, AdamW do)",
         "frozen_parameters": 0}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from torchverity.demo import DemoContext
@@ -28,7 +30,8 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return centres[labels] + torch.randn(1024, 16, generator=gen), labels
 
 
-def _train(ctx: DemoContext, name: str, drill: bool) -> tuple[float, GuardSummary]:
+def _train(ctx: DemoContext, name: str, drill: bool
+           ) -> tuple[float, GuardSummary, torch.nn.Module]:
     from torchverity import faults
     from torchverity.training import TrainingGuard
 
@@ -55,7 +58,21 @@ def _train(ctx: DemoContext, name: str, drill: bool) -> tuple[float, GuardSummar
     summary = guard.close()
     with torch.no_grad():
         accuracy = float((model(x).argmax(1) == y).float().mean())
-    return accuracy, summary
+    return accuracy, summary, model
+
+
+def _unguarded() -> torch.nn.Module:
+    """The clean run as a plain loop with no guard."""
+    x, y = _data()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(STEPS):
+        i = (step * 64) % 1024
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[i: i + 64]), y[i: i + 64]).backward()
+        opt.step()
+    return model
 
 
 def _fine_tune_frozen(ctx: DemoContext) -> list[tuple[int, str, tuple[str, ...]]]:
@@ -83,10 +100,23 @@ def _fine_tune_frozen(ctx: DemoContext) -> list[tuple[int, str, tuple[str, ...]]
 
 
 def run(ctx: DemoContext) -> None:
-    clean_acc, clean = _train(ctx, "clean", drill=False)
+    clean_acc, clean, model = _train(ctx, "clean", drill=False)
     ctx.say(f"clean guarded run: {STEPS} steps, accuracy {clean_acc:.3f}, "
             f"anomalies {clean.anomalies}")
     ctx.expect(clean.clean, "a clean run of 200 steps raises no anomaly")
+    start = json.loads((ctx.workdir / "clean.jsonl").read_text().splitlines()[0])
+    coverage = start["coverage"]
+    ctx.say(f"coverage: {coverage['windows']} window, {coverage['tensors']}, "
+            f"{coverage['verification']} ({coverage['update']} update)")
+    if coverage["update"] == "native":
+        same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                      _unguarded().state_dict().values(),
+                                                      strict=True))
+        ctx.expect(same, "the guarded run's weights are bit for bit those of the same loop "
+                         "without the guard")
+    else:
+        ctx.say(f"  the compiled update here ({coverage['update_reason']}): "
+                "its bits are those of torch.compile(optimizer.step)")
     last = ctx.workdir / "clean-ckpt" / f"guard-step{STEPS:08d}.pt"
     _rc, out, err = ctx.cli("verify", str(last))
     ctx.expect("certified by the training guard" in out + err,
@@ -94,7 +124,7 @@ def run(ctx: DemoContext) -> None:
 
     ctx.say("same run with two faults: an exponent-bit flip in an activation at step 70 and "
             "one in weight 2.weight[17] at rest before step 130")
-    acc, summary = _train(ctx, "drill", drill=True)
+    acc, summary, _ = _train(ctx, "drill", drill=True)
     _rc, out, _err = ctx.cli("report", str(ctx.workdir / "drill.jsonl"))
     ctx.expect("70    nonfinite_loss" in out and "transient" in out,
                "step 70 caught and replayed: transient (the re-run was clean)")

@@ -202,7 +202,9 @@ class AtRest:
         update = None if self.fused is None else (
             "native" if isinstance(self.fused, _native.NativeUpdate) else "compiled")
         return {"windows": windows, "tensors": tensors, "verification": how,
-                "update": update, "fallback_reason": self.reason if self.fused is None else None,
+                "update": update,
+                "update_reason": self.native_reason if update == "compiled" else None,
+                "fallback_reason": self.reason if self.fused is None else None,
                 "frozen_parameters": len(self.frozen.names)}
 
     # ------------------------------------------------------------ tensors covered
