@@ -71,13 +71,18 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 def build_model(spec: str, weights: Path | None, device: str, out: Output,
                 fit: dict[str, Any] | None = None) -> Any:
     """Build the model from ``module:callable``, load verified weights, move it to ``device``;
-    what the load could not verify is printed as warnings."""
+    what the load could not verify is printed as warnings. The files a build reads beside
+    the weights of a model folder (config.json...) are checked before it reads them."""
     import torch
 
     from torchverity._callables import import_callable
+    from torchverity.checkpoint._folders import resolve
+    from torchverity.checkpoint._model_files import check_model_files
     from torchverity.selftest import resolve_device
 
     dev = resolve_device(device)
+    if weights is not None:
+        check_model_files(resolve(weights))  # the load checks them again and warns
     model = import_callable(spec)()
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"'{spec}' returned a {type(model).__name__}, not a torch.nn.Module")
