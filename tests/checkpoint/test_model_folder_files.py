@@ -163,3 +163,13 @@ def test_golden_and_batch_run_clean_on_a_recorded_folder(folder: Path, tmp_path:
         result = run_cli(*args)
         assert result.code == 0, result.err
         assert "not listed" not in result.err and "Manifest" not in result.err
+
+
+def test_golden_and_batch_warn_of_an_unlisted_file_as_their_own(
+        folder: Path, tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    (folder / "added_tokens.json").write_text('{"[NEW]": 7}')
+    for args in (_golden("record", folder, tmp_path), _batch(folder, tmp_path)):
+        result = run_cli(*args)
+        assert result.code == 0, result.err
+        assert f"warning: {folder}: 1 file(s) beside the weights are not listed" in result.err
+        assert "added_tokens.json" in result.err and "CheckpointWarning" not in result.err
