@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import torchverity
-from torch_zip_artifacts import BERT_FOLDER_MODEL, bert, bert_folder
+from torch_zip_artifacts import BERT_FOLDER_MODEL, bert, bert_folder, tiny_ldm_pipeline
 from torchverity.checkpoint import CheckpointWarning
 from torchverity.digest import digest_file, write_sidecar
 from torchverity.errors import ManifestMismatchError
@@ -173,3 +173,27 @@ def test_golden_and_batch_warn_of_an_unlisted_file_as_their_own(
         assert result.code == 0, result.err
         assert f"warning: {folder}: 1 file(s) beside the weights are not listed" in result.err
         assert "added_tokens.json" in result.err and "CheckpointWarning" not in result.err
+
+
+def test_a_pipeline_component_is_checked_against_the_root_manifest(tmp_path: Path) -> None:
+    """One manifest at a diffusers pipeline's root: a component's config.json is its own;
+    another component's edit does not concern it. A manifest far above that lists none of a
+    folder's files says nothing about it."""
+    pytest.importorskip("diffusers")
+    root = tiny_ldm_pipeline(tmp_path / "ddpm")
+    write_manifest(root)
+    other = root / "vqvae" / "config.json"
+    other.write_text(other.read_text().replace('"latent_channels": 2', '"latent_channels": 3'))
+    report = torchverity.load(root / "unet", sidecar="require", with_report=True)[1]
+    assert report.model_files == ("config.json",)
+    with pytest.raises(ManifestMismatchError, match=r"vqvae/config\.json"):
+        torchverity.load(root / "vqvae", sidecar="require")
+    (tmp_path / "notes.txt").write_text("not a model")
+    write_manifest(tmp_path)  # lists ddpm/... and notes.txt
+    snapshot = Path(shutil.copytree(root / "unet", tmp_path / "hub" / "snapshot"))
+    weights = snapshot / "diffusion_pytorch_model.safetensors"
+    write_sidecar(weights, digest_file(weights, "sha256"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        assert torchverity.load(snapshot, sidecar="require",
+                                with_report=True)[1].model_files == ()

@@ -83,9 +83,11 @@ def check_model_files(target: Target) -> ModelFiles | None:
         raise foreign
     record, prefix = found
     manifest = read_manifest(record)
+    if not any(_beside(e.path, prefix) for e in manifest.entries):
+        return None  # a manifest far above that records none of this folder's files
     own = {target.file.name, target.record.name}
     listed = {e.path[len(prefix):]: e for e in manifest.entries
-              if e.path.startswith(prefix) and _checked(e.path[len(prefix):], own)}
+              if _beside(e.path, prefix) and _checked(e.path[len(prefix):], own)}
     present = [n for n in sorted(listed)
                if resolve_inside(record.parent, prefix + n, record).is_file()]
     digests = digest_files([target.folder / n for n in present], manifest.algo)
@@ -100,11 +102,15 @@ def check_model_files(target: Target) -> ModelFiles | None:
                       tuple(n for n in beside if n not in listed))
 
 
+def _beside(path: str, prefix: str) -> bool:
+    """Whether a manifest path names a file directly in the folder of ``prefix``."""
+    return path.startswith(prefix) and "/" not in path[len(prefix):]
+
+
 def _checked(name: str, weights: set[str]) -> bool:
-    """A file directly beside the weights that a build may read (not the weights loaded,
-    not a manifest)."""
-    return ("/" not in name and name not in weights and name not in MANIFEST_FILES
-            and read_by_build(name))
+    """A file beside the weights that a build may read (not the weights loaded, not a
+    manifest)."""
+    return name not in weights and name not in MANIFEST_FILES and read_by_build(name)
 
 
 def _mismatch(path: Path, record: Path, algo: str, expected: str,
