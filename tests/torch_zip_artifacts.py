@@ -127,3 +127,49 @@ def tiny_ldm_pipeline(folder: Path, **save: Any) -> Path:
                                  scheduler=diffusers.DDIMScheduler(num_train_timesteps=10))
     pipe.save_pretrained(folder, **save)
     return folder
+
+
+# A model module whose build reads the folder's config.json, as from_pretrained does: {folder}
+# is filled in. build() notes each build in built.txt beside this module.
+BERT_FOLDER_MODEL = '''
+import pathlib
+import torch
+import transformers
+
+FOLDER = {folder!r}
+
+
+def build():
+    transformers.logging.set_verbosity_error()
+    (pathlib.Path(__file__).parent / "built.txt").open("a").write("built\\n")
+    model = transformers.AutoModel.from_config(transformers.AutoConfig.from_pretrained(FOLDER))
+    model.input_spec = ["input_ids:int64:1,-1"]
+    return model
+
+
+def build_batch(state):
+    model = build().eval()
+    model.load_state_dict(state)
+
+    def fn(item):
+        with torch.no_grad():
+            return model(torch.tensor([[2, 5, 6, 3]])).last_hidden_state
+    return fn
+'''
+
+
+def bert_folder(folder: Path) -> Path:
+    """A BERT folder as a user has it: ``save_pretrained`` weights and config.json, a
+    tokenizer, a generation config and ``.gitattributes`` (skips without transformers)."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    folder.mkdir(parents=True)
+    vocab = folder.parent / f"{folder.name}-vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]))
+    bert().save_pretrained(folder)
+    transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
+    transformers.GenerationConfig(max_new_tokens=4).save_pretrained(folder)
+    (folder / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
+    return folder

@@ -16,6 +16,7 @@ what to do next (``hint``), ideally the ``torchverity`` command that checks it::
     ├── ServiceError                 a model service refused a request or is unreachable
     └── CheckFailedError             exit 1: the check ran and the data is wrong
         ├── IntegrityError           bytes or content differ from the record
+        │   └── ManifestMismatchError  a file a model is built from is not the recorded one
         ├── UnsafeFileError          a file would run code if unpickled
         ├── StateDictMismatchError   a checkpoint does not fit a model
         ├── TrainingAnomalyError     an anomaly under a ``stop`` policy
@@ -141,6 +142,27 @@ class IntegrityError(CheckFailedError):
         self.actual = actual
         self.tensors = list(tensors)
         super().__init__(message, hint=hint, path=path)
+
+
+class ManifestMismatchError(IntegrityError):
+    """A file beside the weights that a model build reads (``config.json``, tokenizer
+    files...) differs from its entry in the folder's manifest, or is missing."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path,
+        manifest: str | Path,
+        algo: str,
+        expected: str,
+        actual: str | None,
+        hint: str | None = None,
+    ) -> None:
+        self.manifest = str(manifest)
+        self.algo = algo
+        self.status = "missing" if actual is None else "mismatched"
+        super().__init__(message, path=path, expected=expected, actual=actual, hint=hint)
 
 
 class UnsafeFileError(CheckFailedError):

@@ -148,18 +148,31 @@ def record_step(path: Path) -> str:
     return f"torchverity hash --write {shell_path(path)}"
 
 
+def covering_manifest(folder: Path) -> tuple[Path, str] | None:
+    """The manifest in ``folder``, or in the nearest folder above that has one (a
+    pipeline's root lists ``unet/...``), and the prefix of ``folder``'s paths in it
+    (``""`` or ``"unet/"``); else None."""
+    from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME
+
+    here = folder.absolute()
+    for above in (here, *here.parents):
+        record = next((above / n for n in (MANIFEST_NAME, SHA256SUM_NAME)
+                       if (above / n).is_file()), None)
+        if record is not None:
+            rel = here.relative_to(above).as_posix()
+            return record, "" if rel == "." else f"{rel}/"
+    return None
+
+
 def manifest_entry(path: Path) -> tuple[str, str, Path] | None:
     """``(algo, hex, manifest)`` for a file listed in the manifest of its folder, or of the
-    nearest folder above that has one (a pipeline's root lists ``unet/...``), else None."""
-    from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, read_manifest
+    nearest folder above that has one, else None."""
+    from torchverity.manifest import read_manifest
 
-    for folder in path.absolute().parents:
-        record = next((folder / n for n in (MANIFEST_NAME, SHA256SUM_NAME)
-                       if (folder / n).is_file()), None)
-        if record is None:
-            continue
-        rel = path.absolute().relative_to(folder).as_posix()
-        manifest = read_manifest(record)
-        entry = next((e for e in manifest.entries if e.path == rel), None)
-        return None if entry is None else (manifest.algo, entry.digest, record)
-    return None
+    found = covering_manifest(path.parent)
+    if found is None:
+        return None
+    record, prefix = found
+    manifest = read_manifest(record)
+    entry = next((e for e in manifest.entries if e.path == prefix + path.name), None)
+    return None if entry is None else (manifest.algo, entry.digest, record)

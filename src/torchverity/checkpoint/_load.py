@@ -16,6 +16,7 @@ import torch
 from torchverity.checkpoint._folders import not_weights, resolve
 from torchverity.checkpoint._key_map import FitReport, KeyFit, rename_keys
 from torchverity.checkpoint._load_file import _load_file
+from torchverity.checkpoint._model_files import ModelFiles, check_model_files
 from torchverity.checkpoint._model_fit import check_against_model, state_dict_of
 from torchverity.checkpoint._results import (
     CheckpointWarning,
@@ -61,7 +62,11 @@ def load(
     its own is checked against its folder's manifest when that lists it. With
     ``signature`` (an OpenSSF model signature, with ``public_key`` or
     ``certificate_chain``) the weights must be the signed ones: a file is checked
-    in the same pass, a folder first.
+    in the same pass, a folder first. Unless ``sidecar="ignore"``, the files a
+    model is built from beside the weights of a model folder (``config.json``,
+    tokenizer files...) must match the manifest covering the folder, when there is
+    one (:class:`~torchverity.errors.ManifestMismatchError` otherwise); the
+    report's ``model_files`` names them.
     """
     if sidecar not in ("warn", "require", "ignore"):
         raise UsageError(f"unknown sidecar policy '{sidecar}'", hint="use warn, require or ignore")
@@ -70,6 +75,7 @@ def load(
     target = resolve(p)
     signed = _signed(target.folder if target.index is not None else None, target.file,
                      signature, public_key, certificate_chain)
+    beside = check_model_files(target) if sidecar != "ignore" else None
     if target.index is not None:
         from torchverity.checkpoint._sharded import load_sharded
 
@@ -86,6 +92,8 @@ def load(
         check_limits(target.file)  # zip bombs, huge headers, deep nesting: before torch reads
         obj, report = _load_file(target.file, map_location, sidecar, trust_sha256, mmap,
                                  recheck_tensors, signed)
+    if beside is not None:
+        report = _with_model_files(report, beside, target.folder)
     if model is not None:
         report = _fitted(report, check_against_model(obj, model, p, fit))
     elif fit.renames:
@@ -93,6 +101,12 @@ def load(
     for text in report.warnings:
         warnings.warn(text, CheckpointWarning, stacklevel=2)
     return (obj, report) if with_report else obj
+
+
+def _with_model_files(report: LoadReport, beside: ModelFiles, folder: Path) -> LoadReport:
+    note = beside.warning(folder)
+    return dataclasses.replace(report, model_files=beside.checked,
+                               warnings=(*report.warnings, *([note] if note else [])))
 
 
 def _fitted(report: LoadReport, fit: FitReport) -> LoadReport:

@@ -62,6 +62,9 @@ class LoadReport:
     missing_keys: tuple[str, ...] = ()
     unexpected_keys: tuple[str, ...] = ()
     ignored_keys: tuple[str, ...] = ()
+    # Files beside the weights a model is built from (config.json, tokenizer files...)
+    # that matched the folder's manifest.
+    model_files: tuple[str, ...] = ()
 
     @property
     def verified(self) -> bool:

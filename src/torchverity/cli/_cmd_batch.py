@@ -83,13 +83,14 @@ def _help(parser: argparse.ArgumentParser, out: Output) -> int:
 
 def _run(args: argparse.Namespace, out: Output) -> int:
     from torchverity.batch import BatchOptions, run_model_batch
+    from torchverity.checkpoint._results import CheckpointWarning
 
     options = BatchOptions(
         workers=args.workers, retries=args.retries, engine=args.engine,
         ray_address=args.ray_address, force=args.force, suffix=args.suffix,
         durability=args.durability, golden=args.golden, retry_failed=args.retry_failed,
     )
-    with _progress(out) as progress:
+    with out.warnings_of(CheckpointWarning), _progress(out) as progress:
         report = run_model_batch(
             args.inputs, args.model, args.out, options, weights=args.weights,
             strip_prefix=args.strip_prefix, key_map=fit_kwargs(args)["key_map"],

@@ -41,11 +41,15 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     rec = actions.add_parser(
         "record", parents=[common, model_args], help="run the model and write a golden file",
         description="Inputs come from --inputs FILE (.pt or .safetensors: a tensor, tuple or "
-        "dict of tensors) or are drawn from a seeded normal distribution with --shape.",
+        "dict of tensors) or are drawn from --seed with --shape and --dtype: normal values, "
+        "or token ids for an integer dtype. The record keeps them and how they were drawn.",
     )
     rec.add_argument("--inputs", type=Path, metavar="FILE", help="input tensors to record")
     rec.add_argument("--shape", help="random input shape, e.g. 4,3,32,32 (with --seed)")
-    rec.add_argument("--dtype", default="float32", help="dtype of --shape inputs")
+    rec.add_argument("--dtype", default="float32",
+                     help="dtype of --shape inputs: a float dtype draws normal values, an "
+                     "integer one token ids in [0, vocab_size) of the model's config "
+                     "(else [0, 10))")
     rec.add_argument("--seed", type=int, default=0, help="seed of --shape inputs (default 0)")
     rec.add_argument("--sample-size", type=int, default=64,
                      help="exact output values kept per output (default 64)")
@@ -71,13 +75,18 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 def build_model(spec: str, weights: Path | None, device: str, out: Output,
                 fit: dict[str, Any] | None = None) -> Any:
     """Build the model from ``module:callable``, load verified weights, move it to ``device``;
-    what the load could not verify is printed as warnings."""
+    what the load could not verify is printed as warnings. The files a build reads beside
+    the weights of a model folder (config.json...) are checked before it reads them."""
     import torch
 
     from torchverity._callables import import_callable
+    from torchverity.checkpoint._folders import resolve
+    from torchverity.checkpoint._model_files import check_model_files
     from torchverity.selftest import resolve_device
 
     dev = resolve_device(device)
+    if weights is not None:
+        check_model_files(resolve(weights))  # the load checks them again and warns
     model = import_callable(spec)()
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"'{spec}' returned a {type(model).__name__}, not a torch.nn.Module")
@@ -109,31 +118,28 @@ def _require_fingerprint(path: Path) -> None:
                          hint="record it again with the model: torchverity golden record ...")
 
 
-def _inputs(args: argparse.Namespace, out: Output) -> Any:
-    import torch
+def _inputs(args: argparse.Namespace, out: Output, model: Any) -> Any:
+    from torchverity.golden import draw_inputs
 
     if (args.inputs is None) == (args.shape is None):
         raise UsageError("give exactly one of --inputs FILE or --shape DIMS",
                          hint="for example --shape 4,3,32,32")
     if args.inputs is not None:
         return _loaded(args.inputs, out)
-    dtype = getattr(torch, args.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise UsageError(f"unknown dtype '{args.dtype}'", hint="for example float32 or bfloat16")
     try:
         shape = [int(s) for s in args.shape.split(",")]
     except ValueError:
         raise UsageError(f"--shape '{args.shape}' is not a comma-separated list of sizes",
                          hint="for example --shape 4,3,32,32") from None
-    generator = torch.Generator().manual_seed(args.seed)
-    return torch.randn(shape, generator=generator).to(dtype)
+    return draw_inputs(shape, args.dtype, seed=args.seed, model=model)
 
 
 def _record(args: argparse.Namespace, out: Output) -> int:
     from torchverity import golden
 
     model = build_model(args.model, args.weights, args.device, out, fit_kwargs(args))
-    rec = golden.record(model, _inputs(args, out), args.golden, sample_size=args.sample_size)
+    rec = golden.record(model, _inputs(args, out, model), args.golden,
+                        sample_size=args.sample_size)
     return out.result({"ok": True, "record": rec}, lambda: _print_record(rec, args.golden, out))
 
 

@@ -112,6 +112,7 @@ def _report(state: Any, args: argparse.Namespace) -> dict[str, Any]:
         "golden": status.golden,
         "inputs": [s.to_dict() for s in state.spec],
         "url": None if args.check else f"http://{args.host}:{args.port}",
+        "warnings": state.weights.notes() if state.weights else [],
     }
 
 
@@ -130,6 +131,8 @@ def _print_report(report: dict[str, Any], out: Output) -> None:
         if keys:
             out.warn(f"{weights['path']}: --no-strict: {len(keys)} {kind} key(s) not loaded: "
                      f"{', '.join(keys[:10])}")
+    for note in report["warnings"]:
+        out.warn(note)
     if weights["fingerprint_verified"] is None:
         out.warn(f"{weights['path']}: no meta.json, so the content fingerprint was not checked "
                  "against a record (the file digest was)")

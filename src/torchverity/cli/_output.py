@@ -88,6 +88,24 @@ class Output:
     def warn(self, text: str) -> None:
         self.err.write(f"warning: {text}\n")
 
+    @contextmanager
+    def warnings_of(self, wanted: type[Warning]) -> Iterator[None]:
+        """Python warnings of class ``wanted`` raised inside, written as this command's own."""
+        import warnings
+
+        with warnings.catch_warnings():
+            shown = warnings.showwarning
+
+            def show(message: Warning | str, category: type[Warning], filename: str,
+                     lineno: int, file: TextIO | None = None, line: str | None = None) -> None:
+                if issubclass(category, wanted):
+                    self.warn(str(message))
+                else:
+                    shown(message, category, filename, lineno, file, line)
+
+            warnings.showwarning = show
+            yield
+
     def table(self, columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str = "") -> None:
         """A table on stdout: rich on a terminal, aligned plain text otherwise."""
         if self.json_mode:

@@ -12,7 +12,7 @@ import torch
 
 from torchverity.demo import DemoContext
 
-TITLE = "Serving: verified weights, RFC 9530 request digests, golden readiness"
+TITLE = "Serving: verified weights and config, RFC 9530 request digests, golden readiness"
 NEEDS = ("serve",)
 
 
@@ -50,9 +50,25 @@ def run(ctx: DemoContext) -> None:
     ctx.say("a copy of the weights gets one flipped bit; the service refuses to start on it:")
     ctx.cli("inject", "bitflip", str(bad), "--offset", str(bad.stat().st_size // 2), "--bit", "4")
     ctx.cli("serve", "--model", spec, "--weights", str(bad), expect=1)
+    _edited_config(ctx, spec, model)
     ctx.say("the good weights pass every start-up check:")
     ctx.cli("serve", "--model", spec, "--weights", str(weights), "--golden", str(golden), "--check")
     _serve_and_probe(ctx, spec, weights, golden)
+
+
+def _edited_config(ctx: DemoContext, spec: str, model: DemoNet) -> None:
+    """A model folder's config.json edited after its manifest: a different model."""
+    import torchverity
+
+    folder = ctx.workdir / "serve" / "folder"
+    folder.mkdir()
+    torchverity.save(model.state_dict(), folder / "model.safetensors")
+    (folder / "config.json").write_text('{"in_features": 8, "hidden": 16, "act": "relu"}\n')
+    ctx.say("a model folder recorded in its manifest, then its config.json edited:")
+    ctx.cli("manifest", str(folder))
+    (folder / "config.json").write_text('{"in_features": 8, "hidden": 16, "act": "gelu"}\n')
+    _, _, err = ctx.cli("serve", "--model", spec, "--weights", str(folder), "--check", expect=1)
+    ctx.expect("config.json: listed in" in err, "the service names the edited config.json")
 
 
 def _serve_and_probe(ctx: DemoContext, spec: str, weights: Any, golden: Any) -> None:

@@ -38,23 +38,27 @@ from torchverity.golden._compare import (
     unravel,
 )
 from torchverity.golden._consistency import ConsistencyResult, consistency_check
+from torchverity.golden._draw import DEFAULT_ID_HIGH, InputDraw, draw_inputs
 from torchverity.golden._environment import device_name, environment
 from torchverity.golden._golden import GoldenFailure, GoldenResult, check, record
 from torchverity.golden._record_file import STATS, GoldenRecord, OutputRecord, load_record
 
 __all__ = [
+    "DEFAULT_ID_HIGH",
     "STATS",
     "Comparison",
     "ConsistencyResult",
     "GoldenFailure",
     "GoldenRecord",
     "GoldenResult",
+    "InputDraw",
     "OutputRecord",
     "bitwise_equal",
     "check",
     "compare_tensors",
     "consistency_check",
     "device_name",
+    "draw_inputs",
     "environment",
     "load_record",
     "record",

@@ -24,6 +24,7 @@ from torchverity.golden._compare import (
     tolerance,
     unravel,
 )
+from torchverity.golden._draw import InputDraw
 from torchverity.golden._environment import environment, environment_differences
 from torchverity.golden._record_file import STATS, GoldenRecord, OutputRecord, _write, load_record
 from torchverity.golden._run import (
@@ -88,9 +89,12 @@ def record(
 
     ``inputs`` is a tensor (``model(x)``), a tuple/list of tensors
     (``model(*x)``) or a dict of tensors (``model(**x)``); they are stored in
-    the file, so keep them small (a few samples).
+    the file, so keep them small (a few samples). An :class:`InputDraw`
+    (:func:`draw_inputs`) is drawn into one tensor, and its parameters are
+    recorded with it.
     """
-    call, named = _named_inputs(inputs)
+    drawn = inputs if isinstance(inputs, InputDraw) else None
+    call, named = _named_inputs(drawn.tensor() if drawn is not None else inputs)
     device = model_device(model)
     with inference_mode(model):
         outputs = output_leaves(call_model(model, _to_device(_rebuild(call, named), device)))
@@ -102,6 +106,7 @@ def record(
         outputs=tuple(_output_record(n, t, sample_size) for n, t in outputs),
         environment=environment(device),
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        inputs_drawn=drawn,
     )
     _write(Path(path), rec, named)
     return rec

@@ -16,6 +16,7 @@ import torch
 from torchverity._tensors import dtype_name, host_bytes
 from torchverity.checkpoint._fingerprint import Fingerprint
 from torchverity.errors import FormatError, InputError
+from torchverity.golden._draw import InputDraw
 
 GOLDEN_FORMAT = "torchverity-golden"
 
@@ -50,12 +51,14 @@ class GoldenRecord:
     outputs: tuple[OutputRecord, ...]
     environment: dict[str, Any]
     created: str
+    inputs_drawn: InputDraw | None = None  # how seeded inputs were drawn; None when given
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": self.path,
             "call": self.call,
             "input_fingerprint": self.input_fingerprint,
+            "inputs_drawn": self.inputs_drawn.to_dict() if self.inputs_drawn else None,
             "model_fingerprint": self.model_fingerprint.root if self.model_fingerprint else None,
             "outputs": [_output_to_json(o) for o in self.outputs],
             "environment": self.environment,
@@ -104,6 +107,7 @@ def _write(path: Path, rec: GoldenRecord, named: dict[str, torch.Tensor]) -> Non
         "inputs": {
             "call": rec.call,
             "fingerprint": rec.input_fingerprint,
+            "drawn": rec.inputs_drawn.to_dict() if rec.inputs_drawn else None,
             "tensors": [
                 {"name": n, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
                  "data": base64.b64encode(host_bytes(t)).decode("ascii")}
@@ -143,6 +147,7 @@ def load_record(path: str | os.PathLike[str]) -> tuple[GoldenRecord, dict[str, t
     try:
         named = {t["name"]: _decode_tensor(t) for t in doc["inputs"]["tensors"]}
         model = Fingerprint.from_dict(doc["model"]) if doc.get("model") else None
+        drawn = doc["inputs"].get("drawn")
         rec = GoldenRecord(
             path=os.fspath(p),
             call=str(doc["inputs"]["call"]),
@@ -151,6 +156,7 @@ def load_record(path: str | os.PathLike[str]) -> tuple[GoldenRecord, dict[str, t
             outputs=tuple(_output_from_json(o) for o in doc["outputs"]),
             environment=dict(doc["environment"]),
             created=str(doc.get("created", "")),
+            inputs_drawn=InputDraw.from_dict(drawn) if drawn is not None else None,
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise FormatError(f"{p}: malformed golden file: {exc!r}", path=p) from None

@@ -44,8 +44,9 @@ def call_model(model: Any, inputs: Any) -> Any:
             f"{type(model).__name__} raised {type(exc).__name__} on the inputs "
             f"{_describe(inputs)}: {first}",
             hint="give inputs the model takes: --inputs FILE (a .pt or .safetensors of them, "
-                 "e.g. {'input_ids': ...} for a language model), or --shape and --dtype for "
-                 "one random float tensor; the same call in Python shows the traceback") from exc
+                 "e.g. {'input_ids': ...} for a language model), or --shape with --dtype "
+                 "(int64 draws token ids) for one random tensor; the same call in Python "
+                 "shows the traceback") from exc
 
 
 def _describe(inputs: Any) -> str:

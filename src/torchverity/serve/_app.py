@@ -59,7 +59,7 @@ from torchverity.serve._spec import (
     encode_outputs,
     model_spec,
 )
-from torchverity.serve._weights import load_verified
+from torchverity.serve._weights import check_before_build, load_verified
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -198,14 +198,19 @@ def create_app(
     or UsageError instead of returning a service that should not run.
     ``provenance`` passes ``signature``, ``public_key``, ``certificate_chain`` and
     ``attestation`` to the weights check (docs/provenance.md).
+    The files a model build reads beside the weights of a model folder
+    (``config.json``, tokenizer files...) are checked against the folder's manifest
+    before ``model`` is built (``ManifestMismatchError``).
     ``strict``, ``strip_prefix`` and ``key_map`` fit the checkpoint's keys to
     the model as :func:`torchverity.load` does (the report lists what
     ``strict=False`` left out).
     """
     require_extra("fastapi", extra="serve", feature="torchverity.serve.create_app")
+    beside = check_before_build(weights) if weights is not None else None
     module = build_model(model)
     fit = KeyFit.of(strict, strip_prefix, key_map)
-    info = load_verified(module, weights, fit, provenance) if weights is not None else None
+    info = (load_verified(module, weights, fit, provenance, beside) if weights is not None
+            else None)
     if device is not None:
         module.to(device)
     module.eval()

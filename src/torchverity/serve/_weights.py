@@ -7,13 +7,16 @@ Hugging Face hub cache gave its blob. The checkpoint is then loaded with
 fingerprint against ``CKPT.meta.json`` when present and the keys, shapes and
 dtypes against the model. With an OpenSSF model signature the signature is the
 record instead; an in-toto attestation, when given, must verify too and is
-exposed in ``/metadata``.
+exposed in ``/metadata``. The files a model is built from beside the weights of a
+model folder (``config.json``, tokenizer files...) are checked against the folder's
+manifest before the model is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +26,8 @@ import torch
 
 from torchverity.checkpoint._folders import manifest_entry, not_weights, record_step, resolve
 from torchverity.checkpoint._key_map import KeyFit
+from torchverity.checkpoint._model_files import ModelFiles, check_model_files
+from torchverity.checkpoint._results import CheckpointWarning
 from torchverity.digest import digest_file, find_sidecar
 from torchverity.errors import InputError, IntegrityError, shell_path
 
@@ -39,6 +44,12 @@ class WeightsInfo:
     missing_keys: tuple[str, ...] = ()  # loaded with strict=False: left at initial values
     unexpected_keys: tuple[str, ...] = ()  # loaded with strict=False: not loaded
     provenance: dict[str, Any] | None = None  # the signature and attestation that verified
+    model_files: ModelFiles | None = None  # beside the weights, checked against the manifest
+
+    def notes(self) -> list[str]:
+        """What the start-up could not verify, as warnings."""
+        note = self.model_files.warning(resolve(self.path).folder) if self.model_files else None
+        return [note] if note else []
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -46,22 +57,39 @@ class WeightsInfo:
             "verified_by": self.digest_source, "fingerprint_verified": self.file_fingerprint,
             "missing_keys": list(self.missing_keys),
             "unexpected_keys": list(self.unexpected_keys),
+            "model_files": self.model_files.to_dict() if self.model_files else None,
             **({"provenance": self.provenance} if self.provenance else {}),
         }
 
 
-def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str],
-                  fit: KeyFit | None = None,
-                  provenance: Mapping[str, Any] | None = None) -> WeightsInfo:
-    """Verify ``weights`` (a file, a Hugging Face folder or its index) and load them into
-    ``model``, keys fitted by ``fit``; raise a typed error otherwise. ``provenance``:
-    ``signature`` (with ``public_key`` or ``certificate_chain``) replaces the recorded
-    digest, ``attestation`` must vouch for the same files."""
-    from torchverity.checkpoint._load import load
+def check_before_build(weights: str | os.PathLike[str]) -> ModelFiles | None:
+    """The files beside the weights that a model build reads (``config.json``, tokenizer
+    files...) against the manifest covering a model folder, before the build reads them
+    (:class:`~torchverity.errors.ManifestMismatchError` when one differs); None when the
+    weights are no model folder or no manifest covers it."""
+    return check_model_files(resolve(_existing(weights)))
 
+
+def _existing(weights: str | os.PathLike[str]) -> Path:
     path = Path(weights)
     if not path.exists():
         raise InputError(f"{path}: no such weights file", path=path)
+    return path
+
+
+def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str],
+                  fit: KeyFit | None = None,
+                  provenance: Mapping[str, Any] | None = None,
+                  beside: ModelFiles | None = None) -> WeightsInfo:
+    """Verify ``weights`` (a file, a Hugging Face folder or its index) and load them into
+    ``model``, keys fitted by ``fit``; raise a typed error otherwise. ``provenance``:
+    ``signature`` (with ``public_key`` or ``certificate_chain``) replaces the recorded
+    digest, ``attestation`` must vouch for the same files. ``beside``: what
+    :func:`check_before_build` found (the load checks those files again, in case they
+    changed while the model was built)."""
+    from torchverity.checkpoint._load import load
+
+    path = _existing(weights)
     given = dict(provenance or {})
     signature, attestation = given.pop("signature", None), given.pop("attestation", None)
     target = resolve(path)
@@ -72,13 +100,16 @@ def load_verified(model: torch.nn.Module, weights: str | os.PathLike[str],
             and manifest_entry(target.record) is None and not _in_hub(target.record):
         _unrecorded(target.record)
     fit = fit or KeyFit()
-    _obj, report = load(path, model=model, sidecar="ignore" if signature else "require",
-                        with_report=True, strict=fit.strict, strip_prefix=fit.strip_prefixes,
-                        key_map=dict(fit.key_map), signature=signature, **given)
+    with warnings.catch_warnings():  # the report carries them: notes(), missing_keys...
+        warnings.simplefilter("ignore", CheckpointWarning)
+        _obj, report = load(path, model=model, sidecar="ignore" if signature else "require",
+                            with_report=True, strict=fit.strict, strip_prefix=fit.strip_prefixes,
+                            key_map=dict(fit.key_map), signature=signature, **given)
     info = WeightsInfo(os.fspath(path), str(report.algo), str(report.digest),
                        str(report.digest_source), report.fingerprint,
                        report.missing_keys, report.unexpected_keys,
-                       {"signature": os.fspath(signature)} if signature else None)
+                       {"signature": os.fspath(signature)} if signature else None,
+                       beside)
     if attestation is None:
         return info
     return dataclasses.replace(info, provenance={**(info.provenance or {}),
