@@ -254,6 +254,45 @@ def update_alone(make: Callable[[], tuple[torch.nn.Module, Batch, str]], calls: 
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def guard_share(make: Callable[[], tuple[torch.nn.Module, Batch, str]], blocks: int,
+                device: torch.device) -> dict[str, tuple[float, float]]:
+    """The part of a step the guard changes, timed inside the step: ``guard.check(loss)``
+    and ``guard.step()`` against the unguarded ``optimizer.step()`` of the same mode,
+    runners interleaved step by step, forward and backward untimed. Returns per row
+    ``(median CPU ms of that part per step over blocks of 10 steps, each block holding
+    one flag read at interval 10; median CPU ms of the whole unguarded step)``."""
+    rows = {c.name: c for c in configs(device) if c.runner is None and c.name != "eager, "
+            "unguarded (A/A)" and TWO_PASSES not in c.name}
+    runners = {name: Runner(make, c, device) for name, c in rows.items()}
+    part: dict[str, list[float]] = {name: [] for name in runners}
+    whole: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(blocks):
+        spent = dict.fromkeys(runners, 0.0)
+        for _step in range(10):
+            for name, r in runners.items():
+                start = time.process_time()
+                x, y = r.batch()
+                r.opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(r.model(x), y)
+                loss.backward()
+                mid = time.process_time()
+                if r.guard is None:
+                    r.step()
+                else:
+                    r.guard.check(loss)
+                    r.guard.step()
+                    r.guard.wait()
+                end = time.process_time()
+                spent[name] += end - mid
+                whole[name].append(end - start)
+        for name in runners:
+            part[name].append(spent[name] / 10 * 1e3)
+    for r in runners.values():
+        r.close()
+    return {name: (statistics.median(part[name]), statistics.median(whole[name]) * 1e3)
+            for name in runners}
+
+
 def block_steps(config: Config, steps: int) -> int:
     """A block covers whole check intervals: every block of an interval-10 row holds one
     flag read, so no block is spared it."""
@@ -273,6 +312,13 @@ def verdict(row: Row, noise: float) -> str:
     if median <= target:
         return f"within noise of {target:g}%"
     return f"NOT met (> {target:g}%, by {median - target:.1f} points)"
+
+
+def _judge(overhead: float, interval: int | None) -> str:
+    if interval is None:
+        return ""
+    target = TARGETS[interval]
+    return f"met (<= {target:g}%)" if overhead <= target else f"NOT met (> {target:g}%)"
 
 
 def _target_line(label: str, rows: list[Row], noise: float, device: torch.device) -> str:
@@ -342,6 +388,15 @@ def main() -> int:
              "and the guard's compiled update with the same sums.", "",
              "| model | eager step | native update with the sums | compiled step | "
              "compiled update with the sums |", "|---|---|---|---|---|"]
+    inside = ["", "## The guard's part of a step, timed inside the step", "",
+              "CPU ms per step of `guard.check(loss)` + `guard.step()` against the unguarded "
+              "`optimizer.step()` of the same mode, the runners interleaved step by step "
+              "with forward and backward untimed (medians over 20 blocks of 10 steps; each "
+              "block holds one flag read at interval 10). Overhead = the difference over the "
+              "whole unguarded step. This leaves out the noise of the forward and backward "
+              "passes, which on a shared machine is larger than the guard.", "",
+              "| model | configuration | against | unguarded update | guarded part | "
+              "unguarded step | overhead | target |", "|---|---|---|---|---|---|---|---|"]
     started = time.perf_counter()
     for make, steps, rounds in plan:
         label = make()[2]
@@ -356,13 +411,23 @@ def main() -> int:
             print(lines[-1], flush=True)
         summary.append(_target_line(label, rows, noise, device))
         print(summary[-1], flush=True)
+        share = guard_share(make, 20, device)
+        for c in configs(device):
+            if c.name in share and c.options is not None:
+                ms_part, _ = share[c.name]
+                base_part, base_step = share[c.baseline]
+                extra = (ms_part - base_part) / base_step * 100
+                inside.append(f"| {label} | {c.name} | {c.baseline} | {base_part:.2f} | "
+                              f"{ms_part:.2f} | {base_step:.2f} | {extra:+.2f}% | "
+                              f"{_judge(extra, c.interval)} |")
+                print(inside[-1], flush=True)
         ms = update_alone(make, 40, device)
         native = f"{ms['native']:.2f}" if "native" in ms else "n/a"
         alone.append(f"| {label} | {ms['eager']:.2f} | {native} | {ms['compiled']:.2f} | "
                      f"{ms['compiled with sums']:.2f} |")
         print(alone[-1], flush=True)
-    lines += [*summary, *alone, "", f"The run took {time.perf_counter() - started:.0f} s.", "",
-              NOTES, ""]
+    took = f"The run took {time.perf_counter() - started:.0f} s."
+    lines += [*summary, *inside, *alone, "", took, "", NOTES, ""]
     out = OUT if device.type == "cpu" else OUT.with_name(f"guard-{device.type}.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines), encoding="utf-8")

@@ -14,9 +14,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DOCS = HERE.parent / "docs"
-ORDER = ("digest", "checkpoint", "checkpoint-bert", "model-files", "protect", "startup", "scan", "guard",
-         "distributed", "distributed-hsdp", "distributed-guard", "inference", "serve", "batch",
-         "provenance")
+ORDER = ("digest", "checkpoint", "checkpoint-bert", "model-files", "protect", "startup", "scan",
+         "guard", "distributed", "distributed-hsdp", "distributed-guard", "inference", "serve",
+         "batch", "provenance")
 
 
 def assemble() -> Path:

@@ -201,6 +201,7 @@ class NativeUpdate:
         self._lib, self._sqrt = kernel
         self.optimizer = optimizer
         self._key: list[int] | None = None
+        self._usable = False
         self._items: Any = None
         self._grads: list[tuple[int, torch.Tensor, bool]] = []
         self._total = 0
@@ -216,9 +217,9 @@ class NativeUpdate:
         if not self._still_proven():
             return None
         key = [t.data_ptr() for t in tensors]
-        if key != self._key and not self._layout(tensors, key):
-            return None
-        if not self._point_grads():
+        if key != self._key:  # built once per set of tensors and storage, usable or not
+            self._key, self._usable = key, self._layout(tensors)
+        if not self._usable or not self._point_grads():
             return None
         for out, group in zip(self._groups, self.optimizer.param_groups, strict=True):
             _fill_group(out, self.optimizer, group)
@@ -271,7 +272,7 @@ class NativeUpdate:
         for f in futures:
             f.result()
 
-    def _layout(self, tensors: Sequence[torch.Tensor], key: list[int]) -> bool:
+    def _layout(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Build the per-tensor descriptors; False when some tensor is not one the kernel
         takes (then this update runs eagerly)."""
         slot = {id(t): i for i, t in enumerate(tensors)}
@@ -299,7 +300,7 @@ class NativeUpdate:
             it.p, it.m, it.v, it.vmax, it.step = ptrs
             it.n, it.group = n, g
             it.slot[:] = slots
-        self._items, self._grads, self._key = arr, grads, key
+        self._items, self._grads = arr, grads
         self._total = sum(n for _, n, _, _ in items)
         return True
 
