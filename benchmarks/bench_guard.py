@@ -259,30 +259,39 @@ def guard_share(make: Callable[[], tuple[torch.nn.Module, Batch, str]], blocks: 
     """The part of a step the guard changes, timed inside the step: ``guard.check(loss)``
     and ``guard.step()`` against the unguarded ``optimizer.step()`` of the same mode,
     runners interleaved step by step, forward and backward untimed. Returns per row
-    ``(median CPU ms of that part per step over blocks of 10 steps, each block holding
+    ``(median ms of that part per step (CPU time; on a GPU, wall time to the end of its
+    kernels) over blocks of 10 steps, each block holding
     one flag read at interval 10; median CPU ms of the whole unguarded step)``."""
     rows = {c.name: c for c in configs(device) if c.runner is None and c.name != "eager, "
             "unguarded (A/A)" and TWO_PASSES not in c.name}
     runners = {name: Runner(make, c, device) for name, c in rows.items()}
     part: dict[str, list[float]] = {name: [] for name in runners}
     whole: dict[str, list[float]] = {name: [] for name in runners}
+    cuda = device.type == "cuda"
+
+    def clock() -> float:  # on a GPU: wall time to the end of the kernels queued so far
+        if cuda:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return time.process_time()
+
     for _ in range(blocks):
         spent = dict.fromkeys(runners, 0.0)
         for _step in range(10):
             for name, r in runners.items():
-                start = time.process_time()
+                start = clock()
                 x, y = r.batch()
                 r.opt.zero_grad(set_to_none=True)
                 loss = torch.nn.functional.cross_entropy(r.model(x), y)
                 loss.backward()
-                mid = time.process_time()
+                mid = clock()
                 if r.guard is None:
                     r.step()
                 else:
                     r.guard.check(loss)
                     r.guard.step()
                     r.guard.wait()
-                end = time.process_time()
+                end = clock()
                 spent[name] += end - mid
                 whole[name].append(end - start)
         for name in runners:
