@@ -60,3 +60,15 @@ def golden(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
         assert text == path.read_text(encoding="utf-8")
 
     return _check
+
+
+@pytest.fixture(scope="module")
+def recorded_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ``save_pretrained`` BERT folder (config, tokenizer, ``.gitattributes``) with its
+    manifest, built once per test module."""
+    from torch_zip_artifacts import bert_folder
+    from torchverity.manifest import write_manifest
+
+    folder = bert_folder(tmp_path_factory.mktemp("hf") / "bert")
+    write_manifest(folder)
+    return folder

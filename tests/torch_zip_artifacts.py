@@ -5,6 +5,7 @@ Lightning Trainer checkpoints."""
 from __future__ import annotations
 
 import logging
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,12 @@ def bert_folder(folder: Path) -> Path:
     transformers.GenerationConfig(max_new_tokens=4).save_pretrained(folder)
     (folder / ".gitattributes").write_text("*.safetensors filter=lfs diff=lfs merge=lfs -text\n")
     return folder
+
+
+def importable_copy(recorded: Path, tmp_path: Path, module: str) -> Path:
+    """A copy of a recorded BERT folder in ``tmp_path`` and, beside it, ``module``.py whose
+    build reads the copy's config.json (:data:`BERT_FOLDER_MODEL`); the caller puts
+    ``tmp_path`` on ``sys.path``."""
+    copy = Path(shutil.copytree(recorded, tmp_path / "bert"))
+    (tmp_path / f"{module}.py").write_text(BERT_FOLDER_MODEL.format(folder=str(copy)))
+    return copy

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import torchverity
-from torch_zip_artifacts import BERT_FOLDER_MODEL, bert, bert_folder, tiny_ldm_pipeline
+from torch_zip_artifacts import bert, importable_copy, tiny_ldm_pipeline
 from torchverity.checkpoint import CheckpointWarning
 from torchverity.digest import digest_file, write_sidecar
 from torchverity.errors import ManifestMismatchError
@@ -52,18 +52,10 @@ EDITS: dict[str, tuple[str, Callable[[Path], None]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = bert_folder(tmp_path_factory.mktemp("hf") / "bert")
-    write_manifest(folder)
-    return folder
-
-
 @pytest.fixture
-def folder(recorded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def folder(recorded_bert: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A copy of the recorded folder, and tvfolder_model (its build reads config.json)."""
-    copy = Path(shutil.copytree(recorded, tmp_path / "bert"))
-    (tmp_path / "tvfolder_model.py").write_text(BERT_FOLDER_MODEL.format(folder=str(copy)))
+    copy = importable_copy(recorded_bert, tmp_path, "tvfolder_model")
     monkeypatch.syspath_prepend(str(tmp_path))
     return copy
 

@@ -7,14 +7,13 @@ serves over real HTTP and names the files it verified in /metadata.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from torch_zip_artifacts import BERT_FOLDER_MODEL, bert_folder
+from torch_zip_artifacts import importable_copy
 from uvicorn_server import start
 
 pytest.importorskip("fastapi")
@@ -22,22 +21,13 @@ pytest.importorskip("transformers")
 import torch
 
 from torchverity.errors import ManifestMismatchError
-from torchverity.manifest import write_manifest
 from torchverity.serve._app import create_app
 from torchverity.serve._client import Client
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = bert_folder(tmp_path_factory.mktemp("hf") / "bert")
-    write_manifest(folder)
-    return folder
-
-
 @pytest.fixture
-def folder(recorded: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    copy = Path(shutil.copytree(recorded, tmp_path / "bert"))
-    (tmp_path / "tvserve_folder_model.py").write_text(BERT_FOLDER_MODEL.format(folder=str(copy)))
+def folder(recorded_bert: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    copy = importable_copy(recorded_bert, tmp_path, "tvserve_folder_model")
     monkeypatch.syspath_prepend(str(tmp_path))
     return copy
 
