@@ -207,6 +207,7 @@ class NativeUpdate:
         self._total = 0
         self._groups = (_Group * len(optimizer.param_groups))()
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_of = (0, 0)  # the process and thread count the pool was made for
         self._proven = _branches(optimizer)  # what agrees() was run with
         self.declined: str | None = None  # why the settings now in place are not proven
 
@@ -265,8 +266,10 @@ class NativeUpdate:
         if threads == 1:
             run(*calls[0])
             return
-        if self._pool is None or self._pool._max_workers != threads - 1:
+        # A forked child has the pool but not its threads: it starts its own.
+        if self._pool is None or self._pool_of != (os.getpid(), threads):
             self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="torchverity-update")
+            self._pool_of = (os.getpid(), threads)
         futures = [self._pool.submit(run, *c) for c in calls[1:]]  # ctypes drops the GIL
         run(*calls[0])
         for f in futures:
