@@ -24,6 +24,10 @@ SETTINGS: dict[str, Make] = {
     # beta1 < 0.5 takes lerp's other branch
     "adam-maximize-low-beta1": lambda ps: torch.optim.Adam(ps, lr=1e-3, betas=(0.3, 0.9),
                                                            maximize=True, eps=1e-6),
+    # torch's own one-pass CPU kernel (the Hugging Face Trainer's default optimizer)
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05, fused=True),
+    "adam-fused-l2-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1,
+                                                         amsgrad=True, fused=True),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2),
     "sgd-dampened": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.3),
     "sgd-nesterov-maximize": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.8, nesterov=True,
@@ -105,9 +109,9 @@ def test_the_proof_refuses_a_kernel_one_ulp_off_and_the_guard_compiles_instead(
         monkeypatch: pytest.MonkeyPatch) -> None:
     fill = _native._fill_group
 
-    def off_by_one_ulp(out: Any, optimizer: torch.optim.Optimizer, group: dict[str, Any]
-                       ) -> None:
-        fill(out, optimizer, group)
+    def off_by_one_ulp(out: Any, optimizer: torch.optim.Optimizer, group: dict[str, Any],
+                       sqrts: tuple[int, int]) -> None:
+        fill(out, optimizer, group, sqrts)
         # what a scalar rounded the wrong way would do
         out.w1 = float(numpy.nextafter(numpy.float32(out.w1), numpy.float32(1)))
 
@@ -190,4 +194,24 @@ def test_settings_changed_mid_run_are_proven_again_or_stepped_by_the_optimizer(
     assert [(e.step, e.suspects) for e in guard.events if e.kind == "weights_changed"] == [
         (18, ("2.weight",))]
     assert sum("no longer reproduces" in r.message for r in caplog.records) == 1
+    guard.close()
+
+
+def test_a_fused_kernel_the_native_update_does_not_reproduce_verifies_in_two_passes() -> None:
+    """SGD's fused=True kernel with momentum rounds otherwise: the proof refuses it, and
+    since its own kernel takes no sums the guard verifies in two passes, saying why."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
+    guard = TrainingGuard(model, opt, policies={"weights_changed": "record"})
+    coverage = guard._rest.coverage()
+    assert (coverage["verification"], coverage["fallback_reason"]) == (
+        "two passes", "fused=True optimizers run their own kernel")
+    for step in range(4):
+        if step == 2:
+            faults.flip_bit(model[0].weight, 9, 1)
+        opt.zero_grad()
+        guard.check(_backward(model, step))
+        guard.step()
+    guard.flush()
+    assert [(e.step, e.suspects) for e in guard.events] == [(2, ("0.weight",))]
     guard.close()

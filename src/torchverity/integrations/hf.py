@@ -9,10 +9,10 @@ over gradient-accumulation micro-batches; ``on_pre_optimizer_step`` computes
 the flags, ``on_optimizer_step`` concludes the step. For SGD, Adam and AdamW the
 guard's update stands in for the torch optimizer's ``step()`` (inside
 Accelerate's wrapper), so the at-rest check of every window rides in the update;
-the Trainer's default ``optim="adamw_torch_fused"`` runs AdamW's own fused kernel,
-which the sums cannot ride in: there, as with a gradient scaler (fp16) or
-another optimizer, the check takes two passes and the guard's first log event says
-why (``optim="adamw_torch"`` gives the guard's update). Note that the Trainer
+the Trainer's default ``optim="adamw_torch_fused"`` (AdamW's own one-pass kernel)
+is reproduced by the native update on the CPU; elsewhere, as with a gradient
+scaler (fp16) or another optimizer, the check takes two passes and the guard's
+first log event says why (``optim="adamw_torch"`` gives the compiled update). Note that the Trainer
 clips gradients before ``on_pre_optimizer_step``, so the gradient-norm rule sees clipped norms (NaN
 and Inf still show), and that with ``logging_nan_inf_filter=True`` (its
 default) the Trainer itself reads the loss on the host every step.

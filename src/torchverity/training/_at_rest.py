@@ -147,9 +147,9 @@ class AtRest:
         self._sums: PairedSums | None = None
         self._copy_sums: PairedSums | None = None
         self._updates = 0  # updates concluded under this guard: the two-pass cadence
+        self._native_reason: tuple[str | None] | None = None  # once known
         self.reason = self._fallback_reason(reducer, policies, fallback)
         self.fused: FusedUpdate | _native.NativeUpdate | None = None
-        self.native_reason: str | None = None  # why a fused update is the compiled one
         if self.reason is not None and config.fused:
             raise UsageError(f"TrainingGuard: fused=True, but {self.reason}",
                              hint="leave fused unset: the guard then verifies in two passes")
@@ -164,10 +164,6 @@ class AtRest:
                       ) -> FusedUpdate | _native.NativeUpdate:
         """The one-pass kernel where it reproduces ``optimizer.step()`` here, else the
         optimizer's step compiled with the sums."""
-        if not self.config.native:
-            self.native_reason = "native=False"
-        else:
-            self.native_reason = _native.unsupported(optimizer) or _native.agrees(optimizer)
         if self.native_reason is None:
             return _native.NativeUpdate(optimizer)
         if self.config.native and self._device.type == "cpu":
@@ -175,6 +171,16 @@ class AtRest:
                      self.native_reason)
         tensor_lrs(optimizer)
         return FusedUpdate(optimizer)
+
+    @property
+    def native_reason(self) -> str | None:
+        """Why the native update does not run this optimizer here (None: it does), proven
+        once per guard."""
+        if self._native_reason is None:
+            why = "native=False" if not self.config.native else (
+                _native.unsupported(self.optimizer) or _native.agrees(self.optimizer))
+            self._native_reason = (why,)
+        return self._native_reason[0]
 
     def _fallback_reason(self, reducer: object, policies: dict[str, str],
                          fallback: str | None) -> str | None:
@@ -189,7 +195,11 @@ class AtRest:
             return f"rest_every={cfg.rest_every} verifies one window in {cfg.rest_every}"
         if cfg.defer_record:
             return "defer_record=True takes the record on a helper thread"
-        return unsupported(self.optimizer, reducer, policies, cfg.update_ratio)
+        # A fused=True optimizer's own kernel takes no sums; the native update stands in
+        # for it where it is proven to compute the same.
+        fused_ok = any(g.get("fused") for g in self.optimizer.param_groups) and (
+            self.native_reason is None)
+        return unsupported(self.optimizer, reducer, policies, cfg.update_ratio, fused_ok)
 
     def coverage(self) -> dict[str, Any]:
         """What is verified, for the guard's first log event."""

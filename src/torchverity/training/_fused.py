@@ -77,15 +77,17 @@ def _own_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimiz
 
 
 def unsupported(optimizer: torch.optim.Optimizer, reducer: object,
-                policies: dict[str, str], update_ratio: bool) -> str | None:
-    """Why this guard cannot fuse the at-rest check into the update; None when it can."""
+                policies: dict[str, str], update_ratio: bool, fused_ok: bool = False
+                ) -> str | None:
+    """Why this guard cannot fuse the at-rest check into the update; None when it can.
+    ``fused_ok``: the native update reproduces this optimizer's fused=True kernel."""
     if type(optimizer) not in _SUPPORTED:
         return f"{type(optimizer).__name__} has no fused verification (SGD, Adam, AdamW do)"
     if any_sharded([p for group in optimizer.param_groups for p in group["params"]]):
         return "DTensor parameters (FSDP2, HSDP, tensor parallel): each rank verifies its " \
                "local shards in two passes"
     for group in optimizer.param_groups:
-        if group.get("fused"):
+        if group.get("fused") and not fused_ok:
             return "fused=True optimizers run their own kernel"
         if group.get("differentiable"):
             return "differentiable=True optimizers are not compiled"

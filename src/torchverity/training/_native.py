@@ -40,7 +40,8 @@ from torchverity.training._fused import word_sums
 log = logging.getLogger("torchverity.training")
 
 _SOURCE = Path(__file__).with_name("_native_update.c")
-_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+# -fno-math-errno: sqrtf becomes the vector instruction (errno is never read here).
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 _SLOTS = 5  # p, first state, second state, max second state, step
 
 
@@ -61,7 +62,8 @@ class _Group(ctypes.Structure):
                 ("beta2", ctypes.c_float), ("c2", ctypes.c_float), ("eps", ctypes.c_float),
                 ("momentum", ctypes.c_float), ("one_minus_dampening", ctypes.c_float),
                 ("neg_lr", ctypes.c_float), ("lr", ctypes.c_double), ("beta1", ctypes.c_double),
-                ("beta2d", ctypes.c_double)]
+                ("beta2d", ctypes.c_double), ("sqrt", ctypes.c_void_p),
+                ("vector", ctypes.c_int64)]
 
 
 # ---------------------------------------------------------------- building the kernel
@@ -129,8 +131,7 @@ def _kernel() -> tuple[ctypes.CDLL, int] | str:
     lib.tv_prepare.argtypes = [ctypes.POINTER(_Item), ctypes.c_int64, ctypes.POINTER(_Group),
                                ctypes.c_void_p, ctypes.c_void_p]
     lib.tv_run.argtypes = [ctypes.POINTER(_Item), ctypes.c_int64, ctypes.POINTER(_Group),
-                           ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                           ctypes.c_void_p]
+                           ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.tv_prepare.restype = lib.tv_run.restype = None
     return lib, sqrt
 
@@ -140,7 +141,7 @@ def _kernel() -> tuple[ctypes.CDLL, int] | str:
 def _group_reason(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | None:
     if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         return f"{type(optimizer).__name__} has no native update"
-    for flag in ("fused", "capturable", "differentiable"):
+    for flag in ("capturable", "differentiable"):
         if group.get(flag):
             return f"{flag}=True"
     if isinstance(group["lr"], torch.Tensor) or any(
@@ -162,9 +163,15 @@ def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
     return kernel if isinstance(kernel, str) else None
 
 
-def _fill_group(out: _Group, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
-    """The group's scalars, each rounded to float as torch's kernels receive it."""
+def _fill_group(out: _Group, optimizer: torch.optim.Optimizer, group: dict[str, Any],
+                sqrts: tuple[int, int]) -> None:
+    """The group's scalars, each rounded to float as torch's kernels receive it; its sqrt
+    (``sqrts``: MKL's for the eager ops, a correctly rounded one for fused=True) and, for
+    fused=True, the vector width that leaves a scalar tail in torch's kernel."""
     lr, wd = float(group["lr"]), float(group["weight_decay"])
+    fused = bool(group.get("fused"))
+    out.sqrt = sqrts[1] if fused else sqrts[0]
+    out.vector = _VECTOR.get(torch.backends.cpu.get_cpu_capability(), 8) if fused else 0
     out.maximize, out.has_wd = bool(group["maximize"]), wd != 0
     out.wd, out.lr = wd, lr
     if isinstance(optimizer, torch.optim.Adam):
@@ -186,6 +193,9 @@ def _fill_group(out: _Group, optimizer: torch.optim.Optimizer, group: dict[str, 
 
 # ---------------------------------------------------------------- the update
 
+# Floats per ATen vector, by the kernels torch dispatched to on this CPU.
+_VECTOR = {"AVX512": 16, "AVX2": 8, "DEFAULT": 8}
+
 _STATE_KEYS = {True: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"),
                False: ("momentum_buffer", None, None, None)}
 
@@ -198,7 +208,10 @@ class NativeUpdate:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         kernel = _kernel()
         assert not isinstance(kernel, str)
-        self._lib, self._sqrt = kernel
+        self._lib, mkl = kernel
+        exact = ctypes.cast(self._lib.tv_sqrt, ctypes.c_void_p).value
+        assert exact is not None
+        self._sqrts = (mkl, exact)
         self.optimizer = optimizer
         self._key: list[int] | None = None
         self._usable = False
@@ -213,8 +226,8 @@ class NativeUpdate:
 
     def __call__(self, tensors: Sequence[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if _has_hooks(self.optimizer):
-            return None  # the step hooks must run: the optimizer's own step
+        if _has_hooks(self.optimizer) or _scaled(self.optimizer):
+            return None  # hooks, or a gradient scaler's found_inf: the optimizer's own step
         if not self._still_proven():
             return None
         key = [t.data_ptr() for t in tensors]
@@ -223,7 +236,7 @@ class NativeUpdate:
         if not self._usable or not self._point_grads():
             return None
         for out, group in zip(self._groups, self.optimizer.param_groups, strict=True):
-            _fill_group(out, self.optimizer, group)
+            _fill_group(out, self.optimizer, group, self._sqrts)
         n = len(tensors)
         threads = self._threads()
         sums = torch.zeros(2, threads, max(n, 1), dtype=torch.int32)
@@ -262,7 +275,7 @@ class NativeUpdate:
         total, run = self._total, self._lib.tv_run
         cuts = [total * t // threads for t in range(threads + 1)]
         calls = [(self._items, len(self._items), self._groups, cuts[t], cuts[t + 1],
-                  self._sqrt, old[t].data_ptr(), new[t].data_ptr()) for t in range(threads)]
+                  old[t].data_ptr(), new[t].data_ptr()) for t in range(threads)]
         if threads == 1:
             run(*calls[0])
             return
@@ -339,6 +352,12 @@ def _branches(optimizer: torch.optim.Optimizer) -> tuple[tuple[object, ...], ...
                                             "capturable", "differentiable",
                                             "decoupled_weight_decay")))
     return tuple(of(g) for g in optimizer.param_groups)
+
+
+def _scaled(optimizer: torch.optim.Optimizer) -> bool:
+    """A gradient scaler (or a skip decision) handed to a fused optimizer for this step."""
+    return (getattr(optimizer, "grad_scale", None) is not None
+            or getattr(optimizer, "found_inf", None) is not None)
 
 
 def _has_hooks(optimizer: torch.optim.Optimizer) -> bool:

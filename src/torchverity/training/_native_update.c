@@ -5,7 +5,9 @@
  * update is bit for bit what optimizer.step() computes: ATen's vectorized add with alpha,
  * lerp and addcmul round once through a fused multiply-add (and so must we: fmaf, with
  * contraction off everywhere else), and its float32 sqrt is MKL's vsSqrt, which is not
- * correctly rounded, so the caller hands in that very function. The Python side checks
+ * correctly rounded, so the caller hands in that very function. torch's fused=True CPU
+ * kernel for Adam and AdamW does the same arithmetic with a correctly rounded sqrt, except
+ * in its scalar tails (see tv_group). The Python side checks
  * the claim against the optimizer itself before it uses this file (a CPU, a torch build
  * or an MKL whose results differ sends it back to the compiled update).
  *
@@ -16,6 +18,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define BLOCK 1024
 
@@ -46,7 +49,17 @@ typedef struct {
     float eps;
     float momentum, one_minus_dampening, neg_lr;
     double lr, beta1, beta2d;
+    vsqrt_fn sqrt;      /* MKL's vsSqrt (the eager ops), or tv_sqrt (fused=True kernels) */
+    /* fused=True: torch's kernel runs a tensor's last (n mod `vector`) elements through
+     * scalar code, which rounds the second moment in another order. 0: eager, no tail. */
+    int64_t vector;
 } tv_group;
+
+/* A correctly rounded float32 sqrt of a block: what torch's fused=True CPU kernels take
+ * (ATen's vectorized sqrt), where its eager sqrt is MKL's. */
+void tv_sqrt(int n, const float *in, float *out) {
+    for (int i = 0; i < n; i++) out[i] = sqrtf(in[i]);
+}
 
 static uint32_t word_sum(const float *x, int64_t n) {
     const uint32_t *w = (const uint32_t *)x;
@@ -89,8 +102,19 @@ static inline float maximum(float a, float b) {
     return a > b ? a : b;
 }
 
-static void adam_block(const tv_group *gr, const tv_item *it, int64_t lo, int64_t nb,
-                       vsqrt_fn vsqrt) {
+/* torch's fused kernel runs the last (n mod vector) elements of a tensor through scalar
+ * code, which rounds the second moment in another order: redo those that fall in the
+ * block [lo, lo + nb) of a tensor of n elements, from the old values in `old`. */
+static void scalar_tail(const tv_group *gr, int64_t n, int64_t lo, int64_t nb,
+                        const float *old, const float *grad, float *v) {
+    int64_t a = n - n % gr->vector;
+    for (int64_t j = a > lo ? a : lo; j < lo + nb; j++) {
+        int64_t i = j - lo;
+        v[i] = fmaf(old[i], gr->beta2, (gr->c2 * grad[i]) * grad[i]);
+    }
+}
+
+static void adam_block(const tv_group *gr, const tv_item *it, int64_t lo, int64_t nb) {
     float grad[BLOCK], denom[BLOCK];
     float *p = it->p + lo, *m = it->m + lo, *v = it->v + lo;
     const float *g = it->g + lo;
@@ -107,17 +131,21 @@ static void adam_block(const tv_group *gr, const tv_item *it, int64_t lo, int64_
         float coeff = gr->w1 - 1.0f;
         for (int64_t i = 0; i < nb; i++) m[i] = fmaf(coeff, grad[i] - m[i], grad[i]);
     }
+    float old_v[BLOCK];
+    int tail = gr->vector > 0 && lo + nb > it->n - it->n % gr->vector;
+    if (tail) memcpy(old_v, v, (size_t)nb * sizeof(float));
     for (int64_t i = 0; i < nb; i++) {
         float t = v[i] * gr->beta2;
         v[i] = fmaf(gr->c2 * grad[i], grad[i], t);
     }
+    if (tail) scalar_tail(gr, it->n, lo, nb, old_v, grad, v);
     const float *second = v;
     if (gr->amsgrad) {
         float *vm = it->vmax + lo;
         for (int64_t i = 0; i < nb; i++) vm[i] = maximum(vm[i], v[i]);
         second = vm;
     }
-    vsqrt((int)nb, second, denom);
+    gr->sqrt((int)nb, second, denom);
     float bc2_sqrt = it->bc2_sqrt, eps = gr->eps, neg_step = it->neg_step_size;
     for (int64_t i = 0; i < nb; i++) denom[i] = denom[i] / bc2_sqrt + eps;
     for (int64_t i = 0; i < nb; i++) p[i] = p[i] + (neg_step * m[i]) / denom[i];
@@ -141,7 +169,7 @@ static void sgd_block(const tv_group *gr, const tv_item *it, int64_t lo, int64_t
 /* The elements [lo, hi) of the items laid end to end: several threads may each take a
  * range (their sums are added afterwards). tv_prepare must have run for this update. */
 void tv_run(const tv_item *items, int64_t count, const tv_group *groups, int64_t lo,
-            int64_t hi, vsqrt_fn vsqrt, uint32_t *old_sums, uint32_t *new_sums) {
+            int64_t hi, uint32_t *old_sums, uint32_t *new_sums) {
     int64_t base = 0;
     for (int64_t k = 0; k < count && base < hi; base += items[k].n, k++) {
         const tv_item *it = &items[k];
@@ -154,7 +182,7 @@ void tv_run(const tv_item *items, int64_t count, const tv_group *groups, int64_t
             for (int j = 0; j < 4; j++)
                 if (ts[j]) add_sum(old_sums, it->slot[j], ts[j] + start, nb);
             if (it->g != 0) {
-                if (gr->adam) adam_block(gr, it, start, nb, vsqrt);
+                if (gr->adam) adam_block(gr, it, start, nb);
                 else sgd_block(gr, it, start, nb);
             }
             for (int j = 0; j < 4; j++)
