@@ -101,12 +101,9 @@ def foreign_format(path: Path, head: bytes | None = None) -> FormatError | None:
     """The error naming a file that is something other than a checkpoint, known from its
     first bytes: a numpy array or archive, a Git LFS pointer or HTML page, an ONNX model,
     a compressed joblib file. None for anything else, checkpoints and damaged files alike."""
+    head = _first_bytes(path, head)
     if head is None:
-        try:
-            with open(path, "rb") as fh:
-                head = fh.read(512)
-        except OSError:
-            return None
+        return None
     if head.startswith(b"\x93NUMPY") or (head.startswith(b"PK\x03\x04")
                                          and _first_zip_entry(head).lower().endswith(".npy")):
         return numpy_or_foreign_zip(path, head)
@@ -186,15 +183,24 @@ def numpy_or_foreign_zip(path: Path, head: bytes) -> FormatError | None:
 LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
+def _first_bytes(path: Path, head: bytes | None) -> bytes | None:
+    """``head`` when the caller already read the file's first 512 bytes, else those bytes
+    (None when the file cannot be read: the caller's own open reports that)."""
+    if head is not None:
+        return head
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(512)
+    except OSError:
+        return None
+
+
 def download_kind(path: Path, head: bytes | None = None) -> str | None:
     """``"lfs-pointer"`` or ``"html"`` when a file is one of the two common broken downloads
     (``head``: its first 512 bytes, when already read)."""
+    head = _first_bytes(path, head)
     if head is None:
-        try:
-            with open(path, "rb") as fh:
-                head = fh.read(512)
-        except OSError:
-            return None
+        return None
     if head.startswith(LFS_POINTER):
         return "lfs-pointer"
     text = head.lstrip(b"\xef\xbb\xbf \t\r\n").lower()
