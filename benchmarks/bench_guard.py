@@ -11,8 +11,9 @@ data, torch pinned to one thread. Two modes, each against its own baseline:
   the eager step), and with ``fused=False`` verifies in two passes (what other
   optimizers get);
 * *compiled*: the user's loop calls ``torch.compile(optimizer.step)``; the guard with
-  ``native=False`` runs the check inside the compiled update (what a GPU, and float16 or
-  bfloat16 parameters, get).
+  ``arithmetic="compiled"`` runs the check inside the native update with the compiled
+  step's arithmetic (on the CPU), and with ``native=False`` inside the compiled update
+  (what a GPU, and float16 or bfloat16 parameters, get).
 
 A last row compares the default guard with the compiled unguarded step. The run
 is many short rounds; in each, blocks of steps alternate baseline, configuration,
@@ -63,6 +64,7 @@ EAGER = "eager, unguarded"
 COMPILED = "compiled step, unguarded"
 DEFAULT = "guard fused (default)"
 COMPILED_GUARD = "compiled, guard fused (native=False)"
+COMPILED_NATIVE = "compiled, guard fused (arithmetic='compiled')"
 TWO_PASSES = "eager, guard in two passes (fused=False)"
 AGAINST_COMPILED = f"{DEFAULT}, interval 10, against the compiled step"
 
@@ -82,6 +84,9 @@ def configs(device: torch.device) -> tuple[Config, ...]:
         Config(f"{TWO_PASSES}, interval 10", {"check_every": 10, "fused": False}, interval=10),
         Config(f"{TWO_PASSES}, interval 1", {"check_every": 1, "fused": False}, interval=1),
         Config(COMPILED, None, compiled=True, baseline=COMPILED),
+        *(Config(f"{COMPILED_NATIVE}, interval {n}",
+                 {"check_every": n, "arithmetic": "compiled"}, compiled=True,
+                 baseline=COMPILED, interval=n) for n in ((10, 1) if native else ())),
         Config(f"{COMPILED_GUARD}, interval 10", {"check_every": 10, "native": False},
                compiled=True, baseline=COMPILED, interval=10),
         Config(f"{COMPILED_GUARD}, interval 1", {"check_every": 1, "native": False},
@@ -236,6 +241,11 @@ def update_alone(make: Callable[[], tuple[torch.nn.Module, Batch, str]], calls: 
         summing = Runner(make, Config(EAGER, None), device)
         native = NativeUpdate(summing.opt)
         ways["native"] = lambda: native(_covered(summing))
+        # from three compiled steps: the state and trajectory of the compiled step
+        as_compiled = Runner(make, Config(COMPILED, None, compiled=True, baseline=COMPILED),
+                             device)
+        native_compiled = NativeUpdate(as_compiled.opt, compiled=True)
+        ways["native, compiled arithmetic"] = lambda: native_compiled(_covered(as_compiled))
     fused_runner = Runner(make, Config(COMPILED, None, compiled=True, baseline=COMPILED), device)
     tensor_lrs(fused_runner.opt)
     fused = FusedUpdate(fused_runner.opt)
@@ -341,6 +351,8 @@ def _target_line(label: str, rows: list[Row], noise: float, device: torch.device
     line = (f"* {label}: the default guard against the {mode} step "
             f"{judged(f'{mode}, {DEFAULT}')}; ")
     if device.type == "cpu":
+        line += (f"the native guard with compiled arithmetic against the compiled step "
+                 f"{judged(COMPILED_NATIVE)}; ")
         line += f"the compiled guard against the compiled step {judged(COMPILED_GUARD)}; "
     line += f"the two-pass guard against the eager step {judged(TWO_PASSES)}; "
     if AGAINST_COMPILED in by:
@@ -394,9 +406,11 @@ def main() -> int:
              "on a GPU, wall time to the end of its kernels): the eager `optimizer.step()`, "
              "the guard's native update with the word sums of every parameter and state "
              "tensor as it reads and writes them (CPU only), `torch.compile(optimizer.step)`, "
-             "and the guard's compiled update with the same sums.", "",
+             "the native update with the compiled step's arithmetic and the same sums (CPU "
+             "only), and the guard's compiled update with the same sums.", "",
              "| model | eager step | native update with the sums | compiled step | "
-             "compiled update with the sums |", "|---|---|---|---|---|"]
+             "native update, compiled arithmetic, with the sums | "
+             "compiled update with the sums |", "|---|---|---|---|---|---|"]
     inside = ["", "## The guard's part of a step, timed inside the step", "",
               "CPU ms per step of `guard.check(loss)` + `guard.step()` against the unguarded "
               "`optimizer.step()` of the same mode, the runners interleaved step by step "
@@ -431,9 +445,10 @@ def main() -> int:
                               f"{_judge(extra, c.interval)} |")
                 print(inside[-1], flush=True)
         ms = update_alone(make, 40, device)
-        native = f"{ms['native']:.2f}" if "native" in ms else "n/a"
+        native, native_compiled = (f"{ms[k]:.2f}" if k in ms else "n/a"
+                                   for k in ("native", "native, compiled arithmetic"))
         alone.append(f"| {label} | {ms['eager']:.2f} | {native} | {ms['compiled']:.2f} | "
-                     f"{ms['compiled with sums']:.2f} |")
+                     f"{native_compiled} | {ms['compiled with sums']:.2f} |")
         print(alone[-1], flush=True)
     took = f"The run took {time.perf_counter() - started:.0f} s."
     lines += [*summary, *inside, *alone, "", took, "", NOTES, ""]
@@ -451,10 +466,12 @@ NOTES = (
     "state tensor taken in the update's own pass as it reads and writes them. On the CPU "
     "that update is the native one, bit for bit the eager `optimizer.step()`, so it is "
     "compared with the same AdamW stepped eagerly; on a GPU it is the compiled one, "
-    "compared with `torch.compile(optimizer.step)`. *guard fused (native=False)* = the "
-    "compiled update on the CPU, compared with `torch.compile(optimizer.step)` (both with "
-    "a tensor learning rate). *guard in two passes* = `fused=False`: a record after each "
-    "update and a verification before the next (what optimizers other than SGD, Adam and "
+    "compared with `torch.compile(optimizer.step)`. *guard fused (arithmetic='compiled')* "
+    "= the native update computing what `torch.compile(optimizer.step)` computes, bit for "
+    "bit, and *guard fused (native=False)* = the compiled update on the CPU, both compared "
+    "with `torch.compile(optimizer.step)` (all with a tensor learning rate). *guard in "
+    "two passes* = `fused=False`: a record after each update and a verification before "
+    "the next (what optimizers other than SGD, Adam and "
     "AdamW get), compared with the eager step. A target is *met* when the median plus the "
     "larger of its 95% half-width and the A/A median stays within it; *within noise* when "
     "only the median does.\n\n"
@@ -466,7 +483,8 @@ NOTES = (
     "are summed, so the sums cost a few integer adds per word. In the C++ that inductor "
     "generates for the compiled update, the sums of what the update is about to overwrite "
     "in place are taken in loops of their own before the update's loop, about half the "
-    "update's memory traffic again."
+    "update's memory traffic again; the native update with the compiled step's "
+    "arithmetic takes them in its one pass instead."
 )
 
 

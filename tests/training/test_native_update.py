@@ -1,10 +1,13 @@
 """The native update (the at-rest check in the optimizer's own pass on the CPU) computes bit
 for bit what the eager ``optimizer.step()`` computes, in every setting of SGD, Adam and
-AdamW, split across threads or not, with parameters that skip an update; the proof it runs
-before a guard uses it refuses a kernel that differs in one ulp; step hooks still run."""
+AdamW, split across threads or not, with parameters that skip an update, and with
+``arithmetic="compiled"`` what ``torch.compile(optimizer.step)`` computes; the proof it
+runs before a guard uses it refuses a kernel that differs in one ulp; step hooks still
+run; an LR scheduler sees the guarded update as the optimizer's step."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -52,6 +55,13 @@ def _backward(model: torch.nn.Module, step: int, sign: float = 1.0) -> torch.Ten
     if step % 7 == 3:
         model[2].bias.grad = None  # this parameter skips this update
     return loss
+
+
+def _compiled_lrs(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """What a user of a compiled optimizer writes: tensor learning rates."""
+    for group in opt.param_groups:
+        group["lr"] = torch.tensor(group["lr"])
+    return opt
 
 
 def _bits(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[bytes]:
@@ -110,8 +120,8 @@ def test_the_proof_refuses_a_kernel_one_ulp_off_and_the_guard_compiles_instead(
     fill = _native._fill_group
 
     def off_by_one_ulp(out: Any, optimizer: torch.optim.Optimizer, group: dict[str, Any],
-                       sqrts: tuple[int, int]) -> None:
-        fill(out, optimizer, group, sqrts)
+                       sqrts: tuple[int, int], compiled: bool) -> None:
+        fill(out, optimizer, group, sqrts, compiled)
         # what a scalar rounded the wrong way would do
         out.w1 = float(numpy.nextafter(numpy.float32(out.w1), numpy.float32(1)))
 
@@ -122,9 +132,78 @@ def test_the_proof_refuses_a_kernel_one_ulp_off_and_the_guard_compiles_instead(
     assert _native.agrees(opt) == "group 0: the native update differs from AdamW.step() in step 2"
     guard = TrainingGuard(model, opt)
     coverage = guard._rest.coverage()
-    assert (coverage["verification"], coverage["update"]) == ("fused into the update", "compiled")
-    assert guard._rest.native_reason == "group 0: the native update differs from AdamW.step() " \
-                                        "in step 2"
+    # Refused for the eager arithmetic and for the compiled one: torch.compile runs it.
+    assert (coverage["verification"], coverage["update"], coverage["arithmetic"]) == (
+        "fused into the update", "compiled", "compiled")
+    assert coverage["update_reason"] == (
+        "group 0: the native update differs from AdamW.step() in step 2; group 0: the native "
+        "update differs from torch.compile(AdamW.step) in step 2")
+    guard.close()
+
+
+COMPILED = ("adam-l2-amsgrad", "adam-maximize-low-beta1", "sgd-dampened")
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_with_compiled_arithmetic_the_native_update_is_the_compiled_step_bit_for_bit(
+        name: str) -> None:
+    """``arithmetic="compiled"``: the kernel reproduces ``torch.compile(optimizer.step)``
+    (its first update, which creates the state, is the compiled step itself)."""
+    with _threads(2):
+        model, ref = _model(), _model()
+        opt = SETTINGS[name](model.parameters())
+        ref_opt = _compiled_lrs(SETTINGS[name](ref.parameters()))
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 30)
+        ref_schedule = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, 30)
+        # Earlier tests' optimizers of the same class filled torch.compile's recompile
+        # limit for their step, past which it would run this one eagerly.
+        torch._dynamo.reset()
+        ref_step = torch.compile(ref_opt.step)
+        guard = TrainingGuard(model, opt, policies={"weights_changed": "record"},
+                              arithmetic="compiled")
+        coverage = guard._rest.coverage()
+        assert (coverage["update"], coverage["arithmetic"]) == ("native", "compiled")
+        assert coverage["update_reason"] == "arithmetic='compiled'"
+        sign = -1.0 if "maximize" in name else 1.0
+        for step in range(30):
+            opt.zero_grad()
+            guard.check(_backward(model, step, sign))
+            guard.step()
+            schedule.step()
+            ref_opt.zero_grad()
+            _backward(ref, step, sign)
+            ref_step()
+            ref_schedule.step()
+        assert guard.flush() == [] and guard.events == []
+        assert _bits(model, opt) == _bits(ref, ref_opt)
+        faults.flip_bit(opt.state[model[0].weight]["exp_avg" if "adam" in name
+                                                   else "momentum_buffer"], 5, 30)
+        opt.zero_grad()
+        guard.check(_backward(model, 30, sign))
+        guard.step()
+        guard.flush()
+        assert [(e.kind, e.suspects) for e in guard.events] == [
+            ("weights_changed", ("optimizer.0.weight." + ("exp_avg" if "adam" in name
+                                                          else "momentum_buffer"),))]
+        guard.close()
+
+
+def test_an_lr_scheduler_sees_the_guarded_update_as_the_optimizers_step() -> None:
+    """torch warns of a schedule stepped before the optimizer when its wrapper of
+    ``optimizer.step`` did not run: the guard's update stands in for it from the first
+    one (which the optimizer runs itself, creating its state)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 10)
+    guard = TrainingGuard(model, opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            opt.zero_grad()
+            guard.check(_backward(model, step))
+            guard.step()
+            schedule.step()
+    assert [str(w.message) for w in caught if "lr_scheduler" in str(w.message)] == []
     guard.close()
 
 
@@ -189,7 +268,7 @@ def test_settings_changed_mid_run_are_proven_again_or_stepped_by_the_optimizer(
         runs[1][1].step()
         kinds.append(guard._rest.fused.declined)  # type: ignore[union-attr]
     guard.flush()
-    assert kinds[:15] == [None] * 15 and kinds[15:] == ["a tensor lr or betas"] * 5
+    assert kinds[:15] == [None] * 15 and kinds[15:] == ["a tensor lr"] * 5
     assert _bits(model, runs[0][1]) == _bits(ref, runs[1][1])
     assert [(e.step, e.suspects) for e in guard.events if e.kind == "weights_changed"] == [
         (18, ("2.weight",))]

@@ -106,7 +106,8 @@ def test_lightning_runs_the_fused_update_bit_identical_and_names_a_flip(tmp_path
     guard, model = _lightning(tmp_path)
     assert _coverage(tmp_path / "events.jsonl") == [{
         "windows": "every", "tensors": "parameters and optimizer state",
-        "verification": FUSED, "update": "native", "update_reason": None,
+        "verification": FUSED, "update": "native", "arithmetic": "eager",
+        "update_reason": None,
         "fallback_reason": None, "frozen_parameters": 0}]
     assert guard.fused_updates == 30  # every update was the guard's, none in two passes
     assert [(e.step, e.kind, e.suspects) for e in guard.guard.events] == [

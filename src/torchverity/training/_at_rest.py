@@ -150,6 +150,9 @@ class AtRest:
         self._native_reason: tuple[str | None] | None = None  # once known
         self.reason = self._fallback_reason(reducer, policies, fallback)
         self.fused: FusedUpdate | _native.NativeUpdate | None = None
+        # The compiled step for the updates the native one leaves (compiled arithmetic).
+        self._compiled: FusedUpdate | None = None
+        self._compiled_reason: str | None = None  # why the compiled step is not native
         if self.reason is not None and config.fused:
             raise UsageError(f"TrainingGuard: fused=True, but {self.reason}",
                              hint="leave fused unset: the guard then verifies in two passes")
@@ -162,23 +165,34 @@ class AtRest:
 
     def _fused_update(self, optimizer: torch.optim.Optimizer
                       ) -> FusedUpdate | _native.NativeUpdate:
-        """The one-pass kernel where it reproduces ``optimizer.step()`` here, else the
-        optimizer's step compiled with the sums."""
+        """The one-pass kernel where it reproduces ``optimizer.step()`` here; else the
+        step ``torch.compile`` makes of it, by the same kernel where it reproduces that
+        one, or compiled with the sums."""
         if self.native_reason is None:
             return _native.NativeUpdate(optimizer)
-        if self.config.native and self._device.type == "cpu":
-            log.info("torchverity: the at-rest check rides in the compiled update (%s)",
-                     self.native_reason)
         tensor_lrs(optimizer)
-        return FusedUpdate(optimizer)
+        compiled = FusedUpdate(optimizer)
+        self._compiled_reason = "native=False" if not self.config.native else (
+            f"on {self._device.type}" if self._device.type != "cpu" else (
+                _native.unsupported(optimizer, compiled=True)
+                or _native.agrees(optimizer, compiled=True)))
+        if self.config.arithmetic == "eager" and self.config.native:
+            log.info("torchverity: the at-rest check rides in torch.compile's arithmetic "
+                     "of the update (%s)", self.native_reason)
+        if self._compiled_reason is not None:
+            return compiled
+        self._compiled = compiled
+        return _native.NativeUpdate(optimizer, compiled=True)
 
     @property
     def native_reason(self) -> str | None:
         """Why the native update does not run this optimizer here (None: it does), proven
         once per guard."""
         if self._native_reason is None:
-            why = "native=False" if not self.config.native else (
-                _native.unsupported(self.optimizer) or _native.agrees(self.optimizer))
+            cfg = self.config
+            why = "native=False" if not cfg.native else (
+                "arithmetic='compiled'" if cfg.arithmetic == "compiled" else (
+                    _native.unsupported(self.optimizer) or _native.agrees(self.optimizer)))
             self._native_reason = (why,)
         return self._native_reason[0]
 
@@ -209,11 +223,15 @@ class AtRest:
         windows = "every" if cfg.rest_every == 1 else f"1 in {cfg.rest_every}"
         tensors = "parameters and optimizer state" if cfg.optimizer_state else "parameters"
         how = "fused into the update" if self.fused is not None else "two passes"
-        update = None if self.fused is None else (
-            "native" if isinstance(self.fused, _native.NativeUpdate) else "compiled")
+        native = isinstance(self.fused, _native.NativeUpdate)
+        update = None if self.fused is None else ("native" if native else "compiled")
+        arithmetic = None if self.fused is None else (
+            "compiled" if not native or self._compiled is not None else "eager")
+        reasons = [r for r in (self.native_reason, self._compiled_reason) if r is not None]
         return {"windows": windows, "tensors": tensors, "verification": how,
-                "update": update,
-                "update_reason": self.native_reason if update == "compiled" else None,
+                "update": update, "arithmetic": arithmetic,
+                "update_reason": "; ".join(dict.fromkeys(reasons))
+                if arithmetic == "compiled" else None,
                 "fallback_reason": self.reason if self.fused is None else None,
                 "frozen_parameters": len(self.frozen.names)}
 
@@ -291,9 +309,13 @@ class AtRest:
             word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names)
         try:
             sums = self.fused(tensors)
-            # None: the native update leaves this one to the optimizer (it creates state).
-            before, after = sums if sums is not None else update_with_sums(
-                lambda opt: type(opt).step(opt), self.optimizer, tensors)
+            if sums is None:  # the native update leaves this one (it creates state)
+                sums = self._compiled(tensors) if self._compiled is not None else (
+                    update_with_sums(lambda opt: type(opt).step(opt), self.optimizer, tensors))
+            before, after = sums
+            # What the LR scheduler's wrapper of ``optimizer.step`` would have noted: it
+            # warns of a schedule stepped before the optimizer otherwise.
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
         except Exception as exc:  # compiling raises before anything runs: step eagerly
             if pair is None and self.record is not None:  # verify the window in a pass
                 pair = word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names
@@ -325,7 +347,7 @@ class AtRest:
         log.warning("torchverity: the fused at-rest check is not available here (%s: %s); "
                     "verifying in two passes", type(exc).__name__, exc)
         self.reason = f"torch.compile failed: {type(exc).__name__}"
-        self.fused = None
+        self.fused = self._compiled = None
         self.record, self._fused_tensors = None, []
         self._said()
 
@@ -333,7 +355,7 @@ class AtRest:
         """From the fused check to two passes, for good: the window under way is verified
         now (its record is a fused one), the next one recorded after the update."""
         pair = self.now()
-        self.reason, self.fused = reason, None
+        self.reason, self.fused, self._compiled = reason, None, None
         self.record, self._fused_tensors, self._after = None, [], None
         self._said()
         return pair

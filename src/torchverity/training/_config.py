@@ -37,6 +37,9 @@ class GuardConfig:
     frozen_parameters: bool = True  # requires_grad=False parameters verified at rest too
     fused: bool | None = None  # at-rest check inside the update's own pass; None: where it can
     native: bool = True  # fused on CPU float32: the one-pass kernel, bit for bit the eager step
+    # which step the fused update reproduces bit for bit: optimizer.step() itself, or
+    # torch.compile(optimizer.step) ("compiled", which native=False also implies)
+    arithmetic: str = "eager"
     fused_skip: bool = True
     host_skip: bool | None = None
     overlap: bool = False
@@ -58,6 +61,10 @@ class GuardConfig:
                                  hint=hint)
         if not 1 <= self.min_samples <= self.window:
             raise UsageError("TrainingGuard: min_samples must be between 1 and window")
+        if self.arithmetic not in ("eager", "compiled"):
+            raise UsageError(f"TrainingGuard: unknown arithmetic='{self.arithmetic}'",
+                             hint="arithmetic='eager' (optimizer.step() itself) or 'compiled' "
+                                  "(torch.compile(optimizer.step))")
         if self.stats not in ("auto", "host", "device"):
             raise UsageError(f"TrainingGuard: unknown stats='{self.stats}'",
                              hint="stats='auto' (host on the CPU), 'host' or 'device'")

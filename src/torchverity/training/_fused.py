@@ -133,6 +133,4 @@ class FusedUpdate:
         """``(sums as the update read the tensors, sums as it wrote them)``."""
         with torch.no_grad():
             before, after = self._fn(_own_step(self.optimizer), self.optimizer, tensors)
-        # What the LR scheduler's wrapper of ``step`` would have noted (it warns otherwise).
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return before, after

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.optim.optimizer as _optim
 
-from torchverity.training._fused import word_sums
+from torchverity.training._fused import FusedUpdate, word_sums
 
 log = logging.getLogger("torchverity.training")
 
@@ -58,7 +58,10 @@ class _Group(ctypes.Structure):
                 ("has_wd", ctypes.c_int32), ("decoupled", ctypes.c_int32),
                 ("amsgrad", ctypes.c_int32), ("lerp_small", ctypes.c_int32),
                 ("has_momentum", ctypes.c_int32), ("nesterov", ctypes.c_int32),
+                ("compiled", ctypes.c_int32),
                 ("p_mul", ctypes.c_float), ("wd", ctypes.c_float), ("w1", ctypes.c_float),
+                ("w1_minus_1", ctypes.c_float), ("beta1f", ctypes.c_float),
+                ("lrf", ctypes.c_float),
                 ("beta2", ctypes.c_float), ("c2", ctypes.c_float), ("eps", ctypes.c_float),
                 ("momentum", ctypes.c_float), ("one_minus_dampening", ctypes.c_float),
                 ("neg_lr", ctypes.c_float), ("lr", ctypes.c_double), ("beta1", ctypes.c_double),
@@ -129,7 +132,7 @@ def _kernel() -> tuple[ctypes.CDLL, int] | str:
         detail = getattr(exc, "stderr", "") or exc
         return f"compiling the native update failed: {str(detail).strip()[:300]}"
     lib.tv_prepare.argtypes = [ctypes.POINTER(_Item), ctypes.c_int64, ctypes.POINTER(_Group),
-                               ctypes.c_void_p, ctypes.c_void_p]
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.tv_run.argtypes = [ctypes.POINTER(_Item), ctypes.c_int64, ctypes.POINTER(_Group),
                            ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.tv_prepare.restype = lib.tv_run.restype = None
@@ -138,25 +141,33 @@ def _kernel() -> tuple[ctypes.CDLL, int] | str:
 
 # ---------------------------------------------------------------- which optimizers
 
-def _group_reason(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> str | None:
+def _group_reason(optimizer: torch.optim.Optimizer, group: dict[str, Any],
+                  compiled: bool) -> str | None:
     if type(optimizer) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         return f"{type(optimizer).__name__} has no native update"
-    for flag in ("capturable", "differentiable"):
+    for flag in ("capturable", "differentiable") + (("fused",) if compiled else ()):
         if group.get(flag):
             return f"{flag}=True"
-    if isinstance(group["lr"], torch.Tensor) or any(
-            isinstance(b, torch.Tensor) for b in group.get("betas", ())):
-        return "a tensor lr or betas"
+    if any(isinstance(b, torch.Tensor) for b in group.get("betas", ())):
+        return "tensor betas"
+    lr = group["lr"]
+    if not compiled and isinstance(lr, torch.Tensor):
+        return "a tensor lr"
+    # The compiled step reads a tensor lr; a float one is baked into the graph.
+    if compiled and not (isinstance(lr, torch.Tensor) and lr.dtype == torch.float32
+                         and lr.device.type == "cpu" and lr.dim() == 0):
+        return "a float lr (torch.compile bakes it into the graph: foreach=True groups)"
     for p in group["params"]:
         if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
             return "parameters other than contiguous float32 on the CPU"
     return None
 
 
-def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why the native update cannot run this optimizer; None when it can."""
+def unsupported(optimizer: torch.optim.Optimizer, compiled: bool = False) -> str | None:
+    """Why the native update cannot run this optimizer (with the arithmetic of
+    ``torch.compile(optimizer.step)``: ``compiled``); None when it can."""
     for group in optimizer.param_groups:
-        reason = _group_reason(optimizer, group)
+        reason = _group_reason(optimizer, group, compiled)
         if reason is not None:
             return reason
     kernel = _kernel()
@@ -164,13 +175,16 @@ def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
 
 
 def _fill_group(out: _Group, optimizer: torch.optim.Optimizer, group: dict[str, Any],
-                sqrts: tuple[int, int]) -> None:
+                sqrts: tuple[int, int], compiled: bool) -> None:
     """The group's scalars, each rounded to float as torch's kernels receive it; its sqrt
-    (``sqrts``: MKL's for the eager ops, a correctly rounded one for fused=True) and, for
-    fused=True, the vector width that leaves a scalar tail in torch's kernel."""
+    (``sqrts``: MKL's for the eager ops, a correctly rounded one for fused=True and for
+    the compiled step) and, for fused=True, the vector width that leaves a scalar tail in
+    torch's kernel. ``compiled``: the constants inductor bakes into the compiled step
+    (the Python floats' own arithmetic, rounded once to float)."""
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     fused = bool(group.get("fused"))
-    out.sqrt = sqrts[1] if fused else sqrts[0]
+    out.compiled, out.lrf = compiled, lr
+    out.sqrt = sqrts[1] if fused or compiled else sqrts[0]
     out.vector = _VECTOR.get(torch.backends.cpu.get_cpu_capability(), 8) if fused else 0
     out.maximize, out.has_wd = bool(group["maximize"]), wd != 0
     out.wd, out.lr = wd, lr
@@ -180,8 +194,9 @@ def _fill_group(out: _Group, optimizer: torch.optim.Optimizer, group: dict[str, 
         out.decoupled = bool(group.get("decoupled_weight_decay")) or isinstance(
             optimizer, torch.optim.AdamW)
         out.p_mul = 1 - lr * wd
-        out.w1 = 1 - beta1
-        out.lerp_small = abs(out.w1) < 0.5  # ATen's test, on the weight as a float
+        out.w1, out.w1_minus_1, out.beta1f = 1 - beta1, (1 - beta1) - 1, beta1
+        # ATen's test, on the weight as a float; the compiled graph's, on the Python float.
+        out.lerp_small = abs(1 - beta1 if compiled else out.w1) < 0.5
         out.beta2, out.c2, out.eps = beta2, 1 - beta2, float(group["eps"])
         out.beta1, out.beta2d = beta1, beta2
     else:
@@ -202,10 +217,11 @@ _STATE_KEYS = {True: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"),
 
 class NativeUpdate:
     """``optimizer.step()`` on the CPU with the word sums of ``tensors`` before and after,
-    in one pass; :meth:`__call__` returns None when the step must run eagerly (state
-    not created yet, a tensor in a layout the kernel does not take)."""
+    in one pass (``compiled``: the step ``torch.compile(optimizer.step)`` computes);
+    :meth:`__call__` returns None when the step must run another way (state not created
+    yet, a tensor in a layout the kernel does not take)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, compiled: bool = False) -> None:
         kernel = _kernel()
         assert not isinstance(kernel, str)
         self._lib, mkl = kernel
@@ -213,6 +229,7 @@ class NativeUpdate:
         assert exact is not None
         self._sqrts = (mkl, exact)
         self.optimizer = optimizer
+        self.compiled = compiled
         self._key: list[int] | None = None
         self._usable = False
         self._items: Any = None
@@ -236,16 +253,14 @@ class NativeUpdate:
         if not self._usable or not self._point_grads():
             return None
         for out, group in zip(self._groups, self.optimizer.param_groups, strict=True):
-            _fill_group(out, self.optimizer, group, self._sqrts)
+            _fill_group(out, self.optimizer, group, self._sqrts, self.compiled)
         n = len(tensors)
         threads = self._threads()
         sums = torch.zeros(2, threads, max(n, 1), dtype=torch.int32)
         old, new = sums[0], sums[1]
-        self._lib.tv_prepare(self._items, len(self._items), self._groups,
+        self._lib.tv_prepare(self._items, len(self._items), self._groups, len(self._groups),
                              old[0].data_ptr(), new[0].data_ptr())
         self._run(threads, old, new)
-        # What the LR scheduler's wrapper of ``step`` would have noted (it warns otherwise).
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         before, after = old.sum(0, dtype=torch.int32), new.sum(0, dtype=torch.int32)
         return before[:n], after[:n]
 
@@ -257,12 +272,13 @@ class NativeUpdate:
         branches = _branches(self.optimizer)
         if branches != self._proven:
             self._proven = branches
-            self.declined = unsupported(self.optimizer) or agrees(self.optimizer)
+            self.declined = (unsupported(self.optimizer, self.compiled)
+                             or agrees(self.optimizer, self.compiled))
             if self.declined is not None:
                 log.warning("torchverity: the optimizer's settings changed and the native "
-                            "update no longer reproduces its step (%s); the optimizer "
-                            "steps itself, the at-rest sums are taken in passes",
-                            self.declined)
+                            "update no longer reproduces its step (%s); %s", self.declined,
+                            "the compiled update runs it" if self.compiled else
+                            "the optimizer steps itself, the at-rest sums are taken in passes")
             self._groups = (_Group * len(self.optimizer.param_groups))()
             self._key = None
         return self.declined is None
@@ -372,6 +388,11 @@ def _has_hooks(optimizer: torch.optim.Optimizer) -> bool:
 # than ATen's grain (32768 elements), where its threads split a tensor.
 _PROBE_LENGTHS = (1, 3, 8, 15, 16, 17, 33, 1023, 1025, 4099, 70001)
 _PROBE_STEPS = 4
+# The compiled step's arithmetic does not depend on a tensor's length (inductor's loops end
+# in masked vector tails, the kernel's compiled path has no scalar tail): fewer lengths,
+# one for each of the kernel's own paths (a short tensor, a tail, blocks, two threads),
+# keep the proof's compilation short.
+_COMPILED_PROBE_LENGTHS = (3, 17, 1025, 70001)
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
@@ -385,10 +406,11 @@ def _bits(tensors: Sequence[torch.Tensor]) -> list[bytes]:
 
 
 @torch.no_grad()
-def agrees(optimizer: torch.optim.Optimizer) -> str | None:
-    """None when the kernel reproduces ``optimizer.step()`` bit for bit, and its word
-    sums those of :func:`~torchverity.training._fused.word_sums`, on probe tensors with
-    each group's own settings; otherwise what differed."""
+def agrees(optimizer: torch.optim.Optimizer, compiled: bool = False) -> str | None:
+    """None when the kernel reproduces ``optimizer.step()`` (``compiled``: the step
+    ``torch.compile`` makes of it) bit for bit, and its word sums those of
+    :func:`~torchverity.training._fused.word_sums`, on probe tensors with each group's
+    own settings; otherwise what differed."""
     gen = torch.Generator().manual_seed(0x5EED)
     proven: set[str] = set()
     for index, group in enumerate(optimizer.param_groups):
@@ -399,32 +421,76 @@ def agrees(optimizer: torch.optim.Optimizer) -> str | None:
         if same in proven:
             continue
         proven.add(same)
-        base = [torch.randn(n, generator=gen) for n in _PROBE_LENGTHS]
-        theirs = [torch.nn.Parameter(b.clone()) for b in base]
-        ours = [torch.nn.Parameter(b.clone()) for b in base]
-        make: Any = type(optimizer)  # SGD, Adam or AdamW: every setting has a default
-        reference, probe = make(theirs), make(ours)
-        reference.param_groups[0].update(settings)
-        probe.param_groups[0].update(settings)
-        native = NativeUpdate(probe)
-        for step in range(_PROBE_STEPS):
-            for i, (a, b) in enumerate(zip(theirs, ours, strict=True)):
-                skip = step == 2 and i == 1  # a parameter without a gradient this time
-                grad = None if skip else torch.randn(a.shape, generator=gen)
-                a.grad, b.grad = grad, None if grad is None else grad.clone()
-            reference.step()
-            tensors = ours + _state_tensors(probe, ours)
-            read = word_sums(tensors)
-            sums = native(tensors)
-            if sums is None:
-                if step > 0:
-                    return f"group {index}: the native update declined a probe step"
-                probe.step()
-            if _bits(theirs + _state_tensors(reference, theirs)) != _bits(
-                    ours + _state_tensors(probe, ours)):
-                return f"group {index}: the native update differs from " \
-                       f"{type(optimizer).__name__}.step() in step {step + 1}"
-            if sums is not None and not (torch.equal(sums[0], read)
-                                         and torch.equal(sums[1], word_sums(tensors))):
-                return f"group {index}: the native update's word sums differ"
+        prove = _prove_compiled if compiled else _prove_eager
+        why = prove(type(optimizer), settings, gen)
+        if why is not None:
+            return f"group {index}: {why}"
+    return None
+
+
+def _probe_grads(params: Sequence[torch.Tensor], others: Sequence[torch.Tensor],
+                 step: int, gen: torch.Generator) -> None:
+    for i, (a, b) in enumerate(zip(params, others, strict=True)):
+        skip = step == 2 and i == 1  # a parameter without a gradient this time
+        grad = None if skip else torch.randn(a.shape, generator=gen)
+        a.grad, b.grad = grad, None if grad is None else grad.clone()
+
+
+def _prove_eager(make: Any, settings: dict[str, Any], gen: torch.Generator) -> str | None:
+    base = [torch.randn(n, generator=gen) for n in _PROBE_LENGTHS]
+    theirs = [torch.nn.Parameter(b.clone()) for b in base]
+    ours = [torch.nn.Parameter(b.clone()) for b in base]
+    reference, probe = make(theirs), make(ours)  # SGD, Adam or AdamW: defaults for all
+    reference.param_groups[0].update(settings)
+    probe.param_groups[0].update(settings)
+    native = NativeUpdate(probe)
+    for step in range(_PROBE_STEPS):
+        _probe_grads(theirs, ours, step, gen)
+        reference.step()
+        tensors = ours + _state_tensors(probe, ours)
+        read = word_sums(tensors)
+        sums = native(tensors)
+        if sums is None:
+            if step > 0:
+                return "the native update declined a probe step"
+            probe.step()
+        if _bits(theirs + _state_tensors(reference, theirs)) != _bits(
+                ours + _state_tensors(probe, ours)):
+            return f"the native update differs from {make.__name__}.step() in step {step + 1}"
+        if sums is not None and not (torch.equal(sums[0], read)
+                                     and torch.equal(sums[1], word_sums(tensors))):
+            return "the native update's word sums differ"
+    return None
+
+
+def _prove_compiled(make: Any, settings: dict[str, Any], gen: torch.Generator) -> str | None:
+    """Against the guard's compiled update (``torch.compile`` of the optimizer's own step
+    with the sums), from the state its first step created."""
+    def with_lr(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        opt = make(params)
+        opt.param_groups[0].update(settings, lr=torch.tensor(float(settings["lr"])))
+        return opt
+    theirs = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in _COMPILED_PROBE_LENGTHS]
+    reference = with_lr(theirs)
+    compiled_step = FusedUpdate(reference)
+    _probe_grads(theirs, theirs, 0, gen)
+    compiled_step(list(theirs))  # creates the state
+    ours = [torch.nn.Parameter(t.detach().clone()) for t in theirs]
+    probe = with_lr(ours)
+    for a, b in zip(theirs, ours, strict=True):
+        probe.state[b] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                          for k, v in reference.state[a].items()}
+    native = NativeUpdate(probe, compiled=True)
+    for step in range(1, _PROBE_STEPS):
+        _probe_grads(theirs, ours, step, gen)
+        want = compiled_step(theirs + _state_tensors(reference, theirs))
+        got = native(ours + _state_tensors(probe, ours))
+        if got is None:
+            return "the native update declined a probe step"
+        if _bits(theirs + _state_tensors(reference, theirs)) != _bits(
+                ours + _state_tensors(probe, ours)):
+            return (f"the native update differs from torch.compile({make.__name__}.step) "
+                    f"in step {step + 1}")
+        if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+            return "the native update's word sums differ"
     return None

@@ -7,7 +7,11 @@
  * contraction off everywhere else), and its float32 sqrt is MKL's vsSqrt, which is not
  * correctly rounded, so the caller hands in that very function. torch's fused=True CPU
  * kernel for Adam and AdamW does the same arithmetic with a correctly rounded sqrt, except
- * in its scalar tails (see tv_group). The Python side checks
+ * in its scalar tails (see tv_group). A group may instead ask for the arithmetic of
+ * torch.compile(optimizer.step) on the CPU (`compiled`): the operations inductor's C++
+ * emits for the optimizer's traced step, with a correctly rounded sqrt, scalars computed
+ * in float as the graph computes them, and multiply-adds only where it emits fmadd.
+ * The Python side checks
  * the claim against the optimizer itself before it uses this file (a CPU, a torch build
  * or an MKL whose results differ sends it back to the compiled update).
  *
@@ -34,7 +38,8 @@ typedef struct {
     int64_t n;
     int32_t slot[5];    /* where the sums of p, m, v, vmax, step go (-1: none) */
     int32_t group;
-    /* filled by tv_prepare: the step-dependent scalars, as torch rounds them to float */
+    /* filled by tv_prepare: the step-dependent scalars, as torch rounds them to float
+     * (compiled: the divisor and the addend of sqrt(v) in the denominator) */
     float neg_step_size;
     float bc2_sqrt;
 } tv_item;
@@ -42,9 +47,12 @@ typedef struct {
 typedef struct {
     int32_t adam;       /* 0: SGD, 1: Adam or AdamW */
     int32_t maximize, has_wd, decoupled, amsgrad, lerp_small, has_momentum, nesterov;
-    float p_mul;        /* 1 - lr * weight_decay (decoupled) */
+    int32_t compiled;   /* the arithmetic of torch.compile(optimizer.step), not eager's */
+    float p_mul;        /* 1 - lr * weight_decay (decoupled; compiled: tv_prepare sets it) */
     float wd;           /* weight_decay (added to the gradient) */
     float w1;           /* 1 - beta1: the lerp weight */
+    float w1_minus_1;   /* compiled: (1 - beta1) - 1, the other branch's coefficient */
+    float beta1f, lrf;  /* compiled: beta1 and lr as the graph holds them */
     float beta2, c2;    /* beta2, 1 - beta2 */
     float eps;
     float momentum, one_minus_dampening, neg_lr;
@@ -74,8 +82,20 @@ static void add_sum(uint32_t *sums, int32_t slot, const float *x, int64_t n) {
 
 /* The step counters and the scalars that depend on them, once per update, before the
  * element passes (which several threads may share). The step's sums are taken here. */
-void tv_prepare(tv_item *items, int64_t count, const tv_group *groups,
+/* The compiled graph's scalars: float arithmetic on the step counter, lr and betas. */
+static void compiled_scalars(const tv_group *gr, tv_item *it) {
+    float step = *it->step;
+    float bc1 = 1.0f - powf(gr->beta1f, step);
+    float bc2 = 1.0f - powf(gr->beta2, step);
+    float neg_step_size = -(gr->lrf / bc1);
+    it->neg_step_size = sqrtf(bc2) * neg_step_size;
+    it->bc2_sqrt = (1.0f / neg_step_size) * gr->eps;
+}
+
+void tv_prepare(tv_item *items, int64_t count, tv_group *groups, int64_t group_count,
                 uint32_t *old_sums, uint32_t *new_sums) {
+    for (int64_t k = 0; k < group_count; k++)
+        if (groups[k].compiled) groups[k].p_mul = 1.0f - groups[k].lrf * groups[k].wd;
     for (int64_t k = 0; k < count; k++) {
         tv_item *it = &items[k];
         const tv_group *gr = &groups[it->group];
@@ -84,6 +104,10 @@ void tv_prepare(tv_item *items, int64_t count, const tv_group *groups,
         if (it->g != 0) *it->step = *it->step + 1.0f;  /* no gradient: the update skips it */
         add_sum(new_sums, it->slot[4], it->step, 1);
         if (it->g == 0) continue;
+        if (gr->compiled) {
+            compiled_scalars(gr, it);
+            continue;
+        }
         double step = (double)*it->step;
         double bc1 = 1.0 - pow(gr->beta1, step);
         double bc2 = 1.0 - pow(gr->beta2d, step);
@@ -166,6 +190,57 @@ static void sgd_block(const tv_group *gr, const tv_item *it, int64_t lo, int64_t
     }
 }
 
+/* Adam and AdamW as inductor's C++ computes them: separate roundings where eager fuses
+ * (lerp, weight decay), one fmadd for the second moment, and the denominator as
+ * sqrt(v) / (sqrt(bc2) * -step_size) + eps / -step_size. */
+static void adam_block_compiled(const tv_group *gr, const tv_item *it, int64_t lo,
+                                int64_t nb) {
+    float grad[BLOCK], denom[BLOCK];
+    float *p = it->p + lo, *m = it->m + lo, *v = it->v + lo;
+    const float *g = it->g + lo;
+    for (int64_t i = 0; i < nb; i++) {
+        float gi = gr->maximize ? -g[i] : g[i];
+        if (gr->has_wd && !gr->decoupled) gi = gi + p[i] * gr->wd;
+        grad[i] = gi;
+    }
+    if (gr->lerp_small) {
+        for (int64_t i = 0; i < nb; i++) m[i] = m[i] + (grad[i] - m[i]) * gr->w1;
+    } else {
+        for (int64_t i = 0; i < nb; i++) m[i] = grad[i] + (grad[i] - m[i]) * gr->w1_minus_1;
+    }
+    for (int64_t i = 0; i < nb; i++)
+        v[i] = fmaf(grad[i] * grad[i], gr->c2, v[i] * gr->beta2);
+    const float *second = v;
+    if (gr->amsgrad) {
+        float *vm = it->vmax + lo;
+        for (int64_t i = 0; i < nb; i++) vm[i] = maximum(vm[i], v[i]);
+        second = vm;
+    }
+    tv_sqrt((int)nb, second, denom);
+    float div = it->neg_step_size, add = it->bc2_sqrt;
+    for (int64_t i = 0; i < nb; i++) denom[i] = denom[i] / div + add;
+    if (gr->has_wd && gr->decoupled)
+        for (int64_t i = 0; i < nb; i++) p[i] = p[i] * gr->p_mul + m[i] / denom[i];
+    else
+        for (int64_t i = 0; i < nb; i++) p[i] = p[i] + m[i] / denom[i];
+}
+
+static void sgd_block_compiled(const tv_group *gr, const tv_item *it, int64_t lo,
+                               int64_t nb) {
+    float *p = it->p + lo, *buf = it->m ? it->m + lo : 0;
+    const float *g = it->g + lo;
+    for (int64_t i = 0; i < nb; i++) {
+        float gi = gr->maximize ? -g[i] : g[i];
+        if (gr->has_wd) gi = gi + p[i] * gr->wd;
+        if (buf) {
+            float b = buf[i] * gr->momentum + gi * gr->one_minus_dampening;
+            buf[i] = b;
+            gi = gr->nesterov ? gi + b * gr->momentum : b;
+        }
+        p[i] = fmaf(gi, gr->neg_lr, p[i]);
+    }
+}
+
 /* The elements [lo, hi) of the items laid end to end: several threads may each take a
  * range (their sums are added afterwards). tv_prepare must have run for this update. */
 void tv_run(const tv_item *items, int64_t count, const tv_group *groups, int64_t lo,
@@ -182,8 +257,14 @@ void tv_run(const tv_item *items, int64_t count, const tv_group *groups, int64_t
             for (int j = 0; j < 4; j++)
                 if (ts[j]) add_sum(old_sums, it->slot[j], ts[j] + start, nb);
             if (it->g != 0) {
-                if (gr->adam) adam_block(gr, it, start, nb);
-                else sgd_block(gr, it, start, nb);
+                if (gr->compiled) {
+                    if (gr->adam) adam_block_compiled(gr, it, start, nb);
+                    else sgd_block_compiled(gr, it, start, nb);
+                } else if (gr->adam) {
+                    adam_block(gr, it, start, nb);
+                } else {
+                    sgd_block(gr, it, start, nb);
+                }
             }
             for (int j = 0; j < 4; j++)
                 if (ts[j]) add_sum(new_sums, it->slot[j], ts[j] + start, nb);
