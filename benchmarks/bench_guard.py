@@ -374,6 +374,9 @@ def main() -> int:
     plan = [(make, steps, args.rounds or (3 if args.quick else n))
             for make, steps, n in ((mlp, 4, 20), (transformer, 2, 10))]
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    # Every unguarded compiled runner compiles the same AdamW.step for its own optimizer:
+    # past torch.compile's recompile limit (8 per code object) it would run them eagerly.
+    torch._dynamo.config.recompile_limit = 64
     try:
         load = f", load average {os.getloadavg()[0]:.1f} at the start"
     except OSError:

@@ -172,10 +172,7 @@ class AtRest:
             return _native.NativeUpdate(optimizer)
         tensor_lrs(optimizer)
         compiled = FusedUpdate(optimizer)
-        self._compiled_reason = "native=False" if not self.config.native else (
-            f"on {self._device.type}" if self._device.type != "cpu" else (
-                _native.unsupported(optimizer, compiled=True)
-                or _native.agrees(optimizer, compiled=True)))
+        self._compiled_reason = self._compiled_native_reason(optimizer)
         if self.config.arithmetic == "eager" and self.config.native:
             log.info("torchverity: the at-rest check rides in torch.compile's arithmetic "
                      "of the update (%s)", self.native_reason)
@@ -183,6 +180,16 @@ class AtRest:
             return compiled
         self._compiled = compiled
         return _native.NativeUpdate(optimizer, compiled=True)
+
+    def _compiled_native_reason(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """Why the native update cannot take the compiled step's arithmetic here."""
+        if not self.config.native or self._device.type != "cpu":
+            return self.native_reason  # the same cause
+        try:
+            return (_native.unsupported(optimizer, compiled=True)
+                    or _native.agrees(optimizer, compiled=True))
+        except Exception as exc:  # the proof compiles: the compiled update will say why
+            return f"torch.compile failed: {type(exc).__name__}"
 
     @property
     def native_reason(self) -> str | None:
