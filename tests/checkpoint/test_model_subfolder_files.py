@@ -10,6 +10,7 @@ documentation and weights raise nothing; nothing in the folder runs.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import warnings
@@ -41,8 +42,6 @@ def recorded_st(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def folder(recorded_st: Path, tmp_path: Path) -> Path:
-    import shutil
-
     return Path(shutil.copytree(recorded_st, tmp_path / "minilm"))
 
 
@@ -86,7 +85,14 @@ def test_an_edited_file_in_a_subfolder_is_refused_and_named(folder: Path, edit: 
 
 def test_an_intact_folder_names_every_file_checked_and_warns_of_none(folder: Path) -> None:
     """No false alarm from what no build reads, added after the manifest: a git clone's
-    thousands of objects, bytecode, a Trainer checkpoint, an edited model card."""
+    thousands of objects, bytecode, a Trainer checkpoint, an edited model card; nor from a
+    Trainer checkpoint the manifest recorded that is gone."""
+    rotated = folder / "checkpoint-250"  # recorded, then rotated out by save_total_limit
+    rotated.mkdir()
+    (rotated / "config.json").write_text("{}")
+    (rotated / "trainer_state.json").write_text('{"global_step": 250}')
+    write_manifest(folder)
+    shutil.rmtree(rotated)
     objects = folder / ".git" / "objects"
     for i in range(3000):
         (objects / f"{i % 256:02x}").mkdir(parents=True, exist_ok=True)

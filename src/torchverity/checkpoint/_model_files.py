@@ -172,16 +172,18 @@ def _checked(rel: str, own: frozenset[str]) -> bool:
     return (rel not in own and name not in MANIFEST_FILES and read_by_build(name))
 
 
-def _listed_in_build(rel: str, own: frozenset[str], folder: Path,
-                     listed: frozenset[str]) -> bool:
-    """Whether a manifest path (relative to the folder) names a file a build may read:
-    through no folder that a build skips, on disk or as the manifest recorded it."""
-    parts = rel.split("/")[:-1]
-    for depth, name in enumerate(parts, start=1):
-        sub = "/".join(parts[:depth])
-        if not _descends(name, folder / sub) or f"{sub}/{_TRAINER_CHECKPOINT}" in listed:
-            return False
-    return _checked(rel, own)
+def _read_dirs(folder: Path, listed: frozenset[str]) -> dict[str, bool]:
+    """For each folder of the manifest's paths (relative to ``folder``; ``""`` itself),
+    whether a build reads it: none it skips by name, no Trainer checkpoint (on disk or as
+    the manifest recorded it), and inside a folder a build reads. A stat per folder."""
+    dirs = {rel.rpartition("/")[0] for rel in listed} - {""}
+    ancestors = {"/".join(d.split("/")[:i]) for d in dirs for i in range(1, d.count("/") + 2)}
+    reads = {"": True}
+    for d in sorted(ancestors, key=lambda d: d.count("/")):
+        parent, _, name = d.rpartition("/")
+        reads[d] = (reads[parent] and f"{d}/{_TRAINER_CHECKPOINT}" not in listed
+                    and _descends(name, folder / d))
+    return reads
 
 
 # ------------------------------------------------------------------ against a manifest
@@ -193,9 +195,9 @@ def _against_manifest(target: Target, record: Path, prefix: str, manifest: Manif
     if foreign is not None:
         raise foreign
     under = {e.path[len(prefix):]: e for e in manifest.entries if e.path.startswith(prefix)}
-    names = frozenset(under)
+    reads = _read_dirs(target.folder, frozenset(under))
     listed = {rel: e for rel, e in under.items()
-              if _listed_in_build(rel, own, target.folder, names)}
+              if reads[rel.rpartition("/")[0]] and _checked(rel, own)}
     present = [n for n in sorted(listed, key=str.encode)
                if resolve_inside(record.parent, prefix + n, record).is_file()]
     digests = digest_files([target.folder / n for n in present], manifest.algo)
