@@ -151,3 +151,18 @@ def test_remote_code_in_a_subfolder_is_hashed_never_run(folder: Path, tmp_path: 
     subprocess.run([sys.executable, "-c", f"import runpy; runpy.run_path({str(code)!r})"],
                    check=True)
     assert sentinel.read_text() == "ran"  # the payload runs under a plain import
+
+
+@pytest.mark.parametrize("linked", ["1_Pooling/config.json", "1_Pooling"])
+def test_a_listed_file_reached_through_a_link_is_refused(folder: Path, tmp_path: Path,
+                                                         linked: str) -> None:
+    """A link put where the manifest recorded a file, or its folder, is never followed."""
+    from torchverity.errors import FormatError
+
+    elsewhere = Path(shutil.copytree(folder / "1_Pooling", tmp_path / "elsewhere"))
+    target = elsewhere if linked == "1_Pooling" else elsewhere / "config.json"
+    path = folder / linked
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    path.symlink_to(target)
+    with pytest.raises(FormatError, match=r"'1_Pooling/config\.json' goes through a symlink"):
+        torchverity.load(folder, model=bert(), sidecar="require")

@@ -138,11 +138,12 @@ def check_model_files(target: Target) -> ModelFiles | None:
 # ------------------------------------------------------------------ which files
 
 
-def build_files(folder: Path, own: frozenset[str] = frozenset()) -> list[str]:
+def build_files(folder: Path, own: frozenset[str] = frozenset()) -> dict[str, bool]:
     """The files (and links) under ``folder`` a model build may read, as relative POSIX
-    paths in UTF-8 byte order; ``own`` names weights files directly in ``folder``. Never
-    follows a link, never descends into a folder no build reads."""
-    found: list[str] = []
+    paths in UTF-8 byte order, each with whether it is a link; ``own`` names weights
+    files directly in ``folder``. Never follows a link, never descends into a folder no
+    build reads: one ``scandir`` per folder it reads, one ``stat`` per subfolder."""
+    found: dict[str, bool] = {}
     todo = [""]
     while todo:
         rel = todo.pop()
@@ -157,8 +158,8 @@ def build_files(folder: Path, own: frozenset[str] = frozenset()) -> list[str]:
                 if _descends(entry.name, Path(entry.path)):
                     todo.append(path + "/")
             elif _checked(path, own):
-                found.append(path)
-    return sorted(found, key=str.encode)
+                found[path] = entry.is_symlink()
+    return {n: found[n] for n in sorted(found, key=str.encode)}
 
 
 def _descends(name: str, path: Path) -> bool:
@@ -198,12 +199,15 @@ def _against_manifest(target: Target, record: Path, prefix: str, manifest: Manif
     reads = _read_dirs(target.folder, frozenset(under))
     listed = {rel: e for rel, e in under.items()
               if reads[rel.rpartition("/")[0]] and _checked(rel, own)}
-    present = [n for n in sorted(listed, key=str.encode)
-               if resolve_inside(record.parent, prefix + n, record).is_file()]
+    walked = build_files(target.folder, own)
+    if prefix:  # the folder itself is no link (the walk below it follows none)
+        resolve_inside(record.parent, prefix.rstrip("/"), record)
+    # A file the walk found as no link is there; any other is resolved (a link refused).
+    present = [n for n in sorted(listed, key=str.encode) if walked.get(n) is False
+               or resolve_inside(record.parent, prefix + n, record).is_file()]
     digests = digest_files([target.folder / n for n in present], manifest.algo)
     actual = {n: d.hexdigest for n, d in zip(present, digests, strict=True)}
     _require_listed(target.folder, record, manifest.algo, listed, actual)
-    walked = build_files(target.folder, own)
     return ModelFiles(os.fspath(record), tuple(present),
                       tuple(n for n in walked if n not in listed))
 
@@ -248,7 +252,7 @@ def _against_hub(target: Target, own: frozenset[str]) -> ModelFiles | None:
     if origin is None:
         return None
     against, record = origin
-    names = build_files(target.folder, own)
+    names = list(build_files(target.folder, own))
     entries = hub_file_checks([target.folder / n for n in names])
     for name, entry in zip(names, entries, strict=True):
         if entry is not None and not entry.ok:
