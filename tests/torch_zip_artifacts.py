@@ -183,3 +183,54 @@ def importable_copy(recorded: Path, tmp_path: Path, module: str) -> Path:
     copy = Path(shutil.copytree(recorded, tmp_path / "bert"))
     (tmp_path / f"{module}.py").write_text(BERT_FOLDER_MODEL.format(folder=str(copy)))
     return copy
+
+
+# The modules of a sentence-transformers model with a Dense head (as LaBSE and sentence-t5
+# are saved): each module's folder, in modules.json order.
+SENTENCE_MODULES = (("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Dense", "Dense"),
+                    ("3_Normalize", "Normalize"))
+
+
+def sentence_transformers_folder(folder: Path) -> Path:
+    """The folder ``SentenceTransformer.save`` writes (sentence-transformers 5.x), built
+    file by file as that library lays it out: the inner model's ``save_pretrained`` files
+    (config.json, model.safetensors, tokenizer) at the root with modules.json,
+    sentence_bert_config.json, config_sentence_transformers.json and a README model card;
+    1_Pooling/config.json; 2_Dense/config.json with its own model.safetensors; an empty
+    3_Normalize/."""
+    import json
+
+    import transformers
+    from safetensors.torch import save_file
+
+    bert_folder(folder)
+    (folder / "generation_config.json").unlink()  # a sentence encoder has none
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": path,
+         "type": f"sentence_transformers.models.{kind}"}
+        for i, (path, kind) in enumerate(SENTENCE_MODULES)], indent=2))
+    (folder / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": 64, "do_lower_case": False}, indent=2))
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({
+        "model_type": "SentenceTransformer",
+        "__version__": {"sentence_transformers": "5.1.0", "transformers": transformers.__version__,
+                        "pytorch": torch.__version__},
+        "prompts": {"query": "", "document": ""}, "default_prompt_name": None,
+        "similarity_fn_name": "cosine"}, indent=2))
+    (folder / "README.md").write_text("---\ntags:\n- sentence-transformers\n---\n# tiny\n")
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 32, "pooling_mode_cls_token": False,
+        "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": False, "include_prompt": True}, indent=4))
+    (folder / "2_Dense").mkdir()
+    (folder / "2_Dense" / "config.json").write_text(json.dumps({
+        "in_features": 32, "out_features": 16, "bias": True,
+        "activation_function": "torch.nn.modules.activation.Tanh"}))
+    dense = torch.nn.Linear(32, 16)
+    save_file({"linear.weight": dense.weight.detach().contiguous(),
+               "linear.bias": dense.bias.detach().contiguous()},
+              folder / "2_Dense" / "model.safetensors")
+    (folder / "3_Normalize").mkdir()
+    return folder

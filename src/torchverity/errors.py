@@ -16,7 +16,8 @@ what to do next (``hint``), ideally the ``torchverity`` command that checks it::
     ├── ServiceError                 a model service refused a request or is unreachable
     └── CheckFailedError             exit 1: the check ran and the data is wrong
         ├── IntegrityError           bytes or content differ from the record
-        │   └── ManifestMismatchError  a file a model is built from is not the recorded one
+        │   ├── ManifestMismatchError  a file a model is built from is not the recorded one
+        │   └── HubFileMismatchError   a file a model is built from is not the one the hub named
         ├── UnsafeFileError          a file would run code if unpickled
         ├── StateDictMismatchError   a checkpoint does not fit a model
         ├── TrainingAnomalyError     an anomaly under a ``stop`` policy
@@ -162,6 +163,30 @@ class ManifestMismatchError(IntegrityError):
         self.manifest = str(manifest)
         self.algo = algo
         self.status = "missing" if actual is None else "mismatched"
+        super().__init__(message, path=path, expected=expected, actual=actual, hint=hint)
+
+
+class HubFileMismatchError(IntegrityError):
+    """A file a model build reads (``config.json``, tokenizer files...) in a Hugging Face
+    hub snapshot or ``local_dir`` download is not the one the hub named: its content does
+    not hash to its blob name or recorded etag, its blob is missing, or its link leaves the
+    repository's ``blobs/``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | Path,
+        record: str | Path,
+        algo: str | None,
+        expected: str | None,
+        actual: str | None,
+        status: str,
+        hint: str | None = None,
+    ) -> None:
+        self.record = str(record)
+        self.algo = algo
+        self.status = status
         super().__init__(message, path=path, expected=expected, actual=actual, hint=hint)
 
 

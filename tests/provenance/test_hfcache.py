@@ -279,8 +279,12 @@ def test_local_dir_damage_missing_and_edits_are_told_apart(local_dir: Path) -> N
     entry = hub_blob_check(local_dir / SHARD)
     assert entry is not None and entry.status == "damaged"
     import torchverity
-    from torchverity.errors import IntegrityError
+    from torchverity.errors import HubFileMismatchError, IntegrityError
 
+    with pytest.raises(HubFileMismatchError) as caught:  # the files a build reads come first
+        torchverity.load(local_dir / SHARD)
+    assert (caught.value.path, caught.value.status) == (str(cfg), "changed")
+    cfg.unlink()  # no config.json beside it: the shard alone, as a file
     with pytest.raises(IntegrityError, match="Hugging Face hub"):
         torchverity.load(local_dir / SHARD)
 

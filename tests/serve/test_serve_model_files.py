@@ -76,9 +76,37 @@ def test_serve_answers_from_a_clean_folder(folder: Path, run_cli: Callable[..., 
             out = client.predict({"input_ids": torch.tensor([[2, 5, 6, 3]])})
             weights = client.metadata()["parameters"]["weights"]
         assert out["last_hidden_state"].shape == (1, 4, 32)
+        manifest = str(folder / "torchverity.manifest.json")
         assert weights["model_files"] == {
-            "manifest": str(folder / "torchverity.manifest.json"),
+            "manifest": manifest, "against": "manifest", "record": manifest,
             "verified": ["config.json", "generation_config.json", "tokenizer.json",
                          "tokenizer_config.json"], "unlisted": []}
     finally:
         service.stop()
+
+
+def test_serve_checks_a_sentence_transformers_folder_s_subfolders(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run_cli: Callable[..., Any]) -> None:
+    """1_Pooling/config.json decides how token vectors become one embedding: edited after
+    the manifest, the start stops before the build; intact, --check names it verified."""
+    from torch_zip_artifacts import BERT_FOLDER_MODEL, sentence_transformers_folder
+    from torchverity.manifest import write_manifest
+
+    folder = sentence_transformers_folder(tmp_path / "minilm")
+    write_manifest(folder)
+    (tmp_path / "tvserve_st_model.py").write_text(BERT_FOLDER_MODEL.format(folder=str(folder)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ("serve", "--json", "--model", "tvserve_st_model:build", "--weights", folder,
+            "--check")
+    result = run_cli(*args)
+    assert result.code == 0, result.err
+    files = json.loads(result.out)["weights"]["model_files"]
+    assert "1_Pooling/config.json" in files["verified"] and not files["unlisted"]
+    (tmp_path / "built.txt").unlink()
+    pooling = folder / "1_Pooling" / "config.json"
+    _edit(pooling, '"pooling_mode_mean_tokens": true', '"pooling_mode_mean_tokens": false')
+    result = run_cli(*args)
+    assert result.code == 1, result.err
+    doc = json.loads(result.out)
+    assert doc["error"] == "ManifestMismatchError" and doc["path"] == str(pooling)
+    assert not (tmp_path / "built.txt").exists()

@@ -63,10 +63,13 @@ def load(
     ``signature`` (an OpenSSF model signature, with ``public_key`` or
     ``certificate_chain``) the weights must be the signed ones: a file is checked
     in the same pass, a folder first. Unless ``sidecar="ignore"``, the files a
-    model is built from beside the weights of a model folder (``config.json``,
-    tokenizer files...) must match the manifest covering the folder, when there is
-    one (:class:`~torchverity.errors.ManifestMismatchError` otherwise); the
-    report's ``model_files`` names them.
+    model is built from in a model folder (``config.json``, tokenizer files, a
+    subfolder's ``1_Pooling/config.json``...) must match the manifest covering the
+    folder (:class:`~torchverity.errors.ManifestMismatchError` otherwise), or, with
+    no manifest, the names a Hugging Face hub cache or ``local_dir`` download gave
+    them (:class:`~torchverity.errors.HubFileMismatchError`); the report's
+    ``model_files`` names them, ``model_files_against`` and ``model_files_record``
+    what vouched for them.
     """
     if sidecar not in ("warn", "require", "ignore"):
         raise UsageError(f"unknown sidecar policy '{sidecar}'", hint="use warn, require or ignore")
@@ -106,6 +109,8 @@ def load(
 def _with_model_files(report: LoadReport, beside: ModelFiles, folder: Path) -> LoadReport:
     note = beside.warning(folder)
     return dataclasses.replace(report, model_files=beside.checked,
+                               model_files_against=beside.against,
+                               model_files_record=beside.record,
                                warnings=(*report.warnings, *([note] if note else [])))
 
 

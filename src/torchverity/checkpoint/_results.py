@@ -62,9 +62,13 @@ class LoadReport:
     missing_keys: tuple[str, ...] = ()
     unexpected_keys: tuple[str, ...] = ()
     ignored_keys: tuple[str, ...] = ()
-    # Files beside the weights a model is built from (config.json, tokenizer files...)
-    # that matched the folder's manifest.
+    # Files of a model folder a model is built from (config.json, tokenizer files,
+    # 1_Pooling/config.json...) that matched their record: what vouched for them
+    # ("manifest", "hub-cache" or "local-dir") and where (the manifest, the hub repository
+    # folder, the local_dir download).
     model_files: tuple[str, ...] = ()
+    model_files_against: str | None = None
+    model_files_record: str | None = None
 
     @property
     def verified(self) -> bool:

@@ -124,6 +124,10 @@ def _print_report(report: dict[str, Any], out: Output) -> None:
     out.line(f"golden:      {report['golden']}")
     spec = ", ".join(f"{i['name']}:{i['datatype']}{i['shape']}" for i in report["inputs"])
     out.line(f"inputs:      {spec}")
+    files = weights.get("model_files")
+    if files:
+        out.line(f"model files: {len(files['verified'])} verified against {files['against']} "
+                 f"{files['record']}")
     if report["url"]:
         out.line(f"starting on  {report['url']}  (/predict /health /ready /metadata)")
     for kind in ("missing", "unexpected"):

@@ -88,6 +88,24 @@ def _hub_cache(home: Path, files: dict[str, bytes], commit: str) -> Path:
     return repo
 
 
+def _edited_snapshot_config(ctx: DemoContext, snapshot: Path) -> None:
+    """A cached config.json edited through its link: the model built from it is another."""
+    import torchverity
+
+    config = snapshot / "config.json"
+    kept = config.read_bytes()
+    ctx.say("the cached config.json edited in place (its blob no longer hashes to its name):")
+    config.write_bytes(b'{"in": 64}\n')
+    try:
+        torchverity.load(snapshot)
+        named = False
+    except torchverity.IntegrityError as exc:
+        named = exc.path == str(config)
+    config.write_bytes(kept)
+    ctx.expect(named, "torchverity.load of the snapshot folder names the edited config.json "
+               "before reading the weights")
+
+
 def run(ctx: DemoContext) -> None:
     import torch
 
@@ -108,6 +126,7 @@ def run(ctx: DemoContext) -> None:
     repo = _hub_cache(ctx.workdir / "hf_home", {"model.safetensors": weights.read_bytes(),
                                                 "config.json": b'{"in": 32}\n'}, commit)
     ctx.cli("verify", str(ctx.workdir / "hf_home"))
+    _edited_snapshot_config(ctx, repo / "snapshots" / commit)
     blob = next(p for p in (repo / "blobs").iterdir() if len(p.name) == 64)
     ctx.say("one bit flips in the cached weights blob (same size, no error from the hub library):")
     ctx.cli("inject", "bitflip", str(blob), "--offset", "200", "--bit", "3")

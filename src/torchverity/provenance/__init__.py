@@ -11,8 +11,9 @@ the checks that hold against such a writer, and the ones that need no setup:
   :func:`verify_local_dir`): Hugging Face hub caches and ``local_dir`` downloads
   re-hashed against the names and records the hub gave them, offline, never
   following a link out of the cache; :func:`hub_blob_check` does the same for
-  one file, and :func:`hub_record` hands ``torchverity.load`` the digest a hub
-  file must have, so it is checked in the pass that reads it;
+  one file (:func:`hub_file_checks` for several, hashed in parallel), and
+  :func:`hub_record` hands ``torchverity.load`` the digest a hub file must
+  have, so it is checked in the pass that reads it;
 - :func:`signed_record` / :func:`require_signed_folder`: the same for a model
   signature (``torchverity.load(..., signature=...)``); :func:`signed_digests`
   gives every signed file's digest once the signature verifies;
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
         HubEntry,
         HubResult,
         hub_blob_check,
+        hub_file_checks,
         hub_record,
         hub_target,
         require_hub_blob,
@@ -72,6 +74,7 @@ __all__ = [
     "build_statement",
     "default_signature_path",
     "hub_blob_check",
+    "hub_file_checks",
     "hub_record",
     "hub_target",
     "require_hub_blob",

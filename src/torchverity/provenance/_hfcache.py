@@ -18,7 +18,7 @@ import hashlib
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -320,6 +320,15 @@ def _settle(entry: HubEntry, target: Path | None, got: tuple[str, int] | None,
         detail="modified after the download" if edited else None)
 
 
+def _check_records(found: list[tuple[Path, Path]]) -> list[HubEntry]:
+    """For each ``(local_dir, record)``, the file it records against its etag."""
+    pairs = [_local_entry(folder, record, folder / DOWNLOAD_RECORDS) for folder, record in found]
+    digests = _hash_all((t, e.algo) for e, t in pairs if t is not None and e.algo)
+    stamps = [_read_record(record) for _folder, record in found]
+    return [_settle(e, t, digests.get(t) if t else None, stamp[2] if stamp else None)
+            for (e, t), stamp in zip(pairs, stamps, strict=True)]
+
+
 def verify_local_dir(local_dir: str | os.PathLike[str]) -> HubResult:
     """Each file of a ``local_dir`` download against its ``.metadata`` record's etag."""
     root = Path(local_dir)
@@ -328,13 +337,8 @@ def verify_local_dir(local_dir: str | os.PathLike[str]) -> HubResult:
         raise InputError(f"{root}: no {DOWNLOAD_RECORDS} records: not a local_dir download",
                          path=root, hint=f"torchverity manifest {shell_path(root)}")
     records = sorted(downloads.rglob("*.metadata"), key=lambda p: os.fspath(p).encode())
-    pairs = [_local_entry(root, rec, downloads) for rec in records]
-    digests = _hash_all((t, e.algo) for e, t in pairs if t is not None and e.algo)
-    stamps = {rec: _read_record(rec) for rec in records}
-    entries = [_settle(e, t, digests.get(t) if t else None,
-                       (stamps[rec] or ("", "", None))[2])
-               for (e, t), rec in zip(pairs, records, strict=True)]
-    return HubResult(os.fspath(root), "local-dir", tuple(entries))
+    return HubResult(os.fspath(root), "local-dir",
+                     tuple(_check_records([(root, record) for record in records])))
 
 
 # ------------------------------------------------------------------ detection
@@ -376,20 +380,32 @@ def hub_blob_check(path: str | os.PathLike[str]) -> HubEntry | None:
 
     Costs one hash pass over the file, and a few ``stat`` calls for any other path.
     """
-    p = Path(path)
-    found = snapshot_of(p)
-    if found is not None and p.is_symlink():
-        repo, revision, rel = found
-        return _check_links([_Link(repo, revision, rel, p)])[0]
-    folder = local_dir_of(p) if p.is_file() else None
-    if folder is None:
-        return None
-    downloads = folder / DOWNLOAD_RECORDS
-    record = downloads / f"{Path(os.path.abspath(p)).relative_to(folder).as_posix()}.metadata"
-    entry, target = _local_entry(folder, record, downloads)
-    got = _hash_all([(target, entry.algo)]).get(target) if target and entry.algo else None
-    stamp = _read_record(record)
-    return _settle(entry, target, got, stamp[2] if stamp else None)
+    return hub_file_checks([Path(path)])[0]
+
+
+def hub_file_checks(paths: Sequence[Path]) -> list[HubEntry | None]:
+    """:func:`hub_blob_check` of each path, the files hashed once each in parallel threads:
+    a snapshot link against its blob's name, a ``local_dir`` file against its download
+    record's etag; None for a path that is neither (a plain file in a snapshot, a file with
+    no download record)."""
+    links: dict[int, _Link] = {}
+    local: dict[int, tuple[Path, Path]] = {}
+    for i, p in enumerate(paths):
+        found = snapshot_of(p)
+        if found is not None and p.is_symlink():
+            links[i] = _Link(found[0], found[1], found[2], p)
+        elif (folder := local_dir_of(p) if p.is_file() else None) is not None:
+            local[i] = (folder, _record_of(folder, p))
+    got: dict[int, HubEntry] = dict(zip(links, _check_links(list(links.values())),
+                                        strict=True))
+    got.update(zip(local, _check_records(list(local.values())), strict=True))
+    return [got.get(i) for i in range(len(paths))]
+
+
+def _record_of(folder: Path, path: Path) -> Path:
+    """The download record of a file of the ``local_dir`` download ``folder``."""
+    rel = Path(os.path.abspath(path)).relative_to(folder).as_posix()
+    return folder / DOWNLOAD_RECORDS / f"{rel}.metadata"
 
 
 def require_hub_blob(path: str | os.PathLike[str]) -> HubEntry | None:
@@ -427,9 +443,7 @@ def hub_record(path: str | os.PathLike[str]) -> tuple[str, str, str] | None:
         if status is None and blob is not None and blob_algo(blob.name) == "sha256":
             return "sha256", blob.name, "hub"
     elif (folder := local_dir_of(p) if p.is_file() else None) is not None:
-        downloads = folder / DOWNLOAD_RECORDS
-        rel = Path(os.path.abspath(p)).relative_to(folder).as_posix()
-        entry, _target = _local_entry(folder, downloads / f"{rel}.metadata", downloads)
+        entry, _target = _local_entry(folder, _record_of(folder, p), folder / DOWNLOAD_RECORDS)
         if entry.algo == "sha256" and entry.status == "ok" and entry.blob:
             return "sha256", entry.blob, "hub"
     require_hub_blob(p)

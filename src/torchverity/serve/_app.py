@@ -198,9 +198,10 @@ def create_app(
     or UsageError instead of returning a service that should not run.
     ``provenance`` passes ``signature``, ``public_key``, ``certificate_chain`` and
     ``attestation`` to the weights check (docs/provenance.md).
-    The files a model build reads beside the weights of a model folder
-    (``config.json``, tokenizer files...) are checked against the folder's manifest
-    before ``model`` is built (``ManifestMismatchError``).
+    The files a model build reads in a model folder (``config.json``, tokenizer
+    files, ``1_Pooling/config.json``...) are checked against the folder's manifest, or
+    with none against a Hugging Face download's names, before ``model`` is built
+    (``ManifestMismatchError``, ``HubFileMismatchError``).
     ``strict``, ``strip_prefix`` and ``key_map`` fit the checkpoint's keys to
     the model as :func:`torchverity.load` does (the report lists what
     ``strict=False`` left out).

@@ -7,9 +7,10 @@ Hugging Face hub cache gave its blob. The checkpoint is then loaded with
 fingerprint against ``CKPT.meta.json`` when present and the keys, shapes and
 dtypes against the model. With an OpenSSF model signature the signature is the
 record instead; an in-toto attestation, when given, must verify too and is
-exposed in ``/metadata``. The files a model is built from beside the weights of a
-model folder (``config.json``, tokenizer files...) are checked against the folder's
-manifest before the model is built.
+exposed in ``/metadata``. The files a model is built from in a model folder
+(``config.json``, tokenizer files, those in its subfolders) are checked against the
+folder's manifest, or with none against a Hugging Face download's names, before the
+model is built.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class WeightsInfo:
     missing_keys: tuple[str, ...] = ()  # loaded with strict=False: left at initial values
     unexpected_keys: tuple[str, ...] = ()  # loaded with strict=False: not loaded
     provenance: dict[str, Any] | None = None  # the signature and attestation that verified
-    model_files: ModelFiles | None = None  # beside the weights, checked against the manifest
+    model_files: ModelFiles | None = None  # the build's files, and what vouched for them
 
     def notes(self) -> list[str]:
         """What the start-up could not verify, as warnings."""
@@ -63,10 +64,11 @@ class WeightsInfo:
 
 
 def check_before_build(weights: str | os.PathLike[str]) -> ModelFiles | None:
-    """The files beside the weights that a model build reads (``config.json``, tokenizer
-    files...) against the manifest covering a model folder, before the build reads them
-    (:class:`~torchverity.errors.ManifestMismatchError` when one differs); None when the
-    weights are no model folder or no manifest covers it."""
+    """The files of a model folder that a model build reads (``config.json``, tokenizer
+    files...) against the manifest covering it, or the names a Hugging Face download gave
+    them, before the build reads them (:class:`~torchverity.errors.ManifestMismatchError`,
+    :class:`~torchverity.errors.HubFileMismatchError` when one differs); None when the
+    weights are no model folder or nothing vouches for it."""
     return check_model_files(resolve(_existing(weights)))
 
 
