@@ -35,6 +35,7 @@ from torchverity.digest import (
     new_hasher,
 )
 from torchverity.errors import FormatError, InputError, shell_path
+from torchverity.provenance._hub_paths import blob_link
 
 MANIFEST_NAME = "torchverity.manifest.json"
 SHA256SUM_NAME = "manifest-sha256.txt"
@@ -300,10 +301,12 @@ def check_relative_path(manifest: Path, path: str) -> str:
 
 
 def resolve_inside(root: Path, rel: str, manifest: Path) -> Path:
-    """``root/rel``, refusing any path that passes through a symlink."""
+    """``root/rel``, refusing any path that passes through a symlink, except a Hugging
+    Face hub cache snapshot's own links into its repository's blobs (the hub stores every
+    file of a download that way)."""
     real_root = root.resolve()
     real = (root / rel).resolve()
-    if real != real_root / rel:
+    if real != real_root / rel and not blob_link(root, rel):
         where = "inside" if real.is_relative_to(real_root) else "out of"
         raise FormatError(
             f"{manifest}: path '{rel}' goes through a symlink that leads {where} the folder; "

@@ -7,10 +7,12 @@ command can ask cheaply before it loads the hub checks.
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 
 REPO_PREFIXES = ("models--", "datasets--", "spaces--")
 DOWNLOAD_RECORDS = Path(".cache") / "huggingface" / "download"
+_BLOB_NAME = re.compile(r"^(?:[0-9a-f]{40}|[0-9a-f]{64})$")  # git blob SHA-1, SHA-256
 
 
 def snapshot_of(p: Path) -> tuple[Path, str, str] | None:
@@ -34,3 +36,19 @@ def local_dir_of(p: Path) -> Path | None:
 def in_hub_layout(p: Path) -> bool:
     """Whether ``p`` is a hub snapshot entry or a file of a ``local_dir`` download."""
     return snapshot_of(p) is not None or (p.is_file() and local_dir_of(p) is not None)
+
+
+def blob_link(root: Path, rel: str) -> bool:
+    """Whether ``root/rel`` is a hub cache snapshot's entry as the hub writes it: a link to
+    a blob of its own repository's ``blobs/`` folder, reached from ``root`` through no
+    other link. Whatever such a link leads to is the repository's own content, named by
+    its digest, so a manifest may vouch for it."""
+    path = root / rel
+    found = snapshot_of(path)
+    if found is None or not path.is_symlink():
+        return False
+    if path.parent.resolve() != root.resolve() / PurePosixPath(rel).parent:
+        return False
+    target = path.resolve()
+    return (target.parent == found[0].resolve() / "blobs"
+            and _BLOB_NAME.match(target.name) is not None)
