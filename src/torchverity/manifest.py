@@ -63,6 +63,7 @@ class Manifest:
     entries: tuple[ManifestEntry, ...]
     params: dict[str, str] = field(default_factory=lambda: dict(PARAMS))
     skipped: tuple[str, ...] = ()
+    left_out: tuple[str, ...] = ()  # the tools' folders found at the top (TOOL_FOLDERS)
 
     @property
     def root(self) -> str:
@@ -112,9 +113,25 @@ def walk_files(root: Path, skip: Callable[[str], bool]) -> tuple[list[str], list
     return sorted(files, key=str.encode), sorted(links, key=str.encode)
 
 
+# The records of the tools that fetched a folder, not its content: version control keeps
+# its own (and rewrites them on every command, `git status` included), and the hub's
+# local_dir downloads keep theirs (rewritten on every download).
+TOOL_FOLDERS = (".git", ".hg", ".svn", ".cache/huggingface")
+_VCS = frozenset(TOOL_FOLDERS[:3])
+
+
+def tool_records(rel: str) -> bool:
+    """Whether a relative path lies in version control's folders (at any depth) or in the
+    hub download records at the top."""
+    hub = TOOL_FOLDERS[3]
+    return (rel == hub or rel.startswith(hub + "/")
+            or not _VCS.isdisjoint(rel.split("/")))
+
+
 def list_files(root: Path) -> tuple[list[str], list[str]]:
-    """Regular files under ``root`` but the manifests themselves, and skipped symlinks."""
-    return walk_files(root, MANIFEST_FILES.__contains__)
+    """Regular files under ``root`` but the manifests themselves and the tools' records,
+    and skipped symlinks."""
+    return walk_files(root, lambda rel: rel in MANIFEST_FILES or tool_records(rel))
 
 
 def build_manifest(
@@ -137,7 +154,8 @@ def build_manifest(
     digests = digest_files([root / f for f in files], algo, workers=workers, progress=progress)
     pairs = zip(files, digests, strict=True)
     entries = tuple(ManifestEntry(f, d.size, d.hexdigest) for f, d in pairs)
-    return Manifest(algo=algo, entries=entries, skipped=tuple(links))
+    left_out = tuple(t for t in TOOL_FOLDERS if os.path.lexists(root / t))
+    return Manifest(algo=algo, entries=entries, skipped=tuple(links), left_out=left_out)
 
 
 def write_manifest(

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from provenance_helpers import hub_cache_from_folder
+from provenance_helpers import hub_cache_from_folder, local_dir_from_folder
 from safetensors.torch import save_file
 
 import torchverity
@@ -28,13 +28,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+def _model(folder: Path) -> Path:
+    folder.mkdir()
+    save_file({"w": torch.arange(16.0).reshape(4, 4)}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 4}))
+    return folder
+
+
 @pytest.fixture()
 def snapshot(tmp_path: Path) -> Path:
     """The snapshot folder of a download of a folder published with its manifest."""
-    model = tmp_path / "published"
-    model.mkdir()
-    save_file({"w": torch.arange(16.0).reshape(4, 4)}, model / "model.safetensors")
-    (model / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 4}))
+    model = _model(tmp_path / "published")
     assert _cli("manifest", str(model)).returncode == 0
     repo = hub_cache_from_folder(tmp_path / "hub", "org/published", COMMIT, model)
     snap = repo / "snapshots" / COMMIT
@@ -71,3 +75,20 @@ def test_a_snapshot_link_that_leaves_the_repositorys_blobs_is_still_refused(
     done = _cli("verify", str(snapshot))
     assert done.returncode == 2
     assert "goes through a symlink" in json.loads(done.stdout)["message"]
+
+
+def test_a_local_dir_downloads_records_are_left_out_of_its_manifest(tmp_path: Path) -> None:
+    """The hub rewrites a ``local_dir`` download's records on every download of it: a
+    manifest made after the download leaves them out, and a download again raises no
+    alarm."""
+    from huggingface_hub._local_folder import write_download_metadata
+
+    local = local_dir_from_folder(tmp_path / "local", COMMIT, _model(tmp_path / "model"))
+    made = _cli("manifest", str(local))
+    assert made.returncode == 0, made.stderr
+    assert (json.loads(made.stdout)["files"], json.loads(made.stdout)["left_out"]) == (
+        2, [".cache/huggingface"])
+    write_download_metadata(local, "config.json", "f" * 40, "0" * 40)  # downloaded again
+    done = _cli("verify", str(local))
+    assert done.returncode == 0, done.stdout
+    assert json.loads(done.stdout)["results"][0]["counts"]["extra"] == 0

@@ -15,7 +15,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p = add_command(
         subparsers, common, "manifest", _run,
         help="write a manifest of every file in a folder",
-        description="Hash every regular file under DIR (symlinks are skipped) and write "
+        description="Hash every regular file under DIR (symlinks are skipped; version "
+        "control's folders and the hub's download records are left out) and write "
         "DIR/torchverity.manifest.json, or DIR/manifest-sha256.txt with --format sha256sum. "
         "Prints the root digest.",
     )
@@ -32,10 +33,13 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     name = MANIFEST_NAME if args.fmt == "json" else SHA256SUM_NAME
     for link in manifest.skipped:
         out.warn(f"skipped symlink {link} (links are never followed)")
+    for tool in manifest.left_out:
+        out.info(f"left out {tool}/: the records of the tool that fetched the folder, "
+                 "rewritten by its every command")
     total = sum(e.size for e in manifest.entries)
     data = {"ok": True, "manifest": f"{args.directory}/{name}", "algorithm": manifest.algo,
             "root": manifest.root, "files": len(manifest.entries), "bytes": total,
-            "skipped": list(manifest.skipped)}
+            "skipped": list(manifest.skipped), "left_out": list(manifest.left_out)}
     return out.result(data, lambda: _print(data, args.directory, out))
 
 
