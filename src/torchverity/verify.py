@@ -44,15 +44,16 @@ __all__ = ["STATUSES", "Status", "VerifyEntry", "VerifyResult", "verify_director
 def verify_file(
     path: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None
 ) -> VerifyResult:
-    """Check a file against its sidecar (``FILE.sha256`` or ``FILE.blake3``).
+    """Check a file against its sidecar (``FILE.sha256`` or ``FILE.blake3``); a link to
+    a checkpoint of its folder (Lightning's ``last.ckpt``), against that checkpoint's.
 
     The sidecar is chosen as ``torchverity.load`` chooses it: the one of the
     algorithm meta.json records, or the pending one of a save killed right
     after renaming the file, when the file matches it.
     """
-    from torchverity.checkpoint._records import resolve_records
+    from torchverity.checkpoint._records import linked_checkpoint, resolve_records
 
-    p = Path(path)
+    p = linked_checkpoint(Path(path))
     records = resolve_records(p)
     sidecar, algo, expected = records.sidecar, records.algo, records.hexdigest
     listed = verify_by_manifest(p, progress) if sidecar is None else None

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from torchverity._generation_pointer import has_pointer
 from torchverity.checkpoint._index import find_index
+from torchverity.checkpoint._records import linked_checkpoint
 from torchverity.errors import FormatError, InputError, shell_path
 
 # In the order transformers' (and diffusers') from_pretrained prefers them; diffusers
@@ -43,8 +44,9 @@ class Target:
 
 
 def resolve(path: str | os.PathLike[str]) -> Target:
-    """The checkpoint ``path`` names: a file, an index, or a folder of either layout."""
-    p = Path(path)
+    """The checkpoint ``path`` names: a file (a link to a checkpoint of its folder, the
+    checkpoint), an index, or a folder of either layout."""
+    p = linked_checkpoint(Path(path))
     if p.is_file() and p.name.endswith(".index.json"):
         return Target(p, p, p.parent, p)
     if not p.is_dir():

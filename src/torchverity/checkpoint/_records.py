@@ -141,6 +141,18 @@ class Records:
     pending: bool = False
 
 
+def linked_checkpoint(p: Path) -> Path:
+    """``p``, or the file it leads to when it is a link with no records of its own to a
+    file of its own folder: Lightning's ``last.ckpt`` (``save_last="link"``) names the
+    latest checkpoint that way, and that checkpoint's sidecar and meta.json vouch for it."""
+    if not p.is_symlink() or meta_path_for(p).exists() or any(
+            sidecar_path(p, algo).exists() for algo in ALGORITHMS):
+        return p
+    target = p.resolve()
+    same_folder = target.is_file() and target.parent == p.parent.resolve()
+    return p.parent / target.name if same_folder else p
+
+
 def resolve_records(p: Path) -> Records:
     """The records of ``p`` at this instant, whatever rename a killed save stopped at."""
     pending = _matching_pending_sidecar(p)

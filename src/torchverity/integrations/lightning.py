@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from torchverity.checkpoint._records import linked_checkpoint
 from torchverity.errors import UsageError, require_extra, shell_path
 from torchverity.integrations._common import (
     CheckpointRecord,
@@ -206,7 +207,7 @@ class GuardCallback(GuardCallbackBase, _Callback):
     def _resumed_without_state(self, path: Path, step: int) -> None:
         """Resumed from a checkpoint that holds no guard state: said once; the verdict its
         meta.json recorded at its save is kept when it was uncertified."""
-        certification = certification_of([path])
+        certification = certification_of([linked_checkpoint(path)])
         found = (path, certification) if certification is not None else None
         if found is not None and not found[1].get("certified") and self.guard is not None:
             self.guard._recovery.carry(found[1])
