@@ -294,3 +294,43 @@ def test_a_fused_kernel_the_native_update_does_not_reproduce_verifies_in_two_pas
     guard.flush()
     assert [(e.step, e.suspects) for e in guard.events] == [(2, ("0.weight",))]
     guard.close()
+
+
+@pytest.mark.parametrize("name", ["adam-l2-amsgrad", "sgd-dampened"])
+def test_a_channels_last_model_takes_the_native_update_bit_for_bit(name: str) -> None:
+    """``model.to(memory_format=torch.channels_last)``: weights, gradients and state share
+    one dense layout that is not the contiguous one; the update runs through memory."""
+    def conv() -> torch.nn.Module:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(),
+                                  torch.nn.Conv2d(16, 8, 3), torch.nn.Flatten(),
+                                  torch.nn.Linear(8 * 12 * 12, 1))
+        return net.to(memory_format=torch.channels_last)
+
+    x = torch.randn(8, 3, 16, 16).to(memory_format=torch.channels_last)
+    model, ref = conv(), conv()
+    assert not model[0].weight.is_contiguous()
+    opt, ref_opt = SETTINGS[name](model.parameters()), SETTINGS[name](ref.parameters())
+    guard = TrainingGuard(model, opt, policies={"weights_changed": "record"})
+    assert guard._rest.coverage()["update"] == "native"
+    for _step in range(20):
+        for net, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            loss = net(x).pow(2).mean()
+            loss.backward()
+            if net is model:
+                guard.check(loss)
+                guard.step()
+            else:
+                o.step()
+    assert guard.flush() == [] and guard.events == []
+    assert _bits(model, opt) == _bits(ref, ref_opt)
+    faults.flip_bit(model[0].weight, 100, 3)
+    opt.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    guard.check(loss)
+    guard.step()
+    guard.flush()
+    assert [(e.kind, e.suspects) for e in guard.events] == [("weights_changed", ("0.weight",))]
+    guard.close()

@@ -5,7 +5,7 @@ updates, sums and writes each block of every parameter and state tensor.
 in-place update is about to overwrite in loops of its own, before the update's, which
 costs about half the update again in memory traffic. This module compiles a small C
 file (``_native_update.c``, with the system's C compiler, once per machine, into the
-user's cache) that does SGD, Adam and AdamW on contiguous float32 tensors with the same
+user's cache) that does SGD, Adam and AdamW on dense float32 tensors with the same
 arithmetic as torch's eager kernels, so the update is bit for bit what
 ``optimizer.step()`` computes, eagerly. That claim is not taken on trust: before a guard
 uses the kernel, :func:`agrees` runs the optimizer itself and the kernel side by side
@@ -158,8 +158,10 @@ def _group_reason(optimizer: torch.optim.Optimizer, group: dict[str, Any],
                          and lr.device.type == "cpu" and lr.dim() == 0):
         return "a float lr (torch.compile bakes it into the graph: foreach=True groups)"
     for p in group["params"]:
-        if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
-            return "parameters other than contiguous float32 on the CPU"
+        if p.dtype != torch.float32 or p.device.type != "cpu" or not _dense(p):
+            return "parameters other than dense float32 on the CPU"
+        if group.get("fused") and not p.is_contiguous():
+            return "fused=True with parameters in another memory format than contiguous"
     return None
 
 
@@ -316,7 +318,7 @@ class NativeUpdate:
             for p in group["params"]:
                 state = self.optimizer.state.get(p, {})
                 parts = [p] + [state.get(k) if k else None for k in _STATE_KEYS[adam]]
-                if any(t is not None and not _takes(t) for t in parts):
+                if any(t is not None and not _takes(t, p) for t in parts):
                     return False
                 # State the optimizer creates in the first update with a gradient.
                 fresh = not state if adam else (parts[1] is None and group["momentum"] != 0)
@@ -345,15 +347,34 @@ class NativeUpdate:
             grad = p.grad
             if grad is None:
                 items[i].g = None
-            elif fresh or grad.is_sparse or not _takes(grad):
+            elif fresh or grad.is_sparse or not _takes(grad, p):
                 return False
             else:
                 items[i].g = grad.data_ptr()
         return True
 
 
-def _takes(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+def _takes(t: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether the kernel reads ``t`` beside ``param``: float32 on the CPU in the same dense
+    layout, so that the i-th word of each in memory is the same element (or a scalar: Adam's
+    step counter)."""
+    return (t.dtype == torch.float32 and t.device.type == "cpu" and _dense(t)
+            and (t.dim() == 0 or t.stride() == param.stride()))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers one block of memory, each element once, in some order of its
+    dimensions (contiguous, channels_last, ...): an elementwise update may run through it
+    in memory order."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True)
+                               if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _branches(optimizer: torch.optim.Optimizer) -> tuple[tuple[object, ...], ...]:

@@ -1,4 +1,4 @@
-/* One pass per update: SGD, Adam and AdamW on contiguous float32 CPU tensors, with the
+/* One pass per update: SGD, Adam and AdamW on dense float32 CPU tensors, with the
  * word sums of each tensor as the update reads it and as it writes it.
  *
  * The arithmetic is that of torch's eager CPU kernels, operation by operation, so the
