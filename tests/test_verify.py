@@ -20,6 +20,7 @@ from torchverity.manifest import (
     SHA256SUM_NAME,
     Manifest,
     build_manifest,
+    check_relative_path,
     read_manifest,
     write_manifest,
 )
@@ -155,6 +156,18 @@ def test_hand_edited_manifest_is_rejected(tmp_path: Path, mutate, message: str) 
         verify_directory(tree)
     assert message in info.value.message
     assert f"torchverity manifest {tree}" in str(info.value)
+
+
+@pytest.mark.parametrize("path", ["", "/a", "a//b", "a/", "./a", "a/./b", "..", "a/../b",
+                                  "a/..", "a\\b", "C:/x", "c:x", "a\x00b"])
+def test_every_path_that_could_leave_the_folder_is_refused(path: str) -> None:
+    with pytest.raises(FormatError, match="escapes the folder"):
+        check_relative_path(Path("m.json"), path)
+
+
+@pytest.mark.parametrize("path", ["a", "a/b", ".git/HEAD", "a/.b", "...", "a/..b", "ü x.bin"])
+def test_plain_relative_paths_are_accepted_as_they_are(path: str) -> None:
+    assert check_relative_path(Path("m.json"), path) == path
 
 
 def test_manifest_path_through_symlink_out_of_folder_is_rejected(tmp_path: Path) -> None:
