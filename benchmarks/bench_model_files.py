@@ -165,7 +165,7 @@ def main() -> None:
         ("torchverity.load(model folder): the files beside checked too", "folder", ""),
         ("the check of the files beside alone", "check", ""),
         ("torchverity.load(sentence-transformers folder, manifest)", "st", ""),
-        ("its check alone", "st check", f"{checked['st']} of {entries} entries"),
+        ("its check alone", "st check", f"{checked['st']} of {entries} files and folders"),
         ("torchverity.load(the same as a hub cache snapshot)", "hub", ""),
         ("its check alone, against the blob names", "hub check", f"{checked['hub']}"),
         ("the check of a folder with 2000 more listed files", "many check",
@@ -173,10 +173,9 @@ def main() -> None:
     ]
     body = (f"Weights: {mib:.0f} MiB of safetensors; beside them {', '.join(beside)} "
             f"({sizes / 2**10:.0f} KiB). Medians of {args.repeat} alternating rounds, page "
-            "cache warm. The sentence-transformers folder's manifest also lists its .git "
-            "objects (torchverity manifest records every file): parsing those entries, once "
-            "for the files a build reads and once for the weights, is most of its extra "
-            "time; the walk never enters .git, and the hub snapshot, with no manifest, "
+            "cache warm. The sentence-transformers folder is a git clone: its manifest "
+            "leaves the .git folder out (as torchverity manifest leaves version control's "
+            "folders out) and the walk never enters it; the hub snapshot, with no manifest, "
             "costs its 8 small files.\n\n" + table(("load", "median s", "vs the weights alone",
                                         "files hashed"), [
                 (label, f"{med[key]:.4f}", "1.00x" if key == "alone" else f"{ratio[key]:.3f}x",
