@@ -59,6 +59,9 @@ def verify_file(
     listed = verify_by_manifest(p, progress) if sidecar is None else None
     if listed is not None:
         return listed
+    named = _by_torch_hub_name(p, progress) if sidecar is None else None
+    if named is not None:
+        return named
     if sidecar is None or algo is None or expected is None:
         raise InputError(
             f"{p}: no sidecar ({sidecar_path(p).name} or {sidecar_path(p, 'blake3').name})",
@@ -76,6 +79,21 @@ def verify_file(
                             tensors=_damaged_tensors(p) if status == "mismatched" else ())
     return VerifyResult(os.fspath(p), "file", algo, (entry,), os.fspath(sidecar),
                         certification_of([p]))
+
+
+def _by_torch_hub_name(p: Path, progress: Callable[[int], None] | None
+                       ) -> VerifyResult | None:
+    """A torch.hub download against the SHA-256 prefix in its name (None for others)."""
+    from torchverity.provenance._torch_hub import record_name, torch_hub_prefix
+
+    prefix = torch_hub_prefix(p)
+    if prefix is None or not p.is_file():
+        return None
+    actual = digest_file(p, "sha256", progress=progress)
+    status: Status = "ok" if actual.hexdigest.startswith(prefix) else "mismatched"
+    entry = VerifyEntry(p.name, status, prefix, actual.hexdigest, actual_size=actual.size,
+                        tensors=_damaged_tensors(p) if status == "mismatched" else ())
+    return VerifyResult(os.fspath(p), "file", "sha256", (entry,), record_name(prefix))
 
 
 def verify_directory(

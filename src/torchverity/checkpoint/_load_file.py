@@ -51,6 +51,7 @@ from torchverity.errors import (
     IntegrityError,
     shell_path,
 )
+from torchverity.provenance._torch_hub import record_name, torch_hub_prefix
 
 log = logging.getLogger("torchverity.checkpoint")
 
@@ -173,6 +174,8 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPol
         return ExpectedDigest(listed[0], listed[1], "manifest")
     if policy != "ignore" and (hub := _hub_record(p)) is not None:
         return hub
+    if policy != "ignore" and (prefix := torch_hub_prefix(p)) is not None:
+        return ExpectedDigest("sha256", prefix, "torch-hub", prefix=True)
     if policy == "require":
         raise IntegrityError(
             f"{p}: no sidecar ({p.name}.sha256), no entry in a manifest of its folder, and "
@@ -199,14 +202,21 @@ def _digest_mismatch(p: Path, expected: ExpectedDigest, actual: str,
              if damaged else "the damage could not be tied to a tensor")
     record = {"sidecar": f"{p.name}.{algo}", "manifest": "its folder's manifest",
               "hub": "the name the Hugging Face hub gave it",
+              "torch-hub": record_name(want),
               "signature": "its signature"}.get(source, f"{p.name}{META_SUFFIX}")
     return IntegrityError(
         f"{p}: {algo} digest does not match {record}: the file changed after it was saved "
         f"(expected {want}, got {actual}); {where}",
         path=p, expected=want, actual=actual, tensors=damaged,
-        hint=f"restore {p.name} from a verified copy; torchverity diff {shell_path(p)} <good copy> "
-             "shows every changed value",
+        hint=_TORCH_HUB_HINT.format(shell_path(p)) if source == "torch-hub" else (
+            f"restore {p.name} from a verified copy; torchverity diff {shell_path(p)} "
+            "<good copy> shows every changed value"),
     )
+
+
+# torch.hub fetches a file again only when it is not in its checkpoints folder.
+_TORCH_HUB_HINT = ("remove {0} and load it again: torch.hub.load_state_dict_from_url(url, "
+                   "check_hash=True) downloads it anew")
 
 
 def _check_digest(p: Path, expected: ExpectedDigest | None,
@@ -214,7 +224,7 @@ def _check_digest(p: Path, expected: ExpectedDigest | None,
     if expected is None:
         return None
     actual = digest_file(p, expected.algo).hexdigest
-    if actual != expected.hex:
+    if not expected.matches(actual):
         raise _digest_mismatch(p, expected, actual, _locate_pt_damage(p, meta))
     return actual
 
@@ -261,7 +271,7 @@ def _load_while_hashing(p: Path, expected: ExpectedDigest,
     finally:
         actual = reader.hexdigest()
         reader.close()
-    if actual != expected.hex:
+    if not expected.matches(actual):
         raise _digest_mismatch(p, expected, actual, _locate_pt_damage(p, meta))
     if failure is not None:
         raise _load_failure(p, "pt", failure) from None
@@ -314,7 +324,7 @@ def _read_safetensors(p: Path, expected: ExpectedDigest | None,
         for e in header.entries
     ]) if tensor_hashers else None
     digest = file_hasher.hexdigest() if file_hasher else None
-    if expected is not None and digest != expected.hex:
+    if expected is not None and (digest is None or not expected.matches(digest)):
         damaged = (recorded.differing(fp) if recorded and fp
                    else _locate_pt_damage(p, meta))
         raise _digest_mismatch(p, expected, str(digest), damaged)

@@ -6,16 +6,21 @@ from dataclasses import dataclass
 from typing import Literal
 
 SidecarPolicy = Literal["warn", "require", "ignore"]
-DigestSource = Literal["sidecar", "meta", "manifest", "hub", "signature"]
+DigestSource = Literal["sidecar", "meta", "manifest", "hub", "torch-hub", "signature"]
 
 
 @dataclass(frozen=True)
 class ExpectedDigest:
-    """The digest a file is checked against, and the record it came from."""
+    """The digest a file is checked against, and the record it came from (``prefix``: the
+    record holds only the digest's first hex digits, as a torch.hub file name does)."""
 
     algo: str
     hex: str
     source: DigestSource
+    prefix: bool = False
+
+    def matches(self, actual: str) -> bool:
+        return actual.startswith(self.hex) if self.prefix else actual == self.hex
 
 
 class CheckpointWarning(UserWarning):

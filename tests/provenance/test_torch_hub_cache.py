@@ -1,0 +1,75 @@
+"""Weights that torch.hub downloaded (``load_state_dict_from_url``, as torchvision's
+pretrained models are fetched) carry the first hex digits of their SHA-256 in their name.
+``torchverity verify`` and ``torchverity.load`` check a file in torch.hub's checkpoints
+folder against them: an intact download verifies and loads with no warning, a flipped bit
+is named with the call that fetches the file again, and a hex-looking name elsewhere is
+not taken for a record."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import torchverity
+from torchverity.inject import flip_bit
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "torchverity", *args, "--json"],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture()
+def cached(tmp_path: Path) -> Path:
+    """A file as torch.hub stores it: downloaded from a URL whose name holds the prefix."""
+    source = tmp_path / "source.pth"
+    torch.save({"conv.weight": torch.arange(64.0).reshape(4, 16)}, source)
+    name = f"tiny-{hashlib.sha256(source.read_bytes()).hexdigest()[:8]}.pth"
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    shutil.copy(source, origin / name)
+    home = tmp_path / "torch" / "hub" / "checkpoints"
+    torch.hub.load_state_dict_from_url((origin / name).as_uri(), model_dir=str(home),
+                                       check_hash=True, progress=False)
+    return home / name
+
+
+def test_an_intact_download_verifies_and_loads_against_its_name(cached: Path) -> None:
+    done = _cli("verify", str(cached))
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout)["results"][0]
+    assert result["record"].startswith("the SHA-256 prefix in its name")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no meta.json: no fingerprint to compare
+        state, report = torchverity.load(cached, with_report=True)
+    assert report.digest_source == "torch-hub"  # its bytes were checked against the name
+    assert torch.equal(state["conv.weight"], torch.arange(64.0).reshape(4, 16))
+
+
+def test_a_flipped_bit_in_a_download_is_named(cached: Path) -> None:
+    flip_bit(cached, cached.stat().st_size - 400, 3)
+    done = _cli("verify", str(cached))
+    assert done.returncode == 1
+    assert json.loads(done.stdout)["results"][0]["entries"][0]["status"] == "mismatched"
+    with pytest.raises(torchverity.IntegrityError) as caught:
+        torchverity.load(cached)
+    assert "load_state_dict_from_url" in str(caught.value)
+    assert caught.value.expected == cached.name.split("-")[1][:8]
+
+
+def test_a_hex_looking_name_outside_torch_hub_is_no_record(cached: Path,
+                                                           tmp_path: Path) -> None:
+    elsewhere = tmp_path / "models" / cached.name
+    elsewhere.parent.mkdir()
+    shutil.copy(cached, elsewhere)
+    done = _cli("verify", str(elsewhere))
+    assert done.returncode == 2
+    assert "no sidecar" in json.loads(done.stdout)["message"]
