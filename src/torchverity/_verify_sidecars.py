@@ -14,6 +14,7 @@ from torchverity._verify_results import VerifyEntry, VerifyResult, _damaged_tens
 from torchverity.digest import ALGORITHMS, digest_file, find_sidecar, read_sidecar
 from torchverity.errors import FormatError, InputError, shell_path
 from torchverity.manifest import list_files
+from torchverity.provenance._torch_hub import refetch_hint, torch_hub_prefix
 
 _SIDECAR_SUFFIXES = tuple(f".{a}" for a in ALGORITHMS)
 
@@ -118,7 +119,10 @@ def advice(result: VerifyResult) -> list[str]:
         broken = broken_download(_entry_path(result, entry.path))
         if broken is not None:
             steps.append(f"{broken.message}; next: {broken.hint}")
-    if counts["mismatched"]:
+    if counts["mismatched"] and torch_hub_prefix(Path(result.target)) is not None:
+        steps.append(f"mismatched: the download was damaged after torch.hub checked it; "
+                     f"{refetch_hint(target)}")
+    elif counts["mismatched"]:
         steps.append("mismatched: the content changed since it was recorded; restore those "
                      "files from a good copy, then rerun torchverity verify")
     if counts["missing"]:

@@ -62,6 +62,9 @@ def test_a_flipped_bit_in_a_download_is_named(cached: Path) -> None:
     with pytest.raises(torchverity.IntegrityError) as caught:
         torchverity.load(cached)
     assert "load_state_dict_from_url" in str(caught.value)
+    told = subprocess.run([sys.executable, "-m", "torchverity", "verify", str(cached)],
+                          capture_output=True, text=True, timeout=120)
+    assert "load_state_dict_from_url(url, check_hash=True)" in told.stdout + told.stderr
     assert caught.value.expected == cached.name.split("-")[1][:8]
 
 

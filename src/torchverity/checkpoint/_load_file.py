@@ -51,7 +51,7 @@ from torchverity.errors import (
     IntegrityError,
     shell_path,
 )
-from torchverity.provenance._torch_hub import record_name, torch_hub_prefix
+from torchverity.provenance._torch_hub import record_name, refetch_hint, torch_hub_prefix
 
 log = logging.getLogger("torchverity.checkpoint")
 
@@ -208,15 +208,10 @@ def _digest_mismatch(p: Path, expected: ExpectedDigest, actual: str,
         f"{p}: {algo} digest does not match {record}: the file changed after it was saved "
         f"(expected {want}, got {actual}); {where}",
         path=p, expected=want, actual=actual, tensors=damaged,
-        hint=_TORCH_HUB_HINT.format(shell_path(p)) if source == "torch-hub" else (
+        hint=refetch_hint(shell_path(p)) if source == "torch-hub" else (
             f"restore {p.name} from a verified copy; torchverity diff {shell_path(p)} "
             "<good copy> shows every changed value"),
     )
-
-
-# torch.hub fetches a file again only when it is not in its checkpoints folder.
-_TORCH_HUB_HINT = ("remove {0} and load it again: torch.hub.load_state_dict_from_url(url, "
-                   "check_hash=True) downloads it anew")
 
 
 def _check_digest(p: Path, expected: ExpectedDigest | None,

@@ -1,4 +1,4 @@
-"""Demo step: signed models, and Hugging Face caches checked offline."""
+"""Demo step: signed models, and Hugging Face and torch.hub caches checked offline."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 from torchverity.demo import DemoContext
 from torchverity.provenance._keys import write_key_pair
 
-TITLE = "Provenance: OpenSSF model signatures, signed attestations, Hugging Face caches offline"
+TITLE = ("Provenance: OpenSSF model signatures, signed attestations, Hugging Face and "
+         "torch.hub caches offline")
 NEEDS = ("sign",)
 
 
@@ -106,6 +107,28 @@ def _edited_snapshot_config(ctx: DemoContext, snapshot: Path) -> None:
                "before reading the weights")
 
 
+def _torch_hub_download(ctx: DemoContext, weights: Path) -> None:
+    """A file fetched by torch.hub (as torchvision's pretrained weights are), its name
+    holding its digest's first hex digits; one bit flips in the cache."""
+    import torch
+
+    name = f"linear-{hashlib.sha256(weights.read_bytes()).hexdigest()[:8]}.pth"
+    origin = ctx.workdir / "model-zoo"
+    origin.mkdir()
+    shutil.copy(weights, origin / name)
+    checkpoints = ctx.workdir / "torch_home" / "hub" / "checkpoints"
+    ctx.say("torch.hub downloads weights (load_state_dict_from_url, check_hash=True) into "
+            f"its cache as {name}:")
+    torch.hub.load_state_dict_from_url((origin / name).as_uri(), model_dir=str(checkpoints),
+                                       check_hash=True, progress=False)
+    cached = checkpoints / name
+    ctx.cli("verify", str(cached))
+    ctx.cli("inject", "bitflip", str(cached), "--offset", "900", "--bit", "1")
+    _rc, out, _err = ctx.cli("verify", str(cached), expect=1)
+    ctx.expect("mismatched" in out, "verify finds the flipped bit against the name torch.hub "
+               "gave the file (torch.hub checks it only at the download)")
+
+
 def run(ctx: DemoContext) -> None:
     import torch
 
@@ -139,3 +162,6 @@ def run(ctx: DemoContext) -> None:
     except torchverity.IntegrityError as exc:
         refused = "Hugging Face hub" in exc.message
     ctx.expect(refused, "torchverity.load on the cached path refuses the damaged blob")
+    pt = ctx.workdir / "linear.pth"
+    torch.save(state, pt)
+    _torch_hub_download(ctx, pt)

@@ -33,3 +33,10 @@ def torch_hub_prefix(path: Path) -> str | None:
 def record_name(prefix: str) -> str:
     """How a verdict names the record: the name's prefix, as torch.hub reads it."""
     return f"the SHA-256 prefix in its name ({prefix}, torch.hub's check_hash)"
+
+
+def refetch_hint(path: str) -> str:
+    """The next step for a damaged download: torch.hub fetches a file again only when it
+    is not in its checkpoints folder."""
+    return (f"remove {path} and load it again: torch.hub.load_state_dict_from_url(url, "
+            "check_hash=True) downloads it anew")
