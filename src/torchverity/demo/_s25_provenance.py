@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from torchverity.demo import DemoContext
@@ -119,8 +121,11 @@ def _torch_hub_download(ctx: DemoContext, weights: Path) -> None:
     checkpoints = ctx.workdir / "torch_home" / "hub" / "checkpoints"
     ctx.say("torch.hub downloads weights (load_state_dict_from_url, check_hash=True) into "
             f"its cache as {name}:")
-    torch.hub.load_state_dict_from_url((origin / name).as_uri(), model_dir=str(checkpoints),
-                                       check_hash=True, progress=False)
+    # torch.hub says "Downloading: ..." on stdout, which holds the demo's data (--json).
+    with contextlib.redirect_stdout(sys.stderr):
+        torch.hub.load_state_dict_from_url((origin / name).as_uri(),
+                                           model_dir=str(checkpoints), check_hash=True,
+                                           progress=False)
     cached = checkpoints / name
     ctx.cli("verify", str(cached))
     ctx.cli("inject", "bitflip", str(cached), "--offset", "900", "--bit", "1")
