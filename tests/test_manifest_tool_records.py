@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,11 +21,6 @@ from torchverity.manifest import Manifest, ManifestEntry, read_manifest
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
 GIT = ["git", "-c", "user.email=maintainer@example.com", "-c", "user.name=maintainer"]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torchverity", *args, "--json"],
-                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture()
@@ -43,40 +39,41 @@ def clone(tmp_path: Path) -> Path:
 
 
 def test_the_manifest_of_a_clone_leaves_out_git_and_git_commands_raise_no_alarm(
-        clone: Path) -> None:
-    made = _cli("manifest", str(clone))
-    assert made.returncode == 0, made.stderr
-    data = json.loads(made.stdout)
+        clone: Path, run_cli: Callable[..., Any]) -> None:
+    made = run_cli("manifest", str(clone), "--json")
+    assert made.code == 0, made.err
+    data = json.loads(made.out)
     assert (data["files"], data["left_out"]) == (3, [".git"])
     listed = [e["path"] for e in json.loads((clone / "torchverity.manifest.json").read_text())
               ["files"]]
     assert listed == [".gitattributes", "config.json", "model.safetensors"]
     for command in (["status"], ["gc", "-q"], ["fetch", "-q"], ["branch", "other"]):
         subprocess.run([*GIT, "-C", str(clone), *command], check=True, capture_output=True)
-    done = _cli("verify", str(clone))
-    assert done.returncode == 0, done.stdout
-    counts = json.loads(done.stdout)["results"][0]["counts"]
+    done = run_cli("verify", str(clone), "--json")
+    assert done.code == 0, done.out
+    counts = json.loads(done.out)["results"][0]["counts"]
     assert counts == {"ok": 3, "mismatched": 0, "missing": 0, "extra": 0}
     config = clone / "config.json"
     config.write_text(config.read_text().replace("bert", "gpt2"))
-    done = _cli("verify", str(clone))
-    assert done.returncode == 1
-    entries = json.loads(done.stdout)["results"][0]["entries"]
+    done = run_cli("verify", str(clone), "--json")
+    assert done.code == 1
+    entries = json.loads(done.out)["results"][0]["entries"]
     assert [(e["path"], e["status"]) for e in entries if e["status"] != "ok"] == [
         ("config.json", "mismatched")]
 
 
-def test_a_manifest_that_lists_git_files_still_has_them_verified(clone: Path) -> None:
-    assert _cli("manifest", str(clone)).returncode == 0
+def test_a_manifest_that_lists_git_files_still_has_them_verified(
+        clone: Path, run_cli: Callable[..., Any]) -> None:
+    assert run_cli("manifest", str(clone), "--json").code == 0
     record = clone / "torchverity.manifest.json"
     written = read_manifest(record)
     head = clone / ".git" / "HEAD"
     entry = ManifestEntry(".git/HEAD", head.stat().st_size, digest_file(head, "sha256").hexdigest)
     entries = sorted((entry, *written.entries), key=lambda e: e.path.encode())
     record.write_text(json.dumps(Manifest(written.algo, tuple(entries)).to_dict()))
-    done = _cli("verify", str(clone))
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = run_cli("verify", str(clone), "--json")
+    assert done.code == 0, done.out + done.err
     head.write_text("ref: refs/heads/other\n")
-    done = _cli("verify", str(clone))
-    assert done.returncode == 1
-    assert ".git/HEAD" in done.stdout
+    done = run_cli("verify", str(clone), "--json")
+    assert done.code == 1
+    assert ".git/HEAD" in done.out

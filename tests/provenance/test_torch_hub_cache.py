@@ -10,21 +10,16 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import torchverity
 from torchverity.inject import flip_bit
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torchverity", *args, "--json"],
-                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture()
@@ -42,10 +37,11 @@ def cached(tmp_path: Path) -> Path:
     return home / name
 
 
-def test_an_intact_download_verifies_and_loads_against_its_name(cached: Path) -> None:
-    done = _cli("verify", str(cached))
-    assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(done.stdout)["results"][0]
+def test_an_intact_download_verifies_and_loads_against_its_name(
+        cached: Path, run_cli: Callable[..., Any]) -> None:
+    done = run_cli("verify", str(cached), "--json")
+    assert done.code == 0, done.out + done.err
+    result = json.loads(done.out)["results"][0]
     assert result["record"].startswith("the SHA-256 prefix in its name")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no meta.json: no fingerprint to compare
@@ -54,25 +50,25 @@ def test_an_intact_download_verifies_and_loads_against_its_name(cached: Path) ->
     assert torch.equal(state["conv.weight"], torch.arange(64.0).reshape(4, 16))
 
 
-def test_a_flipped_bit_in_a_download_is_named(cached: Path) -> None:
+def test_a_flipped_bit_in_a_download_is_named(cached: Path, run_cli: Callable[..., Any]) -> None:
     flip_bit(cached, cached.stat().st_size - 400, 3)
-    done = _cli("verify", str(cached))
-    assert done.returncode == 1
-    assert json.loads(done.stdout)["results"][0]["entries"][0]["status"] == "mismatched"
+    done = run_cli("verify", str(cached), "--json")
+    assert done.code == 1
+    assert json.loads(done.out)["results"][0]["entries"][0]["status"] == "mismatched"
     with pytest.raises(torchverity.IntegrityError) as caught:
         torchverity.load(cached)
     assert "load_state_dict_from_url" in str(caught.value)
-    told = subprocess.run([sys.executable, "-m", "torchverity", "verify", str(cached)],
-                          capture_output=True, text=True, timeout=120)
-    assert "load_state_dict_from_url(url, check_hash=True)" in told.stdout + told.stderr
+    told = run_cli("verify", str(cached))
+    assert "load_state_dict_from_url(url, check_hash=True)" in told.out + told.err
     assert caught.value.expected == cached.name.split("-")[1][:8]
 
 
 def test_a_hex_looking_name_outside_torch_hub_is_no_record(cached: Path,
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path,
+        run_cli: Callable[..., Any]) -> None:
     elsewhere = tmp_path / "models" / cached.name
     elsewhere.parent.mkdir()
     shutil.copy(cached, elsewhere)
-    done = _cli("verify", str(elsewhere))
-    assert done.returncode == 2
-    assert "no sidecar" in json.loads(done.stdout)["message"]
+    done = run_cli("verify", str(elsewhere), "--json")
+    assert done.code == 2
+    assert "no sidecar" in json.loads(done.out)["message"]

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +20,6 @@ import torchverity
 from torchverity.inject import flip_bit
 
 pytest.importorskip("lightning")
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "torchverity", *args, "--json"],
-                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +46,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "ckpt"
 
 
-def test_verify_and_load_of_last_take_the_linked_checkpoints_records(run: Path) -> None:
-    done = _cli("verify", str(run / "last.ckpt"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    result = json.loads(done.stdout)["results"][0]
+def test_verify_and_load_of_last_take_the_linked_checkpoints_records(
+        run: Path, run_cli: Callable[..., Any]) -> None:
+    done = run_cli("verify", str(run / "last.ckpt"), "--json")
+    assert done.code == 0, done.out + done.err
+    result = json.loads(done.out)["results"][0]
     assert result["target"] == str(run / "epoch=0-step=20.ckpt")
     assert result["certification"]["certified"] is True
     with warnings.catch_warnings():
@@ -65,7 +60,8 @@ def test_verify_and_load_of_last_take_the_linked_checkpoints_records(run: Path) 
 
 
 def test_a_flip_in_the_linked_checkpoint_is_found_through_last(run: Path,
-                                                                tmp_path: Path) -> None:
+                                                                tmp_path: Path,
+        run_cli: Callable[..., Any]) -> None:
     copy = tmp_path / "ckpt"
     copy.mkdir()
     for f in run.iterdir():
@@ -74,8 +70,8 @@ def test_a_flip_in_the_linked_checkpoint_is_found_through_last(run: Path,
         else:
             (copy / f.name).write_bytes(f.read_bytes())
     flip_bit(copy / "epoch=0-step=20.ckpt", 300, 2)
-    done = _cli("verify", str(copy / "last.ckpt"))
-    assert done.returncode == 1
-    assert json.loads(done.stdout)["results"][0]["entries"][0]["status"] == "mismatched"
+    done = run_cli("verify", str(copy / "last.ckpt"), "--json")
+    assert done.code == 1
+    assert json.loads(done.out)["results"][0]["entries"][0]["status"] == "mismatched"
     with pytest.raises(torchverity.IntegrityError):
         torchverity.load(copy / "last.ckpt")
