@@ -32,6 +32,10 @@ SETTINGS: dict[str, Make] = {
     "adam-fused-l2-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1,
                                                          amsgrad=True, fused=True),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2),
+    "sgd-fused-momentum": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.3,
+                                                     fused=True),
+    "sgd-fused-nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.8, nesterov=True,
+                                                     weight_decay=1e-3, fused=True),
     "sgd-dampened": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.3),
     "sgd-nesterov-maximize": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.8, nesterov=True,
                                                         weight_decay=1e-3, maximize=True),
@@ -43,9 +47,11 @@ Y = torch.randn(64, 1, generator=torch.Generator().manual_seed(4))
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    # 150 641 parameters: large enough for the native update to split across two threads
-    return torch.nn.Sequential(torch.nn.Linear(300, 500), torch.nn.Tanh(),
-                               torch.nn.Linear(500, 1))
+    # 153 728 parameters: large enough for the native update to split across two threads;
+    # lengths of 12 and 13 past a multiple of 16 take every path of torch's fused=True
+    # kernels (vector loop, the scalar loop's vectorized part on AVX-512, scalar elements)
+    return torch.nn.Sequential(torch.nn.Linear(300, 509), torch.nn.Tanh(),
+                               torch.nn.Linear(509, 1))
 
 
 def _backward(model: torch.nn.Module, step: int, sign: float = 1.0) -> torch.Tensor:
@@ -277,19 +283,27 @@ def test_settings_changed_mid_run_are_proven_again_or_stepped_by_the_optimizer(
 
 
 def test_a_fused_kernel_the_native_update_does_not_reproduce_verifies_in_two_passes() -> None:
-    """SGD's fused=True kernel with momentum rounds otherwise: the proof refuses it, and
-    since its own kernel takes no sums the guard verifies in two passes, saying why."""
-    model = _model()
+    """torch's fused=True kernels run channels_last weights through memory in another
+    order than the native update takes: the guard does not stand in for the optimizer's
+    own kernel, which takes no sums, so it verifies in two passes, saying why."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.LazyLinear(2))
+    model(torch.randn(2, 3, 8, 8))
+    model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
     guard = TrainingGuard(model, opt, policies={"weights_changed": "record"})
     coverage = guard._rest.coverage()
     assert (coverage["verification"], coverage["fallback_reason"]) == (
         "two passes", "fused=True optimizers run their own kernel")
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
     for step in range(4):
         if step == 2:
             faults.flip_bit(model[0].weight, 9, 1)
         opt.zero_grad()
-        guard.check(_backward(model, step))
+        loss = model(x).square().mean()
+        loss.backward()
+        guard.check(loss)
         guard.step()
     guard.flush()
     assert [(e.step, e.suspects) for e in guard.events] == [(2, ("0.weight",))]

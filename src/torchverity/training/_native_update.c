@@ -59,7 +59,8 @@ typedef struct {
     double lr, beta1, beta2d;
     vsqrt_fn sqrt;      /* MKL's vsSqrt (the eager ops), or tv_sqrt (fused=True kernels) */
     /* fused=True: torch's kernel runs a tensor's last (n mod `vector`) elements through
-     * scalar code, which rounds the second moment in another order. 0: eager, no tail. */
+     * its scalar loop, which rounds Adam's second moment and SGD's momentum in another
+     * order (see scalar_from). 0: eager, no tail. */
     int64_t vector;
 } tv_group;
 
@@ -126,12 +127,23 @@ static inline float maximum(float a, float b) {
     return a > b ? a : b;
 }
 
-/* torch's fused kernel runs the last (n mod vector) elements of a tensor through scalar
- * code, which rounds the second moment in another order: redo those that fall in the
- * block [lo, lo + nb) of a tensor of n elements, from the old values in `old`. */
+/* Where the scalar arithmetic of torch's fused=True kernel starts in a tensor of n
+ * elements (n: none). Its vector loop stops at the last multiple of `vector`; the
+ * compiler vectorizes the scalar loop after it 8 floats at a time, and those 8 round as
+ * the vector loop does, so on AVX-512 (vector 16) a tail of 8 or more begins with 8
+ * elements of vector arithmetic. */
+static int64_t scalar_from(const tv_group *gr, int64_t n) {
+    if (gr->vector == 0) return n;
+    int64_t a = n - n % gr->vector;
+    return a + (n - a) / 8 * 8;
+}
+
+/* torch's fused kernel rounds the second moment of its scalar elements in another order:
+ * redo those that fall in the block [lo, lo + nb) of a tensor of n elements, from the old
+ * values in `old`. */
 static void scalar_tail(const tv_group *gr, int64_t n, int64_t lo, int64_t nb,
                         const float *old, const float *grad, float *v) {
-    int64_t a = n - n % gr->vector;
+    int64_t a = scalar_from(gr, n);
     for (int64_t j = a > lo ? a : lo; j < lo + nb; j++) {
         int64_t i = j - lo;
         v[i] = fmaf(old[i], gr->beta2, (gr->c2 * grad[i]) * grad[i]);
@@ -156,7 +168,7 @@ static void adam_block(const tv_group *gr, const tv_item *it, int64_t lo, int64_
         for (int64_t i = 0; i < nb; i++) m[i] = fmaf(coeff, grad[i] - m[i], grad[i]);
     }
     float old_v[BLOCK];
-    int tail = gr->vector > 0 && lo + nb > it->n - it->n % gr->vector;
+    int tail = lo + nb > scalar_from(gr, it->n);
     if (tail) memcpy(old_v, v, (size_t)nb * sizeof(float));
     for (int64_t i = 0; i < nb; i++) {
         float t = v[i] * gr->beta2;
@@ -175,19 +187,31 @@ static void adam_block(const tv_group *gr, const tv_item *it, int64_t lo, int64_
     for (int64_t i = 0; i < nb; i++) p[i] = p[i] + (neg_step * m[i]) / denom[i];
 }
 
-static void sgd_block(const tv_group *gr, const tv_item *it, int64_t lo, int64_t nb) {
-    float *p = it->p + lo, *buf = it->m ? it->m + lo : 0;
-    const float *g = it->g + lo;
-    for (int64_t i = 0; i < nb; i++) {
+/* SGD on the elements [lo, hi) of a tensor; `scalar`: the momentum as the scalar loop of
+ * torch's fused=True kernel rounds it (the multiply-add on the old buffer). */
+static void sgd_range(const tv_group *gr, const tv_item *it, int64_t lo, int64_t hi,
+                      int scalar) {
+    float *p = it->p, *buf = it->m;
+    const float *g = it->g;
+    for (int64_t i = lo; i < hi; i++) {
         float gi = gr->maximize ? -g[i] : g[i];
         if (gr->has_wd) gi = fmaf(p[i], gr->wd, gi);
         if (buf) {
-            float b = fmaf(gi, gr->one_minus_dampening, buf[i] * gr->momentum);
+            float b = scalar ? fmaf(buf[i], gr->momentum, gi * gr->one_minus_dampening)
+                             : fmaf(gi, gr->one_minus_dampening, buf[i] * gr->momentum);
             buf[i] = b;
             gi = gr->nesterov ? fmaf(b, gr->momentum, gi) : b;
         }
         p[i] = fmaf(gi, gr->neg_lr, p[i]);
     }
+}
+
+static void sgd_block(const tv_group *gr, const tv_item *it, int64_t lo, int64_t nb) {
+    int64_t hi = lo + nb, a = scalar_from(gr, it->n);
+    if (a < lo) a = lo;
+    if (a > hi) a = hi;
+    sgd_range(gr, it, lo, a, 0);
+    sgd_range(gr, it, a, hi, 1);
 }
 
 /* Adam and AdamW as inductor's C++ computes them: separate roundings where eager fuses
