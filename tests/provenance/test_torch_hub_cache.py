@@ -3,7 +3,8 @@ pretrained models are fetched) carry the first hex digits of their SHA-256 in th
 ``torchverity verify`` and ``torchverity.load`` check a file in torch.hub's checkpoints
 folder against them: an intact download verifies and loads with no warning, a flipped bit
 is named with the call that fetches the file again, and a hex-looking name elsewhere is
-not taken for a record."""
+not taken for a record. Under protection, a load through torch.hub itself (code you don't
+own) is checked against the same name."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 
 import torchverity
 from torchverity.inject import flip_bit
+from torchverity.protection import protected
 
 
 @pytest.fixture()
@@ -72,3 +74,35 @@ def test_a_hex_looking_name_outside_torch_hub_is_no_record(cached: Path,
     done = run_cli("verify", str(elsewhere), "--json")
     assert done.code == 2
     assert "no sidecar" in json.loads(done.out)["message"]
+
+
+def _hub_load(cached: Path) -> dict[str, torch.Tensor]:
+    """What torchvision's weights=... does: the URL again, answered from the cache."""
+    url = (cached.parents[3] / "origin" / cached.name).as_uri()
+    state: dict[str, torch.Tensor] = torch.hub.load_state_dict_from_url(
+        url, model_dir=str(cached.parent), check_hash=False, progress=False)
+    return state
+
+
+def _events(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_under_protection_a_torch_hub_load_is_verified_against_the_name(
+        cached: Path, tmp_path: Path) -> None:
+    log = tmp_path / "events.jsonl"
+    with protected("refuse", log=log):
+        state = _hub_load(cached)
+    assert torch.equal(state["conv.weight"], torch.arange(64.0).reshape(4, 16))
+    verified = [e for e in _events(log) if e["kind"] == "verified"]
+    assert [(e["path"], e["source"]) for e in verified] == [(str(cached), "torch-hub")]
+
+
+def test_under_protection_a_damaged_torch_hub_download_is_refused(
+        cached: Path, tmp_path: Path) -> None:
+    flip_bit(cached, cached.stat().st_size - 400, 3)
+    log = tmp_path / "events.jsonl"
+    with pytest.raises(torchverity.IntegrityError) as caught, protected("refuse", log=log):
+        _hub_load(cached)  # check_hash=False: torch.hub itself would load it
+    assert "load_state_dict_from_url(url, check_hash=True)" in caught.value.hint
+    assert [e["kind"] for e in _events(log)].count("refused") == 1

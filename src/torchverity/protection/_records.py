@@ -3,8 +3,9 @@
 The rules are ``torchverity.load``'s: an interrupted save's pending records,
 then the sidecar, then the digest in meta.json. Beyond those, a file listed in
 a torchverity manifest of its folder (or the folder above) is checked against
-that entry, and a file that resolves to a Hugging Face cache blob named by a
-SHA-256 is checked against its name. An OpenSSF model signature beside the
+that entry, a file that resolves to a Hugging Face cache blob named by a
+SHA-256 is checked against its name, and a file in torch.hub's checkpoints
+folder against the SHA-256 prefix in its name. An OpenSSF model signature beside the
 file (``FILE.sig``, or ``model.sig`` in its folder or the one above) is found
 here too and checked by :mod:`._signatures`. Looking for records costs a few ``stat``
 calls (two for a file already found without any); a file without one is never
@@ -35,6 +36,7 @@ from torchverity.checkpoint._results import DigestSource, ExpectedDigest
 from torchverity.digest import ALGORITHMS, FASTER_THAN_COPY, digest_file, new_hasher
 from torchverity.errors import InputError, IntegrityError, shell_path
 from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, find_manifest, read_manifest
+from torchverity.provenance._torch_hub import record_name, torch_hub_prefix
 
 _BLOB = re.compile(r"^[0-9a-f]{64}$")
 _MANIFEST_LEVELS = 2  # the file's folder and the one above it
@@ -46,7 +48,8 @@ _negative: dict[str, tuple[int, int]] = {}  # path -> its two folders' mtimes wh
 
 @dataclass(frozen=True)
 class Record:
-    """What a file must hash to: ``source`` is sidecar, meta, manifest, hf-blob or signature."""
+    """What a file must hash to: ``source`` is sidecar, meta, manifest, hf-blob, torch-hub
+    or signature (``prefix``: the record holds only the digest's first hex digits)."""
 
     path: Path
     algo: str
@@ -54,13 +57,18 @@ class Record:
     source: str
     record: str
     meta: dict[str, Any] | None = None
+    prefix: bool = False
 
     @property
     def expected(self) -> ExpectedDigest | None:
         """As ``torchverity.load`` names it (for the records it reads, and signatures)."""
-        if self.source in ("sidecar", "meta", "signature"):
-            return ExpectedDigest(self.algo, self.hexdigest, cast(DigestSource, self.source))
+        if self.source in ("sidecar", "meta", "signature", "torch-hub"):
+            return ExpectedDigest(self.algo, self.hexdigest, cast(DigestSource, self.source),
+                                  prefix=self.prefix)
         return None
+
+    def matches(self, actual: str) -> bool:
+        return actual.startswith(self.hexdigest) if self.prefix else actual == self.hexdigest
 
     @property
     def bound(self) -> bool:
@@ -106,7 +114,8 @@ def unrecorded(path: str) -> bool:
         return False
     if _negative.get(path) == key:
         return True
-    if os.path.islink(path) or any(map(os.path.exists, _candidates(path))):
+    if os.path.islink(path) or any(map(os.path.exists, _candidates(path))) or (
+            torch_hub_prefix(Path(path)) is not None):
         return False
     if time.time_ns() - max(key) > _SETTLED_NS:
         if len(_negative) >= _NEGATIVE_MAX:
@@ -123,7 +132,8 @@ def find_record(path: Path) -> Record | None:
         return None
     expected, meta, pending = current_expectation(path, "warn")
     if expected is not None and expected.prefix:
-        return None  # a torch.hub name's prefix: torchverity.load and verify check it
+        return Record(path, expected.algo, expected.hex, expected.source,
+                      record_name(expected.hex), meta, prefix=True)
     if pending and expected is not None:
         return Record(path, expected.algo, expected.hex, expected.source,
                       f"{path.name} (pending records)", meta)
@@ -180,7 +190,7 @@ def mismatch(record: Record, actual: str) -> IntegrityError:
 def check_bytes(record: Record) -> IntegrityError | None:
     """One digest pass over the file: the mismatch, or None when it matches."""
     actual = digest_file(record.path, record.algo).hexdigest
-    return None if actual == record.hexdigest else mismatch(record, actual)
+    return None if record.matches(actual) else mismatch(record, actual)
 
 
 def load_hashing(record: Record, load: Any) -> tuple[Any, BaseException | None,
@@ -203,5 +213,5 @@ def load_hashing(record: Record, load: Any) -> tuple[Any, BaseException | None,
         finally:
             actual = reader.hexdigest()
             reader.close()
-    bad = None if actual == record.hexdigest else mismatch(record, actual)
+    bad = None if record.matches(actual) else mismatch(record, actual)
     return obj, failure, bad
