@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from torchverity.cli._command import Parser
-from torchverity.cli._output import Output
+from torchverity.cli._output import Output, reader_may_leave
 from torchverity.errors import EXIT_INTERNAL, EXIT_USAGE, TorchVerityError
 
 
@@ -114,7 +114,11 @@ def _report_error(exc: TorchVerityError, out: Output) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return the exit code (the console script exits with it)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    with reader_may_leave():
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     first = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(first) if first in COMMANDS else _listing_parser()
     args = parser.parse_args(argv)
@@ -123,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     out = Output(json_mode=bool(getattr(args, "json", False)))
     debug = os.environ.get("TORCHVERITY_DEBUG") == "1"
+    return _run(args, out, debug)
+
+
+def _run(args: argparse.Namespace, out: Output, debug: bool) -> int:
     try:
         return int(args.func(args, out))
     except TorchVerityError as exc:

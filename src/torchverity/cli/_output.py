@@ -9,13 +9,14 @@ stay plain and stable.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from torchverity._jsonable import to_jsonable
 from torchverity.errors import EXIT_CHECK_FAILED, EXIT_OK
@@ -26,6 +27,55 @@ def _is_tty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+class _ReaderMayLeave:
+    """stdout for a reader that may stop early (``torchverity inspect X | head``): once
+    the pipe is closed, the rest of the output goes nowhere and the command runs to its
+    end, exiting with its own verdict instead of failing on a write."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._leave()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._leave()
+
+    def _leave(self) -> None:
+        self._gone = True
+        # What is still buffered is flushed at exit: the descriptor now takes it quietly.
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        except (OSError, ValueError, io.UnsupportedOperation):
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextmanager
+def reader_may_leave() -> Iterator[None]:
+    """Within: a closed stdout pipe ends the output, not the command."""
+    stream = sys.stdout
+    sys.stdout = cast(TextIO, _ReaderMayLeave(stream))
+    try:
+        yield
+    finally:
+        sys.stdout = stream
 
 
 def dumps(obj: Any) -> str:
