@@ -153,14 +153,21 @@ def _figure(path: str | Path) -> Figure:
         for i, (step, _kind) in enumerate(marks):
             ax.axvline(step, color="tab:red", ls="--", lw=0.8,
                        label="anomaly" if i == 0 and ax is ax_loss else None)
-    for step, kinds in _labels_by_step(marks):
-        ax_loss.annotate(kinds, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                         va="top", ha="right", fontsize=7, color="tab:red")
     if marks:
         ax_loss.legend(loc="upper right")
     ax_loss.set_title(f"{Path(path).name}: {len(steps)} steps, {len(marks)} anomalies")
     fig.tight_layout()
+    # Labels run up the lines; two closer than a label is thick share one label.
+    lo, hi = ax_loss.get_xlim()
+    width_pt = ax_loss.get_position().width * fig.get_figwidth() * 72
+    gap = (hi - lo) * _LABEL_PT * 1.5 / width_pt if width_pt > 0 else 0.0
+    for step, text in _labels_by_step(marks, gap):
+        ax_loss.annotate(text, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
+                         va="top", ha="right", fontsize=_LABEL_PT, color="tab:red")
     return fig
+
+
+_LABEL_PT = 7  # the anomaly labels' font size
 
 
 def _series(path: str | Path) -> tuple[list[int], list[float], list[float],
@@ -180,10 +187,17 @@ def _series(path: str | Path) -> tuple[list[int], list[float], list[float],
     return steps, losses, norms, marks
 
 
-def _labels_by_step(marks: list[tuple[int, str]]) -> list[tuple[int, str]]:
-    """One label per step (kinds joined), so anomalies at one step never overprint."""
-    by_step: dict[int, list[str]] = {}
-    for step, kind in marks:
-        if kind not in by_step.setdefault(step, []):
-            by_step[step].append(kind)
-    return [(step, ", ".join(kinds)) for step, kinds in sorted(by_step.items())]
+def _labels_by_step(marks: list[tuple[int, str]], gap: float = 0.0) -> list[tuple[int, str]]:
+    """One label per group of steps less than ``gap`` after the group's first (kinds
+    joined, and the steps named when the group has several), so labels never overprint."""
+    groups: list[tuple[int, int, list[str]]] = []  # first step, last step, kinds
+    for step, kind in sorted(marks, key=lambda m: m[0]):
+        if groups and (step == groups[-1][0] or step - groups[-1][0] < gap):
+            first, _, kinds = groups[-1]
+            groups[-1] = (first, step, kinds)
+        else:
+            groups.append((step, step, kinds := []))
+        if kind not in kinds:
+            kinds.append(kind)
+    return [(first, ", ".join(kinds) if first == last else f"{first}-{last}: {', '.join(kinds)}")
+            for first, last, kinds in groups]

@@ -16,7 +16,8 @@ from torchverity.report import summarize
 from torchverity.training import TrainingGuard
 
 
-def _guarded_run(log: Path, steps: int = 40, *, close: bool = True) -> None:
+def _guarded_run(log: Path, steps: int = 40, *, close: bool = True,
+                 nan_grads: tuple[int, ...] = (12,)) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -28,7 +29,8 @@ def _guarded_run(log: Path, steps: int = 40, *, close: bool = True) -> None:
     guard = TrainingGuard(model, opt, log=log, check_every=5, step_fn=step_fn,
                           policies={"nonfinite_loss": "replay", "nonfinite_grad": "skip"})
     inj = faults.FaultInjector(model)
-    inj.gradient("2.bias", step=12, value=math.nan)
+    for at in nan_grads:
+        inj.gradient("2.bias", step=at, value=math.nan)
     inj.activation("1", step=27, index=1, value=math.inf)
     for step in range(steps):
         inj.begin_step(step)
@@ -78,24 +80,42 @@ def test_cli_report_json_and_plot(log: Path, tmp_path: Path, run_cli: Any) -> No
     assert head == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_plot_labels_of_one_step_do_not_overprint(log: Path) -> None:
-    """Step 27 has two anomalies: every kind is labelled at its step, and no two labels'
-    drawn boxes intersect."""
-    from itertools import combinations
-
+def _plot_labels(log: Path) -> list[tuple[str, Any]]:
+    """The anomaly labels of the plot, drawn: their texts and boxes."""
     from matplotlib.text import Annotation
 
     from torchverity.report import _figure
 
     fig = _figure(log)
     fig.draw_without_rendering()
-    labels = [t for t in fig.axes[0].texts if isinstance(t, Annotation)]
-    labelled = {(int(t.xy[0]), kind) for t in labels for kind in t.get_text().split(", ")}
-    assert labelled == {(a["step"], a["kind"]) for a in summarize(log).anomalies}
-    boxes = [(t.get_text(), t.get_window_extent()) for t in labels]
-    overprinted = [(a, b) for (a, box_a), (b, box_b) in combinations(boxes, 2)
-                   if box_a.overlaps(box_b)]
-    assert overprinted == []
+    return [(t.get_text(), t.get_window_extent()) for t in fig.axes[0].texts
+            if isinstance(t, Annotation)]
+
+
+def _overprinted(labels: list[tuple[str, Any]]) -> list[tuple[str, str]]:
+    from itertools import combinations
+
+    return [(a, b) for (a, box_a), (b, box_b) in combinations(labels, 2)
+            if box_a.overlaps(box_b)]
+
+
+def test_plot_labels_of_one_step_do_not_overprint(log: Path) -> None:
+    """Step 27 has two anomalies: every kind is labelled at its step, and no two labels'
+    drawn boxes intersect."""
+    labels = _plot_labels(log)
+    assert sorted(text for text, _ in labels) == ["nonfinite_grad",
+                                                 "nonfinite_loss, nonfinite_grad"]
+    assert _overprinted(labels) == []
+
+
+def test_plot_labels_of_neighbouring_steps_do_not_overprint(tmp_path: Path) -> None:
+    """Anomalies one step apart in a long run share a label that names both steps."""
+    log = tmp_path / "events.jsonl"
+    _guarded_run(log, steps=200, nan_grads=(80, 81, 150))
+    labels = _plot_labels(log)
+    assert _overprinted(labels) == []
+    texts = [text for text, _ in labels]
+    assert "80-81: nonfinite_grad" in texts and "nonfinite_grad" in texts
 
 
 def test_crashed_run_with_torn_last_line_is_reported_not_fatal(

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from torchverity.cli._command import at_least
 from torchverity.cli._fit_args import add_fit_args, fit_kwargs
 from torchverity.cli._output import Output
 from torchverity.errors import UsageError
@@ -51,7 +52,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                      "integer one token ids in [0, vocab_size) of the model's config "
                      "(else [0, 10))")
     rec.add_argument("--seed", type=int, default=0, help="seed of --shape inputs (default 0)")
-    rec.add_argument("--sample-size", type=int, default=64,
+    rec.add_argument("--sample-size", type=at_least(1), default=64,
                      help="exact output values kept per output (default 64)")
     rec.set_defaults(func=_record)
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from torchverity.cli._command import add_command
+from torchverity.cli._command import add_command, at_least
 from torchverity.cli._output import Output
 
 
@@ -23,9 +23,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("path", metavar="PATH", help="a .pt/.bin/.safetensors/.onnx file, a Hugging "
                    "Face folder (single file or sharded) or its index, or a pipeline folder "
                    "(diffusers: each component in turn)")
-    p.add_argument("--limit", type=int, default=50,
+    p.add_argument("--limit", type=at_least(0), default=50,
                    help="list at most this many tensors, and this many plain values "
-                   "(default 50; 0 lists all)")
+                   "(default 50; 0 lists all; --json always lists all)")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

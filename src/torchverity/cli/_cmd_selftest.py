@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from torchverity.cli._command import add_command
+from torchverity.cli._command import add_command, at_least
 from torchverity.cli._output import Output
 
 
@@ -20,7 +20,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default cpu)")
     p.add_argument("--seconds", type=float, default=5.0,
                    help="keep testing with fresh inputs for about this long (default 5)")
-    p.add_argument("--memory-mb", type=int, help="pattern-test buffer size (0 skips it)")
+    p.add_argument("--memory-mb", type=at_least(0), help="pattern-test buffer size (0 skips it)")
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

@@ -43,6 +43,19 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argument type for a whole number of at least ``minimum`` (argparse exits 2 below)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+        return value
+    return parse
+
+
 def add_command(subparsers: Any, common: argparse.ArgumentParser, name: str, run: Handler, *,
                 help: str, description: str) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
