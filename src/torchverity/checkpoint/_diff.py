@@ -19,7 +19,8 @@ files larger than memory is fine (storages are memory-mapped). Checkpoints on di
 (.safetensors and ``torch.save`` zip files, single or sharded, in any mix) are first
 listed without torch (headers, or the pickle walked inertly) and compared by the hash
 of each tensor's bytes and by their plain values: only tensors whose bytes differ are
-opened (see :mod:`torchverity.checkpoint._diff_listing`).
+compared from the files' bytes, with numpy (see
+:mod:`torchverity.checkpoint._diff_listing` and :mod:`torchverity.checkpoint._diff_words`).
 
 >>> import torch
 >>> from torchverity.checkpoint._diff import diff
@@ -101,16 +102,19 @@ def _leaves(obj: Any) -> tuple[dict[str, Any], str]:
 def _diff_listed(a: Any, b: Any, listed_a: Listing, listed_b: Listing, rtol: float,
                  atol: float) -> DiffResult:
     from torchverity.checkpoint._diff_listing import listed_diff
+    from torchverity.checkpoint._diff_words import compare_listed
 
     entries: dict[str, TensorDiff] = {}
     changed = []
     for name in sorted(set(listed_a) | set(listed_b)):
-        found = listed_diff(name, listed_a.get(name, ...), listed_b.get(name, ...))
+        one, two = listed_a.get(name, ...), listed_b.get(name, ...)
+        # Tensors whose bytes differ are compared from their files' bytes with numpy.
+        found = listed_diff(name, one, two) or compare_listed(name, one, two, rtol, atol)
         if found is None:
             changed.append(name)
         else:
             entries[name] = found
-    if changed:  # only the tensors whose bytes differ are opened (torch imported then)
+    if changed:  # what numpy cannot widen is opened (torch imported then)
         entries.update(_compare_opened(a, b, changed, rtol, atol))
     return DiffResult(os.fspath(a), os.fspath(b), rtol, atol,
                       tuple(entries[n] for n in sorted(entries)))

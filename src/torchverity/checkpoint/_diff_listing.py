@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,24 @@ from torchverity.errors import TorchVerityError
 
 
 @dataclass(frozen=True)
+class Where:
+    """Where a tensor's elements are in a file: ``begin`` (absolute) and, for a view
+    that is not laid out in row-major order, its ``strides`` in elements."""
+
+    path: Path
+    begin: int
+    strides: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Listed:
-    """A tensor: its dtype, shape and the digest of its bytes."""
+    """A tensor: its dtype, shape and the digest of its bytes (and where they are, which
+    does not take part in comparing two listings)."""
 
     dtype: str
     shape: tuple[int, ...]
     digest: str
+    where: Where | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -86,11 +98,14 @@ def fingerprint_of(found: Listing, algo: str) -> Fingerprint:
 
 def _safetensors(path: Path, algo: str) -> Listing:
     from torchverity.checkpoint._st_fingerprint import fingerprint_safetensors
+    from torchverity.checkpoint._st_header import parse_header
     from torchverity.pickles._limits import check_safetensors_limits
 
     check_safetensors_limits(path)
-    return {e.name: Listed(e.dtype, e.shape, e.digest)
-            for e in fingerprint_safetensors(path, algo).entries}
+    header = parse_header(path)
+    begins = {e.name: e.begin for e in header.entries}
+    return {e.name: Listed(e.dtype, e.shape, e.digest, Where(path, begins[e.name]))
+            for e in fingerprint_safetensors(path, algo, header=header).entries}
 
 
 def _torch_zip(path: Path, shard: bool, algo: str, canonical: bool) -> Listing | None:
@@ -114,8 +129,9 @@ def _torch_zip(path: Path, shard: bool, algo: str, canonical: bool) -> Listing |
                    if n not in gathered], lambda name, chunk: hashers[name].update(chunk))
     if gathered:
         _gather(path, {n: tensors[n] for n in gathered}, hashers)
-    return {n: Listed(v.dtype, v.shape, hashers[n].hexdigest()) if n in tensors else v
-            for n, v in found.items()}
+    return {n: Listed(v.dtype, v.shape, hashers[n].hexdigest(),
+                      Where(path, v.begin, None if v.contiguous else v.strides))
+            if n in tensors else v for n, v in found.items()}
 
 
 def _gather(path: Path, views: dict[str, Any], hashers: dict[str, Any]) -> None:

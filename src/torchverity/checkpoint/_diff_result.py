@@ -82,6 +82,48 @@ def plain_diff(name: str, a: Any, b: Any) -> TensorDiff:
                       kind=None if same else "value")
 
 
+FEW_BITS = 8
+# Mantissa bits of each floating type (the exponent sits above, the sign on top; a complex
+# number is two of its parts, real then imaginary).
+_MANTISSA = {
+    "float64": 52, "float32": 23, "float16": 10, "bfloat16": 7, "float8_e4m3fn": 3,
+    "float8_e5m2": 2, "complex32": 10, "complex64": 23, "complex128": 52,
+}
+_SIGNED = frozenset({"int8", "int16", "int32", "int64"})
+
+
+def classify(dtype: str, itemsize: int, differing: int, bits: int, single_xor: bytes | None,
+             close: bool, rtol: float, atol: float) -> tuple[Kind, int | None, str | None]:
+    """The kind of a value change, and for one flipped bit which bit and field: from the
+    count of differing elements and flipped bits, and the XOR of the only differing
+    element's bytes (little-endian) when there is one."""
+    if differing == 1 and bits == 1 and single_xor is not None:
+        byte = next(i for i, x in enumerate(single_xor) if x)
+        bit = byte * 8 + single_xor[byte].bit_length() - 1
+        return "bit-flip", bit, _field(dtype, itemsize * 8, bit)
+    if bits <= FEW_BITS:
+        return "few-bits", None, None
+    if close and (rtol or atol):
+        return "drift", None, None
+    return "large", None, None
+
+
+def _field(dtype: str, width: int, bit: int) -> str:
+    prefix = ""
+    if dtype.startswith("complex"):
+        width //= 2
+        prefix = "imaginary " if bit >= width else "real "
+        bit %= width
+    mantissa = _MANTISSA.get(dtype)
+    if mantissa is not None:
+        if bit == width - 1:
+            return prefix + "sign"
+        return prefix + ("exponent" if bit >= mantissa else "mantissa")
+    if dtype in _SIGNED and bit == width - 1:
+        return "sign"
+    return "value"
+
+
 def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.4g}"
 

@@ -11,16 +11,10 @@ from typing import Any
 import torch
 
 from torchverity._tensors import byte_view, dtype_name
-from torchverity.checkpoint._diff_result import Kind, TensorDiff, plain_diff
+from torchverity.checkpoint._diff_result import TensorDiff, classify, plain_diff
 
-FEW_BITS = 8
 _CHUNK = 1 << 22
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Mantissa bits of each floating type (the exponent sits above, the sign on top).
-_MANTISSA = {
-    torch.float64: 52, torch.float32: 23, torch.float16: 10, torch.bfloat16: 7,
-    torch.float8_e4m3fn: 3, torch.float8_e5m2: 2, torch.complex64: 23, torch.complex128: 52,
-}
 _POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
 ABSENT = object()  # a name one side does not hold
 
@@ -88,7 +82,9 @@ def _compare_values(name: str, a: torch.Tensor, b: torch.Tensor, rtol: float, at
         return TensorDiff(name, "identical", numel=numel, **base)
     first = tuple(int(i) for i in torch.unravel_index(torch.tensor(tally.first), a.shape)) \
         if a.dim() else ()
-    kind, bit, field = _classify(tally, a.dtype, rtol, atol)
+    single = None if tally.single_xor is None else bytes(tally.single_xor.tolist())
+    kind, bit, field = classify(dtype_name(a.dtype), elsize, tally.differing, tally.bits, single,
+                                tally.close, rtol, atol)
     return TensorDiff(
         name, "values_changed", numel=numel, differing=tally.differing,
         flipped_bits=tally.bits, max_abs=tally.max_abs, max_rel=tally.max_rel,
@@ -117,45 +113,9 @@ def _tally_chunk(tally: _Tally, wa: torch.Tensor, wb: torch.Tensor, elem0: int, 
 
 
 def _numeric(tally: _Tally, va: torch.Tensor, vb: torch.Tensor, rtol: float, atol: float) -> None:
+    from torchverity.checkpoint._diff_words import extent
+
     wide = torch.complex128 if va.is_complex() else torch.float64
-    va, vb = va.to(wide), vb.to(wide)
-    delta = (va - vb).abs()
-    scale = va.abs()  # relative to A, the reference side
-    rel = torch.where(scale > 0, delta / scale.clamp_min(1e-300),
-                      torch.where(delta > 0, torch.inf, 0.0))
-    # NaN against a number (or NaNs with different bits) counts as an infinite change.
-    delta = torch.nan_to_num(delta, nan=torch.inf)
-    rel = torch.nan_to_num(rel, nan=torch.inf)
-    tally.max_abs = max(tally.max_abs, float(delta.max()))
-    tally.max_rel = max(tally.max_rel, float(rel.max()))
-    tally.close = tally.close and bool((delta <= atol + rtol * scale).all())
-
-
-def _classify(tally: _Tally, dtype: torch.dtype, rtol: float, atol: float,
-              ) -> tuple[Kind, int | None, str | None]:
-    if tally.differing == 1 and tally.bits == 1 and tally.single_xor is not None:
-        byte = int(torch.nonzero(tally.single_xor)[0])
-        bit = byte * 8 + int(tally.single_xor[byte]).bit_length() - 1
-        return "bit-flip", bit, _field(dtype, bit)
-    if tally.bits <= FEW_BITS:
-        return "few-bits", None, None
-    if tally.close and (rtol or atol):
-        return "drift", None, None
-    return "large", None, None
-
-
-def _field(dtype: torch.dtype, bit: int) -> str:
-    width = torch.empty((), dtype=dtype).element_size() * 8
-    prefix = ""
-    if dtype.is_complex:
-        width //= 2
-        prefix = "imaginary " if bit >= width else "real "
-        bit %= width
-    mantissa = _MANTISSA.get(dtype)
-    if mantissa is not None:
-        if bit == width - 1:
-            return prefix + "sign"
-        return prefix + ("exponent" if bit >= mantissa else "mantissa")
-    if dtype.is_signed and bit == width - 1:
-        return "sign"
-    return "value"
+    max_abs, max_rel, close = extent(va.to(wide).numpy(), vb.to(wide).numpy(), rtol, atol)
+    tally.max_abs, tally.max_rel = max(tally.max_abs, max_abs), max(tally.max_rel, max_rel)
+    tally.close = tally.close and close
