@@ -5,10 +5,11 @@ of the intact folder (torch is not imported to locate damage in a file that has 
 meta.json); ``inspect`` and ``fingerprint`` of a .safetensors file at most 3x
 ``python -c pass`` (headers and bytes are read without torch). ``torchverity --help``
 (the command list, drawn without importing any command), ``diff`` of two .safetensors
-files, ``diff``, ``scan``, ``inspect`` and ``fingerprint`` of ``torch.save`` files (their
-pickle walked inertly, without torch) and the standard library these commands are built
-on are shown beside them. ``--baseline SRC`` adds the ``torch.save`` rows run from another
-copy of the package's ``src`` folder (say, the one before a change), in the same rounds.
+files (equal, and one bit apart), ``diff``, ``scan``, ``inspect`` and ``fingerprint`` of
+``torch.save`` files (their pickle walked inertly, without torch) and the standard
+library these commands are built on are shown beside them. ``--baseline SRC`` adds the
+``torch.save`` rows run from another copy of the package's ``src`` folder (say, the one
+before a change), in the same rounds.
 
 Each case runs in a new interpreter; the cases are interleaved in a shuffled order
 every round, and the best and the median of the rounds are reported. The package is
@@ -52,6 +53,10 @@ def build(work: Path) -> dict[str, Path]:
     save_file(weights, intact / "model.safetensors")  # 6 MiB
     torch.save(weights, work / "model.pt")
     shutil.copy(work / "model.pt", work / "model-copy.pt")
+    flipped = {k: v.clone() for k, v in weights.items()}
+    flipped["layer.3.weight"].view(-1).view(torch.int32)[100] ^= 1 << 30  # an exponent bit
+    save_file(flipped, work / "flipped.safetensors")
+    torch.save(flipped, work / "model-flipped.pt")
     (intact / "config.json").write_text('{"hidden_size": 256, "num_hidden_layers": 24}\n')
     (intact / "tokenizer.json").write_text('{"version": "1.0", "model": {"vocab": {}}}\n')
     write_manifest(intact)
@@ -59,7 +64,8 @@ def build(work: Path) -> dict[str, Path]:
     shutil.copytree(intact, damaged)
     (damaged / "config.json").write_text('{"hidden_size": 257, "num_hidden_layers": 24}\n')
     return {"intact": intact, "damaged": damaged, "weights": intact / "model.safetensors",
-            "pt": work / "model.pt", "pt_copy": work / "model-copy.pt"}
+            "pt": work / "model.pt", "pt_copy": work / "model-copy.pt",
+            "flipped": work / "flipped.safetensors", "pt_flipped": work / "model-flipped.pt"}
 
 
 STDLIB = "re, typing, pathlib, dataclasses, argparse, json, hashlib, blake3"
@@ -91,6 +97,10 @@ def cases(paths: dict[str, Path]) -> dict[str, list[str]]:
         "torchverity fingerprint model.safetensors": [*tv, "fingerprint", str(paths["weights"])],
         "torchverity diff model.safetensors <its copy>": [
             *tv, "diff", str(paths["weights"]), str(paths["damaged"] / "model.safetensors")],
+        "torchverity diff model.safetensors <a copy, one bit flipped>": [
+            *tv, "diff", str(paths["weights"]), str(paths["flipped"])],
+        "torchverity diff model.pt <a copy, one bit flipped>": [
+            *tv, "diff", str(paths["pt"]), str(paths["pt_flipped"])],
         **pt_cases(paths),
         "python -c 'import torch'": [PY, "-c", "import torch"],
     }
