@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import pickle
-from collections.abc import Callable
+import shlex
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -202,8 +207,6 @@ def test_unexplained_errors_exit_1(run_cli: Callable[..., object]) -> None:
 
 def _error_text(fn: Callable[[], object]) -> str:
     """What a user pastes: the last lines of the traceback, exactly as Python prints them."""
-    import traceback
-
     exc = _raised(fn)
     return "".join(traceback.format_exception_only(type(exc), exc))
 
@@ -253,3 +256,145 @@ def test_real_messages_of_broken_files_name_their_cause(
         assert [e.key for e in explain_text(text)] == [key], text
         res = run_cli("explain", text)
         assert res.code == 0 and "[unexplained]" not in res.out, (text, res.out)
+
+
+@contextmanager
+def _transformers_log() -> Iterator[io.StringIO]:
+    """What transformers logs meanwhile (its LOAD REPORT is a warning), whatever verbosity
+    other tests left it at."""
+    from transformers.utils import logging as hf_logging
+
+    text = io.StringIO()
+    handler = logging.StreamHandler(text)
+    logger = hf_logging.get_logger("transformers")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    logger.addHandler(handler)
+    try:
+        yield text
+    finally:
+        logger.removeHandler(handler)
+        hf_logging.set_verbosity(verbosity)
+
+
+def _from_pretrained_text(folder: Path, **kwargs: object) -> str:
+    """The log of ``BertModel.from_pretrained(folder)`` and the error it raises, if any."""
+    from transformers import BertModel
+
+    with _transformers_log() as log:
+        try:
+            BertModel.from_pretrained(folder, **kwargs)
+        except RuntimeError as exc:
+            return log.getvalue() + "".join(traceback.format_exception_only(type(exc), exc))
+    return log.getvalue()
+
+
+def _saved_bert(folder: Path) -> Path:
+    from torch_zip_artifacts import bert
+
+    bert().save_pretrained(folder)
+    return folder
+
+
+def test_transformers_report_of_merged_rows_only(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """transformers 5 merges the rows of keys that differ in their layer index only
+    ('encoder.layer.{0, 1}.output.dense.weight'): a report of such rows is one block that
+    names each row and counts the tensors they stand for."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _saved_bert(tmp_path / "bert")
+    weights = folder / "model.safetensors"
+    state = load_file(weights)
+    dropped = [k for k in state if ".output.dense." in k]
+    save_file({k: v for k, v in state.items() if k not in dropped}, weights)
+    text = _from_pretrained_text(folder)
+    rows = [line.split("|")[0].strip() for line in text.splitlines() if "| MISSING" in line]
+    assert rows and all("{0, 1}" in row for row in rows), text
+    found = explain_text(text)
+    assert [e.key for e in found] == ["transformers-missing"]
+    assert found[0].count == len(dropped) == 8 and found[0].tally == "8 tensors"
+    assert all(row in found[0].cause for row in rows)
+    res = run_cli("explain", text)
+    assert res.code == 0 and res.out.startswith("[transformers-missing] encoder.layer.{0, 1}.")
+    blocks = [line for line in res.out.splitlines() if line.startswith("[")]
+    assert len(blocks) == 1 and blocks[0].endswith("(8 tensors)"), res.out
+
+
+def test_transformers_size_mismatch_counts_every_row(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """from_pretrained into a wider model: one block counting every mismatched tensor, the
+    merged per-layer rows included, and not the 'You set ignore_mismatched_sizes' line."""
+    from safetensors.torch import load_file
+    from transformers import BertConfig, BertModel
+
+    folder = _saved_bert(tmp_path / "bert")
+    config = BertConfig.from_pretrained(folder)
+    config.hidden_size = 64
+    text = _from_pretrained_text(folder, config=config)
+    assert "ignore_mismatched_sizes" in text and "\x1b[" in text, text
+    saved = load_file(folder / "model.safetensors")
+    wider = BertModel(config).state_dict()
+    differing = sum(1 for k, v in saved.items() if k in wider and wider[k].shape != v.shape)
+    rows = [line for line in text.splitlines() if "| MISMATCH" in line]
+    assert differing > len(rows) > 0
+    found = explain_text(text)
+    assert [e.key for e in found] == ["transformers-mismatch"]
+    mismatch = found[0]
+    assert mismatch.count == differing and f"and {len(rows) - 5} more" in mismatch.cause
+    assert "\x1b" not in mismatch.evidence + mismatch.cause
+    assert " is torch.Size([" in mismatch.cause and "in the model" in mismatch.cause
+    res = run_cli("explain", text)
+    assert res.code == 0 and "[unexplained]" not in res.out, res.out
+    assert res.out.splitlines()[0].endswith(f"({differing} tensors)"), res.out
+
+
+def test_load_state_dict_names_missing_and_unexpected_keys(
+        run_cli: Callable[..., object]) -> None:
+    """A DataParallel 'module.' prefix: every key missing and every key unexpected, in one
+    block that names the first keys of each kind and counts each kind."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(4)])
+    state = {f"module.{k}": v for k, v in model.state_dict().items()}
+    text = _error_text(lambda: model.load_state_dict(state))
+    found = explain_text(text)
+    assert [e.key for e in found] == ["missing-unexpected-keys"]
+    keys = found[0]
+    assert keys.count == 16 and keys.tally == "16 keys: 8 missing, 8 unexpected"
+    assert "(missing: 0.weight, 0.bias, 1.weight, 1.bias, 2.weight and 3 more; " in keys.cause
+    assert "unexpected: module.0.weight, module.0.bias, " in keys.cause
+    res = run_cli("explain", text)
+    assert res.code == 0 and len(res.out.splitlines()) == 4, res.out
+    assert "(16 keys: 8 missing, 8 unexpected)" in res.out.splitlines()[0]
+
+
+def test_size_mismatch_check_lists_every_tensor_of_the_file(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """The fix says to compare every differing tensor: its check lists them all, past
+    inspect's default limit of 50."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(30)])
+    path = tmp_path / "wide.pt"
+    torch.save({k: torch.zeros(5, *v.shape[1:]) for k, v in model.state_dict().items()}, path)
+    text = _error_text(lambda: model.load_state_dict(torch.load(path)))
+    [mismatch] = explain_text(text)
+    assert mismatch.key == "size-mismatch" and mismatch.count == 60
+    assert "compare the shapes the check lists" in mismatch.fix
+    command = shlex.split(with_file(mismatch, str(path)).command)
+    assert command[:2] == ["torchverity", "inspect"]
+    res = run_cli(*command[1:])
+    assert res.code == 0
+    assert all(f"{k} " in res.out for k in model.state_dict()), res.out
+
+
+def test_unexplained_hint_fits_the_error(tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """A KeyError after loading points at the file's content; only an error naming the GPU
+    stack points at the environment (doctor)."""
+    path = tmp_path / "state.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    key_error = _error_text(lambda: torch.load(path)["model_state_dict"])
+    res = run_cli("explain", key_error)
+    assert res.code == 1 and "[unexplained] KeyError: 'model_state_dict'" in res.out
+    assert "torchverity inspect FILE" in res.err and "doctor" not in res.err, res.err
+    gpu_error = _error_text(lambda: torch.zeros(1, device="cuda:99"))
+    res = run_cli("explain", gpu_error)
+    assert res.code == 1 and "torchverity doctor" in res.err, (gpu_error, res.err)
+    assert "inspect" not in res.err

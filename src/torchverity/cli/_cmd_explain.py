@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,11 @@ from torchverity.errors import InputError, UsageError
 
 # A log can be huge; failures worth explaining sit in the last part of it.
 _LOG_TAIL_BYTES = 16 * 1024 * 1024
+# An error that names the GPU stack or a compiled library may come from the environment
+# (versions, drivers, devices), which doctor checks; any other points at the code or file.
+_ENVIRONMENT = re.compile(
+    r"CUDA|cuDNN|cuBLAS|NCCL|NVIDIA|\bdriver\b|ROCm|\bHIP\b|GLIBC|undefined symbol|"
+    r"shared object|DLL load failed|ImportError|compiled (?:with|against|for)", re.IGNORECASE)
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -61,7 +67,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 
     def render() -> None:
         for item in found:
-            times = f" ({item.count} occurrences)" if item.count > 1 else ""
+            times = f" ({item.tally})" if item.count > 1 else ""
             out.line(f"[{item.key}] {item.evidence}{times}")
             out.line(f"  cause: {item.cause}")
             out.line(f"  fix:   {item.fix}")
@@ -69,10 +75,22 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         for line in unknown:
             out.line(f"[unexplained] {line}")
         if unknown:
-            out.warn(f"{len(unknown)} error(s) not recognised: torchverity doctor checks the "
-                     "environment; the message itself is the best lead")
+            out.warn(f"{len(unknown)} error(s) in the text not recognised as a save/load "
+                     f"failure (the [unexplained] lines): {_next_step(unknown)}")
         elif not found:
             out.line("no save/load error found in the text")
 
     return out.result({"ok": not unknown, "recognised": len(found), "explanations": found,
                        "unexplained": unknown}, render)
+
+
+def _next_step(unknown: list[str]) -> str:
+    steps = []
+    if any(_ENVIRONMENT.search(line) for line in unknown):
+        steps.append("one names the GPU stack or a library, so the environment may be the "
+                     "cause: torchverity doctor checks its versions, driver and devices")
+    if not all(_ENVIRONMENT.search(line) for line in unknown):
+        steps.append("if one came from loading a checkpoint, torchverity inspect FILE lists "
+                     "what the file holds (keys, shapes, dtypes) to compare with what the code "
+                     "expects; otherwise the traceback above the error is the lead")
+    return "; ".join(steps)

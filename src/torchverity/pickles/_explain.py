@@ -26,7 +26,8 @@ class Explanation:
     fix: str
     command: str
     evidence: str = ""
-    count: int = 1  # occurrences of this cause in the text (one block for all of them)
+    count: int = 1  # what the text reports of this cause (one block for all of it)
+    tally: str = "1 occurrence"  # the count in words: '39 tensors', '2 keys: 1 missing, ...'
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,20 @@ class _Rule:
     cause: str
     fix: str
     command: str
+    unit: str
 
 
-def _rule(key: str, pattern: str, cause: str, fix: str, command: str) -> _Rule:
-    return _Rule(key, re.compile(pattern, re.IGNORECASE | re.MULTILINE), cause, fix, command)
+def _rule(key: str, pattern: str, cause: str, fix: str, command: str,
+          unit: str = "occurrences") -> _Rule:
+    return _Rule(key, re.compile(pattern, re.IGNORECASE | re.MULTILINE), cause, fix, command,
+                 unit)
+
+
+# A row of transformers' LOAD REPORT. transformers 5 merges the rows of keys that differ
+# only in their layer indices ('encoder.layer.{0, 1}.output.dense.weight', '{0...11}' for
+# more than ten), so a key holds braces, commas and spaces.
+_ROW_KEY = r"^(?P<key>(?:[\w.\-]|\{[\d, .]+\})+)\s*\|\s*"
+_SHAPE = r"torch\.Size\(\[[\d, ]*\]\)"
 
 
 # Order matters: the first rules are the most specific, and a message that
@@ -100,32 +111,36 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _rule(
         "transformers-unexpected",
-        r"^(?P<tkey>[\w.\-]+)\s*\|\s*UNEXPECTED\s*\|.*$",
+        _ROW_KEY + r"UNEXPECTED\s*\|.*$",
         "transformers found weights in the file that the model does not have{detail}: another "
         "task head or architecture, a non-persistent buffer saved by an older version, or a "
         "prefix ('model.', 'module.').",
         "compare the file's tensor names with the model's; for a different head they can be "
         "ignored, otherwise build the model from the config saved with the weights.",
         "torchverity inspect {file}",
+        unit="tensors",
     ),
     _rule(
         "transformers-missing",
-        r"^(?P<tkey>[\w.\-]+)\s*\|\s*MISSING\s*\|.*$",
-        "transformers initialised weights the file does not hold{detail} (they are random): "
+        _ROW_KEY + r"MISSING\s*\|.*$",
+        "transformers initialised at random the weights the file does not hold{detail}: "
         "another architecture or head, or an incomplete (sharded or interrupted) download.",
         "check that every shard is present and intact, and that the config matches the file; "
         "fine-tune if the head is new on purpose.",
         "torchverity verify {file}",
+        unit="tensors",
     ),
     _rule(
         "transformers-mismatch",
-        r"^(?P<tkey>[\w.\-]+)\s*\|\s*MISMATCH\s*\|.*$|"
-        r"You set `ignore_mismatched_sizes` to `False`, thus raising an error",
+        _ROW_KEY + r"MISMATCH\s*\|(?:[^\n]*?ckpt: (?P<ckpt>" + _SHAPE + r") vs model:\s*"
+        r"(?P<model>" + _SHAPE + r"))?[^\n]*$|"
+        r"(?P<summary>You set `ignore_mismatched_sizes` to `False`, thus raising an error)",
         "tensors in the file have other shapes than the model{detail}: the model was built "
         "with another configuration (vocabulary size, number of labels, width).",
         "build the model from the config.json saved with the weights; pass "
         "ignore_mismatched_sizes=True only to re-initialise a head on purpose.",
         "torchverity inspect {file}",
+        unit="tensors",
     ),
     _rule(
         "numpy-npy",
@@ -181,13 +196,15 @@ _RULES: tuple[_Rule, ...] = (
     _rule(
         "size-mismatch",
         r"size mismatch for (?P<key>[\w.]+): copying a param with shape "
-        r"(?P<ckpt>torch\.Size\(\[[\d, ]*\]\)) from checkpoint, the shape in current model "
-        r"is (?P<model>torch\.Size\(\[[\d, ]*\]\))",
-        "the model was built with a different configuration than the checkpoint "
-        "(vocabulary size, number of classes, hidden width){detail}.",
+        r"(?P<ckpt>" + _SHAPE + r") from checkpoint, the shape in current model "
+        r"is (?P<model>" + _SHAPE + r")",
+        "the model was built with a different configuration (vocabulary size, number of "
+        "classes, hidden width) than the checkpoint{detail}.",
         "build the model with the configuration saved with the checkpoint (meta.json or "
-        "hyperparameters), or compare both sides to see every differing tensor.",
-        "torchverity inspect {file}",
+        "hyperparameters); to see every differing tensor, compare the shapes the check lists "
+        "for the file with those of model.state_dict().",
+        "torchverity inspect {file} --limit 0",
+        unit="tensors",
     ),
     _rule(
         "peft-adapter-keys",
@@ -202,13 +219,14 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _rule(
         "missing-unexpected-keys",
-        r"(?:Missing|Unexpected) key\(s\) in state_dict",
-        "the state_dict keys do not match the model: a 'module.' prefix from "
+        r"(?P<kind>Missing|Unexpected) key\(s\) in state_dict(?=:?[ \t]*(?P<keys>[^\n]*))",
+        "the state_dict keys do not match the model{detail}: a 'module.' prefix from "
         "DataParallel/DistributedDataParallel, an '_orig_mod.' prefix from torch.compile, or a "
         "different architecture.",
         "strip the prefix (consume_prefix_in_state_dict_if_present) or build the matching "
         "architecture; load with strict=False only after reading the list of keys.",
         "torchverity inspect {file}",
+        unit="keys",
     ),
     _rule(
         "cuda-on-cpu",
@@ -295,6 +313,8 @@ _SUPERSEDES = {"peft-adapter-keys": "missing-unexpected-keys"}
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _DETAILS_SHOWN = 5
+_QUOTED = re.compile(r'"([^"\n]+)"')
+_INDEX_SET = re.compile(r"\{([\d, .]+)\}")
 # Lines that report an error: an exception name with its message, or an error prefix.
 _ERROR_LINE = re.compile(
     r"^.*\b\w*(?:Error|Exception)\b:.*$|^\s*(?:error|fatal)\b[:\s].*$", re.MULTILINE | re.I)
@@ -341,30 +361,84 @@ def unexplained(text: str) -> list[str]:
     return out
 
 
-def _detail(matches: list[re.Match[str]]) -> str:
-    first = matches[0].groupdict()
-    if first.get("key"):
-        pairs = [f"{m['key']} is {m['ckpt']} in the file, {m['model']} in the model"
-                 for m in matches if m["key"]]
-    else:
-        pairs = list(dict.fromkeys(v for m in matches for v in m.groupdict().values() if v))
-    if not pairs:
-        return ""
-    more = f" and {len(pairs) - _DETAILS_SHOWN} more" if len(pairs) > _DETAILS_SHOWN else ""
-    shown = "; ".join(pairs[:_DETAILS_SHOWN])
-    return f": {shown}{more}" if first.get("key") else f" ({', '.join(pairs[:_DETAILS_SHOWN])}" \
-        f"{more})"
+@dataclass(frozen=True)
+class _Found:
+    """What one match reports: the names it gives, under a label where a cause has kinds
+    (missing and unexpected keys), and how many things (tensors, keys) it stands for."""
+
+    label: str
+    names: tuple[str, ...]
+    count: int
+
+
+def _found(match: re.Match[str]) -> _Found:
+    groups = match.groupdict()
+    if groups.get("summary"):  # announces the report's rows, which are counted themselves
+        return _Found("", (), 0)
+    if groups.get("key"):
+        return _Found("", (_with_shapes(groups),), _tensors(groups["key"]))
+    if groups.get("kind"):
+        keys = tuple(_QUOTED.findall(groups["keys"] or ""))
+        return _Found(groups["kind"].lower(), keys, max(len(keys), 1))
+    return _Found("", tuple(v for v in groups.values() if v), 1)
+
+
+def _with_shapes(groups: dict[str, str | None]) -> str:
+    if not groups.get("ckpt"):
+        return str(groups["key"])
+    return f"{groups['key']} is {groups['ckpt']} in the file, {groups['model']} in the model"
+
+
+def _tensors(key: str) -> int:
+    """How many tensors a (merged) transformers key stands for: the product of its index
+    sets; '{0...11}' is a range, as transformers writes more than ten indices."""
+    count = 1
+    for indices in _INDEX_SET.findall(key):
+        first, _, last = indices.partition("...")
+        count *= int(last) - int(first) + 1 if last else len(indices.split(","))
+    return count
+
+
+def _detail(found: list[_Found]) -> str:
+    sections: dict[str, list[str]] = {}
+    for item in found:
+        sections.setdefault(item.label, []).extend(item.names)
+    parts = [_listed(label, names) for label, names in sections.items() if names]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _listed(label: str, names: list[str]) -> str:
+    unique = list(dict.fromkeys(names))
+    # Names that hold commas (shapes, merged layer indices) need another separator.
+    sep = "; " if any(", " in name for name in unique) else ", "
+    more = f" and {len(unique) - _DETAILS_SHOWN} more" if len(unique) > _DETAILS_SHOWN else ""
+    prefix = f"{label}: " if label else ""
+    return prefix + sep.join(unique[:_DETAILS_SHOWN]) + more
+
+
+def _tally(unit: str, found: list[_Found]) -> tuple[int, str]:
+    """The count and its words: '39 tensors', '3 keys: 2 missing, 1 unexpected'."""
+    by_label: dict[str, int] = {}
+    for item in found:
+        by_label[item.label] = by_label.get(item.label, 0) + item.count
+    count = sum(by_label.values()) or 1  # a summary line alone is one occurrence
+    words = f"{count} {unit if count > 1 else unit.removesuffix('s')}"
+    if len(by_label) > 1:
+        words += ": " + ", ".join(f"{n} {label}" for label, n in by_label.items())
+    return count, words
 
 
 def _render(rule: _Rule, matches: list[re.Match[str]]) -> Explanation:
-    detail = _detail(matches)
+    found = [_found(m) for m in matches]
+    count, tally = _tally(rule.unit, found)
     return Explanation(
         key=rule.key,
-        cause=rule.cause.replace("{detail}", detail),
+        cause=rule.cause.replace("{detail}", _detail(found)),
         fix=rule.fix,
         command=rule.command.replace("{file}", "FILE"),
         evidence=matches[0].group(0).strip(),
-        count=len(matches),
+        count=count,
+        tally=tally,
     )
 
 
