@@ -66,13 +66,16 @@ def lightning_net(hparams: Any) -> Any:
     return Net(hparams)
 
 
-def lightning_checkpoint(net: Any, path: Path, steps: int) -> Path:
-    """Train ``net`` ``steps`` steps with a real Trainer and save its checkpoint at ``path``."""
+def lightning_checkpoint(net: Any, path: Path, steps: int, *,
+                         checkpointing: bool = False) -> Path:
+    """Train ``net`` ``steps`` steps with a real Trainer and save its checkpoint at ``path``;
+    ``checkpointing`` keeps the Trainer's default ModelCheckpoint callback, whose state the
+    checkpoint then holds."""
     import lightning as L
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)),
                                        batch_size=2)
-    trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(max_steps=steps, logger=False, enable_checkpointing=checkpointing,
                         enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(path.parent), accelerator="cpu", devices=1)
     trainer.fit(net, data)

@@ -216,12 +216,12 @@ def migrate(
     crc_checked = _check_archive_crcs(src) if zipped else 0
     obj, placeholders = _unpickle(src, scan)
     extractor, meta_tree = _extract(src, obj)
-    tensors = _writable(extractor.tensors)
     meta = {"source": src.name, "mode": "inert", "placeholders": placeholders,
             "content": meta_tree, "skipped": extractor.skipped}
     if nested:
         report, count = _save_nested(obj, extractor, dst, meta, algo)
     else:
+        tensors = _writable(extractor.tensors)
         report, count = save(tensors, dst, meta=meta, algo=algo), len(tensors)
         _verify_output(dst, tensors)
     return MigrateResult(
@@ -246,14 +246,24 @@ def _save_nested(obj: Any, extractor: Extractor, dst: Path, meta: dict[str, Any]
                  algo: str) -> tuple[Any, int]:
     from torchverity.checkpoint._load import load
     from torchverity.checkpoint._save import save
-    from torchverity.pickles._nested_out import nested_checkpoint, same_tree, tensor_count
+    from torchverity.pickles._nested_out import nested_checkpoint, same_tree, tensor_paths
 
     out = nested_checkpoint(obj, extractor.tensors)
+    paths = tensor_paths(out)
+    # The model part holds the extractor's detached copies, the optimizer part the tensors
+    # as unpickled: a name is found through either object.
+    name_of = {**extractor.names, **{id(t): n for n, t in extractor.tensors.items()}}
+    located = {name_of[i]: path for i, path in paths.items() if i in name_of}
+    meta["locations"] = located
+    extractor.skipped.extend(
+        f"{name}: tensor not in the nested output, which holds the model and optimizer "
+        "state only (migrate without --nested keeps every tensor)"
+        for name in extractor.tensors if name not in located)
     report = save(out, dst, meta=meta, algo=algo)
     if not same_tree(load(dst, sidecar="require"), out):
         raise IntegrityError(f"{dst}: the nested checkpoint read back differs", path=dst,
                              hint="the output is not trustworthy: delete it and report this")
-    return report, tensor_count(out)
+    return report, len(paths)
 
 
 def _unpickle(src: Path, scan: ScanResult) -> tuple[Any, list[str]]:

@@ -81,12 +81,24 @@ def nested_checkpoint(obj: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str
     return out
 
 
-def tensor_count(out: Mapping[str, Any]) -> int:
-    """The model's tensors, or for an optimizer alone its per-parameter state tensors."""
-    if "model" in out:
-        return len(out["model"])
-    return sum(isinstance(v, torch.Tensor) for per in out["optimizer"]["state"].values()
-               for v in per.values())
+def tensor_paths(out: Mapping[str, Any]) -> dict[int, list[str | int]]:
+    """Each tensor of a nested output (by ``id``) with the keys leading to it from the top,
+    first in the order they are written; a tensor reached twice keeps its first path."""
+    paths: dict[int, list[str | int]] = {}
+    todo: list[tuple[Any, list[str | int]]] = [(out, [])]
+    while todo:
+        item, path = todo.pop()
+        if isinstance(item, torch.Tensor):
+            paths.setdefault(id(item), path)
+            continue
+        if isinstance(item, Mapping):
+            children = [(v, [*path, k]) for k, v in item.items()]
+        elif isinstance(item, (list, tuple)):
+            children = [(v, [*path, i]) for i, v in enumerate(item)]
+        else:
+            continue
+        todo.extend(reversed(children))  # popped last-in first: visited in written order
+    return paths
 
 
 def same_tree(a: Any, b: Any) -> bool:

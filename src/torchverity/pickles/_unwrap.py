@@ -51,7 +51,9 @@ def hyper_value(obj: Any) -> Any:
         content = state.get("_content")
         if isinstance(content, dict):
             out: Any = {}
-            for k, v in content.items():
+            # The stack pops last-in first: pushed in reverse, the keys are inserted into
+            # `out` (and so written to meta.json) in the config's own order.
+            for k, v in reversed(content.items()):
                 todo.append((v, out, str(k)))
         elif isinstance(content, list):
             out = [None] * len(content)
