@@ -136,8 +136,9 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     if listed is not None:
         (rows, values, root), not_loaded = listed, None
     else:
-        obj, not_loaded = _open_onnx(record) if fmt == "onnx" else _open(p, scan)
+        obj, plain, not_loaded = _open_onnx(record) if fmt == "onnx" else _open(p, scan)
         rows, values, root = _contents(obj, algo)
+        values = values or {n: repr(v) for n, v in plain.items()}
     actual = whole.hexdigest() if whole is not None and listed is not None else None
     sidecar = _check_sidecar(record, found, recorded_side, actual)
     return InspectResult(os.fspath(p), fmt, size, sidecar, rows, values, root, meta, scan,
@@ -180,24 +181,32 @@ def _openable(scan: Any) -> bool:
     return scan is None or scan.verdict not in ("unsafe", "malformed")
 
 
-def _open(path: Path, scan: Any) -> tuple[Any, str | None]:
+def _open(path: Path, scan: Any) -> tuple[Any, dict[str, Any], str | None]:
+    """The object to list, the plain values beside its tensors where it is read inertly,
+    and why it was not opened."""
     from torchverity.checkpoint._read import read_unverified
 
     if not _openable(scan):
-        return None, f"not opened: the scan found it {scan.verdict} ({scan.reason})"
+        return None, {}, f"not opened: the scan found it {scan.verdict} ({scan.reason})"
     try:
-        return read_unverified(path), None
+        if scan is not None and scan.verdict == "needs-allowlist":
+            # weights_only refuses its classes: read inertly, values too (nothing runs)
+            from torchverity.pickles._extract import inert_contents
+
+            tensors, plain = inert_contents(path)
+            return tensors, plain, None
+        return read_unverified(path), {}, None
     except TorchVerityError as exc:
-        return None, f"cannot list tensors: {exc.message}"
+        return None, {}, f"cannot list tensors: {exc.message}"
 
 
-def _open_onnx(path: Path) -> tuple[Any, str | None]:
+def _open_onnx(path: Path) -> tuple[Any, dict[str, Any], str | None]:
     from torchverity.checkpoint._onnx import onnx_initializers
 
     try:
-        return onnx_initializers(path), None
+        return onnx_initializers(path), {}, None
     except TorchVerityError as exc:
-        return None, f"cannot list initializers: {exc.message}"
+        return None, {}, f"cannot list initializers: {exc.message}"
 
 
 def _safetensors_contents(path: Path, algo: str, whole: Any = None,

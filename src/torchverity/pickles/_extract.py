@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,13 @@ def inert_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
     Files the scan finds unsafe or malformed are refused with its reason (a file naming
     code-running globals is not something to work with, even inertly)."""
+    return inert_contents(path)[0]
+
+
+def inert_contents(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor],
+                                                          dict[str, Any]]:
+    """:func:`inert_tensors`, and the plain values beside them (numbers, strings, booleans,
+    None; hyper-parameters of data classes unwrapped) by dotted name, from one read."""
     from torchverity.pickles._scan import scan_file
 
     p = Path(path)
@@ -51,10 +58,24 @@ def inert_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     obj, _ = inert_load(p, "pickle" if scan.format == "pickle" else "torch")
     extractor = Extractor()
     try:
-        extractor.value(obj, "")
+        tree = extractor.value(obj, "")
     except RecursionError:
         raise FormatError(f"{p}: the object nests too deeply to read", path=p) from None
-    return extractor.tensors
+    return extractor.tensors, dict(_plain_leaves(tree, ""))
+
+
+def _plain_leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """The plain values of an extracted tree (markers such as ``$class`` and tensors left
+    out), named as the loaded object's leaves are."""
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            if not key.startswith("$"):
+                yield from _plain_leaves(value, _join(path, key))
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            yield from _plain_leaves(value, _join(path, str(i)))
+    elif path:
+        yield path, tree
 
 
 
