@@ -438,6 +438,10 @@ def test_failing_items_are_retried_with_backoff_then_recorded(
     assert problem.error == "ValueError: cannot decode this image"
     [verify_problem] = verify_batch(out).problems
     assert verify_problem.kind == "failed" and "after 3 attempts" in verify_problem.detail
+    # A job run from Python has no command: the step names the call to repeat.
+    step = ("fix the failed inputs or the model, then rerun: the same "
+            "run_batch/run_model_batch call with retry_failed=True")
+    assert report.next_step == step and verify_batch(out).next_step == step
 
 
 def test_cli_exit_code_and_summary_when_items_fail(tmp_path: Path, model_dir: Path) -> None:

@@ -98,6 +98,8 @@ def test_output_paths_judged(rel: object, ok: bool) -> None:
      "has one), not nothing"),
     ("UPDATE job SET value = '{\"inputs\": \"/elsewhere\"}' WHERE key = 'job'",
      "job value 'job' is not a job description"),
+    ("INSERT OR REPLACE INTO job VALUES ('command', X'00')",
+     "job value 'command' holds a value of type blob, not text"),
 ])
 def test_a_bad_journal_field_is_named(job: tuple[list[str], Path], run_cli: Callable[..., Any],
                                       sql: str, named: str) -> None:

@@ -48,12 +48,17 @@ class InputChanged(Exception):
     """The input's bytes are not those listed in the manifest (or it is gone)."""
 
 
-def list_inputs(spec: Path, *, exclude: Path | None = None) -> list[InputRecord]:
-    """List a folder (recursively, sorted) or a list file (one path per line) and digest all."""
+def list_inputs(spec: Path, *, exclude: Path | None = None,
+                skip_missing: bool = False) -> list[InputRecord]:
+    """List a folder (recursively, sorted) or a list file (one path per line) and digest all.
+
+    ``skip_missing``: a list file may name files that are gone (a rerun compares the
+    listing with the journal, where a deleted input is a removed one, not an error).
+    """
     if spec.is_dir():
         keyed = _walk(spec.resolve(), exclude.resolve() if exclude else None)
     elif spec.is_file():
-        keyed = _read_list(spec)
+        keyed = _read_list(spec, skip_missing)
     else:
         raise InputError(
             f"{spec}: no such folder or list file",
@@ -156,7 +161,7 @@ def _scan(folder: str, prefix: str, exclude: str | None, found: list[tuple[str, 
             found.append((prefix + entry.name, entry.path))
 
 
-def _read_list(list_file: Path) -> list[tuple[str, str]]:
+def _read_list(list_file: Path, skip_missing: bool) -> list[tuple[str, str]]:
     base = list_file.resolve().parent
     try:
         lines = list_file.read_text(encoding="utf-8").splitlines()
@@ -175,6 +180,8 @@ def _read_list(list_file: Path) -> list[tuple[str, str]]:
                 hint="each input may appear once: an input is one item with one output",
             )
         if not path.is_file():
+            if skip_missing:
+                continue
             raise InputError(f"{list_file}:{number}: {path}: no such file", path=path)
         found[key] = path
     return sorted((key, os.fspath(path)) for key, path in found.items())

@@ -310,11 +310,25 @@ class Journal:
                 [(r.path, r.size, r.mtime_ns, r.digest, why, i) for i, r in changed])
             self._events((i, "input-edited", why) for i, _ in changed)
 
+    def drop(self, rows: Sequence[ItemRow], why: str) -> None:
+        """Delete items from the job (their inputs are gone); their history stays, by key.
+
+        The events lose their item id: a new input may later take the same id.
+        """
+        if not rows:
+            return
+        with self._transaction():
+            self._conn.executemany(
+                "UPDATE events SET item = NULL, detail = ? || ': ' || detail WHERE item = ?",
+                [(r.key, r.id) for r in rows])
+            self._conn.executemany("DELETE FROM items WHERE id = ?", [(r.id,) for r in rows])
+            self._events((None, "pruned", f"{r.key}: {why}") for r in rows)
+
     def set_job(self, values: dict[str, str]) -> None:
         with self._transaction():
             self._conn.executemany("INSERT OR REPLACE INTO job VALUES (?, ?)", values.items())
 
-    def _events(self, rows: Iterable[tuple[int, str, str | None]]) -> None:
+    def _events(self, rows: Iterable[tuple[int | None, str, str | None]]) -> None:
         now = time.time()
         self._conn.executemany(
             "INSERT INTO events VALUES (?, ?, ?, ?)", [(now, i, k, d or "") for i, k, d in rows]

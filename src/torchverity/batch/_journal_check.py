@@ -21,6 +21,7 @@ from torchverity.errors import FormatError
 Query = Callable[[str], list[tuple[Any, ...]]]
 
 JOB_KEYS = ("schema", "fingerprint", "job", "inputs_root", "created")
+OPTIONAL_JOB_KEYS = ("command",)  # absent from jobs run from Python and older journals
 # A digest's type and length; its digits are judged by the comparisons it takes part in (a
 # non-hex text matches no file: the item is redone, or verify names it). A GLOB over the
 # digits tripled the cost of this scan.
@@ -108,6 +109,9 @@ def _check_job(path: Path, query: Query) -> dict[str, Any]:
         if rows.get(key) != "text":
             held = "is missing" if key not in rows else f"holds a value of type {rows[key]}"
             raise damaged(path, f"job value '{key}' {held}, not text")
+    for key in OPTIONAL_JOB_KEYS:
+        if rows.get(key, "text") != "text":
+            raise damaged(path, f"job value '{key}' holds a value of type {rows[key]}, not text")
     job: dict[str, str] = dict(query("SELECT key, value FROM job"))
     for key in ("fingerprint", "inputs_root"):
         if len(job[key]) != 64 or job[key].strip("0123456789abcdef"):

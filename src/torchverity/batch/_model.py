@@ -8,6 +8,7 @@ whose model differs from its own.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,6 +20,8 @@ class ModelFactory(Protocol):
     def identity(self) -> dict[str, str]: ...
 
     def load(self) -> tuple[ItemFn, dict[str, str]]: ...
+
+    def cli_args(self) -> list[str] | None: ...  # how `batch run` names this model, if it can
 
 
 def golden_gate(fn: ItemFn, golden: str, when: str) -> None:
@@ -72,6 +75,9 @@ class GivenFn:
             golden_gate(self.fn, self.golden, "before the first item")
         return self.fn, self.identity()
 
+    def cli_args(self) -> list[str] | None:
+        return None  # a Python function: no command runs it
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -107,6 +113,18 @@ class ModelSpec:
         if self.golden:
             golden_gate(fn, self.golden, "before the first item")
         return fn, ident
+
+    def cli_args(self) -> list[str] | None:
+        if any("=" in old for old, _ in self.key_map):
+            return None  # --key-map OLD=NEW cannot say it
+        args = ["--model", self.spec]
+        if self.weights is not None:
+            args += ["--weights", os.path.abspath(self.weights)]
+        for prefix in self.strip_prefix:
+            args += ["--strip-prefix", prefix]
+        for old, new in self.key_map:
+            args += ["--key-map", f"{old}={new}"]
+        return args
 
     def _weights(self) -> tuple[Any, dict[str, str]]:
         ident = {"model": self.spec}

@@ -33,6 +33,9 @@ class BatchOptions:
     ``golden``: a golden file the model must pass before the first item and
     after the run. ``settings``: strings that identify the job beside its model.
     ``retry_failed``: on resume, failed items get a new round of attempts.
+    ``prune_removed``: on resume, items whose input is gone from the inputs folder
+    are deleted from the job with their outputs (otherwise they are kept and
+    reported as ``input-removed``).
     Bad values raise :class:`~torchverity.errors.UsageError` here, before any work.
     """
 
@@ -47,6 +50,7 @@ class BatchOptions:
     golden: PathLike | None = None
     settings: Mapping[str, str] = field(default_factory=dict)
     retry_failed: bool = False
+    prune_removed: bool = False
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -93,3 +97,4 @@ class BatchFields(TypedDict, total=False):
     golden: PathLike | None
     settings: Mapping[str, str]
     retry_failed: bool
+    prune_removed: bool

@@ -36,6 +36,13 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from torchverity.batch._bag import BAG_INFO_TXT, BAGIT_TXT, write_bag, write_text
+from torchverity.batch._changes import (
+    AppliedChanges,
+    apply_input_changes,
+    next_step,
+    removed_detail,
+    retry_failed,
+)
 from torchverity.batch._inputs import list_inputs, manifest_lines, manifest_root
 from torchverity.batch._item import (
     TMP_SUFFIX,
@@ -95,7 +102,7 @@ class Engine(Protocol):
 
 @dataclass(frozen=True)
 class ItemProblem:
-    """An input that did not end with a committed output, and why."""
+    """An input that did not end with a committed output, or that is gone, and why."""
 
     key: str
     state: str
@@ -121,14 +128,21 @@ class BatchReport:
     interrupted: int
     orphans_removed: int
     repaired: tuple[str, ...]
+    new_inputs: int
+    edited_inputs: int
+    failed_retried: int
+    removed: tuple[str, ...]  # inputs gone, their items kept (not run, outputs stale)
+    pruned: tuple[str, ...]
     seconds: float
-    items_per_s: float  # over the processing phase (start-up and listing excluded)
+    items_per_s: float  # processed / seconds: the whole run, start-up and listing included
     problems: tuple[ItemProblem, ...]
     manifest: str | None
+    command: str | None  # the `torchverity batch run` command of this job, when it has one
+    next_step: str | None
 
     @property
     def ok(self) -> bool:
-        return self.committed == self.total
+        return self.committed == self.total and not self.removed
 
 
 def job_fingerprint(inputs: Path, options: BatchOptions,
@@ -164,8 +178,37 @@ def execute(inputs: Path, out: Path, options: BatchOptions, factory: ModelFactor
     fingerprint, doc = job_fingerprint(inputs, options, identity)
     _prepare_out(out)
     with _exclusive(out):
-        job = _Job(inputs, out, options, fingerprint, doc)
+        job = _Job(inputs, out, options, fingerprint, doc, _command(inputs, out, options, factory))
         return _run_locked(job, make, progress, start)
+
+
+def _command(inputs: Path, out: Path, options: BatchOptions, factory: ModelFactory) -> str | None:
+    """The ``torchverity batch run`` command that runs this job as it runs now, if there is one.
+
+    Absolute paths: ``batch verify`` prints it from wherever it is run. ``--force``,
+    ``--retry-failed`` and ``--prune-removed`` are requests of one run, never repeated.
+    """
+    import shlex
+
+    model = factory.cli_args()
+    if model is None or options.settings:
+        return None  # a Python function, or settings no option can give
+    words = ["torchverity", "batch", "run", "--inputs", os.path.abspath(inputs), *model]
+    if options.golden_file is not None:
+        words += ["--golden", os.path.abspath(options.golden_file)]
+    words += ["--out", os.fspath(out)]
+    default = BatchOptions()
+    for flag, value, usual in (
+        ("--workers", options.workers, default.workers),
+        ("--engine", options.engine, default.engine),
+        ("--ray-address", options.ray_address, default.ray_address),
+        ("--retries", options.retries, default.retries),
+        ("--suffix", options.suffix, default.suffix),
+        ("--durability", options.durability, default.durability),
+    ):
+        if value != usual:
+            words += [flag, str(value)]
+    return shlex.join(words)
 
 
 @dataclass(frozen=True)
@@ -177,6 +220,7 @@ class _Job:
     options: BatchOptions
     fingerprint: str
     doc: dict[str, Any]
+    command: str | None
 
 
 def _run_locked(job: _Job, make: Callable[[bool], Engine],
@@ -184,16 +228,14 @@ def _run_locked(job: _Job, make: Callable[[bool], Engine],
     out, options = job.out, job.options
     journal, resumed = _open_or_create(job)
     try:
-        interrupted, orphans, repaired = _recover(journal, out) if resumed else (0, 0, [])
-        if resumed:
-            _resume_changes(journal, job)
+        resume = (_resume(journal, job) if resumed
+                  else _Resume(0, 0, [], AppliedChanges(0, 0, (), ()), 0))
+        skip = frozenset(r.id for r in resume.changes.removed)
         durability = Durability(out, options.durability)
         engine = make(durability.per_file)
         try:
-            work_start = time.perf_counter()
-            scheduler = _Scheduler(journal, engine, out, options, durability, progress)
+            scheduler = _Scheduler(journal, engine, out, options, durability, progress, skip)
             processed, retries = scheduler.run()
-            work_seconds = time.perf_counter() - work_start
             golden = options.golden_file
             if golden and scheduler.committed_ids:
                 _golden_after(engine, golden, journal, out, scheduler.committed_ids)
@@ -201,19 +243,33 @@ def _run_locked(job: _Job, make: Callable[[bool], Engine],
             engine.close()
         manifest = _finish(journal, out)
         seconds = time.perf_counter() - start
-        return _report(journal, out, job.fingerprint, engine.name, resumed, interrupted, orphans,
-                       repaired, processed, retries, seconds, work_seconds, manifest)
+        return _report(journal, job, engine.name, resumed, resume, processed, retries, seconds,
+                       manifest)
     finally:
         journal.close()
 
 
-def _resume_changes(journal: Journal, job: _Job) -> None:
-    from torchverity.batch._changes import apply_input_changes, retry_failed
+@dataclass(frozen=True)
+class _Resume:
+    """What a resume found and did before the first item."""
 
-    apply_input_changes(journal, job.out, job.inputs, job.options.suffix, DATA_DIR,
-                        INPUTS_MANIFEST)
+    interrupted: int
+    orphans: int
+    repaired: list[str]
+    changes: AppliedChanges
+    failed_retried: int
+
+
+def _resume(journal: Journal, job: _Job) -> _Resume:
+    if job.command is not None and journal.job().get("command") != job.command:
+        journal.set_job({"command": job.command})
+    interrupted, orphans, repaired = _recover(journal, job.out)
+    changes = apply_input_changes(journal, job.out, job.inputs, job.options.suffix, DATA_DIR,
+                                  INPUTS_MANIFEST, job.options.prune_removed)
+    retried = 0
     if job.options.retry_failed:
-        retry_failed(journal)
+        retried = retry_failed(journal, {r.id for r in changes.removed})
+    return _Resume(interrupted, orphans, repaired, changes, retried)
 
 
 def _golden_after(engine: Engine, golden: str, journal: Journal, out: Path,
@@ -352,6 +408,8 @@ def _create(job: _Job) -> Journal:
         "inputs_root": manifest_root(records),
         "created": str(time.time()),
     }
+    if job.command is not None:
+        values["command"] = job.command
     return Journal.create(out, values, records, outputs)
 
 
@@ -461,8 +519,10 @@ class _Scheduler:
     """Feeds the engine, applies retries with backoff, and groups outcomes into commit points."""
 
     def __init__(self, journal: Journal, engine: Engine, out: Path, options: BatchOptions,
-                 durability: Durability, progress: Callable[[int, int], None] | None) -> None:
+                 durability: Durability, progress: Callable[[int, int], None] | None,
+                 skip: frozenset[int]) -> None:
         self.journal = journal
+        self.skip = skip  # items whose input is gone: not run, not counted
         self.committer = _Committer(journal, durability)
         self.engine = engine
         self.out = out
@@ -486,11 +546,11 @@ class _Scheduler:
         self.watch_error: BaseException | None = None
 
     def run(self) -> tuple[int, int]:
-        counts = self.journal.counts()
-        self.total = sum(counts.values())
-        self.done = self.total - counts[PENDING]
+        work = [w for w in self.journal.pending_work() if w.id not in self.skip]
+        self.total = sum(self.journal.counts().values()) - len(self.skip)
+        self.done = self.total - len(work)
         self.progress(self.done, self.total)
-        self.todo.extend(self.journal.pending_work())
+        self.todo.extend(work)
         fatal: OutputWriteError | None = None
         try:
             try:
@@ -601,11 +661,11 @@ class _Scheduler:
                 return
         if result.status == COMMITTED:
             self.folders.add(os.path.dirname(work.output))
-            self.processed += 1
             self.committed_ids.append(work.id)
         self.buffer.append(
             Outcome(work.id, result.status, result.output_digest, result.output_size, result.error)
         )
+        self.processed += 1
         self.done += 1
         self.progress(self.done, self.total)
 
@@ -627,9 +687,9 @@ class _Scheduler:
         self.last_commit = time.monotonic()
 
     def _stopped(self, what: str, item: str | None) -> BatchError:
+        committed = sum(r.id not in self.skip for r in self.journal.items(COMMITTED))
         return BatchError(
-            f"{what}; the job stopped with {self.journal.counts()[COMMITTED]} of {self.total} "
-            "items committed",
+            f"{what}; the job stopped with {committed} of {self.total} items committed",
             out=self.out,
             item=item,
             hint="free space or fix permissions of the --out folder, then rerun the same "
@@ -646,20 +706,31 @@ def _finish(journal: Journal, out: Path) -> str | None:
     return os.fspath(write_bag(out, entries))
 
 
-def _report(journal: Journal, out: Path, fingerprint: str, engine: EngineName, resumed: bool,
-            interrupted: int, orphans: int, repaired: list[str], processed: int, retries: int,
-            seconds: float, work_seconds: float, manifest: str | None) -> BatchReport:
+def _report(journal: Journal, job: _Job, engine: EngineName, resumed: bool, resume: _Resume,
+            processed: int, retries: int, seconds: float, manifest: str | None) -> BatchReport:
+    # Counts are of the inputs that exist: a removed input's item (not run this time, so
+    # its state is the one it was found in) is reported on its own.
+    removed = resume.changes.removed
     counts = journal.counts()
+    for row in removed:
+        counts[row.state] -= 1
+    gone = {r.id for r in removed}
     problems = tuple(
         ItemProblem(r.key, r.state, r.attempts, r.error)
-        for r in journal.items(FAILED, CHANGED, PENDING)
-    )
+        for r in journal.items(FAILED, CHANGED, PENDING) if r.id not in gone
+    ) + tuple(ItemProblem(r.key, "input-removed", r.attempts, removed_detail(r, job.doc["inputs"]))
+              for r in removed)
     return BatchReport(
-        out=os.fspath(out), fingerprint=fingerprint, engine=engine,
+        out=os.fspath(job.out), fingerprint=job.fingerprint, engine=engine,
         total=sum(counts.values()), committed=counts[COMMITTED], failed=counts[FAILED],
         changed=counts[CHANGED], pending=counts[PENDING], processed=processed, retries=retries,
-        resumed=resumed, interrupted=interrupted, orphans_removed=orphans,
-        repaired=tuple(repaired), seconds=round(seconds, 3),
-        items_per_s=round(processed / work_seconds, 1) if work_seconds > 0 else 0.0,
-        problems=problems, manifest=manifest,
+        resumed=resumed, interrupted=resume.interrupted, orphans_removed=resume.orphans,
+        repaired=tuple(resume.repaired), new_inputs=resume.changes.new,
+        edited_inputs=resume.changes.edited, failed_retried=resume.failed_retried,
+        removed=tuple(r.key for r in removed), pruned=resume.changes.pruned,
+        seconds=round(seconds, 3),
+        items_per_s=round(processed / seconds, 1) if seconds > 0 else 0.0,
+        problems=problems, manifest=manifest, command=job.command,
+        next_step=next_step(job.command, rerun=bool(counts[PENDING] or counts[CHANGED]),
+                            failed=bool(counts[FAILED]), removed=bool(removed)),
     )

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchverity.batch._bag import bag_problems, write_bag
-from torchverity.batch._changes import input_changes, inputs_of
+from torchverity.batch._changes import (
+    InputChange,
+    input_changes,
+    inputs_of,
+    next_step,
+    removed_detail,
+)
 from torchverity.batch._journal import CHANGED, COMMITTED, ItemRow, Journal
 from torchverity.batch._paths import DATA_DIR
 from torchverity.batch._run import stored_digests
@@ -24,8 +30,11 @@ from torchverity.manifest import SHA256SUM_NAME, ManifestEntry, read_manifest
 # Problem kinds, in the order a reader should fix them.
 KINDS = (
     "missing-output", "output-mismatch", "extra-output", "manifest-mismatch", "bag-mismatch",
-    "failed", "input-changed", "new-input", "not-done",
+    "failed", "input-changed", "input-removed", "new-input", "not-done",
 )
+# What a rerun of the job (with no flag) puts right; "failed" and "input-removed" need one.
+_RERUN_FIXES = {"missing-output", "output-mismatch", "manifest-mismatch", "bag-mismatch",
+                "input-changed", "new-input", "not-done"}
 
 
 @dataclass(frozen=True)
@@ -40,7 +49,11 @@ class BatchProblem:
 
 @dataclass(frozen=True)
 class BatchVerifyResult:
-    """The reconciliation of one output folder."""
+    """The reconciliation of one output folder.
+
+    ``items`` and ``committed`` count the inputs that exist (when the inputs can be
+    listed; else the journal's items): a new input counts, a removed one does not.
+    """
 
     out: str
     items: int
@@ -48,6 +61,7 @@ class BatchVerifyResult:
     problems: tuple[BatchProblem, ...]
     manifest: str | None
     manifest_written: bool
+    next_step: str | None
 
     @property
     def ok(self) -> bool:
@@ -60,12 +74,15 @@ def verify_batch(out: str | os.PathLike[str]) -> BatchVerifyResult:
     journal = Journal.open(root, read_only=True)
     try:
         rows = journal.items()
-        inputs = inputs_of(journal.job())
+        job = journal.job()
     finally:
         journal.close()
+    inputs = inputs_of(job)
+    changes = input_changes(inputs, root, rows) if inputs is not None else None
+    gone = {c.key for c in changes or [] if c.kind == "input-removed"}
     committed = [r for r in rows if r.state == COMMITTED]
-    problems = [*_check_items(root, rows, committed), *_extra_files(root, rows),
-                *_input_problems(inputs, root, rows)]
+    problems = [*_check_items(root, [r for r in rows if r.key not in gone], committed),
+                *_extra_files(root, rows), *_input_problems(changes or [], inputs)]
     manifest_path = root / SHA256SUM_NAME
     entries = [ManifestEntry(r.output, int(r.output_size or 0), str(r.output_digest))
                for r in committed]
@@ -78,14 +95,31 @@ def verify_batch(out: str | os.PathLike[str]) -> BatchVerifyResult:
         write_bag(root, entries)
         written = True
     problems.sort(key=lambda p: (KINDS.index(p.kind), p.key or "", p.path or ""))
+    kinds = {p.kind for p in problems}
+    new = sum(c.kind == "new-input" for c in changes or [])
     return BatchVerifyResult(
-        out=os.fspath(root), items=len(rows), committed=len(committed),
+        out=os.fspath(root), items=len(rows) - len(gone) + new,
+        committed=sum(r.key not in gone for r in committed),
         problems=tuple(problems), manifest=os.fspath(manifest_path) if manifest_path.is_file()
         else None, manifest_written=written,
+        next_step=_next_step(job.get("command"), kinds),
     )
 
 
+def _next_step(command: str | None, kinds: set[str]) -> str | None:
+    step = next_step(command, rerun=bool(kinds & _RERUN_FIXES), failed="failed" in kinds,
+                     removed="input-removed" in kinds)
+    if "extra-output" not in kinds:
+        return step
+    # A run never deletes a file it did not write: only the user can.
+    extra = (f"move the extra files out of {DATA_DIR}/ (a copy or a stray file: no input "
+             "committed them)")
+    return f"{extra}; {step}" if step else extra
+
+
 def _check_items(root: Path, rows: list[ItemRow], committed: list[ItemRow]) -> list[BatchProblem]:
+    """Each committed output against its digest; ``rows`` (those of inputs that exist) that
+    have not ended with an output."""
     problems: list[BatchProblem] = []
     for row, found in zip(committed, stored_digests(root, committed), strict=True):
         if found is None:
@@ -107,22 +141,26 @@ def _check_items(root: Path, rows: list[ItemRow], committed: list[ItemRow]) -> l
     return problems
 
 
-def _input_problems(inputs: Path | None, root: Path, rows: list[ItemRow]) -> list[BatchProblem]:
-    """Inputs re-hashed when their folder is reachable: new ones, and ones edited since."""
-    changes = input_changes(inputs, root, rows) if inputs is not None else None
+def _input_problems(changes: list[InputChange], inputs: Path | None) -> list[BatchProblem]:
+    """Inputs re-hashed when their folder is reachable: new ones, ones edited since, and
+    ones gone."""
     problems = []
-    for change in changes or []:
-        if change.kind == "new-input":
-            problems.append(BatchProblem("new-input", change.key, change.record.path,
+    for change in changes:
+        row, record = change.row, change.record
+        if change.kind == "new-input" and record is not None:
+            problems.append(BatchProblem("new-input", change.key, record.path,
                                          "an input the job has not processed yet; "
                                          "rerun torchverity batch run to process it"))
-        elif change.row is not None and change.row.state != CHANGED:  # else reported above
-            when = ("after its output was committed" if change.row.state == COMMITTED
+        elif change.kind == "input-removed" and row is not None and inputs is not None:
+            problems.append(BatchProblem("input-removed", change.key, row.path,
+                                         removed_detail(row, inputs)))
+        elif row is not None and record is not None and row.state != CHANGED:  # else above
+            when = ("after its output was committed" if row.state == COMMITTED
                     else "since it was listed")
             problems.append(BatchProblem(
-                "input-changed", change.key, change.record.path,
-                f"edited {when}: sha256 now {change.record.digest}, listed "
-                f"{change.row.digest}; rerun torchverity batch run to redo it"))
+                "input-changed", change.key, record.path,
+                f"edited {when}: sha256 now {record.digest}, listed "
+                f"{row.digest}; rerun torchverity batch run to redo it"))
     return problems
 
 

@@ -63,6 +63,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     run.add_argument("--retry-failed", action="store_true",
                      help="give failed items a new round of attempts (committed outputs stay); "
                      "new and edited inputs are always picked up on a rerun")
+    run.add_argument("--prune-removed", action="store_true",
+                     help="delete the items whose input is gone from --inputs, with their "
+                     "stale outputs (without it they are kept and reported as input-removed)")
     run.add_argument("--force", action="store_true",
                      help="start over: delete this folder's previous job and outputs")
     run.set_defaults(func=_run)
@@ -89,6 +92,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         workers=args.workers, retries=args.retries, engine=args.engine,
         ray_address=args.ray_address, force=args.force, suffix=args.suffix,
         durability=args.durability, golden=args.golden, retry_failed=args.retry_failed,
+        prune_removed=args.prune_removed,
     )
     with out.warnings_of(CheckpointWarning), _progress(out) as progress:
         report = run_model_batch(
@@ -108,19 +112,26 @@ def _as_dict(obj: Any) -> dict[str, Any]:
 
 def _print_report(report: BatchReport, out: Output) -> None:
     if report.resumed:
+        extra = [f"{report.failed_retried} failed items retried"] if report.failed_retried else []
+        extra += [f"{len(report.removed)} removed inputs kept"] if report.removed else []
+        extra += [f"{len(report.pruned)} removed inputs pruned"] if report.pruned else []
         out.info(
             f"resumed job {report.fingerprint[:16]}…: {report.interrupted} interrupted items "
             f"requeued, {report.orphans_removed} orphan files removed, "
-            f"{len(report.repaired)} damaged outputs redone"
+            f"{len(report.repaired)} damaged outputs redone, {report.new_inputs} new inputs "
+            f"queued, {report.edited_inputs} edited inputs redone"
+            + "".join(f", {part}" for part in extra)
         )
     for key in report.repaired:
         out.warn(f"{key}: its committed output was damaged or missing; processed again")
+    for key in report.pruned:
+        out.warn(f"{key}: its input is gone; its item and output were deleted")
     rows = [
         ("committed", report.committed), ("failed", report.failed),
         ("input-changed", report.changed), ("pending", report.pending),
-        ("total", report.total), ("processed now", report.processed),
-        ("retries", report.retries), ("time", f"{report.seconds:.2f} s"),
-        ("items/s", report.items_per_s),
+        ("total", report.total), ("input-removed", len(report.removed)),
+        ("processed now", report.processed), ("retries", report.retries),
+        ("time", f"{report.seconds:.2f} s"), ("items/s", report.items_per_s),
     ]
     out.table(["", "items"], rows, title=f"batch {report.out} ({report.engine})")
     for problem in report.problems[:_MAX_LISTED]:
@@ -130,6 +141,8 @@ def _print_report(report: BatchReport, out: Output) -> None:
     if report.ok:
         out.line(f"ok: {report.committed} outputs committed; check them with: "
                  f"torchverity batch verify {shell_path(report.out)}")
+    elif report.next_step:
+        out.line(f"next: {report.next_step}")
 
 
 def _verify(args: argparse.Namespace, out: Output) -> int:
@@ -152,6 +165,8 @@ def _print_verify(result: BatchVerifyResult, out: Output) -> None:
     else:
         out.line(f"FAILED: {len(result.problems)} problems in {result.out} "
                  f"({result.committed} of {result.items} inputs committed)")
+        if result.next_step:
+            out.line(f"next: {result.next_step}")
 
 
 @contextmanager
