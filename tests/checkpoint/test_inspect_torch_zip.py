@@ -32,10 +32,14 @@ def _json(data: Any) -> Any:
     return json.loads(json.dumps(data))
 
 
-def _same_as_loaded(path: Path, run_cli: Any, *, torch_free: bool = True) -> None:
+def _same_as_loaded(path: Path, run_cli: Any, *, torch_free: bool = True,
+                    values: dict[str, str] | None = None) -> None:
     """inspect and fingerprint of ``path`` equal the loaded path's, as objects, as JSON and
-    as printed, and import torch only where ``torch_free`` says so."""
+    as printed, and import torch only where ``torch_free`` says so (``values``: the plain
+    values shown where the loader gives none)."""
     want = _loaded_inspect(path)
+    if values is not None:
+        want = replace(want, values=values)
     assert inspect(path) == want
     assert want.tensors and want.fingerprint
     got = cli("inspect", "--json", path)
@@ -120,10 +124,19 @@ def test_hugging_face_bin_files_read_without_torch(tmp_path: Path, run_cli: Any)
 
 
 def test_a_file_outside_the_listing_is_loaded_as_before(tmp_path: Path, run_cli: Any) -> None:
+    """A Lightning checkpoint with omegaconf hyper-parameters: weights_only refuses their
+    classes, so its tensors are read inertly, and its plain values with them."""
     omegaconf = pytest.importorskip("omegaconf")
     cfg = omegaconf.OmegaConf.create({"model": {"width": 4}, "lr": 0.01})
     first, _ = lightning_checkpoints(tmp_path, cfg)
-    _same_as_loaded(first, run_cli, torch_free=False)
+    values = inspect(first).values
+    assert {k: values[k] for k in ("epoch", "global_step", "hyper_parameters.model.width",
+                                   "hyper_parameters.lr")} == {
+        "epoch": "1", "global_step": "2", "hyper_parameters.model.width": "4",
+        "hyper_parameters.lr": "0.01"}
+    shown = run_cli("inspect", "--limit", "0", first).out
+    assert "  global_step = 2" in shown and "  hyper_parameters.model.width = 4" in shown
+    _same_as_loaded(first, run_cli, torch_free=False, values=values)
 
 
 def test_names_that_collide_when_flattened_are_refused_as_when_loaded(tmp_path: Path) -> None:
