@@ -13,6 +13,7 @@ import torch
 from guard_helpers import (
     batch_at,
     count_syncs,
+    loss_of,
     make_guard,
     make_model,
     step_once,
@@ -333,3 +334,45 @@ def test_deferred_record_clean_run_raises_nothing() -> None:
     for step in range(120):
         step_once(guard, model, step)
     assert guard.close().clean and guard.events == []
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_the_window_before_the_first_update_is_verified(fused: bool | None) -> None:
+    """After a resume the window before the guard's first update lies between two updates:
+    a flip in it is caught and named, on the fused and the two-pass path alike."""
+    model, opt = make_model()
+    for step in range(3):  # the run before the resume: the optimizer has its state
+        opt.zero_grad()
+        loss_of(model, step).backward()
+        opt.step()
+    guard = TrainingGuard(model, opt, fused=fused, policies={"weights_changed": "record"},
+                          check_every=1)
+    faults.flip_bit(opt.state[model[2].weight]["exp_avg"], 4, 3)
+    step_once(guard, model, 3)
+    assert [(e.step, e.suspects) for e in guard.events] == [
+        (0, ("optimizer.2.weight.exp_avg",))]
+    guard.close()
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_a_guard_made_before_a_resume_records_what_load_state_dict_brings(flip: bool) -> None:
+    """The guard made first, then a checkpoint loaded into the model and the optimizer: the
+    loaded bytes are the record (no false alarm), and a flip after the load, before the
+    first update, is caught."""
+    saved_model, saved_opt = make_model()
+    for step in range(3):
+        saved_opt.zero_grad()
+        loss_of(saved_model, step).backward()
+        saved_opt.step()
+    torch.manual_seed(1)
+    model, opt = make_model()
+    guard = TrainingGuard(model, opt, policies={"weights_changed": "record"}, check_every=1)
+    model.load_state_dict(saved_model.state_dict())
+    opt.load_state_dict(saved_opt.state_dict())
+    if flip:
+        faults.flip_bit(model[0].weight, 3, 20)
+    for step in range(3, 6):
+        step_once(guard, model, step)
+    assert [(e.step, e.suspects) for e in guard.events] == ([(0, ("0.weight",))] if flip
+                                                           else [])
+    guard.close()

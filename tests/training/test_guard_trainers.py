@@ -41,14 +41,14 @@ def _cli(*argv: str) -> tuple[int, str]:
 
 
 def _lightning(tmp_path: Path, policy: str, steps: int = 30, flip: bool = True,
-               resume: Path | None = None) -> tuple[Any, Any]:
+               resume: Path | None = None, flip_step: int = FLIP_STEP) -> tuple[Any, Any]:
     import lightning.pytorch as pl
 
     from torchverity.integrations.lightning import GuardCallback
 
     class Drill(pl.Callback):
         def on_train_batch_start(self, trainer: Any, module: Any, *args: Any) -> None:
-            if flip and trainer.global_step == FLIP_STEP:  # after update 11, before 12
+            if flip and trainer.global_step == flip_step:  # e.g. after update 11, before 12
                 faults.flip_bit(module.net[2].weight, 5, 30)
 
     torch.manual_seed(0)
@@ -125,6 +125,21 @@ def test_lightning_guard_state_is_saved_and_restored_on_resume(tmp_path: Path) -
     # 20 accepted steps came back with the checkpoint, 10 more were added.
     assert resumed.guard._host.stats.count == 30
     assert resumed.summary.steps == 30 and resumed.guard.events == []
+
+
+def test_lightning_a_flip_before_the_first_update_after_a_resume_is_caught(
+        tmp_path: Path) -> None:
+    """The window from the save of step 20 to the first update after the resume is a window
+    between two updates too: a flip in it is caught and named, and what is saved after it
+    is uncertified."""
+    _lightning(tmp_path, "record", steps=20, flip=False)
+    last = sorted((tmp_path / "ckpt").glob("*step=20*.ckpt"))[0]
+    resumed, _ = _lightning(tmp_path, "record", steps=30, resume=last, flip_step=20)
+    assert [(e.step, e.suspects) for e in resumed.guard.events
+            if e.kind == "weights_changed"] == [(20, ("net.2.weight",))]
+    later = [p for p in (tmp_path / "ckpt").glob("*.ckpt") if "step=25" in p.name
+             or "step=30" in p.name]
+    assert len(later) == 2 and not any(_meta(p)["certification"]["certified"] for p in later)
 
 
 def _without_guard_state(path: Path) -> Path:
@@ -228,6 +243,17 @@ def test_hf_flip_is_caught_named_and_only_clean_checkpoints_are_certified(
 
 def _certified(folder: Path) -> bool:
     return bool(_meta(folder / "model.safetensors")["certification"]["certified"])
+
+
+def test_hf_a_flip_before_the_first_update_after_a_resume_is_caught(tmp_path: Path) -> None:
+    name = "transformer.h.0.mlp.c_fc.weight"
+    _hf(tmp_path, "record", steps=10, flip=(-1, 0))
+    out = tmp_path / "out"
+    resumed = _hf(tmp_path, "record", steps=20, flip=(10, 3), resume=out / "checkpoint-10",
+                  log="resumed.jsonl")
+    assert [(e.step, e.kind, e.suspects) for e in resumed.guard.events] == [
+        (10, "weights_changed", (name,))]
+    assert [_certified(out / f"checkpoint-{s}") for s in (15, 20)] == [False, False]
 
 
 def test_hf_resume_restores_the_guard_state_and_keeps_catching_flips(tmp_path: Path) -> None:

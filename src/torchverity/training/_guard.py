@@ -135,10 +135,16 @@ class TrainingGuard:
         self._log.write({"event": "start", "step": start_step, "config": self.config,
                          "policies": self.policies, "parameters": list(self._names),
                          "coverage": self._rest.coverage()})
+        # The window before the first update is covered too: after a resume it lies between
+        # two updates (the one before the save and the one after the load). A load through
+        # load_state_dict later (a resume after the guard was made) records again.
+        self._rest.refresh()
+        self._load_hooks: tuple[Any, ...] = (
+            model.register_load_state_dict_post_hook(self._loaded),
+            optimizer.register_load_state_dict_post_hook(self._loaded))
         if self.checkpoint_dir is not None:
             # The starting point, recorded and saved at the same instant: a checkpoint that
             # rollback can always go back to.
-            self._rest.refresh()
             self.save_checkpoint()
 
     def _setup_params(self) -> None:
@@ -376,9 +382,15 @@ class TrainingGuard:
         return self._helper.pool if self._helper is not None and self._split else None
 
     def refresh(self) -> None:
-        """Re-record the at-rest checksums after changing parameters outside ``step()``."""
+        """Re-record the at-rest checksums after changing parameters outside ``step()``
+        (a ``load_state_dict`` of the model or the optimizer does this itself)."""
         self.wait()
         self._rest.refresh()
+
+    def _loaded(self, *_: Any) -> None:
+        """A ``load_state_dict`` of the model or the optimizer: its bytes are the record."""
+        if self._pending is None:  # not between check() and step(), where nothing loads
+            self.refresh()
 
     # ------------------------------------------------------------ host side
 
@@ -475,6 +487,9 @@ class TrainingGuard:
         return summary
 
     def _close_helper(self) -> None:
+        for hook in self._load_hooks:
+            hook.remove()
+        self._load_hooks = ()
         if self._helper is not None:
             self._helper.close()
             self._helper = None
