@@ -111,7 +111,8 @@ def test_lightning_checkpoints_saved_while_a_flip_is_unresolved_are_uncertified(
     code, out = _cli("verify", str(saved[2]))
     assert code == 1 and "UNCERTIFIED" in out and "net.2.weight" in out
     code, out = _cli("inspect", str(saved[2]))
-    assert "guard       UNCERTIFIED" in out
+    assert "guard       UNCERTIFIED (saved while the guard had doubts: unresolved " \
+        f"weights_changed at step {FLIP_STEP} in net.2.weight)" in out
     assert "certified by the training guard at step 5" in _cli("verify", str(saved[0]))[1]
 
 

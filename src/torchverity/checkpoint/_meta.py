@@ -130,3 +130,17 @@ def _meta_fingerprint(meta: Mapping[str, Any], mp: Path) -> Fingerprint:
     except (KeyError, TypeError, ValueError, AttributeError, FormatError) as exc:
         raise FormatError(f"{mp}: fingerprint record is damaged: {exc}", path=mp,
                           hint="restore meta.json, or re-save the checkpoint") from None
+
+
+def certification_doubts(cert: Mapping[str, Any]) -> list[str]:
+    """Why a training guard's certification of a checkpoint says uncertified, in words."""
+    verified = cert.get("verified") or {}
+    why = []
+    if cert.get("changed"):
+        why.append(f"changed at rest: {', '.join(cert['changed'])}")
+    for u in cert.get("unresolved") or []:
+        why.append(f"unresolved {u['kind']} at step {u['step']}"
+                   + (f" in {', '.join(u['suspects'])}" if u.get("suspects") else ""))
+    if verified.get("at_rest") == "unavailable":
+        why.append("no at-rest verification was possible")
+    return why

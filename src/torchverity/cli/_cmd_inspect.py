@@ -128,8 +128,11 @@ def _print_meta(meta: dict[str, Any], out: Output) -> None:
         out.line(f"  user meta   {json.dumps(meta['user'], sort_keys=True)}")
     cert = meta.get("certification")
     if cert is not None:
-        verdict = ("certified" if cert["certified"]
-                   else "UNCERTIFIED (saved while the guard had doubts)")
+        from torchverity.checkpoint._meta import certification_doubts
+
+        doubts = "; ".join(certification_doubts(cert)) or "see meta.json"
+        verdict = "certified" if cert["certified"] else (
+            f"UNCERTIFIED (saved while the guard had doubts: {doubts})")
         out.line(f"  guard       {verdict} at step {cert.get('step')}")
 
 

@@ -170,13 +170,8 @@ def _certification_line(target: str, cert: dict[str, Any]) -> str:
     if cert["certified"]:
         return (f"{target}: certified by the training guard at step {cert.get('step')} "
                 f"(at rest: {verified.get('tensors')} tensors verified)")
-    why = []
-    if cert.get("changed"):
-        why.append(f"changed at rest: {', '.join(cert['changed'])}")
-    for u in cert.get("unresolved") or []:
-        why.append(f"unresolved {u['kind']} at step {u['step']}"
-                   + (f" in {', '.join(u['suspects'])}" if u.get("suspects") else ""))
-    if verified.get("at_rest") == "unavailable":
-        why.append("no at-rest verification was possible")
+    from torchverity.checkpoint._meta import certification_doubts
+
+    why = certification_doubts(cert)
     return (f"{target}: UNCERTIFIED: saved at step {cert.get('step')} while the training guard "
             f"had doubts ({'; '.join(why) or 'see meta.json'}); restore a certified checkpoint")
