@@ -14,6 +14,7 @@ import pytest
 import torch
 from trainer_data import tiny_gpt2_trainer, tiny_regressor
 
+import torchverity
 from torchverity import faults
 from torchverity.cli import main as cli_main
 
@@ -143,6 +144,20 @@ def test_lightning_a_flip_before_the_first_update_after_a_resume_is_caught(
     assert len(later) == 2 and not any(_meta(p)["certification"]["certified"] for p in later)
 
 
+def test_lightning_resume_from_a_checkpoint_damaged_on_disk_stops_before_training(
+        tmp_path: Path) -> None:
+    _lightning(tmp_path, "record", steps=20, flip=False)
+    last = sorted((tmp_path / "ckpt").glob("*step=20*.ckpt"))[0]
+    checkpoint = torch.load(last, weights_only=True)
+    faults.flip_bit(checkpoint["state_dict"]["net.0.weight"], 3, 12)
+    torch.save(checkpoint, last)  # its sidecar and meta.json are the save's
+    with pytest.raises(torchverity.IntegrityError) as caught:
+        _lightning(tmp_path / "resumed", "record", steps=30, flip=False, resume=last)
+    assert "training resumed from a checkpoint that does not match its records" in str(
+        caught.value) and "state_dict.net.0.weight" in str(caught.value)
+    assert not (tmp_path / "resumed" / "ckpt").exists()  # nothing saved from those weights
+
+
 def _without_guard_state(path: Path) -> Path:
     """The checkpoint as a run without the callback (or an older torchverity) saves it."""
     checkpoint = torch.load(path, weights_only=True)
@@ -244,6 +259,23 @@ def test_hf_flip_is_caught_named_and_only_clean_checkpoints_are_certified(
 
 def _certified(folder: Path) -> bool:
     return bool(_meta(folder / "model.safetensors")["certification"]["certified"])
+
+
+def test_hf_resume_from_a_checkpoint_damaged_on_disk_stops_before_training(
+        tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    _hf(tmp_path, "record", steps=10, flip=(-1, 0))
+    weights = tmp_path / "out" / "checkpoint-10" / "model.safetensors"
+    tensors = load_file(weights)
+    faults.flip_bit(tensors["transformer.h.0.mlp.c_fc.weight"], 5, 12)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(torchverity.IntegrityError) as caught:
+        _hf(tmp_path, "record", steps=20, flip=(-1, 0), resume=weights.parent,
+            log="resumed.jsonl")
+    assert "model.safetensors mismatched" in str(caught.value)
+    assert "transformer.h.0.mlp.c_fc.weight" in str(caught.value)
+    assert not (tmp_path / "out" / "checkpoint-15").exists()
 
 
 def test_hf_a_flip_before_the_first_update_after_a_resume_is_caught(tmp_path: Path) -> None:

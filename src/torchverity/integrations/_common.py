@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchverity.digest import DEFAULT_ALGO, atomic_write_text, digest_file, write_sidecar
-from torchverity.errors import FormatError, UsageError, shell_path
+from torchverity.errors import FormatError, InputError, IntegrityError, UsageError, shell_path
 
 if TYPE_CHECKING:
     from torchverity.training import GuardSummary, TrainingGuard
@@ -40,6 +40,31 @@ def afresh_consequence(found: tuple[Path, dict[str, Any]] | None, others: str = 
             "carried over: no checkpoint saved from these weights is certified until a "
             "rollback. Next: resume from an earlier certified checkpoint (`torchverity "
             f"verify {others}` tells them apart).")
+
+
+def check_resumed(path: Path) -> None:
+    """The checkpoint (file or folder) a trainer resumed from, against what its save
+    recorded (sidecar, or its folder's manifest). Damage raises before the first update:
+    the resumed weights are what every later checkpoint certifies. With no record there is
+    nothing to compare with, and the trainer's load stands as it would anyway."""
+    from torchverity.verify import verify_path
+
+    try:
+        result = verify_path(path)
+    except InputError:
+        return
+    # Files written beside the checkpoint after its records (extra) damage nothing.
+    bad = [e for e in result.problems if e.status != "extra"]
+    if not bad:
+        return
+    what = "; ".join(f"{e.path} {e.status}" + (f" (tensors {', '.join(e.tensors[:5])})"
+                                               if e.tensors else "") for e in bad[:5])
+    raise IntegrityError(
+        f"{path}: training resumed from a checkpoint that does not match its records "
+        f"({result.record}): {what}. The weights it loaded are not the ones saved, and "
+        "every checkpoint saved from them would carry the damage", path=path,
+        hint=f"resume from a checkpoint that verifies: torchverity verify "
+             f"{shell_path(path.parent)} lists each checkpoint's verdict")
 
 
 def guard_options_for(model: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:

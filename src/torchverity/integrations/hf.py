@@ -56,6 +56,7 @@ from torchverity.integrations._common import (
     CheckpointRecord,
     GuardCallbackBase,
     afresh_consequence,
+    check_resumed,
     guard_options_for,
     log,
     record_checkpoint_file,
@@ -104,6 +105,9 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback, _ExportableState):
         carried = None
         if state.global_step:
             self._restored, carried = _resumed_state(args, state, name)
+            folder = _resumed_folder(args, state, None)
+            if folder is not None:
+                check_resumed(folder)
         # The Trainer updates only the entries its trainer_state.json already has: resumed
         # from a folder saved without this callback, its next save would fail (KeyError).
         state.stateful_callbacks.setdefault(name, {})

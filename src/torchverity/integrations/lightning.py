@@ -36,6 +36,7 @@ from torchverity.integrations._common import (
     CheckpointRecord,
     GuardCallbackBase,
     afresh_consequence,
+    check_resumed,
     guard_options_for,
     log,
     record_checkpoint_file,
@@ -172,6 +173,8 @@ class GuardCallback(GuardCallbackBase, _Callback):
         if len(trainer.optimizers) != 1:
             raise UsageError("GuardCallback guards exactly one optimizer",
                              hint="use TrainingGuard per optimizer in manual optimization")
+        if trainer.ckpt_path:
+            check_resumed(Path(trainer.ckpt_path))
         options = dict(guard_options_for(pl_module, self.guard_options))
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             # AMP's GradScaler drives the optimizer's found_inf itself.
