@@ -75,6 +75,36 @@ def _unguarded() -> torch.nn.Module:
     return model
 
 
+def _at_defaults() -> tuple[int, tuple[str, ...]] | None:
+    """The loop as a new user writes it, ``TrainingGuard(model, optimizer)`` and nothing
+    else; the lowest mantissa bit of 2.weight[17] flipped at rest before step 50 (a change
+    no statistic moves with). The step and tensors it stopped at, or None."""
+    from torchverity import faults
+    from torchverity.errors import TrainingAnomalyError
+    from torchverity.training import TrainingGuard
+
+    x, y = _data()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    guard = TrainingGuard(model, opt)
+    try:
+        for step in range(STEPS):
+            if step == 50:
+                faults.flip_bit(model[2].weight, 17, faults.mantissa_lsb(torch.float32))
+            i = (step * 64) % 1024
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x[i: i + 64]), y[i: i + 64])
+            loss.backward()
+            guard.check(loss)
+            guard.step()
+    except TrainingAnomalyError as exc:
+        return exc.step, tuple(exc.suspects)
+    finally:
+        guard.close()
+    return None
+
+
 def _fine_tune_frozen(ctx: DemoContext) -> list[tuple[int, str, tuple[str, ...]]]:
     """A fine-tune with the first layer frozen; a flip at rest in that frozen layer."""
     from torchverity import faults
@@ -133,6 +163,11 @@ def run(ctx: DemoContext) -> None:
     ctx.expect(summary.rollbacks == 1, "one rollback to the last verified checkpoint")
     ctx.say(f"drill run finished all {STEPS} steps: accuracy {acc:.3f} (clean {clean_acc:.3f})")
     ctx.expect(acc > clean_acc - 0.05, "the run recovered to within 5 points of the clean run")
+
+    ctx.say("the same loop at default settings (TrainingGuard(model, optimizer), nothing "
+            "else): the lowest mantissa bit of 2.weight[17] flipped at rest before step 50")
+    ctx.expect(_at_defaults() == (50, ("2.weight",)),
+               "stopped at step 50 by the default policy for weights_changed, 2.weight named")
 
     ctx.say("a fine-tune with layer 0 frozen (requires_grad=False, as under LoRA): the lowest "
             "mantissa bit of frozen 0.weight[5] flipped at rest before step 20")
