@@ -354,11 +354,13 @@ def test_the_window_before_the_first_update_is_verified(fused: bool | None) -> N
     guard.close()
 
 
-@pytest.mark.parametrize("flip", [False, True])
-def test_a_guard_made_before_a_resume_records_what_load_state_dict_brings(flip: bool) -> None:
-    """The guard made first, then a checkpoint loaded into the model and the optimizer: the
-    loaded bytes are the record (no false alarm), and a flip after the load, before the
-    first update, is caught."""
+@pytest.mark.parametrize(("flip", "wrapped"), [(False, False), (True, False), (False, True)])
+def test_a_guard_made_before_a_resume_records_what_load_state_dict_brings(
+        flip: bool, wrapped: bool) -> None:
+    """The guard made first (around the model, or around a wrapper of it whose inner model
+    is loaded), then a checkpoint loaded into the model and the optimizer: the loaded bytes
+    are the record (no false alarm), and a flip after the load, before the first update,
+    is caught."""
     saved_model, saved_opt = make_model()
     for step in range(3):
         saved_opt.zero_grad()
@@ -366,7 +368,8 @@ def test_a_guard_made_before_a_resume_records_what_load_state_dict_brings(flip: 
         saved_opt.step()
     torch.manual_seed(1)
     model, opt = make_model()
-    guard = TrainingGuard(model, opt, policies={"weights_changed": "record"}, check_every=1)
+    guarded = torch.nn.DataParallel(model) if wrapped else model
+    guard = TrainingGuard(guarded, opt, policies={"weights_changed": "record"}, check_every=1)
     model.load_state_dict(saved_model.state_dict())
     opt.load_state_dict(saved_opt.state_dict())
     if flip:

@@ -85,13 +85,14 @@ def _at_defaults() -> tuple[int, tuple[str, ...]] | None:
 
     x, y = _data()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    head = torch.nn.Linear(64, 4)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), head)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     guard = TrainingGuard(model, opt)
     try:
         for step in range(STEPS):
             if step == 50:
-                faults.flip_bit(model[2].weight, 17, faults.mantissa_lsb(torch.float32))
+                faults.flip_bit(head.weight, 17, faults.mantissa_lsb(torch.float32))
             i = (step * 64) % 1024
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(x[i: i + 64]), y[i: i + 64])
@@ -99,7 +100,7 @@ def _at_defaults() -> tuple[int, tuple[str, ...]] | None:
             guard.check(loss)
             guard.step()
     except TrainingAnomalyError as exc:
-        return exc.step, tuple(exc.suspects)
+        return (exc.step if exc.step is not None else -1), tuple(exc.suspects)
     finally:
         guard.close()
     return None

@@ -84,6 +84,19 @@ def _scalar(loss: torch.Tensor) -> torch.Tensor:
     return loss.float().mean()
 
 
+def _unwrapped(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model and the modules it wraps (DDP's and DataParallel's ``module``,
+    ``torch.compile``'s ``_orig_mod``): a checkpoint is loaded into any of them."""
+    chain = [model]
+    parallel = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    while True:
+        inner = chain[-1].module if isinstance(chain[-1], parallel) else getattr(
+            chain[-1], "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module) or inner in chain:
+            return chain
+        chain.append(inner)
+
+
 def _rank() -> int:
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -140,7 +153,7 @@ class TrainingGuard:
         # load_state_dict later (a resume after the guard was made) records again.
         self._rest.refresh()
         self._load_hooks: tuple[Any, ...] = (
-            model.register_load_state_dict_post_hook(self._loaded),
+            *(m.register_load_state_dict_post_hook(self._loaded) for m in _unwrapped(model)),
             optimizer.register_load_state_dict_post_hook(self._loaded))
         if self.checkpoint_dir is not None:
             # The starting point, recorded and saved at the same instant: a checkpoint that
