@@ -9,6 +9,7 @@ give the model exactly the file's tensors and report what was left out.
 
 from __future__ import annotations
 
+import json
 import textwrap
 import warnings
 from pathlib import Path
@@ -226,3 +227,27 @@ def test_batch_names_a_state_its_factory_refuses_as_load_does(
     assert caught.value.unexpected == ["module.0.bias", "module.0.weight", "module.2.bias",
                                        "module.2.weight"]
 
+
+def test_no_strict_keys_are_in_the_json_of_golden_and_serve(
+        files: dict[str, Path], run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("fastapi")
+    monkeypatch.syspath_prepend(str(files["root"]))
+    weights = files["mlm"] / "model.safetensors"
+    write_manifest(files["mlm"])
+    golden = files["root"] / "mlm.golden.json"
+    fit = ("--weights", weights, "--no-strict", "--strip-prefix", "bert.")
+    common = ("--model", "tv_fit_models:bert", *fit, "--golden", golden)
+    assert run_cli("golden", "record", *common, "--inputs", files["root"] / "ids.pt").code == 0
+    checked = run_cli("golden", "check", "--json", *common)
+    assert checked.code == 0, checked.err
+    loaded = json.loads(checked.out)["weights"]
+    assert loaded["missing_keys"] and all(k.startswith("pooler.") for k in loaded["missing_keys"])
+    assert loaded["unexpected_keys"] and all(k.startswith("cls.")
+                                             for k in loaded["unexpected_keys"])
+    assert any("strict=False" in w for w in loaded["warnings"])
+    served = run_cli("serve", "--check", "--json", "--model", "tv_fit_models:bert", *fit,
+                     "--input-spec", "input_ids:int64:-1,8")
+    assert served.code == 0, served.err
+    warned = json.loads(served.out)["warnings"]
+    assert any("--no-strict" in w and "missing key(s)" in w and "pooler." in w for w in warned)
+    assert any("unexpected key(s)" in w and "cls." in w for w in warned)
