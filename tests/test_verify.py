@@ -307,3 +307,87 @@ def test_records_written_after_the_manifest_are_not_foreign_extras(
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert res.returncode == 1 and "extra.pt" in res.stdout, res.stdout
     assert f"torchverity manifest '{folder}'" in res.stderr, res.stderr
+
+
+def test_a_folder_verified_by_sidecars_names_the_files_none_covers(
+        recorded_bert: Path, tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    """A BERT folder whose weights alone have a sidecar: OK for the weights, and config.json,
+    the tokenizer files and .gitattributes are named as not checked, with the manifest that
+    would cover them."""
+    import shutil
+
+    folder = Path(shutil.copytree(recorded_bert, tmp_path / "bert"))
+    (folder / MANIFEST_NAME).unlink()
+    assert run_cli("hash", "--write", folder / "model.safetensors").code == 0
+    shown = run_cli("verify", folder)
+    assert shown.code == 0 and "OK (1 ok)" in shown.out, shown.err
+    assert "not checked, no record covers them:" in shown.out
+    assert "config.json" in shown.out and "tokenizer.json" in shown.out
+    assert f"record the folder from a trusted copy: torchverity manifest {folder}" in shown.err
+    doc = json.loads(run_cli("verify", "--json", folder).out)["results"][0]
+    assert doc["ok"] is True and [e["path"] for e in doc["entries"]] == ["model.safetensors"]
+    expected = {p.name for p in folder.iterdir()} - {"model.safetensors",
+                                                      "model.safetensors.sha256"}
+    assert set(doc["unrecorded"]) == expected and "tokenizer_config.json" in expected
+
+
+def test_a_file_its_folders_manifest_does_not_list_says_so(
+        recorded_bert: Path, tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    import shutil
+
+    folder = Path(shutil.copytree(recorded_bert, tmp_path / "bert"))
+    added = folder / "added_tokens.json"  # a file written after the manifest
+    added.write_text('{"[NEW]": 7}\n')
+    shown = run_cli("verify", added)
+    assert shown.code == 2
+    assert f"the manifest {folder / MANIFEST_NAME} does not list it" in shown.err
+    assert f"torchverity verify {folder};" in shown.err  # what the manifest does list, first
+    assert f"torchverity hash --write {added}" in shown.err
+    assert "added_tokens.json.xxh128" in shown.err
+
+
+def test_the_no_sidecar_error_and_hash_help_name_every_sidecar(
+        tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\x00" * 64)
+    shown = run_cli("verify", path)
+    assert shown.code == 2
+    assert "(weights.bin.sha256, weights.bin.blake3 or weights.bin.xxh128)" in shown.err
+    helped = subprocess.run([sys.executable, "-m", "torchverity", "hash", "--help"],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    words = " ".join(helped.stdout.split())
+    assert helped.returncode == 0 and "FILE.xxh128" in words and "FILE.blake3" in words
+
+
+def test_an_index_stands_for_its_sharded_checkpoint(tmp_path: Path,
+                                                     run_cli: Callable[..., Any]) -> None:
+    """A folder torchverity.save sharded (a sidecar per shard and for the index): verify of
+    the index checks every shard; a damaged shard fails it, a removed one is missing."""
+    import torch
+
+    import torchverity
+
+    torch.manual_seed(0)
+    state = {f"layer{i}.weight": torch.randn(64, 64) for i in range(4)}
+    folder = tmp_path / "export"
+    torchverity.save(state, folder, shard_bytes=16_384)
+    index = folder / "model.safetensors.index.json"
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    assert len(shards) == 4
+    result = verify_file(index)
+    assert result.ok and statuses(result) == {p.name: "ok" for p in (index, *shards)}
+    assert result.record == "5 sidecar(s)"
+    flip_bit(shards[1], shards[1].stat().st_size - 10, 2)
+    shards[3].unlink()
+    shown = run_cli("verify", index)
+    assert shown.code == 1, shown.err
+    assert "3 ok, 1 mismatched, 1 missing" in shown.out and shards[1].name in shown.out
+    got = {e["path"]: e["status"]
+           for e in json.loads(run_cli("verify", "--json", index).out)["results"][0]["entries"]}
+    assert got[shards[1].name] == "mismatched" and got[shards[3].name] == "missing"
+    (folder / f"{shards[2].name}.sha256").unlink()  # a shard nothing records any more
+    unrecorded = run_cli("verify", index)
+    assert unrecorded.code == 2 and "have no record to check them against" in unrecorded.err
+    assert shards[2].name in unrecorded.err
+    assert f"torchverity manifest {folder}" in unrecorded.err

@@ -54,10 +54,16 @@ class VerifyResult(EntryTally):
     # torchverity's sidecars and meta.json of listed files that the manifest does not list
     # (written after it): not foreign files, so they fail nothing.
     unlisted_records: tuple[str, ...] = ()
+    # Files no record covers (a folder checked by its sidecars): not checked, so they fail
+    # nothing, but the reader must not take the verdict to cover them.
+    unrecorded: tuple[str, ...] = ()
+    # Files no record covers that are a Git LFS pointer or an HTML page: broken downloads
+    # fail with no record to compare them with.
+    broken: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return all(e.status == "ok" for e in self.entries)
+        return all(e.status == "ok" for e in self.entries) and not self.broken
 
     @property
     def certified(self) -> bool | None:
@@ -78,6 +84,8 @@ class VerifyResult(EntryTally):
             "entries": self.entries_json(),
             **({"unlisted_records": list(self.unlisted_records)}
                if self.unlisted_records else {}),
+            **({"unrecorded": list(self.unrecorded)} if self.unrecorded else {}),
+            **({"broken_downloads": list(self.broken)} if self.broken else {}),
         }
 
 

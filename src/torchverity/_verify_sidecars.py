@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
-from torchverity._formats import broken_download
+from torchverity._formats import broken_download, download_kind
 from torchverity._verify_results import VerifyEntry, VerifyResult, _damaged_tensors
-from torchverity.digest import ALGORITHMS, digest_file, find_sidecar, read_sidecar
+from torchverity.digest import ALGORITHMS, digest_file, find_sidecar, read_sidecar, sidecar_path
 from torchverity.errors import FormatError, InputError, shell_path
 from torchverity.manifest import list_files
 from torchverity.provenance._torch_hub import refetch_hint, torch_hub_prefix
 
-_SIDECAR_SUFFIXES = tuple(f".{a}" for a in ALGORITHMS)
+SIDECAR_SUFFIXES = tuple(f".{a}" for a in ALGORITHMS)
+# The record and algorithm of a result for a file no record covers (a broken download).
+NO_RECORD = "no sidecar or manifest"
+NO_ALGO = "none"
 
 
 def excluded(rel: str, exclude: Sequence[str]) -> bool:
@@ -37,7 +41,7 @@ def own_records(root: Path, files: Sequence[str], listed: Collection[str]) -> li
 
     found = []
     for rel in files:
-        suffix = next((s for s in (*_SIDECAR_SUFFIXES, META_SUFFIX) if rel.endswith(s)), None)
+        suffix = next((s for s in (*SIDECAR_SUFFIXES, META_SUFFIX) if rel.endswith(s)), None)
         if suffix is None or rel[: -len(suffix)] not in listed:
             continue
         if _is_record(root / rel, rel[: -len(suffix)].rsplit("/", 1)[-1], suffix == META_SUFFIX):
@@ -58,15 +62,63 @@ def _is_record(path: Path, of_name: str, meta: bool) -> bool:
         return False
 
 
+def broken_unrecorded(path: Path) -> FormatError | None:
+    """The error naming a file as a broken download: a Git LFS pointer under any name (an
+    LFS-tracked file never fetched), an HTML page under a weights name (an .html or .md
+    file may well start like one). None for anything else."""
+    from torchverity.checkpoint._model_files import WEIGHTS_SUFFIXES
+
+    kind = download_kind(path)
+    if kind is None or (kind == "html" and not path.name.lower().endswith(WEIGHTS_SUFFIXES)):
+        return None
+    return broken_download(path)
+
+
+def no_record_error(path: Path) -> InputError:
+    """Nothing records the digest of ``path``: no sidecar, no manifest entry, no hub name.
+    When a manifest covers its folder but does not list it, that is said, with the check
+    of what the manifest does list before anything is recorded again."""
+    from torchverity.checkpoint._folders import covering_manifest, record_step
+
+    names = [sidecar_path(path, a).name for a in ALGORITHMS]
+    sidecars = f"{', '.join(names[:-1])} or {names[-1]}"
+    found = covering_manifest(path.parent) if path.parent.is_dir() else None
+    step = record_step(path)
+    if found is None:
+        return InputError(
+            f"{path}: no sidecar ({sidecars})", path=path,
+            hint=f"record one from a trusted copy: {step} (or list it in a manifest of its "
+                 f"folder: torchverity manifest {shell_path(path.parent)})"
+            if step.startswith("torchverity hash") else
+            f"record the sharded checkpoint's folder from a trusted copy: {step}",
+        )
+    # The manifest as the user's own path reaches it (covering_manifest resolves it).
+    manifest = found[0] if path.is_absolute() else Path(os.path.relpath(found[0]))
+    folder = shell_path(manifest.parent)
+    return InputError(
+        f"{path}: no sidecar ({sidecars}), and the manifest {manifest} does not list it "
+        "(the file was added after the manifest was written, or does not belong there)",
+        path=path,
+        hint=f"check the files the manifest lists: torchverity verify {folder}; if "
+             f"{path.name} belongs there, record it from a trusted copy: torchverity hash "
+             f"--write {shell_path(path)} (or record the folder again: torchverity manifest "
+             f"{folder})",
+    )
+
+
 def verify_sidecars(root: Path, exclude: Sequence[str] = (),
                     progress: Callable[[int], None] | None = None) -> VerifyResult:
-    """A folder with no manifest: every file that has a sidecar, against it."""
+    """A folder with no manifest: every file that has a sidecar, against it. The files no
+    sidecar covers are listed as unrecorded (a broken download among them fails)."""
     files, _links = list_files(root)
     present = set(files)
-    checked = [rel for rel in files if not excluded(rel, exclude)
-               and not (rel.endswith(_SIDECAR_SUFFIXES) and rel.rsplit(".", 1)[0] in present)
-               and find_sidecar(root / rel) is not None]
-    if not checked:
+    candidates = [rel for rel in files if not excluded(rel, exclude)
+                  and not (rel.endswith(SIDECAR_SUFFIXES) and rel.rsplit(".", 1)[0] in present)]
+    checked = [rel for rel in candidates if find_sidecar(root / rel) is not None]
+    records = set(own_records(root, candidates, checked))  # the meta.json of checked files
+    rest = [rel for rel in candidates if rel not in checked and rel not in records]
+    broken = [rel for rel in rest if broken_unrecorded(root / rel) is not None]
+    if not checked and not broken:
         raise InputError(
             f"{root}: no manifest and no per-file sidecars (FILE.sha256, .blake3, .xxh128) "
             "in this folder", path=root,
@@ -74,8 +126,11 @@ def verify_sidecars(root: Path, exclude: Sequence[str] = (),
         )
     entries = [check_sidecar(root / rel, rel, progress) for rel in checked]
     algos = sorted({read_sidecar(find_sidecar(root / rel) or root)[0] for rel in checked})
-    return VerifyResult(os.fspath(root), "directory", "+".join(algos), tuple(entries),
-                        f"{len(entries)} per-file sidecar(s)")
+    return VerifyResult(os.fspath(root), "directory", "+".join(algos) or NO_ALGO,
+                        tuple(entries),
+                        f"{len(entries)} per-file sidecar(s)" if entries else NO_RECORD,
+                        unrecorded=tuple(rel for rel in rest if rel not in broken),
+                        broken=tuple(broken))
 
 
 def check_sidecar(path: Path, rel: str, progress: Callable[[int], None] | None,
@@ -111,14 +166,26 @@ def verify_by_manifest(path: Path, progress: Callable[[int], None] | None,
 
 
 def advice(result: VerifyResult) -> list[str]:
-    """One next step per kind of problem: an extra file is not damage."""
-    counts = result.counts
+    """One next step per kind of problem: an extra file is not damage, and a broken download
+    is fetched again, never restored from a record nor recorded."""
     target = shell_path(result.target)
+    # A manifest records a folder: for an index, the folder of its shards.
+    folder = shell_path(Path(result.target).parent) if result.kind == "file" \
+        and len(result.entries) > 1 else target
     steps = []
-    for entry in result.problems:
-        broken = broken_download(_entry_path(result, entry.path))
+    broken_paths = set(result.broken)
+    for rel in (*(e.path for e in result.problems), *result.broken):
+        path = _entry_path(result, rel)
+        broken = broken_download(path)
         if broken is not None:
-            steps.append(f"{broken.message}; next: {broken.hint}")
+            broken_paths.add(rel)
+            # Each step is printed after the target: the file verified says it once.
+            what = broken.message.removeprefix(f"{path}: ")
+            named = "" if os.fspath(path) == result.target else f"{rel}: "
+            steps.append(f"{named}{what}; next: {broken.hint}")
+    counts = Counter(e.status for e in result.problems if e.path not in broken_paths)
+    # Recording the folder now would vouch for the broken downloads in it.
+    fetched = "once the broken downloads are fetched again, " if broken_paths else ""
     if counts["mismatched"] and torch_hub_prefix(Path(result.target)) is not None:
         steps.append(f"mismatched: the download was damaged after torch.hub checked it; "
                      f"{refetch_hint(target)}")
@@ -127,15 +194,20 @@ def advice(result: VerifyResult) -> list[str]:
                      "files from a good copy, then rerun torchverity verify")
     if counts["missing"]:
         steps.append("missing: copy those files from the source (or the record is stale: "
-                     "rebuild it from a trusted copy with torchverity manifest "
-                     f"{target})")
+                     f"{fetched}rebuild it from a trusted copy with torchverity manifest "
+                     f"{folder})")
     if counts["extra"]:
-        steps.append("extra: files the record does not list; if they belong, record them "
-                     f"(torchverity manifest {target}), else remove them or skip them with "
-                     "--exclude GLOB")
+        steps.append("extra: files the record does not list; if they belong, "
+                     f"{fetched}record them (torchverity manifest {target}), else remove them "
+                     "or skip them with --exclude GLOB")
+    if result.unrecorded:
+        steps.append(f"unrecorded: no sidecar covers {len(result.unrecorded)} file(s), so "
+                     "nothing vouches for them (checked: only the files with a sidecar); to "
+                     f"cover every file, {fetched}record the folder from a trusted copy: "
+                     f"torchverity manifest {target}")
     return steps
 
 
 def _entry_path(result: VerifyResult, rel: str) -> Path:
     target = Path(result.target)
-    return target / rel if result.kind == "directory" else target
+    return target / rel if result.kind == "directory" else target.parent / rel

@@ -22,12 +22,17 @@ from torchverity._verify_results import (
     _damaged_tensors,
 )
 from torchverity._verify_sidecars import (
+    NO_ALGO,
+    NO_RECORD,
+    SIDECAR_SUFFIXES,
+    broken_unrecorded,
     excluded,
+    no_record_error,
     own_records,
     verify_by_manifest,
     verify_sidecars,
 )
-from torchverity.digest import digest_file, digest_files, find_sidecar, sidecar_path
+from torchverity.digest import digest_file, digest_files, find_sidecar
 from torchverity.errors import InputError, shell_path
 from torchverity.manifest import (
     MANIFEST_FILES,
@@ -40,20 +45,42 @@ from torchverity.manifest import (
 __all__ = ["STATUSES", "Status", "VerifyEntry", "VerifyResult", "verify_directory",
            "verify_file", "verify_path"]
 
+# Hugging Face's sharded checkpoints name their index model.safetensors.index.json,
+# pytorch_model.bin.index.json, diffusion_pytorch_model.safetensors.index.json...
+INDEX_SUFFIX = ".index.json"
+
 
 def verify_file(
     path: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None
 ) -> VerifyResult:
-    """Check a file against its sidecar (``FILE.sha256`` or ``FILE.blake3``); a link to
-    a checkpoint of its folder (Lightning's ``last.ckpt``), against that checkpoint's.
+    """Check a file against its sidecar (``FILE.sha256``, ``.blake3`` or ``.xxh128``); a
+    link to a checkpoint of its folder (Lightning's ``last.ckpt``), against that
+    checkpoint's. An index of a sharded checkpoint (``*.index.json``) stands for the
+    checkpoint: the shards it names are checked too, each against its own record.
 
     The sidecar is chosen as ``torchverity.load`` chooses it: the one of the
     algorithm meta.json records, or the pending one of a save killed right
-    after renaming the file, when the file matches it.
+    after renaming the file, when the file matches it. A file no record covers
+    that is a Git LFS pointer or an HTML page saved under a weights name fails as
+    the broken download it is (``result.broken``).
     """
-    from torchverity.checkpoint._records import linked_checkpoint, resolve_records
+    from torchverity.checkpoint._records import linked_checkpoint
 
     p = linked_checkpoint(Path(path))
+    result = _verify_recorded(p, progress)
+    if result is None:
+        raise no_record_error(p)
+    # A damaged index cannot be trusted to name the shards: its own entry says what to do.
+    if not p.name.endswith(INDEX_SUFFIX) or not result.ok:
+        return result
+    return _with_shards(result, p, progress)
+
+
+def _verify_recorded(p: Path, progress: Callable[[int], None] | None) -> VerifyResult | None:
+    """``p`` against its record; None when nothing records its digest (and it is no broken
+    download)."""
+    from torchverity.checkpoint._records import resolve_records
+
     records = resolve_records(p)
     sidecar, algo, expected = records.sidecar, records.algo, records.hexdigest
     listed = verify_by_manifest(p, progress) if sidecar is None else None
@@ -63,13 +90,9 @@ def verify_file(
     if named is not None:
         return named
     if sidecar is None or algo is None or expected is None:
-        raise InputError(
-            f"{p}: no sidecar ({sidecar_path(p).name} or {sidecar_path(p, 'blake3').name})",
-            path=p,
-            hint=f"record one from a trusted copy: torchverity hash --write {shell_path(p)} (or "
-                 "list it in a manifest of its folder: torchverity manifest "
-                 f"{shell_path(p.parent)})",
-        )
+        if p.is_file() and broken_unrecorded(p) is not None:
+            return VerifyResult(os.fspath(p), "file", NO_ALGO, (), NO_RECORD, broken=(p.name,))
+        return None
     if not p.exists():
         entry = VerifyEntry(p.name, "missing", expected=expected)
     else:
@@ -79,6 +102,57 @@ def verify_file(
                             tensors=_damaged_tensors(p) if status == "mismatched" else ())
     return VerifyResult(os.fspath(p), "file", algo, (entry,), os.fspath(sidecar),
                         certification_of([p]))
+
+
+def _with_shards(index_result: VerifyResult, index: Path,
+                 progress: Callable[[int], None] | None) -> VerifyResult:
+    """The index's result with every shard it names, each against its own record (its
+    sidecar or the manifest of the folder); a shard that is gone is missing."""
+    from torchverity.checkpoint._index import read_index
+
+    shards = [index.parent / name for name in dict.fromkeys(read_index(index).values())]
+    results = [index_result]
+    entries = list(index_result.entries)
+    unrecorded = []
+    for shard in shards:
+        result = _verify_recorded(shard, progress)
+        if result is None and shard.exists():
+            unrecorded.append(shard)
+        elif result is None:
+            entries.append(VerifyEntry(shard.name, "missing"))
+        else:
+            results.append(result)
+            entries += result.entries
+    if unrecorded:
+        raise _unrecorded_shards(index, unrecorded)
+    return VerifyResult(
+        os.fspath(index), "file",
+        "+".join(sorted({r.algo for r in results if r.algo != NO_ALGO})) or NO_ALGO,
+        tuple(entries), _records_named(results),
+        certification_of([index, *(s for s in shards if s.is_file())]),
+        broken=tuple(b for r in results for b in r.broken))
+
+
+def _records_named(results: list[VerifyResult]) -> str:
+    """What vouched for an index and its shards: the manifest by name, sidecars counted
+    (a torchverity save gives each shard its own)."""
+    records = [r.record for r in results if r.record != NO_RECORD]
+    sidecars = {r for r in records if r.endswith(SIDECAR_SUFFIXES)
+                or r.endswith(tuple(f"{s}.pending" for s in SIDECAR_SUFFIXES))}
+    named = [r for r in dict.fromkeys(records) if r not in sidecars]
+    if sidecars:
+        named.append(f"{len(sidecars)} sidecar(s)")
+    return ", ".join(named) or NO_RECORD
+
+
+def _unrecorded_shards(index: Path, shards: list[Path]) -> InputError:
+    names = ", ".join(s.name for s in shards)
+    folder = shell_path(index.parent)
+    return InputError(
+        f"{index}: {len(shards)} shard(s) it names have no record to check them against (no "
+        f"sidecar, not in a manifest of the folder): {names}", path=index,
+        hint=f"record the whole checkpoint from a trusted copy: torchverity manifest {folder}",
+    )
 
 
 def _by_torch_hub_name(p: Path, progress: Callable[[int], None] | None

@@ -6,6 +6,7 @@ real checkpoints beside them are not called either.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,37 @@ def test_verify_names_them_and_clean_files_pass(broken: dict[str, Path], run_cli
 def test_plot_labels_of_one_step_are_joined() -> None:
     marks = [(5, "loss_spike"), (5, "grad_norm"), (5, "loss_spike"), (9, "nonfinite")]
     assert _labels_by_step(marks) == [(5, "loss_spike, grad_norm"), (9, "nonfinite")]
+
+
+@pytest.mark.parametrize("kind,words,step", [("lfs", "Git LFS pointer", "git lfs pull"),
+                                             ("html", "an HTML page", "download the file")])
+def test_verify_fails_a_broken_download_no_record_covers(broken: dict[str, Path], run_cli,
+                                                         kind: str, words: str,
+                                                         step: str) -> None:
+    """Not 'no sidecar: record one from a trusted copy' (that would vouch for the pointer or
+    the page): the broken download, with the step that fetches the real file, exit 1."""
+    path = broken[kind]
+    result = run_cli("verify", path)
+    assert result.code == 1, result.err
+    assert words in result.err and step in result.err
+    assert "hash --write" not in result.err and "torchverity manifest" not in result.err
+    doc = json.loads(run_cli("verify", "--json", path).out)
+    assert doc["ok"] is False and doc["results"][0]["broken_downloads"] == [path.name]
+
+
+def test_verify_of_a_folder_without_records_names_its_broken_downloads(
+        broken: dict[str, Path], run_cli) -> None:
+    root = broken["root"]
+    # A model card may start like an HTML page: under a name that holds no weights, it is no
+    # broken download.
+    (root / "README.md").write_text("<!-- model card -->\n# tiny\n")
+    for good in root.glob("good.pt*"):
+        good.unlink()
+    result = run_cli("verify", root)
+    assert result.code == 1, result.err
+    assert "Git LFS pointer" in result.err and "git lfs pull" in result.err
+    assert "an HTML page" in result.err and "README.md" not in result.err
+    assert "once the broken downloads are fetched again, record the folder" in result.err
+    doc = json.loads(run_cli("verify", "--json", root).out)["results"][0]
+    assert doc["broken_downloads"] == ["model.safetensors", "pytorch_model.bin"]
+    assert doc["unrecorded"] == ["README.md"] and doc["ok"] is False

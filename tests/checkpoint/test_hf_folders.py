@@ -193,3 +193,36 @@ def test_ambiguous_folder_hint_fits_every_command(hf: dict[str, object], tmp_pat
         named = [Path(w) for w in shlex.split(hint.split("e.g.", 1)[1]) if w != "or"]
         assert named and all(p.is_file() for p in named), hint
         assert run_cli(command, named[0]).code == 0
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "bin"])
+def test_verify_of_the_index_checks_the_shards_against_the_manifest(
+        hf: dict[str, object], tmp_path: Path, run_cli, layout: str) -> None:
+    """The index given directly stands for the checkpoint: a shard that no longer matches the
+    folder's manifest fails it, and a removed shard is named as missing."""
+    import json
+
+    from torch_zip_artifacts import save_bin_shards
+    from torchverity.inject import flip_bit
+
+    if layout == "safetensors":
+        folder = _copy(hf["sharded"], tmp_path)
+        index, pattern = folder / "model.safetensors.index.json", "model-*-of-*.safetensors"
+    else:
+        folder = tmp_path / "bin-shards"
+        save_bin_shards(hf["model"], folder)
+        index, pattern = folder / "pytorch_model.bin.index.json", "pytorch_model-*-of-*.bin"
+    write_manifest(folder)
+    shards = sorted(folder.glob(pattern))
+    assert len(shards) > 2
+    clean = run_cli("verify", index)
+    assert clean.code == 0 and f"OK ({len(shards) + 1} ok)" in clean.out, clean.err
+    flip_bit(shards[0], shards[0].stat().st_size - 100, 5)
+    shards[-1].unlink()
+    bad = run_cli("verify", index)
+    assert bad.code == 1 and shards[0].name in bad.out and shards[-1].name in bad.out
+    assert "restore those files from a good copy" in bad.err
+    got = {e["path"]: e["status"]
+           for e in json.loads(run_cli("verify", "--json", index).out)["results"][0]["entries"]}
+    assert got == {index.name: "ok", shards[0].name: "mismatched", shards[-1].name: "missing",
+                   **{s.name: "ok" for s in shards[1:-1]}}

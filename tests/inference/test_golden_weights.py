@@ -63,3 +63,44 @@ def test_cli_compares_weights_by_default_and_on_request(setup: dict[str, Path],
     assert bad.code == 1 and "0.weight" in bad.out
     assert run_cli(*base, "--weights", setup["bad"], "--check-weights").code == 1
     assert run_cli(*base, "--weights", setup["bad"], "--no-check-weights").code == 0
+
+
+def test_cli_says_the_weights_failed_when_every_output_matched(setup: dict[str, Path],
+                                                              run_cli) -> None:
+    bad = run_cli("golden", "check", "--model", "tv_golden_models:net", "--golden",
+                  setup["golden"], "--weights", setup["bad"])
+    assert bad.code == 1
+    assert ("the outputs match the record, but the weights are not the recorded ones "
+            "(1 tensor(s) differ: 0.weight)") in bad.err
+    assert "no longer reproduces" not in bad.err
+    assert f"torchverity inspect {setup['bad']}" in bad.err
+    assert "CKPT" not in bad.err and "OLD NEW" not in bad.out + bad.err
+
+
+def test_serve_refusal_says_what_failed_with_the_real_command(setup: dict[str, Path],
+                                                             run_cli) -> None:
+    pytest.importorskip("fastapi")
+    from tv_golden_models import net  # type: ignore[import-not-found]
+
+    def serve(weights: Path) -> tuple[int, str]:
+        done = run_cli("serve", "--check", "--model", "tv_golden_models:net", "--weights",
+                       weights, "--golden", setup["golden"], "--input-spec", "x:float32:-1,4")
+        return done.code, done.err
+
+    code, err = serve(setup["bad"])
+    assert code == 1
+    assert ("the outputs match the record, but the weights are not the recorded ones "
+            "(1 tensor(s) differ: 0.weight), so the model is not served") in err
+    assert "does not compute what was recorded" not in err
+    model = net()
+    with torch.no_grad():
+        model[2].bias[0] += 1.0  # moves every output
+    moved = setup["root"] / "moved.pt"
+    torchverity.save(model.state_dict(), moved)
+    code, err = serve(moved)
+    assert code == 1 and "no longer reproduces its golden outputs" in err
+    assert "weights are not the recorded ones (1 tensor(s) differ: 2.bias)" in err
+    assert (f"torchverity golden check --model tv_golden_models:net --weights {moved} "
+            f"--golden {setup['golden']}") in err
+    assert f"torchverity verify {moved}" in err
+    assert "MODULE:CALLABLE" not in err and "CKPT" not in err

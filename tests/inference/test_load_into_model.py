@@ -9,6 +9,7 @@ give the model exactly the file's tensors and report what was left out.
 
 from __future__ import annotations
 
+import json
 import textwrap
 import warnings
 from pathlib import Path
@@ -149,3 +150,104 @@ def test_batch_weights_with_a_prefix(files: dict[str, Path], run_cli, tmp_path: 
     assert run_cli(*args, tmp_path / "bad").code != 0  # module. keys do not fit build()
     done = run_cli(*args, tmp_path / "ok", "--strip-prefix", "module.")
     assert done.code == 0, done.err
+
+
+@pytest.mark.parametrize("wrappers,prefix", [("dp-compile", "module._orig_mod."),
+                                             ("compile-dp", "_orig_mod.module.")])
+def test_stacked_wrapper_prefixes_are_named_and_stripped(tmp_path: Path, wrappers: str,
+                                                         prefix: str) -> None:
+    """DataParallel (module., as DDP) around torch.compile (_orig_mod.), and the other way
+    round: the error names the stack as the one option to pass, and the stack strips."""
+    inner = net()
+    wrapped = (torch.nn.DataParallel(torch.compile(inner)) if wrappers == "dp-compile"
+               else torch.compile(torch.nn.DataParallel(inner)))
+    path = tmp_path / "wrapped.pt"
+    torchverity.save(wrapped.state_dict(), path)
+    with pytest.raises(StateDictMismatchError) as caught:
+        torchverity.load(path, model=net())
+    hint = caught.value.hint or ""
+    assert f"every unexpected key is '{prefix}' + a missing key" in hint
+    assert f"strip_prefix='{prefix}'" in hint and f"--strip-prefix {prefix})" in hint
+    for strip in (prefix, ["module.", "_orig_mod."]):
+        model = net()
+        _obj, report = torchverity.load(path, model=model, strip_prefix=strip,
+                                        with_report=True)
+        assert report.missing_keys == report.unexpected_keys == ()
+        assert torch.equal(model.state_dict()["2.weight"], inner.state_dict()["2.weight"])
+
+
+def test_a_prefix_is_stripped_once_leaving_the_models_own(tmp_path: Path) -> None:
+    """A LightningModule holding a LlamaForCausalLM as self.model saves 'model.model.layers...'
+    and 'model.lm_head.weight': stripping 'model.' once fits the Llama model, whose own keys
+    start with 'model.' too."""
+    import lightning
+
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=16)
+
+    class LitLM(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = transformers.LlamaForCausalLM(config)
+
+    lit = LitLM()
+    path = tmp_path / "lit.pt"
+    torchverity.save(lit.state_dict(), path)
+    llama = transformers.LlamaForCausalLM(config)
+    with pytest.raises(StateDictMismatchError) as caught:
+        torchverity.load(path, model=llama)
+    assert "--strip-prefix model.)" in (caught.value.hint or "")
+    _obj, report = torchverity.load(path, model=llama, strip_prefix="model.", with_report=True)
+    assert report.missing_keys == report.unexpected_keys == ()
+    assert torchverity.fingerprint(llama.state_dict()).root == \
+        torchverity.fingerprint(lit.model.state_dict()).root
+
+
+def test_batch_names_a_state_its_factory_refuses_as_load_does(
+        files: dict[str, Path], run_cli, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """build(state) calls load_state_dict itself: its RuntimeError becomes the mismatch error
+    load gives, with the prefix to strip, not an internal error."""
+    from torchverity.batch import run_model_batch
+
+    monkeypatch.syspath_prepend(str(files["root"]))
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "a.txt").write_text("a")
+    bad = run_cli("batch", "run", "--inputs", inputs, "--model", "tv_fit_models:build",
+                  "--weights", files["ddp"], "--out", tmp_path / "bad")
+    assert bad.code == 1, bad.err
+    assert "internal error" not in bad.err and "RuntimeError" not in bad.err
+    assert f"{files['ddp']}: checkpoint does not fit Sequential" in bad.err
+    assert "--strip-prefix module.)" in bad.err
+    with pytest.raises(StateDictMismatchError) as caught:
+        run_model_batch(inputs, "tv_fit_models:build", tmp_path / "api", weights=files["ddp"])
+    assert caught.value.unexpected == ["module.0.bias", "module.0.weight", "module.2.bias",
+                                       "module.2.weight"]
+
+
+def test_no_strict_keys_are_in_the_json_of_golden_and_serve(
+        files: dict[str, Path], run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("fastapi")
+    monkeypatch.syspath_prepend(str(files["root"]))
+    weights = files["mlm"] / "model.safetensors"
+    write_manifest(files["mlm"])
+    golden = files["root"] / "mlm.golden.json"
+    fit = ("--weights", weights, "--no-strict", "--strip-prefix", "bert.")
+    common = ("--model", "tv_fit_models:bert", *fit, "--golden", golden)
+    assert run_cli("golden", "record", *common, "--inputs", files["root"] / "ids.pt").code == 0
+    checked = run_cli("golden", "check", "--json", *common)
+    assert checked.code == 0, checked.err
+    loaded = json.loads(checked.out)["weights"]
+    assert loaded["missing_keys"] and all(k.startswith("pooler.") for k in loaded["missing_keys"])
+    assert loaded["unexpected_keys"] and all(k.startswith("cls.")
+                                             for k in loaded["unexpected_keys"])
+    assert any("strict=False" in w for w in loaded["warnings"])
+    served = run_cli("serve", "--check", "--json", "--model", "tv_fit_models:bert", *fit,
+                     "--input-spec", "input_ids:int64:-1,8")
+    assert served.code == 0, served.err
+    warned = json.loads(served.out)["warnings"]
+    assert any("--no-strict" in w and "missing key(s)" in w and "pooler." in w for w in warned)
+    assert any("unexpected key(s)" in w and "cls." in w for w in warned)

@@ -87,6 +87,23 @@ def test_flipped_bit_in_a_shard_blob_is_caught_and_located(hf_home: Path, run_cl
     assert res.code == 1 and SHARD in res.out and "damaged" in res.out
 
 
+def test_the_index_in_a_snapshot_stands_for_its_shards(hf_home: Path, run_cli) -> None:
+    """verify of model.safetensors.index.json checks every shard it names against its blob's
+    name: a damaged shard fails it, a shard the download lacks is missing."""
+    snapshot = _repo(hf_home) / "snapshots" / COMMIT
+    index = snapshot / "model.safetensors.index.json"
+    clean = run_cli("verify", index)
+    assert clean.code == 0 and "OK (4 ok)" in clean.out, clean.out + clean.err
+    flip_bit(_blob_of(hf_home, SHARD), 20_000, 2, keep_mtime=True)
+    (snapshot / "model-00003-of-00003.safetensors").unlink()
+    res = run_cli("verify", "--json", index)
+    assert res.code == 1
+    got = {e["path"]: e["status"] for e in json.loads(res.out)["results"][0]["entries"]}
+    assert got == {"model.safetensors.index.json": "ok", SHARD: "damaged",
+                   "model-00002-of-00003.safetensors": "ok",
+                   "model-00003-of-00003.safetensors": "missing"}
+
+
 def test_truncated_and_small_file_blobs_are_caught(hf_home: Path) -> None:
     shard = _blob_of(hf_home, "model-00002-of-00003.safetensors")
     with open(shard, "r+b") as fh:

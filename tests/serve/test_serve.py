@@ -530,7 +530,7 @@ def test_unverifiable_or_failing_weights_refuse_in_process(workspace: Path,
     other = build()
     with torch.no_grad():
         other.fc2.bias[1] += 1e-3  # a small change the golden record must notice
-    with pytest.raises(IntegrityError, match="golden check failed"):
+    with pytest.raises(IntegrityError, match="weights are not the recorded ones"):
         create_app(other, golden=workspace / "golden.json")
 
 

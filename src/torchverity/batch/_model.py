@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from torchverity.batch._item import ItemFn
@@ -101,7 +102,18 @@ class ModelSpec:
 
         build = import_callable(self.spec)
         state, ident = self._weights()
-        fn = build() if self.weights is None else build(state)
+        if self.weights is None:
+            fn = build()
+        else:
+            try:
+                fn = build(state)
+            except RuntimeError as exc:  # load_state_dict's own refusal, named as load names it
+                from torchverity.checkpoint._model_fit import build_mismatch
+
+                mismatch = build_mismatch(exc, state, Path(self.weights))
+                if mismatch is None:
+                    raise
+                raise mismatch from None
         if not callable(fn):
             from torchverity.errors import UsageError
 

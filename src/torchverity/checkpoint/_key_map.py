@@ -5,6 +5,7 @@ keys, non-persistent buffers a file still carries, and ``strict=False`` reported
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,8 +24,10 @@ KNOWN_PREFIXES = ("module.", "_orig_mod.", "model.")
 class KeyFit:
     """How the checkpoint's keys are matched to the model's.
 
-    ``strip_prefixes`` are removed from the front of every key that has them
-    (repeatedly, in order: ``module._orig_mod.`` needs both); ``key_map`` maps
+    ``strip_prefixes`` are removed from the front of every key that has them, each
+    once, in the order the key has them (``module.`` and ``_orig_mod.`` strip
+    ``module._orig_mod.`` and ``_orig_mod.module.``; so does the stack
+    ``module._orig_mod.`` given as one prefix); ``key_map`` maps
     an old key prefix to a new one (an exact key is its own prefix), applied
     after stripping. ``strict=False`` loads what fits and reports the rest.
     """
@@ -72,12 +75,13 @@ def rename_keys(state: Mapping[str, Any], fit: KeyFit) -> tuple[dict[str, Any], 
 
 
 def _renamed(key: str, fit: KeyFit) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in fit.strip_prefixes:
-            if key.startswith(prefix):
-                key, changed = key[len(prefix):], True
+    # Each prefix comes off once, in whatever order the wrappers stacked them: stripping
+    # 'model.' again would eat the model's own 'model.' (a Lightning module around a
+    # LlamaForCausalLM saves 'model.model.layers...').
+    left = list(fit.strip_prefixes)
+    while (prefix := next((p for p in left if key.startswith(p)), None)) is not None:
+        key = key[len(prefix):]
+        left.remove(prefix)
     for old, new in fit.key_map:
         if key.startswith(old):
             return new + key[len(old):]
@@ -94,16 +98,45 @@ def non_persistent_buffers(model: torch.nn.Module) -> set[str]:
 
 
 def prefix_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str | None:
-    """Say so when every unexpected key is a known prefix plus a missing key."""
+    """Say so when every unexpected key is a known prefix, a stack of them (DDP around
+    torch.compile saves ``module._orig_mod.``) or a first part they all share, plus a
+    missing key."""
     missing_set, extra = set(missing), list(unexpected)
     if not extra or not missing_set:
         return None
-    for prefix in KNOWN_PREFIXES + _common_prefix(extra):
+    for prefix in _shared_stacks(extra) + _common_prefix(extra):
         if all(k.startswith(prefix) and k[len(prefix):] in missing_set for k in extra):
             return (f"every unexpected key is '{prefix}' + a missing key: the checkpoint was "
-                    f"saved with a '{prefix}' prefix; strip it: strip_prefix='{prefix}' "
-                    f"(CLI: --strip-prefix {prefix})")
+                    f"saved with a '{prefix}' prefix{_wrappers(prefix)}; strip it: "
+                    f"strip_prefix='{prefix}' (CLI: --strip-prefix {shlex.quote(prefix)})")
     return None
+
+
+# Who puts each known prefix in front of the keys, for the diagnosis of a stack of them.
+_WRAPPERS = {"module.": "DDP/DataParallel", "_orig_mod.": "torch.compile",
+             "model.": "a Lightning or Hugging Face wrapper"}
+
+
+def _shared_stacks(keys: list[str]) -> tuple[str, ...]:
+    """The known prefixes every key starts with, one on top of the other, each stack
+    depth a candidate: ``module.``, then ``module._orig_mod.``."""
+    stacks: list[str] = []
+    stack = ""
+    while len(stacks) < 4:  # deeper wrapping than DDP + compile + Lightning is not seen
+        shared = next((p for p in KNOWN_PREFIXES if all(k.startswith(stack + p) for k in keys)),
+                      None)
+        if shared is None:
+            break
+        stack += shared
+        stacks.append(stack)
+    return tuple(stacks)
+
+
+def _wrappers(prefix: str) -> str:
+    parts = [p + "." for p in prefix.split(".")[:-1]]
+    if len(parts) < 2 or any(p not in _WRAPPERS for p in parts):
+        return ""
+    return " (" + ", ".join(f"{p} from {_WRAPPERS[p]}" for p in parts) + ")"
 
 
 def partial_prefix_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str | None:
@@ -120,8 +153,8 @@ def partial_prefix_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) 
         return None
     prefix, hits = best
     return (f"{hits} of the {len(extra)} unexpected keys are '{prefix}' + a missing key: strip "
-            f"it (strip_prefix='{prefix}', CLI: --strip-prefix {prefix}) and load with "
-            "strict=False (CLI: --no-strict), which reports the keys left over")
+            f"it (strip_prefix='{prefix}', CLI: --strip-prefix {shlex.quote(prefix)}) and load "
+            "with strict=False (CLI: --no-strict), which reports the keys left over")
 
 
 def adapter_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str | None:

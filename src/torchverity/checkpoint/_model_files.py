@@ -48,8 +48,8 @@ from torchverity.provenance._hub_paths import local_dir_of, snapshot_of
 
 # Weights of any format: the load checks those it reads, and the others are large and are
 # not read by this model's build.
-_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx",
-            ".onnx_data", ".ot", ".gguf", ".tflite")
+WEIGHTS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack",
+                    ".onnx", ".onnx_data", ".ot", ".gguf", ".tflite")
 _RECORDS = (*(f".{a}" for a in ALGORITHMS), ".meta.json", ".pending", ".sig", ".intoto.json",
             ".index.json")
 _DOCS = (".md", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp")
@@ -105,7 +105,7 @@ def _unnamed(against: Against) -> str:
 def read_by_build(name: str) -> bool:
     """Whether a model build may read a file of this name beside its weights."""
     lower = name.lower()
-    return not (lower.startswith(".") or lower.endswith(_WEIGHTS + _RECORDS + _DOCS)
+    return not (lower.startswith(".") or lower.endswith(WEIGHTS_SUFFIXES + _RECORDS + _DOCS)
                 or lower.startswith(_DOC_NAMES))
 
 

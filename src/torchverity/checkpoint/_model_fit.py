@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -86,9 +87,40 @@ def _mismatched(want: Mapping[str, Any], state: Mapping[str, Any]) -> list[dict[
     return mismatched
 
 
+def build_mismatch(exc: BaseException, state: Mapping[str, Any],
+                   path: Path) -> StateDictMismatchError | None:
+    """The mismatch error :func:`check_against_model` gives, for ``state`` (the weights of
+    ``path``) that a model factory's own ``load_state_dict`` refused with ``exc``; None
+    when ``exc`` did not come from ``load_state_dict`` or no key, shape or strictness
+    explains it.
+
+    A batch factory builds its model and loads the state itself, so the model exists
+    only in the frame of the ``load_state_dict`` call that raised: it is read from there.
+    The keys are judged by that call's rules (its ``strict``; dtypes are cast)."""
+    frame = next((f for f, _line in traceback.walk_tb(exc.__traceback__)
+                  if f.f_code is torch.nn.Module.load_state_dict.__code__), None)
+    model = frame.f_locals.get("self") if frame is not None else None
+    if frame is None or not isinstance(model, torch.nn.Module):
+        return None
+    strict = bool(frame.f_locals.get("strict", True))
+    want = model.state_dict()
+    missing = sorted(set(want) - set(state)) if strict else []
+    unexpected = sorted(set(state) - set(want)) if strict else []
+    mismatched = [m for m in _mismatched(want, state)  # a dtype alone: load_state_dict casts
+                  if not isinstance(got := state[m["name"]], torch.Tensor)
+                  or got.shape != want[m["name"]].shape]
+    if not (missing or unexpected or mismatched):
+        return None
+    nothing_fits = bool(state) and not state.keys() & want.keys()
+    return _mismatch_error(path, model, missing, unexpected, mismatched, nothing_fits,
+                           lenient=False)
+
+
 def _mismatch_error(path: Path, model: torch.nn.Module, missing: list[str],
                     unexpected: list[str], mismatched: list[dict[str, str]],
-                    nothing_fits: bool = False) -> StateDictMismatchError:
+                    nothing_fits: bool = False, *, lenient: bool = True,
+                    ) -> StateDictMismatchError:
+    """``lenient``: the load can be told strict=False (a factory's own load cannot)."""
     parts = []
     if missing:
         parts.append(f"{len(missing)} missing: {', '.join(missing[:10])}")
@@ -101,12 +133,13 @@ def _mismatch_error(path: Path, model: torch.nn.Module, missing: list[str],
     diagnosis = None if mismatched else (prefix_diagnosis(missing, unexpected)
                                          or adapter_diagnosis(missing, unexpected)
                                          or base_adapter_diagnosis(unexpected)
-                                         or partial_prefix_diagnosis(missing, unexpected))
+                                         or (partial_prefix_diagnosis(missing, unexpected)
+                                             if lenient else None))
     hint = diagnosis or (
         f"check the model config matches the one that saved it; "
         f"torchverity inspect {shell_path(path)} lists the checkpoint's tensors"
         + ("; strict=False (CLI: --no-strict) loads what fits and reports the rest"
-           if not (mismatched or nothing_fits) else ""))
+           if lenient and not (mismatched or nothing_fits) else ""))
     return StateDictMismatchError(
         f"{path}: checkpoint does not fit {type(model).__name__}: " + "; ".join(parts),
         path=path, missing=missing, unexpected=unexpected, mismatched=mismatched, hint=hint,

@@ -12,6 +12,7 @@ from torchverity.cli._output import Output
 from torchverity.errors import UsageError
 
 if TYPE_CHECKING:
+    from torchverity.checkpoint._results import LoadReport
     from torchverity.golden import GoldenRecord, GoldenResult
     from torchverity.golden._compare import CompareMode
 
@@ -74,10 +75,12 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
 
 
 def build_model(spec: str, weights: Path | None, device: str, out: Output,
-                fit: dict[str, Any] | None = None) -> Any:
+                fit: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any] | None]:
     """Build the model from ``module:callable``, load verified weights, move it to ``device``;
     what the load could not verify is printed as warnings. The files a build reads beside
-    the weights of a model folder (config.json...) are checked before it reads them."""
+    the weights of a model folder (config.json...) are checked before it reads them.
+    Returns the model and, with weights, what their load left out and warned about (for
+    ``--json``)."""
     import torch
 
     from torchverity._callables import import_callable
@@ -91,12 +94,16 @@ def build_model(spec: str, weights: Path | None, device: str, out: Output,
     model = import_callable(spec)()
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"'{spec}' returned a {type(model).__name__}, not a torch.nn.Module")
+    loaded = None
     if weights is not None:
-        _loaded(weights, out, model=model, map_location="cpu", **(fit or {}))
-    return model.to(dev)
+        _obj, report = _loaded(weights, out, model=model, map_location="cpu", **(fit or {}))
+        loaded = {"path": str(weights), "missing_keys": list(report.missing_keys),
+                  "unexpected_keys": list(report.unexpected_keys),
+                  "warnings": list(report.warnings)}
+    return model.to(dev), loaded
 
 
-def _loaded(path: Path, out: Output, **kwargs: Any) -> Any:
+def _loaded(path: Path, out: Output, **kwargs: Any) -> tuple[Any, LoadReport]:
     """``torchverity.load``, what it could not verify printed as this command's warnings."""
     import warnings
 
@@ -108,7 +115,7 @@ def _loaded(path: Path, out: Output, **kwargs: Any) -> Any:
         obj, report = load(path, with_report=True, **kwargs)
     for text in report.warnings:
         out.warn(text)
-    return obj
+    return obj, report
 
 
 def _require_fingerprint(path: Path) -> None:
@@ -126,7 +133,7 @@ def _inputs(args: argparse.Namespace, out: Output, model: Any) -> Any:
         raise UsageError("give exactly one of --inputs FILE or --shape DIMS",
                          hint="for example --shape 4,3,32,32")
     if args.inputs is not None:
-        return _loaded(args.inputs, out)
+        return _loaded(args.inputs, out)[0]
     try:
         shape = [int(s) for s in args.shape.split(",")]
     except ValueError:
@@ -138,10 +145,11 @@ def _inputs(args: argparse.Namespace, out: Output, model: Any) -> Any:
 def _record(args: argparse.Namespace, out: Output) -> int:
     from torchverity import golden
 
-    model = build_model(args.model, args.weights, args.device, out, fit_kwargs(args))
+    model, loaded = build_model(args.model, args.weights, args.device, out, fit_kwargs(args))
     rec = golden.record(model, _inputs(args, out, model), args.golden,
                         sample_size=args.sample_size)
-    return out.result({"ok": True, "record": rec}, lambda: _print_record(rec, args.golden, out))
+    return out.result({"ok": True, "record": rec, "weights": loaded},
+                      lambda: _print_record(rec, args.golden, out))
 
 
 def _print_record(rec: GoldenRecord, path: Path, out: Output) -> None:
@@ -159,17 +167,21 @@ def _print_record(rec: GoldenRecord, path: Path, out: Output) -> None:
 
 def _check(args: argparse.Namespace, out: Output) -> int:
     from torchverity import golden
+    from torchverity._jsonable import to_jsonable
 
-    model = build_model(args.model, args.weights, args.device, out, fit_kwargs(args))
+    model, loaded = build_model(args.model, args.weights, args.device, out, fit_kwargs(args))
     exact = _EXACT[args.mode]
     if args.check_weights:
         _require_fingerprint(args.golden)
     result = golden.check(model, args.golden, exact=exact, rtol=args.rtol, atol=args.atol,
                           weights=args.check_weights)
-    return out.result(result, lambda: _print_check(result, args, out))
+    return out.result({**to_jsonable(result), "weights": loaded},
+                      lambda: _print_check(result, args, out))
 
 
 def _print_check(result: GoldenResult, args: argparse.Namespace, out: Output) -> None:
+    from torchverity.golden._verdict import verdict
+
     where = ("same environment" if not result.environment_differences
              else "environment differs: " + "; ".join(result.environment_differences))
     if result.ok:
@@ -179,6 +191,6 @@ def _print_check(result: GoldenResult, args: argparse.Namespace, out: Output) ->
     out.line(f"golden check FAILED: {args.golden} ({result.mode} mode, {where}); "
              f"failed parts: {', '.join(result.parts)}")
     out.table(("part", "output", "what"), [(f.part, f.output, f.message) for f in result.failures])
-    out.info(f"{args.golden}: the model no longer reproduces its golden outputs; if the weights "
-             "changed, verify the checkpoint (torchverity verify CKPT); if not, test the "
-             f"hardware: torchverity selftest --device {args.device.split(':')[0]}")
+    what, step = verdict(result, weights=None if args.weights is None else str(args.weights),
+                         device=args.device.split(":")[0])
+    out.info(f"{what}; next: {step}")

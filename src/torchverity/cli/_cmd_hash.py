@@ -15,7 +15,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         subparsers, common, "hash", _run,
         help="print file digests like sha256sum; --write sidecars",
         description="Print '<hex>  <path>' lines exactly like sha256sum. "
-        "--write also writes FILE.sha256 (or FILE.blake3), which sha256sum -c accepts.",
+        "--write also writes the sidecar FILE.sha256 (FILE.blake3, FILE.xxh128 with --algo), "
+        "which torchverity verify and load check (sha256sum -c accepts FILE.sha256).",
     )
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--algo", choices=ALGORITHMS, default=DEFAULT_ALGO)

@@ -112,8 +112,23 @@ def _report(state: Any, args: argparse.Namespace) -> dict[str, Any]:
         "golden": status.golden,
         "inputs": [s.to_dict() for s in state.spec],
         "url": None if args.check else f"http://{args.host}:{args.port}",
-        "warnings": state.weights.notes() if state.weights else [],
+        "warnings": _warnings(state.weights),
     }
+
+
+def _warnings(weights: Any) -> list[str]:
+    """What the start-up could not verify or left out, for people (stderr) and --json alike."""
+    if weights is None:
+        return []
+    found = [f"{weights.path}: --no-strict: {len(keys)} {kind} key(s) not loaded: "
+             f"{', '.join(keys[:10])}"
+             for kind, keys in (("missing", weights.missing_keys),
+                                ("unexpected", weights.unexpected_keys)) if keys]
+    found += weights.notes()
+    if weights.file_fingerprint is None:
+        found.append(f"{weights.path}: no meta.json, so the content fingerprint was not checked "
+                     "against a record (the file digest was)")
+    return found
 
 
 def _print_report(report: dict[str, Any], out: Output) -> None:
@@ -130,13 +145,5 @@ def _print_report(report: dict[str, Any], out: Output) -> None:
                  f"{files['record']}")
     if report["url"]:
         out.line(f"starting on  {report['url']}  (/predict /health /ready /metadata)")
-    for kind in ("missing", "unexpected"):
-        keys = weights.get(f"{kind}_keys") or []
-        if keys:
-            out.warn(f"{weights['path']}: --no-strict: {len(keys)} {kind} key(s) not loaded: "
-                     f"{', '.join(keys[:10])}")
     for note in report["warnings"]:
         out.warn(note)
-    if weights["fingerprint_verified"] is None:
-        out.warn(f"{weights['path']}: no meta.json, so the content fingerprint was not checked "
-                 "against a record (the file digest was)")

@@ -15,14 +15,16 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p = add_command(
         subparsers, common, "verify", _run,
         help="check files and folders against their records",
-        description="A file is checked against FILE.sha256 (or .blake3), a folder against its "
-        "manifest (a folder without one by the sidecars of its files, a file without a "
-        "sidecar by its folder's manifest), a Hugging Face hub cache (HF_HOME, "
+        description="A file is checked against FILE.sha256 (or .blake3, .xxh128), a folder "
+        "against its manifest (a folder without one by the sidecars of its files, listing the "
+        "files none covers; a file without a sidecar by its folder's manifest), an index "
+        "(*.index.json) with the shards it names, a Hugging Face hub cache (HF_HOME, "
         "models--ORG--NAME, snapshots/REV) or local_dir download against the names the hub "
         "gave its files (offline). "
         "--signature checks an OpenSSF model signature (key or certificate chain), "
-        "--attestation an in-toto statement. Lists ok / mismatched / missing / extra paths; "
-        "exit 1 if any is not ok.",
+        "--attestation an in-toto statement. Lists ok / mismatched / missing / extra paths and "
+        "broken downloads (a Git LFS pointer or an HTML page saved as the file); exit 1 if "
+        "any is not ok.",
     )
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
@@ -75,9 +77,36 @@ def _verify_one(path: str, out: Output, exclude: list[str]) -> Any:
     if p.is_dir() and not _has_manifest(p) and hub_target(p) is not None:
         return verify_hub_path(p)
     if not p.is_dir() and find_sidecar(p) is None and (entry := hub_blob_check(p)) is not None:
-        return HubResult(path, "hub-snapshot", (entry,))
+        return HubResult(path, "hub-snapshot", (entry, *_hub_shards(p, entry)))
     with out.progress(None, f"verifying {path}") as advance:
         return verify_path(path, progress=advance, exclude=exclude)
+
+
+def _hub_shards(index: Any, entry: Any) -> tuple[Any, ...]:
+    """For an index the hub named (``model.safetensors.index.json``), the checks of the shards
+    it names, each against the name the hub gave it: the index stands for the checkpoint. A
+    damaged index names no shard it can be trusted for."""
+    import dataclasses
+    from pathlib import PurePosixPath
+
+    from torchverity.checkpoint._index import read_index
+    from torchverity.provenance import hub_file_checks
+    from torchverity.verify import INDEX_SUFFIX
+
+    if not index.name.endswith(INDEX_SUFFIX) or not entry.ok:
+        return ()
+    names = list(dict.fromkeys(read_index(index).values()))
+    folder = PurePosixPath(entry.path).parent
+    shards = []
+    for name, found in zip(names, hub_file_checks([index.parent / n for n in names]),
+                           strict=True):
+        gone = not (index.parent / name).exists()
+        shards.append(found or dataclasses.replace(
+            entry, path=(folder / name).as_posix(), status="missing" if gone else "unchecked",
+            blob=None, algo=None, actual=None, size=None,
+            detail="the index names it, the download does not hold it" if gone else
+            "no name from the hub to check it against"))
+    return tuple(shards)
 
 
 def _has_manifest(p: Any) -> bool:
@@ -125,12 +154,18 @@ def _print_any(result: Any, out: Output) -> None:
 def _print_result(result: Any, out: Output) -> None:
     from torchverity._verify_sidecars import advice
 
-    counts = ", ".join(f"{n} {s}" for s, n in result.counts.items() if n)
+    broken = getattr(result, "broken", ())
+    counts = ", ".join([f"{n} {s}" for s, n in result.counts.items() if n]
+                       + ([f"{len(broken)} broken download(s)"] if broken else []))
     verdict = "OK" if result.ok else "FAILED"
     out.line(f"{result.target}: {verdict} ({counts}) against {result.record}")
     rows = [(e.status, e.path, e.expected or "-", e.actual or "-") for e in result.problems]
+    rows += [("broken", rel, "-", "-") for rel in broken]
     if rows:
         out.table(("status", "path", "expected", "actual"), rows)
+    unrecorded = getattr(result, "unrecorded", ())
+    if unrecorded:
+        out.line(f"  not checked, no record covers them: {', '.join(unrecorded)}")
     cert = getattr(result, "certification", None)
     if cert is not None:
         out.line(_certification_line(result.target, cert))

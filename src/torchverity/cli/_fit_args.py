@@ -12,8 +12,8 @@ def add_fit_args(parser: argparse.ArgumentParser, *, strict: bool = True) -> Non
         parser.add_argument("--no-strict", dest="strict", action="store_false",
                             help="load the keys that fit; report missing and unexpected keys")
     parser.add_argument("--strip-prefix", action="append", default=[], metavar="PREFIX",
-                        help="strip this prefix from the checkpoint's keys (module., "
-                        "_orig_mod., model.); repeat for more")
+                        help="strip this prefix from the checkpoint's keys, once (module., "
+                        "_orig_mod., model., or a stack: module._orig_mod.); repeat for more")
     parser.add_argument("--key-map", action="append", default=[], metavar="OLD=NEW",
                         help="rename checkpoint keys starting with OLD to start with NEW; "
                         "repeat for more")

@@ -203,7 +203,7 @@ def _weights_failure(changed: list[str]) -> GoldenFailure:
         part="weights",
         output=shown,
         message=f"the weights differ from those recorded: {len(changed)} tensor(s) changed "
-        f"({shown}); compare checkpoints with: torchverity diff OLD NEW",
+        f"({shown})",
     )
 
 

@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import shlex
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -219,7 +220,8 @@ def create_app(
         model=module, name=name or type(module).__name__, spec=model_spec(module, input_spec),
         weights=info, golden_path=Path(golden) if golden is not None else None,
     )
-    state.startup_check()
+    if golden is not None:
+        state.startup_check(_golden_check_command(model, weights, golden, fit, device))
     app = _build_app(state, recheck_interval)
     # Deferred: /predict parses a large body while the event loop hashes it,
     # and runs the model only once it matched (_answer).
@@ -227,6 +229,27 @@ def create_app(
                        response_algorithm=response_digest, deferred=overlap_digest)
     app.add_middleware(FingerprintHeaderMiddleware, value=state.fingerprint_header)
     return app
+
+
+def _golden_check_command(model: object, weights: str | os.PathLike[str] | None,
+                          golden: str | os.PathLike[str], fit: KeyFit,
+                          device: str | torch.device | None) -> str:
+    """The command that reruns the start-up golden check and lists every failed part, with
+    this service's own model, weights and key fitting (a Python call for a model object)."""
+    if not isinstance(model, str):
+        return f"torchverity.golden.check(model, {os.fspath(golden)!r}).failures"
+    words = ["torchverity", "golden", "check", "--model", model]
+    if weights is not None:
+        words += ["--weights", os.fspath(weights)]
+    if not fit.strict:
+        words.append("--no-strict")
+    for prefix in fit.strip_prefixes:
+        words += ["--strip-prefix", prefix]
+    for old, new in fit.key_map:
+        words += ["--key-map", f"{old}={new}"]
+    if device is not None:
+        words += ["--device", str(device)]
+    return shlex.join([*words, "--golden", os.fspath(golden)])
 
 
 class _Runtime:

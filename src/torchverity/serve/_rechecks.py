@@ -75,16 +75,25 @@ class ServiceState:
             return Readiness(self._failure is None, self._failure, self._golden, self._checks,
                              self._last_check)
 
-    def startup_check(self) -> None:
-        """The golden check before serving; raises IntegrityError when it fails."""
-        failure = self.golden_failure()
-        if failure:
-            raise IntegrityError(
-                f"{failure}: the model does not compute what was recorded, so it is not "
-                "served", path=str(self.golden_path),
-                hint="see which part moved: torchverity golden check --model MODULE:CALLABLE "
-                     f"--weights CKPT --golden {self.golden_path}",
-            )
+    def startup_check(self, every_part: str) -> None:
+        """The golden check before serving: IntegrityError naming what failed (the weights
+        or the outputs), with ``every_part``, the command that lists every failed part; a
+        golden file that cannot be read raises its own error."""
+        if self.golden_path is None:
+            return  # nothing recorded to compare with
+        from torchverity.golden import check
+        from torchverity.golden._run import model_device
+        from torchverity.golden._verdict import verdict
+
+        result = check(self.model, self.golden_path)
+        with self._lock:
+            self._golden = "passed" if result.ok else "failed"
+        if result.ok:
+            return
+        what, step = verdict(result, weights=self.weights.path if self.weights else None,
+                             device=model_device(self.model).type, every_part=every_part)
+        raise IntegrityError(f"{what}, so the model is not served", path=str(self.golden_path),
+                             tensors=result.weights_changed or (), hint=step)
 
     def record_check(self, failure: str | None) -> None:
         """Count one finished re-check; a failure turns readiness off, a pass after an
