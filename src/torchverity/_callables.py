@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torchverity.errors import UsageError
+from torchverity.errors import TorchVerityError, UsageError
 
 
 def import_callable(spec: str) -> Callable[..., Any]:
@@ -33,6 +33,8 @@ def import_callable(spec: str) -> Callable[..., Any]:
             f"cannot import module '{module_name}' named in '{spec}': {exc}",
             hint="check the name and that its folder is on PYTHONPATH",
         ) from None
+    except Exception as exc:  # the module's own code failed while it was imported
+        raise factory_failed(spec, exc, f"importing module '{module_name}'") from exc
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
@@ -44,3 +46,22 @@ def import_callable(spec: str) -> Callable[..., Any]:
     if not callable(obj):
         raise UsageError(f"'{spec}' names a {type(obj).__name__}, not a callable")
     return obj
+
+
+def call_spec(spec: str, factory: Callable[..., Any], *args: Any) -> Any:
+    """``factory(*args)``: the user's model-building code, whose failure is named as theirs
+    (not a fault of torchverity), with the way to see where it failed."""
+    try:
+        return factory(*args)
+    except TorchVerityError:
+        raise
+    except Exception as exc:
+        raise factory_failed(spec, exc, f"calling '{spec}'") from exc
+
+
+def factory_failed(spec: str, exc: BaseException, doing: str) -> UsageError:
+    return UsageError(
+        f"{doing} raised {type(exc).__name__}: {exc}: the model named by '{spec}' could not "
+        "be built",
+        hint="rerun with TORCHVERITY_DEBUG=1 for the traceback into that code",
+    )

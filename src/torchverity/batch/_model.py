@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torchverity.batch._item import ItemFn
-from torchverity.errors import shell_path
+from torchverity.errors import TorchVerityError, shell_path
 
 
 class ModelFactory(Protocol):
@@ -98,12 +98,12 @@ class ModelSpec:
         return self._weights()[1]
 
     def load(self) -> tuple[ItemFn, dict[str, str]]:
-        from torchverity._callables import import_callable
+        from torchverity._callables import call_spec, factory_failed, import_callable
 
         build = import_callable(self.spec)
         state, ident = self._weights()
         if self.weights is None:
-            fn = build()
+            fn = call_spec(self.spec, build)
         else:
             try:
                 fn = build(state)
@@ -112,8 +112,12 @@ class ModelSpec:
 
                 mismatch = build_mismatch(exc, state, Path(self.weights))
                 if mismatch is None:
-                    raise
+                    raise factory_failed(self.spec, exc, f"calling '{self.spec}'") from exc
                 raise mismatch from None
+            except TorchVerityError:
+                raise
+            except Exception as exc:
+                raise factory_failed(self.spec, exc, f"calling '{self.spec}'") from exc
         if not callable(fn):
             from torchverity.errors import UsageError
 

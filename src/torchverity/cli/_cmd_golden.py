@@ -83,7 +83,7 @@ def build_model(spec: str, weights: Path | None, device: str, out: Output,
     ``--json``)."""
     import torch
 
-    from torchverity._callables import import_callable
+    from torchverity._callables import call_spec, import_callable
     from torchverity.checkpoint._folders import resolve
     from torchverity.checkpoint._model_files import check_model_files
     from torchverity.selftest import resolve_device
@@ -91,7 +91,7 @@ def build_model(spec: str, weights: Path | None, device: str, out: Output,
     dev = resolve_device(device)
     if weights is not None:
         check_model_files(resolve(weights))  # the load checks them again and warns
-    model = import_callable(spec)()
+    model = call_spec(spec, import_callable(spec))
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"'{spec}' returned a {type(model).__name__}, not a torch.nn.Module")
     loaded = None

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 import torch
 
 from torchverity import __version__
-from torchverity._callables import import_callable
+from torchverity._callables import call_spec, import_callable
 from torchverity.checkpoint._key_map import KeyFit
 from torchverity.errors import UsageError, require_extra
 from torchverity.serve._digest_fields import (
@@ -161,7 +161,8 @@ def _json_response(data: Any) -> "Response":
 def build_model(model: torch.nn.Module | Callable[[], torch.nn.Module] | str) -> torch.nn.Module:
     """A module as given, built by a factory, or by a ``module:callable`` spec."""
     factory = import_callable(model) if isinstance(model, str) else model
-    built = factory if isinstance(factory, torch.nn.Module) else factory()
+    built = factory if isinstance(factory, torch.nn.Module) else (
+        call_spec(model, factory) if isinstance(model, str) else factory())
     if not isinstance(built, torch.nn.Module):
         raise UsageError(f"the model factory returned a {type(built).__name__}, not a torch module")
     return built
