@@ -521,3 +521,68 @@ def live_torch_files(root: Path, sentinel: Path) -> list[Case]:
     ran = json.loads(proof.stdout.strip().splitlines()[-1])
     assert all(ran.values()), [path for path, did in ran.items() if not did]
     return cases
+
+
+# ------------------------------------------------------- unsafe files holding weights
+
+
+class _EvilCall:
+    """A payload pickled as ``subprocess.call(["touch", sentinel])``."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.argv = ["touch", str(sentinel)]
+
+    def __reduce__(self) -> tuple[object, tuple[list[str]]]:
+        return subprocess.call, (self.argv,)
+
+
+class _EvilEval:
+    """A payload pickled as ``eval("open(sentinel, 'w').close()")``."""
+
+    def __init__(self, sentinel: Path) -> None:
+        self.code = _pyopen(sentinel)
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return eval, (self.code,)
+
+
+def weights_with(payload: object) -> dict[str, object]:
+    """A training checkpoint's shape: weights, a plain value, and ``payload`` beside them."""
+    return {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2)}, "epoch": 3,
+            "x": payload}
+
+
+_PLAIN_PICKLE_LOAD = """
+import pickle, sys
+with open(sys.argv[1], "rb") as fh:
+    pickle.load(fh)
+"""
+
+
+@dataclass(frozen=True)
+class UnsafeWeights:
+    path: Path
+    offender: str  # the dangerous global the scan names
+
+
+def unsafe_weights(root: Path, sentinel: Path) -> dict[str, UnsafeWeights]:
+    """Weights beside an os.system payload in a torch.save zip, a subprocess one in a legacy
+    (pre-1.6) torch file, and an eval one in a plain pickle (pickle.dump, protocol 4). Each
+    is shown, in a throwaway process, to create ``sentinel`` under its plain loader
+    (torch.load(weights_only=False), pickle.load)."""
+    root.mkdir(parents=True, exist_ok=True)
+    files = {"zip": UnsafeWeights(root / "evil_zip.pt", "posix.system"),
+             # protocol 2 writes subprocess.call under its Python 2 name
+             "legacy": UnsafeWeights(root / "evil_legacy.pt", "commands.call"),
+             "pickle": UnsafeWeights(root / "evil.pkl", "builtins.eval")}
+    torch.save(weights_with(_Evil(sentinel)), files["zip"].path)
+    torch.save(weights_with(_EvilCall(sentinel)), files["legacy"].path,
+               _use_new_zipfile_serialization=False)
+    files["pickle"].path.write_bytes(pickle.dumps(weights_with(_EvilEval(sentinel)), protocol=4))
+    for kind in ("zip", "legacy"):
+        assert payload_runs(files[kind].path, sentinel), kind
+    subprocess.run([sys.executable, "-c", _PLAIN_PICKLE_LOAD, str(files["pickle"].path)],
+                   capture_output=True, timeout=300, check=True)
+    assert sentinel.exists(), "pickle"
+    sentinel.unlink()
+    return files

@@ -206,11 +206,13 @@ def test_malicious_component_is_found_from_the_root_and_never_runs(
     verdicts = {Path(f["path"]).relative_to(root).as_posix(): f["verdict"] for f in doc["files"]}
     assert verdicts == {"unet/diffusion_pytorch_model.bin": "unsafe",
                         "vqvae/diffusion_pytorch_model.bin": "safe"}
-    for args in (("inspect", root / "unet"), ("fingerprint", root / "unet"),
-                 ("migrate", weights, tmp_path / "new.safetensors"),
-                 ("diff", root / "unet", pipelines["bin"] / "unet")):
+    # Read inertly, the payload a placeholder: inspect flags the file, fingerprint and
+    # migrate take its tensors, and diff finds them equal to the clean copy's.
+    for args, want in ((("inspect", root / "unet"), 1), (("fingerprint", root / "unet"), 0),
+                       (("migrate", weights, tmp_path / "new.safetensors"), 0),
+                       (("diff", root / "unet", pipelines["bin"] / "unet"), 0)):
         code, _ = _json(run_cli, *args)
-        assert code in (1, 2), args
+        assert code == want, args
         assert not sentinel.exists(), f"{args[0]}: the payload ran"
 
 

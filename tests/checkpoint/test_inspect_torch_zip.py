@@ -52,7 +52,7 @@ def _same_as_loaded(path: Path, run_cli: Any, *, torch_free: bool = True,
         got = cli("fingerprint", "--json", "--mode", mode, path)
         assert (got["code"], got["torch"]) == (0, not torch_free)
         assert json.loads(str(got["out"])) == _json({"ok": True, "path": str(path),
-                                                      **fp.to_dict()})
+                                                      "unsafe": {}, **fp.to_dict()})
     human = cli("fingerprint", "--tensors", path)
     assert human["out"] == run_cli("fingerprint", "--tensors", path).out
     assert _loaded_inspect(path, "sha256").fingerprint == \

@@ -40,7 +40,8 @@ def test_inspect_checks_a_hub_file_against_its_blob_name(
     doc = json.loads(run_cli("inspect", "--json", file).out)
     blob = file.resolve()
     assert doc["sidecar"] == {"status": "ok", "algo": "sha256", "actual": blob.name,
-                              "expected": blob.name, "sidecar": str(blob), "source": "hub"}
+                              "expected": blob.name, "sidecar": str(blob), "source": "hub",
+                              "entry": None}
 
     flip_bit(blob, blob.stat().st_size - 2)
     result = run_cli("inspect", file)

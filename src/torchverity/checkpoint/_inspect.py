@@ -2,12 +2,16 @@
 
 ``inspect(path)`` lists tensors (names, shapes, dtypes, bytes), counts
 elements, sums bytes per dtype, computes the content fingerprint, summarises
-meta.json and checks the file against its sidecar. For pickle-based files it
-first asks the scanner (:func:`torchverity.pickles.scan_file`) for a verdict and
-the ``weights_only`` load plan; a file judged unsafe or malformed is never
-opened by an unpickler at all. Others are read through PyTorch's restricted
-``weights_only`` unpickler with memory-mapped storages, so nothing from the
-file executes and large files are not copied into memory.
+meta.json and checks the file (and each shard of a sharded folder) against its
+record: its sidecar, else its entry in its folder's manifest, else the hub's
+name for it, the order ``load`` and ``verify`` look them up in. For pickle-based
+files (each pickle shard too) it first asks the scanner
+(:func:`torchverity.pickles.scan_file`) for a verdict and the ``weights_only``
+load plan. A file judged unsafe is read by the inert reader only (its
+code-running globals stay placeholders, never resolved); a malformed one is not
+opened, since no reader can account for all of it. Others are read through
+PyTorch's restricted ``weights_only`` unpickler with memory-mapped storages, so
+nothing from the file executes and large files are not copied into memory.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torchverity.digest import digest_file, find_sidecar, new_hasher, read_sidec
 from torchverity.errors import TorchVerityError
 
 SidecarStatus = Literal["ok", "mismatched", "missing"]
+RecordSource = Literal["sidecar", "manifest", "hub"]
 
 
 @dataclass(frozen=True)
@@ -35,14 +40,28 @@ class TensorRow:
 
 @dataclass(frozen=True)
 class SidecarCheck:
-    """The file (or a sharded folder's index) against its sidecar; ``actual`` is always set."""
+    """The file (or a sharded folder's index, or a shard) against its record; ``actual`` is
+    always set."""
 
     status: SidecarStatus
     algo: str
     actual: str
     expected: str | None = None
-    sidecar: str | None = None  # the sidecar's path, or the hub blob's whose name is the digest
-    source: Literal["sidecar", "hub"] = "sidecar"
+    # The sidecar's path, the manifest's, or the hub blob's whose name is the digest.
+    sidecar: str | None = None
+    source: RecordSource = "sidecar"
+    entry: str | None = None  # the manifest's entry for the file
+
+
+@dataclass(frozen=True)
+class _Record:
+    """A file's recorded digest and where it is recorded (:class:`SidecarCheck`'s fields)."""
+
+    source: RecordSource
+    algo: str
+    hexdigest: str
+    where: str
+    entry: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +77,13 @@ class InspectResult:
     scan: Any = None  # torchverity.pickles.ScanResult for pickle-based files
     not_loaded: str | None = None  # why tensors are not listed
     shards: tuple[str, ...] = ()
+    shard_scans: tuple[Any, ...] = ()  # a sharded folder's: each pickle shard's ScanResult
+    shard_records: dict[str, SidecarCheck] = field(default_factory=dict)  # shards with one
+
+    @property
+    def scans(self) -> tuple[Any, ...]:
+        """Every scan made: the file's, or a sharded folder's shards'."""
+        return (self.scan,) if self.scan is not None else self.shard_scans
 
     @property
     def parameters(self) -> int:
@@ -96,7 +122,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def inspect(path: str | os.PathLike[str]) -> InspectResult:
     """Inspect a checkpoint file, Hugging Face folder, index or ONNX model without executing
     code from it."""
-    from torchverity._formats import file_format
+    from torchverity._formats import file_format, joblib_file_error
     from torchverity.checkpoint._folders import resolve
     from torchverity.checkpoint._onnx import is_onnx
     from torchverity.checkpoint._records import meta_path_for
@@ -104,32 +130,40 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     p = Path(path)
     target = resolve(p)
     shards: tuple[str, ...] = ()
+    present: list[Path] = []
     if target.index is not None:
         from torchverity.checkpoint._index import read_index
 
         record, folder, fmt = target.index, target.folder, "sharded"
         shards = tuple(sorted(set(read_index(record).values())))
-        size = sum((folder / s).stat().st_size for s in shards if (folder / s).is_file())
+        present = [folder / s for s in shards if (folder / s).is_file()]
+        size = sum(f.stat().st_size for f in present)
     else:
         record = target.file
         fmt = "onnx" if is_onnx(record) else file_format(record)
         size = record.stat().st_size
-    found = find_sidecar(record)
-    recorded_side = read_sidecar(found)[:2] if found is not None else _hub_record(record)
+    recorded = _record_of(record)
+    shard_recorded = {f: r for f in present if (r := _record_of(f)) is not None}
     meta = _meta_summary(meta_path_for(record)) if meta_path_for(record).exists() else None
     # Compared with meta.json, so rebuilt with the algorithm the record names.
-    recorded = (meta or {}).get("fingerprint_algo")
-    algo = recorded if recorded in (EXACT, LEGACY_EXACT) else EXACT
+    recorded_fp = (meta or {}).get("fingerprint_algo")
+    algo = recorded_fp if recorded_fp in (EXACT, LEGACY_EXACT) else EXACT
     scan = _scan(record) if fmt in ("pt", "pt-legacy") else None
-    if scan is not None and scan.format == "joblib" and _openable(scan):
-        from torchverity._formats import joblib_file_error
-
+    # An unsafe joblib file is shown with its verdict (exit 1) rather than named (exit 2).
+    if scan is not None and scan.format == "joblib" and scan.verdict not in ("unsafe",
+                                                                             "malformed"):
         raise joblib_file_error(record)
+    if scan is not None and scan.format == "torchscript":
+        fmt = "torchscript"  # a torch.jit.save archive: torch's zip layout, holding code
+    shard_scans = tuple(_scan(f) for f in present if _pickle_file(f))
     # One read of a .safetensors file gives both its digest and its fingerprint.
-    whole = new_hasher(recorded_side[0] if recorded_side else "sha256", threads=True) \
-        if fmt == "safetensors" else None
-    listed = _safetensors_contents(p, algo, whole) if fmt in ("safetensors", "sharded") else None
-    if listed is None and fmt in ("pt", "sharded") and _openable(scan):
+    hashers = {f: new_hasher(r.algo, threads=True) for f, r in shard_recorded.items()}
+    if fmt == "safetensors":
+        hashers[record] = new_hasher(recorded.algo if recorded else "sha256", threads=True)
+    streamed = (_safetensors_contents(p, algo, hashers) if fmt in ("safetensors", "sharded")
+                else None)
+    listed = streamed
+    if listed is None and fmt in ("pt", "sharded") and _listable(scan):
         listed = _listed_contents(p, algo)
     if fmt == "onnx":
         listed = _onnx_contents(record, algo)
@@ -139,24 +173,45 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
         obj, plain, not_loaded = _open_onnx(record) if fmt == "onnx" else _open(p, scan)
         rows, values, root = _contents(obj, algo)
         values = values or {n: repr(v) for n, v in plain.items()}
-    actual = whole.hexdigest() if whole is not None and listed is not None else None
-    sidecar = _check_sidecar(record, found, recorded_side, actual)
+    digests = {f: h.hexdigest() for f, h in hashers.items()} if streamed is not None else {}
+    sidecar = _check_record(record, recorded, digests.get(record))
+    shard_records = {f.name: _check_record(f, r, digests.get(f))
+                     for f, r in shard_recorded.items()}
     return InspectResult(os.fspath(p), fmt, size, sidecar, rows, values, root, meta, scan,
-                         not_loaded, shards)
+                         not_loaded, shards, shard_scans, shard_records)
 
 
-def _check_sidecar(path: Path, found: Path | None, recorded: tuple[str, str] | None,
-                   actual: str | None) -> SidecarCheck:
-    """``path`` against its sidecar ``found`` (``recorded``: its algorithm and digest);
-    ``actual`` is the file's digest when it was computed while reading the tensors."""
-    algo = recorded[0] if recorded else "sha256"
+def _record_of(path: Path) -> _Record | None:
+    """``path``'s recorded digest: its sidecar, else its entry in the manifest of its
+    folder (or of the nearest folder above with one), else the hub's name for its blob;
+    as ``load`` and ``verify`` look them up."""
+    from torchverity.checkpoint._folders import manifest_entry
+
+    found = find_sidecar(path)
+    if found is not None:
+        algo, hexdigest = read_sidecar(found)[:2]
+        return _Record("sidecar", algo, hexdigest, os.fspath(found))
+    listed = manifest_entry(path)
+    if listed is not None:
+        algo, hexdigest, manifest = listed
+        entry = path.absolute().relative_to(manifest.absolute().parent).as_posix()
+        return _Record("manifest", algo, hexdigest, os.fspath(manifest), entry)
+    hub = _hub_record(path)
+    if hub is not None:
+        return _Record("hub", hub[0], hub[1], os.fspath(path.resolve()))
+    return None
+
+
+def _check_record(path: Path, recorded: _Record | None, actual: str | None) -> SidecarCheck:
+    """``path`` against its record; ``actual`` is the file's digest when it was computed
+    while reading the tensors."""
+    algo = recorded.algo if recorded else "sha256"
     actual = actual or digest_file(path, algo).hexdigest
     if recorded is None:
         return SidecarCheck("missing", algo, actual)
-    status: SidecarStatus = "ok" if actual == recorded[1] else "mismatched"
-    if found is None:  # the hub named the blob by its digest
-        return SidecarCheck(status, algo, actual, recorded[1], os.fspath(path.resolve()), "hub")
-    return SidecarCheck(status, algo, actual, recorded[1], os.fspath(found))
+    status: SidecarStatus = "ok" if actual == recorded.hexdigest else "mismatched"
+    return SidecarCheck(status, algo, actual, recorded.hexdigest, recorded.where,
+                        recorded.source, recorded.entry)
 
 
 def _hub_record(path: Path) -> tuple[str, str] | None:
@@ -177,7 +232,20 @@ def _scan(path: Path) -> Any:
     return scan_file(path)
 
 
-def _openable(scan: Any) -> bool:
+def _pickle_file(path: Path) -> bool:
+    """Whether a shard is a torch pickle (one that is something else, a Git LFS pointer or
+    an HTML page, is reported when its tensors are read)."""
+    from torchverity._formats import file_format
+
+    try:
+        return file_format(path) in ("pt", "pt-legacy")
+    except TorchVerityError:
+        return False
+
+
+def _listable(scan: Any) -> bool:
+    """Whether the torch-free listing may hold the file's tensors: it reads plain data only,
+    so a file the scan finds unsafe or malformed is not worth its try."""
     return scan is None or scan.verdict not in ("unsafe", "malformed")
 
 
@@ -186,14 +254,15 @@ def _open(path: Path, scan: Any) -> tuple[Any, dict[str, Any], str | None]:
     and why it was not opened."""
     from torchverity.checkpoint._read import read_unverified
 
-    if not _openable(scan):
-        return None, {}, f"not opened: the scan found it {scan.verdict} ({scan.reason})"
+    if scan is not None and scan.verdict == "malformed":
+        return None, {}, f"not opened: the scan found it malformed ({scan.reason})"
     try:
-        if scan is not None and scan.verdict == "needs-allowlist":
-            # weights_only refuses its classes: read inertly, values too (nothing runs)
+        if scan is not None and scan.verdict in ("needs-allowlist", "unsafe"):
+            # weights_only refuses its classes, or would meet a code-running global: read
+            # inertly, values too (nothing from the file runs, its globals stay placeholders)
             from torchverity.pickles._extract import inert_contents
 
-            tensors, plain = inert_contents(path)
+            tensors, plain = inert_contents(path, scan)
             return tensors, plain, None
         return read_unverified(path), {}, None
     except TorchVerityError as exc:
@@ -209,10 +278,10 @@ def _open_onnx(path: Path) -> tuple[Any, dict[str, Any], str | None]:
         return None, {}, f"cannot list initializers: {exc.message}"
 
 
-def _safetensors_contents(path: Path, algo: str, whole: Any = None,
+def _safetensors_contents(path: Path, algo: str, wholes: dict[Path, Any],
                           ) -> tuple[tuple[TensorRow, ...], dict[str, str], str | None] | None:
     """Rows and fingerprint from .safetensors headers and streamed bytes, without torch;
-    ``whole`` (a single file's) is fed the file's bytes on the way.
+    each file's hasher in ``wholes`` is fed its bytes on the way.
 
     None when some file is not .safetensors (then tensors are opened the usual way).
     """
@@ -228,7 +297,8 @@ def _safetensors_contents(path: Path, algo: str, whole: Any = None,
         rows = [TensorRow(e.name, e.dtype_name, e.shape, e.nbytes)
                 for _, h in headers for e in h.entries]
         entries = [e for f, h in headers
-                   for e in fingerprint_safetensors(f, algo, header=h, whole=whole).entries]
+                   for e in fingerprint_safetensors(f, algo, header=h,
+                                                    whole=wholes.get(f)).entries]
     except TorchVerityError:
         return None  # reported by the usual path, with its own wording
     rows.sort(key=lambda r: r.name)

@@ -120,6 +120,12 @@ def joblib_error(p: Path) -> FormatError | None:
 def _explained_load_error(p: Path, exc: Exception) -> Exception:
     from torchverity.pickles._explain import explain_exception, strip_ansi, with_file
 
+    refused = "weights_only" in str(exc) or "Unsupported global" in str(exc)
+    # torch names the first global it refused and guesses a custom class; a file whose
+    # globals run commands needs other advice than "trust it".
+    unsafe = unsafe_file_error(p) if refused else None
+    if unsafe is not None:
+        return unsafe
     message = strip_ansi(str(exc)).strip()  # torch bolds part of its weights_only message
     first = message.splitlines()[0] if message else ""
     text = f"{type(exc).__name__}: {first}"
@@ -136,10 +142,32 @@ def _explained_load_error(p: Path, exc: Exception) -> Exception:
                  "load the new file); torch.jit.load runs the archive's code, and so does "
                  "trust_sha256, which hands the file to it",
         )
-    if "weights_only" in str(exc) or "Unsupported global" in str(exc):
+    if refused:
         return UnsafeFileError(
             f"{p}: refused by the weights_only loader: {text}", path=p,
             hint=f"torchverity scan {shell_path(p)}; if you trust this exact file, pass "
                  "trust_sha256=<its sha256> (torchverity inspect shows it)",
         )
     return FormatError(f"{p}: cannot load: {text}", path=p, hint=hint)
+
+
+def unsafe_file_error(p: Path) -> UnsafeFileError | None:
+    """The refusal of a file the scan finds unsafe, naming its code-running globals, with
+    the inert route as the next step; None for any other file."""
+    from torchverity.pickles._dangerous import dangerous_globals, describe_globals, rescue_step
+    from torchverity.pickles._scan import scan_file
+
+    try:
+        scan = scan_file(p)
+    except TorchVerityError:
+        return None
+    if scan.verdict != "unsafe":
+        return None
+    found = dangerous_globals(scan)
+    return UnsafeFileError(
+        f"{p}: refused by the weights_only loader: it names globals that run code or touch "
+        f"the system: {describe_globals(found) or scan.reason}; a full load (trust_sha256) "
+        "would run them", path=p, globals_found=list(found),
+        hint=f"{rescue_step(scan)} (then load the new file); torchverity inspect "
+             f"{shell_path(p)} lists them first",
+    )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from torchverity.cli._command import add_command, at_least
@@ -15,10 +17,12 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         subparsers, common, "inspect", _run,
         help="tensors, sizes, fingerprint, meta.json, sidecar and scan verdict of a checkpoint",
         description="Show a checkpoint's tensors (names, shapes, dtypes, bytes), element count, "
-        "bytes per dtype, content fingerprint, meta.json summary, whether the sidecar matches "
+        "bytes per dtype, content fingerprint, meta.json summary, whether the file (and each "
+        "shard) matches its record (its sidecar, else its entry in its folder's manifest) "
         "and, for pickle files, the scan verdict and weights_only plan. Never executes code "
-        "from the file. Exit 1 if the sidecar or meta.json disagrees or the scan finds it "
-        "unsafe.",
+        "from the file: a file the scan finds unsafe is listed from an inert read. Exit 1 if "
+        "a record or meta.json disagrees, or the scan finds a file needs-review, unsafe or "
+        "malformed (as torchverity scan exits); 2 if it cannot be read.",
     )
     p.add_argument("path", metavar="PATH", help="a .pt/.bin/.safetensors/.onnx file, a Hugging "
                    "Face folder (single file or sharded) or its index, or a pipeline folder "
@@ -61,34 +65,55 @@ def _checked(result: Any) -> tuple[bool, list[str]]:
     from torchverity.checkpoint._inspect_damage import problems
 
     found = problems(result)
-    bad = (result.sidecar.status == "mismatched" or result.fingerprint_matches_meta is False
-           or (result.scan is not None and not result.scan.ok) or bool(found))
+    records = (result.sidecar, *result.shard_records.values())
+    bad = (any(r.status == "mismatched" for r in records)
+           or result.fingerprint_matches_meta is False
+           or any(not scan.ok for scan in result.scans) or bool(found))
     return not bad, found
 
 
 def _advise(result: Any, found: list[str], out: Output) -> None:
     from torchverity.errors import restore_step
 
+    for scan in result.scans:
+        if scan.verdict == "unsafe":
+            _advise_unsafe(scan, result.not_loaded is None and bool(result.tensors), out)
     for text in found:
         out.err.write(f"torchverity: damaged: {text}\n")
-    if found or (result.scan is not None and result.scan.verdict == "malformed"):
+    if found or any(scan.verdict == "malformed" for scan in result.scans):
         out.err.write(f"  next: {restore_step(result.path)}\n")
 
 
+def _advise_unsafe(scan: Any, read: bool, out: Output) -> None:
+    """An unsafe file is not damaged: name what it would run, and the way to its tensors
+    when the inert reader ``read`` some."""
+    from torchverity.pickles._dangerous import dangerous_globals, describe_globals, rescue_step
+
+    named = describe_globals(dangerous_globals(scan)) or scan.reason
+    out.err.write(f"torchverity: unsafe: {scan.path}: it names globals that run code or touch "
+                  f"the system: {named}; inspect ran nothing from it\n"
+                  f"  next: {rescue_step(scan) if read else 'do not load it'}\n")
+
+
 def _print(r: Any, limit: int, out: Output) -> None:
-    out.line(f"{r.path}: {r.format} checkpoint, {_size(r.size)}"
+    kind = ("TorchScript archive (torch.jit.save)" if r.format == "torchscript"
+            else f"{r.format} checkpoint")
+    out.line(f"{r.path}: {kind}, {_size(r.size)}"
              + (f", {len(r.shards)} shards" if r.shards else ""))
-    s = r.sidecar
-    record = s.sidecar if s.source == "sidecar" else "the hub's record (its blob's name)"
-    side = {"ok": f"matches {record}", "missing": "no sidecar",
-            "mismatched": f"DOES NOT MATCH {record} (expected {s.expected})"}[s.status]
-    out.line(f"  {s.algo:<11} {s.actual}  {side}")
+    out.line(f"  {r.sidecar.algo:<11} {r.sidecar.actual}  {_against(r.sidecar)}")
+    _print_shard_records(r, out)
     if r.scan is not None:
         plan = r.scan.plan
-        how = ("" if plan is None else
+        # An unsafe file's plan would name its code-running globals as what to allowlist.
+        how = (f": {r.scan.reason}" if r.scan.verdict == "unsafe" else "" if plan is None else
                " (weights_only loads it as is)" if plan.loadable and not plan.needs else
                f" (weights_only needs: {', '.join(plan.needs)})")
         out.line(f"  scan        {r.scan.verdict}{how}")
+    if r.shard_scans:
+        counts = Counter(scan.verdict for scan in r.shard_scans)
+        flagged = [Path(scan.path).name for scan in r.shard_scans if not scan.ok]
+        out.line("  scan        shards: " + ", ".join(f"{n} {v}" for v, n in counts.items())
+                 + (f" ({', '.join(flagged[:5])})" if flagged else ""))
     if r.fingerprint:
         match = {None: "", True: "  matches meta.json", False: "  DOES NOT MATCH meta.json"}
         out.line(f"  fingerprint {r.fingerprint}{match[r.fingerprint_matches_meta]}")
@@ -110,6 +135,27 @@ def _print(r: Any, limit: int, out: Output) -> None:
         out.line(f"  {name} = {value}")
     if 0 < limit < len(values):
         out.line(f"  ... {len(values) - limit} more values (--limit 0 lists all)")
+
+
+def _against(s: Any) -> str:
+    """A SidecarCheck as words: which record the file matched, or did not."""
+    record = {"sidecar": s.sidecar, "manifest": f"{s.sidecar} (entry {s.entry})",
+              "hub": "the hub's record (its blob's name)"}[s.source]
+    return {"ok": f"matches {record}", "missing": "no sidecar",
+            "mismatched": f"DOES NOT MATCH {record} (expected {s.expected})"}[s.status]
+
+
+def _print_shard_records(r: Any, out: Output) -> None:
+    """Each shard with a record against it: those that differ named, the rest counted."""
+    if not r.shard_records:
+        return
+    for name, check in r.shard_records.items():
+        if check.status == "mismatched":
+            out.line(f"  shard       {name}: {check.algo} {check.actual} {_against(check)}")
+    matched = sum(check.status == "ok" for check in r.shard_records.values())
+    unrecorded = len(r.shards) - len(r.shard_records)
+    out.line(f"  shards      {matched} of {len(r.shards)} match their records"
+             + (f" ({unrecorded} have none)" if unrecorded else ""))
 
 
 def _print_meta(meta: dict[str, Any], out: Output) -> None:

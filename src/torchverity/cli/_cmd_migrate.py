@@ -18,14 +18,14 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "optimizers, Namespace, numpy) into NEW (.safetensors or .pt) and its non-tensor data "
         "into NEW.meta.json, without running the file's code. Unknown classes become inert "
         "placeholders; nothing from the file runs (TorchScript and nested archives included). "
-        "Files with code-running globals are refused unless --trust-sha256 names the file's "
-        "digest (they are still read inertly).",
+        "A file with code-running globals (scan: unsafe) is migrated too: those globals are "
+        "named in a warning and in NEW.meta.json, and never run. Malformed files are refused.",
     )
     p.add_argument("source", type=Path, help="the legacy checkpoint")
     p.add_argument("target", type=Path, help="the new file (.safetensors or .pt)")
     p.add_argument("--trust-sha256", metavar="HEX",
-                   help="the source's SHA-256: migrate it although it names code-running "
-                        "globals (still inert)")
+                   help="the source's SHA-256: refuse to migrate any other bytes (optional: "
+                        "nothing from the file runs either way)")
     p.add_argument("--nested", action="store_true",
                    help="write NEW.pt as {'model': state_dict, 'optimizer': state_dict} "
                         "({'optimizer': ...} for a file holding an optimizer alone)")
@@ -49,5 +49,12 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         out.line(f"  sidecar {result.sidecar}, meta {result.meta_path}")
         for item in result.skipped:
             out.warn(f"not migrated: {item}")
+        if result.dangerous:
+            from torchverity.pickles._dangerous import describe_globals
+
+            out.warn(f"{result.source} names globals that run code or touch the system: "
+                     f"{describe_globals(result.dangerous)}; they were rebuilt as inert "
+                     f"placeholders and never ran. Use {result.target}; do not load the "
+                     "source itself")
 
     return out.result({"ok": True, "result": result}, render)

@@ -63,7 +63,12 @@ def _print_result(result: ScanResult, out: Output, show_all: bool) -> None:
         return
     dangerous = bool(result.names("dangerous"))
     if dangerous:
-        out.line("  do not load this file: it would run code (migrate refuses it too)")
+        from torchverity.pickles._dangerous import MIGRATABLE
+
+        rescue = (f"; its tensors and data come out without running it: torchverity migrate "
+                  f"{shell_path(result.path)} NEW.safetensors"
+                  if result.format in MIGRATABLE else "")
+        out.line(f"  do not load this file: it would run code{rescue}")
     elif not plan.loadable:
         out.line("  torch.load(weights_only=True) cannot read this file:")
         for note in plan.notes:

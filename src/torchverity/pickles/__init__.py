@@ -14,7 +14,8 @@ symbolically inside every container a loader would open.
     meta, read inertly (no class from the file is instantiated).
 ``inert_tensors(path)``
     The tensors of a checkpoint torch's weights_only loader refuses (omegaconf, your own
-    classes, TorchScript), read inertly; what inspect and fingerprint fall back to.
+    classes, TorchScript, code-running globals), read inertly; what inspect and fingerprint
+    fall back to.
 ``explain(text_or_exception)``
     Known save/load errors turned into cause, fix and the command that checks it.
 

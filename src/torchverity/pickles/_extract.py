@@ -2,7 +2,7 @@
 
 Used by ``migrate`` (which writes both) and by ``inert_tensors`` (which lets
 inspect and fingerprint list the tensors of a file torch's weights_only loader
-refuses: nothing from the file runs either way).
+refuses, or that the scan finds unsafe: nothing from the file runs either way).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from torchverity._formats import joblib_file_error
 from torchverity.errors import FormatError, UnsafeFileError, UsageError, shell_path
 from torchverity.pickles._inert import Inert, InertLoader
 from torchverity.pickles._unwrap import NOT_CONFIG, hyper_value
+
+if TYPE_CHECKING:
+    from torchverity.pickles._scan import ScanResult
 
 _BYTES_IN_META = 1 << 16
 
@@ -33,29 +36,59 @@ def inert_load(path: str | os.PathLike[str], fmt: str) -> tuple[Any, list[str]]:
     return obj, loader.placeholders
 
 
-def inert_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+def inert_read(path: Path, scan: ScanResult) -> tuple[Any, list[str]]:
+    """:func:`inert_load` of a scanned file, its reader's failures as typed errors: a file
+    crafted to trip the reader (a zip whose names disagree) is reported, never a crash."""
+    import pickle
+    import struct
+    import zipfile
+
+    # A file the scan finds unsafe was not made by a save that went wrong: not "restore it".
+    hint = (f"do not load it: the scan found it unsafe ({scan.reason})" if scan.verdict == "unsafe"
+            else "the file is damaged: restore it from a good copy or download it again")
+    try:
+        return inert_load(path, scan.format)
+    except (FormatError, UsageError):
+        raise
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, struct.error,
+            UnicodeDecodeError) as exc:
+        raise FormatError(f"{path}: cannot be read: {type(exc).__name__}: {exc}", path=path,
+                          hint=hint) from None
+    except Exception as exc:
+        raise UnsafeFileError(
+            f"{path}: cannot be read inertly ({type(exc).__name__}: {exc}); only a real "
+            "unpickler, which runs the file's code, could read it",
+            path=path, globals_found=scan.names(),
+            hint=f"torchverity scan {shell_path(path)} lists what it holds; load it only in a "
+                 "sandbox",
+        ) from None
+
+
+def inert_tensors(path: str | os.PathLike[str],
+                  scan: ScanResult | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a torch checkpoint by the names ``migrate`` gives them, read inertly.
 
-    Files the scan finds unsafe or malformed are refused with its reason (a file naming
-    code-running globals is not something to work with, even inertly)."""
-    return inert_contents(path)[0]
+    A file the scan finds unsafe is read too: its code-running globals become inert
+    placeholders like any other class, so nothing from it runs. A malformed one is
+    refused with the scan's reason: the reader cannot account for all of it."""
+    return inert_contents(path, scan)[0]
 
 
-def inert_contents(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor],
-                                                          dict[str, Any]]:
+def inert_contents(path: str | os.PathLike[str], scan: ScanResult | None = None,
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """:func:`inert_tensors`, and the plain values beside them (numbers, strings, booleans,
-    None; hyper-parameters of data classes unwrapped) by dotted name, from one read."""
-    from torchverity.pickles._scan import scan_file
+    None; hyper-parameters of data classes unwrapped) by dotted name, from one read.
+    ``scan`` is the file's scan when the caller has made it already."""
+    from torchverity.pickles._scan import next_step, scan_file
 
     p = Path(path)
-    scan = scan_file(p)
-    if scan.verdict in ("unsafe", "malformed"):
-        error = UnsafeFileError if scan.verdict == "unsafe" else FormatError
-        raise error(f"{p}: not read: the scan found it {scan.verdict} ({scan.reason})", path=p,
-                    hint=f"torchverity scan {shell_path(p)} shows where")
+    scan = scan or scan_file(p)
+    if scan.verdict == "malformed":
+        raise FormatError(f"{p}: cannot be read, even inertly: the scan found it malformed "
+                          f"({scan.reason})", path=p, hint=next_step(scan))
     if scan.format == "joblib":
         raise joblib_file_error(p)
-    obj, _ = inert_load(p, "pickle" if scan.format == "pickle" else "torch")
+    obj, _ = inert_read(p, scan)
     extractor = Extractor()
     try:
         tree = extractor.value(obj, "")

@@ -15,8 +15,11 @@ hyperparameters, Namespace) goes to meta.json as JSON, with tensors referred
 to by name. The output is written by :func:`torchverity.save` (sidecar,
 fingerprint, meta.json) and every tensor is read back and compared bit for bit.
 
-Files with globals that run code are refused; ``trust_sha256`` (the file's
-SHA-256) lifts that refusal for a file you made, and it is still read inertly.
+A file the scan finds unsafe (globals that run commands, import or evaluate) is
+migrated the same way: the reader never resolves those globals, so they stay
+placeholders and never run; the result and the meta name them, so the output's
+record says what the source would have run. Only malformed files are refused.
+``trust_sha256`` (the file's SHA-256), when given, refuses any other bytes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import os
 import shlex
 import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +38,17 @@ from torchverity.errors import (
     FormatError,
     InputError,
     IntegrityError,
-    UnsafeFileError,
     UsageError,
     restore_step,
     shell_path,
 )
-from torchverity.pickles._extract import Extractor, inert_load
+from torchverity.pickles._dangerous import MIGRATABLE, dangerous_globals
+from torchverity.pickles._extract import Extractor, inert_load, inert_read
 from torchverity.pickles._inert import Inert
-from torchverity.pickles._scan import DANGEROUS, MALFORMED, ScanResult, next_step, scan_file
+from torchverity.pickles._scan import MALFORMED, ScanResult, next_step, scan_file
 
 __all__ = ["Inert", "MigrateResult", "inert_load", "migrate"]
 
-_MIGRATABLE = ("torch-zip", "torch-legacy", "pickle", "torchscript")
 _BYTES_IN_META = 1 << 16
 
 
@@ -127,6 +129,8 @@ class MigrateResult:
     crc_checked: int = 0
     skipped: tuple[str, ...] = ()
     scan_verdict: str = ""
+    # The source's globals that run code or touch the system, with why: never run here.
+    dangerous: Mapping[str, str] = field(default_factory=dict)
 
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -153,32 +157,21 @@ def _folder_source(src: Path, dst: Path) -> InputError:
                       hint=hint)
 
 
-def _refuse(scan: ScanResult, path: Path, *, trusted: bool) -> None:
+def _refuse(scan: ScanResult, path: Path) -> None:
     if scan.verdict == MALFORMED:
         raise FormatError(f"{path}: cannot be migrated: {scan.reason}", path=path,
                           hint=next_step(scan))
-    if scan.format not in _MIGRATABLE:
+    if scan.format not in MIGRATABLE:
         raise UsageError(f"{path}: {scan.format} files are not migrated (no torch checkpoint)",
                          hint=f"torchverity scan {shell_path(path)} checks it for code; "
                               "migrate reads torch .pt/.pth/.bin/.ckpt files (TorchScript "
                               "included) and plain pickles")
-    dangerous = scan.names(DANGEROUS)
-    if dangerous and not trusted:
-        why = {g.name: g.reason for g in reversed(scan.globals) if g.category == DANGEROUS}
-        raise UnsafeFileError(
-            f"{path}: refused: the file holds globals that run code or touch the system: "
-            f"{', '.join(f'{n} ({why[n]})' for n in dangerous[:5])}",
-            path=path, globals_found=dangerous,
-            hint="do not load it; if you made it yourself, torchverity migrate "
-                 f"{shell_path(path)} NEW "
-                 "--trust-sha256 <its sha256> (still read inertly: nothing runs)",
-        )
 
 
 def _check_trust(path: Path, trust_sha256: str) -> None:
     from torchverity.digest import require_sha256
 
-    require_sha256(path, trust_sha256, refusing="refusing to unpickle",
+    require_sha256(path, trust_sha256, refusing="refusing to migrate other bytes",
                    hint="--trust-sha256 must name this exact file (sha256sum shows it)")
 
 
@@ -192,11 +185,11 @@ def migrate(
 ) -> MigrateResult:
     """Write ``target`` (.safetensors or .pt) with the tensors of ``source`` and a meta.json.
 
-    Nothing from the file runs, whatever it holds: TorchScript archives and nested
-    archives are read by the same inert reader. ``trust_sha256`` (the file's digest) only
-    lifts the refusal of files naming dangerous globals. ``nested=True`` (``.pt`` only)
-    writes ``{"model": state_dict, "optimizer": optimizer state_dict}`` instead of one
-    flat state dict."""
+    Nothing from the file runs, whatever it holds: TorchScript archives, nested archives
+    and files naming code-running globals (listed in the result's ``dangerous``) are read
+    by the same inert reader. ``trust_sha256`` (the file's SHA-256), when given, refuses
+    any other bytes. ``nested=True`` (``.pt`` only) writes ``{"model": state_dict,
+    "optimizer": optimizer state_dict}`` instead of one flat state dict."""
     from torchverity.checkpoint._save import save
 
     src, dst = Path(source), Path(target)
@@ -211,13 +204,14 @@ def migrate(
     scan = scan_file(src)
     if trust_sha256 is not None:
         _check_trust(src, trust_sha256)
-    _refuse(scan, src, trusted=trust_sha256 is not None)
+    _refuse(scan, src)
+    dangerous = dangerous_globals(scan)
     zipped = scan.format in ("torch-zip", "torchscript")
     crc_checked = _check_archive_crcs(src) if zipped else 0
-    obj, placeholders = _unpickle(src, scan)
+    obj, placeholders = inert_read(src, scan)
     extractor, meta_tree = _extract(src, obj)
     meta = {"source": src.name, "mode": "inert", "placeholders": placeholders,
-            "content": meta_tree, "skipped": extractor.skipped}
+            "dangerous": dangerous, "content": meta_tree, "skipped": extractor.skipped}
     if nested:
         report, count = _save_nested(obj, extractor, dst, meta, algo)
     else:
@@ -227,7 +221,7 @@ def migrate(
     return MigrateResult(
         os.fspath(src), os.fspath(dst), "inert", count, tuple(placeholders), report.digest,
         report.fingerprint, report.sidecar, report.meta_path, True, crc_checked,
-        tuple(extractor.skipped), scan.verdict,
+        tuple(extractor.skipped), scan.verdict, dangerous,
     )
 
 
@@ -264,26 +258,3 @@ def _save_nested(obj: Any, extractor: Extractor, dst: Path, meta: dict[str, Any]
         raise IntegrityError(f"{dst}: the nested checkpoint read back differs", path=dst,
                              hint="the output is not trustworthy: delete it and report this")
     return report, len(paths)
-
-
-def _unpickle(src: Path, scan: ScanResult) -> tuple[Any, list[str]]:
-    import pickle
-    import struct
-
-    try:
-        return inert_load(src, scan.format)
-    except (FormatError, UsageError):
-        raise
-    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, struct.error,
-            UnicodeDecodeError) as exc:
-        raise FormatError(f"{src}: cannot be read: {type(exc).__name__}: {exc}", path=src,
-                          hint="the file is damaged: restore it from a good copy or download "
-                               "it again") from None
-    except Exception as exc:
-        raise UnsafeFileError(
-            f"{src}: cannot be read inertly ({type(exc).__name__}: {exc}); only a real "
-            "unpickler, which runs the file's code, could read it",
-            path=src, globals_found=scan.names(),
-            hint=f"torchverity scan {shell_path(src)} lists what it holds; load it only in a "
-                 "sandbox",
-        ) from None
