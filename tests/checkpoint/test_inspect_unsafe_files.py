@@ -160,3 +160,21 @@ def test_a_torchscript_archive_is_named_as_one(tmp_path: Path,
     assert cli.out.startswith(f"{path}: TorchScript archive (torch.jit.save), ")
     assert cli.code == run_cli("scan", path).code == 1  # needs-review: its code would run
     assert json.loads(run_cli("inspect", "--json", path).out)["format"] == "torchscript"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_diff_never_calls_an_unsafe_file_equal_to_its_clean_copy(
+        evil: tuple[dict[str, pickle_corpus.UnsafeWeights], Path], kind: str, tmp_path: Path,
+        run_cli: Callable[..., Any]) -> None:
+    """Read inertly, the payload is an entry of its own: the same tensors and values beside
+    it do not make the two files equal."""
+    files, sentinel = evil
+    clean = tmp_path / "clean.pt"
+    torch.save({"model": {"w": TENSORS["model.w"], "b": TENSORS["model.b"]}, "epoch": 3}, clean)
+    done = run_cli("diff", "--json", clean, files[kind].path)
+    assert done.code == 1, done.err
+    entries = json.loads(done.out)["entries"]
+    assert entries and {e["status"] for e in entries} == {"only_in_b"}
+    assert all(e["name"].startswith("x.") for e in entries)  # tensors and epoch identical
+    assert f"{files[kind].path} is unsafe" in done.err and files[kind].offender in done.err
+    assert not sentinel.exists()

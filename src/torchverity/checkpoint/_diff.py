@@ -93,10 +93,32 @@ def _leaves(obj: Any) -> tuple[dict[str, Any], str]:
     from torchverity._tensors import iter_leaves
 
     if isinstance(obj, (str, os.PathLike)):
+        inert = _read_inertly(Path(obj))
+        if inert is not None:
+            return inert, os.fspath(obj)
         from torchverity.checkpoint._read import read_unverified
 
         return dict(iter_leaves(read_unverified(obj))), os.fspath(obj)
     return dict(iter_leaves(obj)), f"<{type(obj).__name__}>"
+
+
+def _read_inertly(path: Path) -> dict[str, Any] | None:
+    """A pickle file weights_only refuses, read inertly: its tensors, plain values and what
+    its objects were (a payload is an entry of its own, so a file that carries one never
+    compares equal to its clean copy). None for any other file."""
+    from torchverity._formats import file_format
+
+    if not path.is_file() or file_format(path) not in ("pt", "pt-legacy"):
+        return None
+    from torchverity.pickles._scan import scan_file
+
+    scan = scan_file(path)
+    if scan.verdict not in ("unsafe", "needs-review", "needs-allowlist"):
+        return None
+    from torchverity.pickles._extract import inert_contents
+
+    tensors, plain = inert_contents(path, scan)
+    return {**plain, **tensors}
 
 
 def _diff_listed(a: Any, b: Any, listed_a: Listing, listed_b: Listing, rtol: float,

@@ -44,4 +44,26 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         tolerance = f" within rtol={args.rtol} atol={args.atol}" if args.rtol or args.atol else ""
         out.line(f"{verdict}{tolerance}: {len(result.entries)} entries ({counts})")
 
-    return out.result({"ok": result.equal, **result.to_dict()}, render)
+    code = out.result({"ok": result.equal, **result.to_dict()}, render)
+    for path in (args.a, args.b):
+        _warn_if_unsafe(path, out)
+    return code
+
+
+def _warn_if_unsafe(path: str, out: Output) -> None:
+    """A side whose pickle names code-running globals: read inertly here (its payload is
+    an entry of the diff), and never to be loaded."""
+    from pathlib import Path
+
+    from torchverity._formats import file_format
+
+    if not Path(path).is_file() or file_format(Path(path)) not in ("pt", "pt-legacy"):
+        return
+    from torchverity.pickles._dangerous import dangerous_globals, describe_globals, rescue_step
+    from torchverity.pickles._scan import scan_file
+
+    scan = scan_file(path)
+    if scan.verdict == "unsafe":
+        out.err.write(f"torchverity: warning: {path} is unsafe: it names "
+                      f"{describe_globals(dangerous_globals(scan))}; read inertly, nothing "
+                      f"ran\n  next: {rescue_step(scan)}\n")

@@ -97,12 +97,22 @@ def inert_contents(path: str | os.PathLike[str], scan: ScanResult | None = None,
     return extractor.tensors, dict(_plain_leaves(tree, ""))
 
 
+# Markers that say what an object was (a class, a callable the loader would have called,
+# a type, what only a repr could show): leaves too, so that two files that differ in them
+# do not read alike (a payload beside the same tensors).
+_SHOWN_MARKERS = ("$class", "$type", "$repr")
+
+
 def _plain_leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
-    """The plain values of an extracted tree (markers such as ``$class`` and tensors left
-    out), named as the loaded object's leaves are."""
+    """The plain values of an extracted tree, and the markers naming what its objects were
+    (``x.$class``); tensors left out. Named as the loaded object's leaves are."""
     if isinstance(tree, Mapping):
+        if "$tensor" in tree:
+            return
         for key, value in tree.items():
-            if not key.startswith("$"):
+            if key in _SHOWN_MARKERS:
+                yield _join(path, key), value
+            elif not key.startswith("$"):
                 yield from _plain_leaves(value, _join(path, key))
     elif isinstance(tree, list):
         for i, value in enumerate(tree):
