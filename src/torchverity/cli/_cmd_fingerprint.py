@@ -64,13 +64,14 @@ def _unsafe_files(path: str | os.PathLike[str]) -> dict[str, ScanResult]:
     from torchverity._formats import file_format
     from torchverity.checkpoint._onnx import is_onnx
     from torchverity.checkpoint._st_fingerprint import checkpoint_files
-    from torchverity.pickles._scan import scan_file
 
     found = {}
     for f in checkpoint_files(path)[0]:
         # Read already, so each is a file of a format its fingerprint was taken from.
         if is_onnx(f) or file_format(f) == "safetensors":
             continue
+        from torchverity.pickles._scan import scan_file  # pickles only: the scan is heavy
+
         scan = scan_file(f)
         if scan.verdict == "unsafe":
             found[os.fspath(f)] = scan
