@@ -96,10 +96,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 def inspect(path: str | os.PathLike[str]) -> InspectResult:
     """Inspect a checkpoint file, Hugging Face folder, index or ONNX model without executing
     code from it."""
-    from torchverity._formats import file_format
     from torchverity.checkpoint._folders import resolve
     from torchverity.checkpoint._onnx import is_onnx
     from torchverity.checkpoint._records import meta_path_for
+    from torchverity.pickles._file_format import checkpoint_format
 
     p = Path(path)
     target = resolve(p)
@@ -112,7 +112,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
         size = sum((folder / s).stat().st_size for s in shards if (folder / s).is_file())
     else:
         record = target.file
-        fmt = "onnx" if is_onnx(record) else file_format(record)
+        fmt = "onnx" if is_onnx(record) else checkpoint_format(record)
         size = record.stat().st_size
     found = find_sidecar(record)
     recorded_side = read_sidecar(found)[:2] if found is not None else _hub_record(record)
