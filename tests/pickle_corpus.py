@@ -9,13 +9,16 @@ them does create the sentinel.
 from __future__ import annotations
 
 import argparse
+import http
 import io
 import json
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
+import typing
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -386,6 +389,15 @@ class UserConfig:
         self.layers = [4, 4]
 
 
+# Type hints as configs hold them, in the typing spellings (data here, not annotations):
+# each is rebuilt by a call (type(None), typing.List[int]).
+_HINTS = {"opt": typing.Optional[int], "none": type(None),  # noqa: UP045
+          "lst": typing.List[int], "dct": typing.Dict[str, typing.List[float]],  # noqa: UP006
+          "tup": typing.Tuple[int, ...], "gen": list[int], "lit": typing.Literal["a"]}  # noqa: UP006
+_HINT_NEEDS = ("_operator.getitem", "typing.Union", "builtins.int", "builtins.type",
+               "typing.List", "typing.Dict", "builtins.str", "builtins.float", "typing.Tuple",
+               "builtins.Ellipsis", "types.GenericAlias", "builtins.list", "typing.Literal",
+               "http.HTTPStatus", "re.RegexFlag")
 _NUMPY_NEEDS = ("numpy._core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype")
 _JOBLIB_NEEDS = ("joblib.numpy_pickle.NumpyArrayWrapper", "numpy.ndarray", "numpy.dtype")
 
@@ -443,6 +455,10 @@ def benign(root: Path) -> list[Case]:
         ("arrays_z.joblib", lambda p: _joblib(p, compress=3), needs, _JOBLIB_NEEDS),
         ("object.npy", lambda p: np.save(p, np.array([1, "x"], dtype=object)), needs,
          _NUMPY_NEEDS),
+        ("type_hints.pt", lambda p: torch.save({"w": torch.ones(2), "hints": _HINTS,
+                                                "status": http.HTTPStatus.OK,
+                                                "flags": re.IGNORECASE | re.MULTILINE}, p),
+         needs, _HINT_NEEDS),
     ]
     cases = []
     for name, write, verdicts, expected in files:

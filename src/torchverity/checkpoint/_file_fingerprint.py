@@ -19,9 +19,9 @@ def fingerprint_file(path: str | os.PathLike[str], *,
     and the ``device`` mode, go through PyTorch's restricted ``weights_only``
     unpickler with memory-mapped storages.
     """
-    from torchverity._formats import file_format
     from torchverity.checkpoint._folders import resolve
     from torchverity.checkpoint._onnx import is_onnx
+    from torchverity.pickles._file_format import checkpoint_format
 
     target = resolve(path)
     algo = {"exact": EXACT, "auto": EXACT}.get(mode, mode)
@@ -33,7 +33,7 @@ def fingerprint_file(path: str | os.PathLike[str], *,
         if found_onnx is not None:
             return found_onnx[1]
     if not onnx and algo in (EXACT, LEGACY_EXACT):
-        if target.index is None and file_format(target.file) == "safetensors":
+        if target.index is None and checkpoint_format(target.file) == "safetensors":
             from torchverity.checkpoint._st_fingerprint import fingerprint_safetensors
             from torchverity.pickles._limits import check_safetensors_limits
 

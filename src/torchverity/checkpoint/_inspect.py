@@ -122,10 +122,11 @@ def _numel(shape: tuple[int, ...]) -> int:
 def inspect(path: str | os.PathLike[str]) -> InspectResult:
     """Inspect a checkpoint file, Hugging Face folder, index or ONNX model without executing
     code from it."""
-    from torchverity._formats import file_format, joblib_file_error
+    from torchverity._formats import joblib_file_error
     from torchverity.checkpoint._folders import resolve
     from torchverity.checkpoint._onnx import is_onnx
     from torchverity.checkpoint._records import meta_path_for
+    from torchverity.pickles._file_format import checkpoint_format
 
     p = Path(path)
     target = resolve(p)
@@ -140,7 +141,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
         size = sum(f.stat().st_size for f in present)
     else:
         record = target.file
-        fmt = "onnx" if is_onnx(record) else file_format(record)
+        fmt = "onnx" if is_onnx(record) else checkpoint_format(record)
         size = record.stat().st_size
     recorded = _record_of(record)
     shard_recorded = {f: r for f in present if (r := _record_of(f)) is not None}
@@ -235,10 +236,10 @@ def _scan(path: Path) -> Any:
 def _pickle_file(path: Path) -> bool:
     """Whether a shard is a torch pickle (one that is something else, a Git LFS pointer or
     an HTML page, is reported when its tensors are read)."""
-    from torchverity._formats import file_format
+    from torchverity.pickles._file_format import checkpoint_format
 
     try:
-        return file_format(path) in ("pt", "pt-legacy")
+        return checkpoint_format(path) in ("pt", "pt-legacy")
     except TorchVerityError:
         return False
 

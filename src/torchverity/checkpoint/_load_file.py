@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import torchverity.checkpoint._safetensors as st
-from torchverity._formats import FileFormat, download_kind, file_format, foreign_format
+from torchverity._formats import FileFormat, download_kind, foreign_format
 from torchverity._tensors import dtype_name
 from torchverity.checkpoint._damage import _locate_pt_damage
 from torchverity.checkpoint._fingerprint import (
@@ -51,6 +51,7 @@ from torchverity.errors import (
     IntegrityError,
     shell_path,
 )
+from torchverity.pickles._file_format import checkpoint_format
 from torchverity.provenance._torch_hub import record_name, refetch_hint, torch_hub_prefix
 
 log = logging.getLogger("torchverity.checkpoint")
@@ -72,7 +73,7 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
                      "against the pending records (the next save replaces them)")
     expected = signed or expected
     try:
-        fmt = file_format(p)
+        fmt = checkpoint_format(p)
     except FormatError:
         # Damage that hit the magic bytes is damage; a pointer or web page is a bad download.
         if p.stat().st_size and download_kind(p) is None:

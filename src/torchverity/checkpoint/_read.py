@@ -24,6 +24,7 @@ from torchverity.errors import (
     restore_step,
     shell_path,
 )
+from torchverity.pickles._file_format import checkpoint_format
 
 
 def _count_tensors(obj: Any) -> int:
@@ -60,7 +61,7 @@ def read_unverified(path: str | os.PathLike[str]) -> Any:
 
     p = target.file
     check_limits(p)  # the scan's bounds, before any reader parses the file
-    fmt = file_format(p)
+    fmt = checkpoint_format(p)
     if fmt == "safetensors":
         return st.map_tensors(p, st.read_header(p))
     try:

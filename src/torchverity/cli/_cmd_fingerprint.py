@@ -61,14 +61,15 @@ def _run(args: argparse.Namespace, out: Output) -> int:
 def _unsafe_files(path: str | os.PathLike[str]) -> dict[str, ScanResult]:
     """The pickle files of a checkpoint the scan finds unsafe, with their scans:
     fingerprinted all the same, since their read runs nothing."""
-    from torchverity._formats import file_format
     from torchverity.checkpoint._onnx import is_onnx
     from torchverity.checkpoint._st_fingerprint import checkpoint_files
 
     found = {}
     for f in checkpoint_files(path)[0]:
         # Read already, so each is a file of a format its fingerprint was taken from.
-        if is_onnx(f) or file_format(f) == "safetensors":
+        from torchverity.pickles._file_format import checkpoint_format
+
+        if is_onnx(f) or checkpoint_format(f) == "safetensors":
             continue
         from torchverity.pickles._scan import scan_file  # pickles only: the scan is heavy
 

@@ -24,7 +24,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "safe, needs-allowlist (with the exact safe_globals code), needs-review (a class whose "
         "code would run), unsafe (code that runs commands, imports or evaluates), malformed. "
         "Folders: only files that can hold a pickle are judged; the others are listed as "
-        "skipped; a file reached through symlinks (a Hugging Face cache) is judged once. "
+        "skipped; a file reached through symlinks (a Hugging Face cache) is judged once; a "
+        "sharded checkpoint's *.index.json given as a file is judged with its shards. "
         "Nothing from the files is imported or run. Exit 1 unless every file is safe or "
         "needs-allowlist; else 2 if a file cannot be read (the others are still scanned) or "
         "a folder holds no file to judge.",

@@ -13,7 +13,8 @@ import sys
 from functools import lru_cache
 from typing import Final, Literal
 
-from torchverity.pickles._ops import GlobalRef
+from torchverity.pickles._imports import import_effect, lookup, python_name
+from torchverity.pickles._ops import GlobalRef, Value, ref_of
 from torchverity.pickles._torch_names import MODELED
 
 # A file's verdict (torchverity.pickles._verdict says which, worst first).
@@ -87,17 +88,33 @@ _BENIGN: dict[str, str] = {
     },
 }
 _OMEGACONF = "omegaconf container or node (configuration data; nothing is evaluated on load)"
+_TYPING = ("Any", "Union", "Optional", "List", "Dict", "Tuple", "Set", "FrozenSet", "Sequence",
+           "Mapping", "Callable", "Type", "Literal", "Annotated", "ClassVar", "Final",
+           "Iterable", "Iterator", "Generator", "Collection", "Container", "Hashable",
+           "AbstractSet", "MutableMapping", "MutableSequence", "DefaultDict", "OrderedDict",
+           "Deque", "Counter", "NoReturn")
+_TYPING_REASON = "typing annotation object (a type hint, data only)"
 _BENIGN_EXTRA: dict[str, str] = {
     **{f"omegaconf.{n}": _OMEGACONF for n in (
         "dictconfig.DictConfig", "listconfig.ListConfig", "base.ContainerMetadata",
         "base.Metadata", "nodes.AnyNode", "nodes.StringNode", "nodes.IntegerNode",
         "nodes.FloatNode", "nodes.BooleanNode", "nodes.EnumNode", "nodes.BytesNode",
         "nodes.PathNode", "nodes.InterpolationResultNode")},
-    **{f"typing.{n}": "typing annotation object (a type hint, data only)" for n in (
-        "Any", "Union", "Optional", "List", "Dict", "Tuple", "Set", "FrozenSet", "Sequence",
-        "Mapping", "Callable", "Type", "Literal")},
+    **dict.fromkeys((f"typing.{n}" for n in _TYPING), _TYPING_REASON),
+    "types.GenericAlias": "typing annotation object (list[int]: a generic alias, data only)",
+    "builtins.Ellipsis": "builtin constant (typing.Tuple[int, ...])",
+    "builtins.NotImplemented": "builtin constant",
     **{f"enum.{n}": "standard enum base class" for n in (
         "Enum", "IntEnum", "Flag", "IntFlag", "StrEnum")},
+    # An enum class is called with a value to rebuild a member (more arguments would
+    # extend it, which an enum with members refuses); the rest of these modules stays
+    # dangerous (http.client, socket.socket, signal.signal).
+    **dict.fromkeys((
+        "http.HTTPStatus", "http.HTTPMethod", "re.RegexFlag", "uuid.SafeUUID",
+        "inspect._ParameterKind", "signal.Signals", "signal.Handlers", "socket.AddressFamily",
+        "socket.SocketKind", "ssl.TLSVersion", "ssl.VerifyMode", "ssl.Options",
+        "plistlib.PlistFormat", "pstats.SortKey", "enum.FlagBoundary"),
+        "standard library enum (a member is its class called with its value)"),
     **{f"pathlib.{n}": "path value (no file access on load)" for n in ("Path", "PurePath")},
     **{f"pathlib._local.{n}": "path value (no file access on load)" for n in (
         "Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")},
@@ -148,6 +165,20 @@ _DANGER_MODULES: dict[str, str] = {
     "bdb": "evaluates code",
     "trace": "runs code",
     "pickle": "nested unpickling",
+    "torch.load": "nested checkpoint loading (torch.load unpickles what it reads)",
+    "torch._weights_only_unpickler": "nested unpickling",
+    "torch.utils.model_zoo": "downloads and loads checkpoints",
+    "torch.from_file": "reads files",
+    "torch.save": "writes files",
+    **dict.fromkeys((f"numpy.{n}" for n in (
+        "loadtxt", "genfromtxt", "fromfile", "fromregex", "memmap", "save", "savez",
+        "savez_compressed", "savetxt")), "reads or writes files"),
+    **dict.fromkeys((f"{p}.utilities.cloud_io" for p in ("lightning.fabric", "lightning_fabric")),
+                    "nested checkpoint loading (torch.load)"),
+    "pandas.read_pickle": "nested unpickling",
+    "pandas.io": "reads files (pandas.io.pickle unpickles them)",
+    "yaml": "parses YAML (yaml.load and unsafe_load construct Python objects)",
+    "jsonpickle": "decodes JSON into Python objects (runs their constructors)",
     "_pickle": "nested unpickling",
     "cPickle": "nested unpickling",
     "marshal": "loads code objects",
@@ -156,7 +187,9 @@ _DANGER_MODULES: dict[str, str] = {
     "cloudpickle": "nested unpickling",
     "types": "builds functions and code objects",
     "functools": "calls arbitrary callables (partial, reduce)",
+    "_functools": "calls arbitrary callables (partial, reduce)",
     "operator": "attribute access and calls (attrgetter, methodcaller)",
+    "_operator": "attribute access and calls (attrgetter, methodcaller)",
     "pip": "installs and runs packages (pip.main)",
     "setuptools": "runs build code",
     "distutils": "runs build code",
@@ -172,6 +205,8 @@ _DANGER_MODULES: dict[str, str] = {
     "gc": "interpreter internals",
     "__builtin__": "builtin functions",
     "builtins": "builtin functions (eval, exec, getattr, __import__, open)",
+    "builtins.type": "creates classes (type(name, bases, dict) runs the code of their "
+                     "metaclass and __init_subclass__)",
     "torch.hub": "downloads and runs code",
     "torch.jit": "compiles and runs code",
     "torch._dynamo": "compiles and runs code",
@@ -231,33 +266,24 @@ def _torch_class_ok(module: str, name: str) -> bool:
 
 
 def _danger_reason(module: str, name: str) -> str | None:
+    if f"{module}.{name}" in _DANGER_MODULES:
+        return _DANGER_MODULES[f"{module}.{name}"]
     parts = module.split(".")
     for i in range(len(parts), 0, -1):
         prefix = ".".join(parts[:i])
         if prefix in _DANGER_MODULES:
             return _DANGER_MODULES[prefix]
-    if f"{module}.{name}" in _DANGER_MODULES:
-        return _DANGER_MODULES[f"{module}.{name}"]
     return None
-
-
-def _python_name(ref: GlobalRef, protocol: int) -> tuple[str, str]:
-    """The name Python's unpickler imports: protocols 0-2 remap Python 2 names."""
-    import _compat_pickle
-
-    key = (ref.module, ref.name)
-    if protocol >= 3:
-        return key
-    if key in _compat_pickle.NAME_MAPPING:
-        return _compat_pickle.NAME_MAPPING[key]
-    return _compat_pickle.IMPORT_MAPPING.get(ref.module, ref.module), ref.name
 
 
 def classify(ref: GlobalRef, protocol: int = 0) -> tuple[Category, str]:
     """The (category, reason) of one global. Fail-closed: unrecognised means unknown."""
-    module, name = _python_name(ref, protocol)
+    module, name = python_name(ref, protocol)
     if ref.dynamic:
         return DANGEROUS, f"name computed at load time by {ref.opcode}: it can resolve anything"
+    effect = import_effect(lookup(ref, protocol).modules)
+    if effect is not None:
+        return DANGEROUS, f"importing {effect[0]} {effect[1]}"
     if not _MODULE.match(module) or not _NAME.match(name):
         if "." in name and _NAME.match(name.replace(".", "_")):
             return DANGEROUS, "dotted attribute path: reaches nested attributes of the module"
@@ -282,8 +308,47 @@ def classify(ref: GlobalRef, protocol: int = 0) -> tuple[Category, str]:
 
 
 
+# ------------------------------------------------------------------ data calls
 
-def importable(name: str) -> bool:
-    """Whether an import of this global could succeed at all (module and name are valid)."""
-    module, _, attr = name.rpartition(".")
-    return bool(_MODULE.match(module) and _NAME.match(attr))
+
+def _one_argument(made: Value, protocol: int) -> bool:
+    args = made.args
+    return (made.via == "REDUCE" and type(args) is Value and args.kind == "tuple"
+            and len(args.items) == 1 and not args.truncated)
+
+
+# What _operator.getitem may subscript to build a type hint (typing.List[int], dict[str, int]).
+_GENERICS = frozenset({
+    *(f"typing.{n}" for n in _TYPING),
+    *(f"builtins.{n}" for n in ("list", "dict", "tuple", "set", "frozenset")),
+    *(f"collections.{n}" for n in ("OrderedDict", "defaultdict", "deque", "Counter")),
+})
+
+
+def _subscripts_a_generic(made: Value, protocol: int) -> bool:
+    args = made.args
+    if (made.via != "REDUCE" or type(args) is not Value or args.kind != "tuple"
+            or len(args.items) != 2):
+        return False
+    ref = ref_of(args.items[0])
+    return ref is not None and not ref.dynamic and ".".join(python_name(ref, protocol)) in _GENERICS
+
+
+_GETITEM = (_subscripts_a_generic, "subscripts a type hint (typing.List[int]): typing data")
+# Globals whose calls build data only with these arguments (any other use, type() with
+# three arguments to create a class say, leaves them to their module's class).
+_DATA_CALLS = {
+    "builtins.type": (_one_argument, "type of a value (type() with one argument returns its "
+                                     "class, data only)"),
+    "_operator.getitem": _GETITEM,
+    "operator.getitem": _GETITEM,
+}
+
+
+def data_call_reason(ref: GlobalRef, protocol: int, calls: list[Value], pushes: int) -> str | None:
+    """Why a global is benign when every use of it is a call that builds data (``pushes``:
+    the times it was pushed; a push that is not one of ``calls`` let it escape), else None."""
+    rule = _DATA_CALLS.get(".".join(python_name(ref, protocol)))
+    if rule is None or len(calls) != pushes or not all(rule[0](c, protocol) for c in calls):
+        return None
+    return rule[1]

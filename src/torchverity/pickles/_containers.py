@@ -14,6 +14,10 @@ A file is read as every loader reads it, not by one guess from its magic bytes:
   or spells a compression magic (those readings are *alternates*: their parse
   errors are expected and ignored, what they would resolve still counts).
 
+A file that every unpickler gives up on before it calls anything (text whose first
+byte happens to be an opcode, such as ``cfg:`` or ``import``) holds no pickle at all
+(:func:`_runs_nothing`).
+
 Each stream is walked by :mod:`torchverity.pickles._ops`; container anomalies
 are reported as ``problems``. Tensor data is never read.
 """
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from torchverity.pickles import _sniff
+from torchverity.pickles._imports import import_effect, lookup
 from torchverity.pickles._numpy_fmt import (
     JOBLIB_WRAPPERS,
     NPY_MAGIC,
@@ -219,6 +224,13 @@ def _scan_view(
             _walk_member(fh, member, limits, container, label)
 
 
+def _torch_save_records(names: list[str]) -> bool:
+    """Entries in one folder, with the records torch.save writes besides the pickle."""
+    folders = {n.split("/", 1)[0] for n in names}
+    return (len(folders) == 1 and all("/" in n for n in names)
+            and any(_base_name(n) in _TORCH_KNOWN_RECORDS for n in names))
+
+
 def scan_zip(fh: BinaryIO, size: int, limits: Limits) -> Container:
     problems: list[str] = []
     views = zip_views(fh, size, problems)
@@ -226,7 +238,8 @@ def scan_zip(fh: BinaryIO, size: int, limits: Limits) -> Container:
         raise PickleError(problems[-1] if problems else "zip archive cannot be read", 0)
     first = views[0].members
     names = [m.name.lower() for m in first]
-    is_torch = any(n.endswith("/data.pkl") for n in names)
+    pickled = any(n.endswith("/data.pkl") for n in names)
+    is_torch = pickled or _torch_save_records(names)
     if first and all(n.endswith(".npy") for n in names):
         fmt = "npz"
     else:
@@ -234,7 +247,13 @@ def scan_zip(fh: BinaryIO, size: int, limits: Limits) -> Container:
     container = Container(fmt, problems=problems)
     if first and is_torch:
         _torch_entry(first, container)
-        if container.torch_entry and container.torch_entry.lower() not in names:
+        if not pickled:
+            container.problems.append(
+                f"no {container.torch_entry!r}, only torch.save's version/byteorder records: "
+                "a torch.save that failed while pickling leaves such a file (data.pkl is "
+                "written once the whole object is pickled), and torch.load fails on it "
+                "('failed locating file data.pkl'); save the checkpoint again")
+        elif container.torch_entry and container.torch_entry.lower() not in names:
             container.problems.append(f"torch reads {container.torch_entry!r} (prefix of the "
                                       "first entry) and it is absent")
     for view in views:
@@ -449,30 +468,57 @@ def _readings(fh: BinaryIO, size: int, head: bytes, limits: Limits, name: str) -
     raw = _raw_reading(fh, size, limits, container, name, alternate=not primary)
     if decompressed is not None:
         _settle_compressed(container, decompressed, raw)
+        # Text that starts like a compression magic ("x" is zlib's to joblib): every
+        # reading fails before it runs anything.
+        if _sniff.text_file(head) and all(_runs_nothing(e.streams[0])
+                                          for e in (decompressed, raw)):
+            _no_pickle(container, "text")
     elif primary:
         _not_a_pickle(container, raw, head, size)
     return container
 
 
+def _runs_nothing(report: StreamReport) -> bool:
+    """Whether every unpickler of a file's first pickle stops inside this stream before it
+    calls anything, having imported only modules not known to act when imported.
+
+    It stops at the first global no installed module provides (find_class fails after its
+    imports), at a persistent id, or where the walk fails as the unpicklers do (not at a
+    bound of ours, where a loader may read on)."""
+    if report.halt is None and (report.error is None or report.error_limit):
+        return False
+    if report.first_call is not None:
+        return False
+    stop = report.halt if report.halt is not None else report.error_offset or 0
+    refs = [g for g in report.globals if g.offset <= stop]
+    if report.halt is None and report.cut_global is not None:
+        refs.append(report.cut_global)
+    return not any(ref.dynamic or import_effect(lookup(ref, report.protocol).modules)
+                   for ref in refs)
+
+
+def _no_pickle(container: Container, fmt: str) -> None:
+    """The file is no pickle to any loader: its readings are no pickle streams either."""
+    container.format = fmt
+    container.entries.clear()
+    container.problems.clear()
+
+
 def _not_a_pickle(container: Container, entry: Entry, head: bytes, size: int) -> None:
-    """A file every unpickler rejects before resolving anything is not a pickle at all."""
+    """A file every unpickler gives up on before it runs anything is not a pickle at all."""
     first = entry.streams[0]
-    if first.error is None or first.globals or first.calls or first.error_limit:
+    if not _runs_nothing(first):
         return
     broken = _sniff.broken_safetensors(head, size)
     if size == 0:
-        container.format = "empty"
+        _no_pickle(container, "empty")
     elif broken is not None:
-        container.format = "safetensors"
+        _no_pickle(container, "safetensors")
         container.problems.append(broken)
     elif _sniff.text_file(head):
-        container.format = "text"
-    elif first.ops <= 2:
-        container.format = "data"
-    else:
-        return
-    entry.alternate = True
-    if container.format == "data":
+        _no_pickle(container, "text")
+    elif first.ops <= 2 and first.error is not None:
+        _no_pickle(container, "data")
         container.problems.append(f"not a pickle: {first.error} at offset {first.error_offset}")
 
 
@@ -549,7 +595,7 @@ def _scan_nested(fh: BinaryIO, container: Container, limits: Limits, depth: int)
                 container.nested.append(Nested(entry.name, ref, offset, via, inner))
             for key, (value, pushes) in report.watched.items():
                 extra = pushes - called.get(key, 0)
-                if extra > 0 and value.ref is not None:
+                if extra > 0 and value.ref is not None and value.ref.qualname == _NESTED_LOADER:
                     container.escaped.append((entry.name, value.ref, extra))
 
 

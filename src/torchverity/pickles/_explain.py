@@ -51,6 +51,9 @@ def _rule(key: str, pattern: str, cause: str, fix: str, command: str,
 # more than ten), so a key holds braces, commas and spaces.
 _ROW_KEY = r"^(?P<key>(?:[\w.\-]|\{[\d, .]+\})+)\s*\|\s*"
 _SHAPE = r"torch\.Size\(\[[\d, ]*\]\)"
+# Opcodes of protocols 0 and 1 that torch's weights_only unpickler lacks (POP, DUP, FLOAT,
+# INT, LONG, PERSID, STRING, BINSTRING, UNICODE, DICT, GET, INST, LIST, OBJ, PUT): "0", "2", ...
+_PROTOCOL_0_OPERANDS = "|".join(str(ord(c)) for c in "012FILPSTVdgilop")
 
 
 # Order matters: the first rules are the most specific, and a message that
@@ -162,8 +165,19 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity scan {file}",
     ),
     _rule(
+        "protocol-0-pickle",
+        r"Unsupported operand (?P<op>" + _PROTOCOL_0_OPERANDS + r")\b",
+        "the file is a pickle of protocol 0 or 1{detail}, whose opcodes are printable "
+        "characters (as pickle.dumps(obj, 0) and Python 2 wrote them); torch's weights_only "
+        "unpickler reads protocol 2 only.",
+        "convert it without running its code: torchverity migrate writes a protocol-2 "
+        "state_dict; or re-save it from trusted code with the default pickle_protocol=2.",
+        "torchverity migrate {file} {file}.safetensors",
+    ),
+    _rule(
         "unsupported-opcode",
-        r"Unsupported operand (?!118\b|60\b|8\b|147\b)(?P<op>\d+)",
+        r"Unsupported operand (?!118\b|60\b|8\b|147\b|(?:" + _PROTOCOL_0_OPERANDS
+        + r")\b)(?P<op>\d+)",
         "the file was pickled with protocol 4 or later{detail} (operand 149 is FRAME), e.g. by "
         "pickle.dump or torch.save(pickle_protocol=4); torch's weights_only unpickler reads "
         "protocol 2 only.",

@@ -15,12 +15,14 @@ limit is reported as an error (the file cannot be checked), never ignored.
 
 from __future__ import annotations
 
+import codecs
 import pickletools
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchverity.pickles._imports import lookup
 from torchverity.pickles._source import ByteSource as ByteSource
 from torchverity.pickles._source import Limits as Limits
 from torchverity.pickles._source import PickleError as PickleError
@@ -40,8 +42,10 @@ from torchverity.pickles._values import weigh, weight
 KEEP_BYTES = 1 << 16  # strings and bytes above this are skipped, not kept
 KEEP_ITEMS = 256  # items kept per container (enough for names and small configs)
 _MAX_NOTED = 100  # gadget-shaped events kept per stream (one is enough for the verdict)
-# Calls whose arguments the containers inspect: archives embedded by pickle.dumps(tensor).
-WATCHED_CALLS = frozenset({"torch.storage._load_from_bytes"})
+# Globals judged per call, by their arguments: the loader of archives pickle.dumps(tensor)
+# embeds, and the calls that build typing data (type(None), typing.List[int]).
+WATCHED_CALLS = frozenset({"torch.storage._load_from_bytes", "builtins.type", "__builtin__.type",
+                           "_operator.getitem", "operator.getitem"})
 
 _OPS: dict[int, pickletools.OpcodeInfo] = {ord(op.code): op for op in pickletools.opcodes}
 
@@ -66,8 +70,9 @@ class StreamReport:
     # Calls of WATCHED_CALLS globals: (offset, opcode, made); other calls are not kept.
     calls: list[tuple[int, str, Value]] = field(default_factory=list)
     # Each WATCHED_CALLS global value -> times it was pushed (GLOBAL, memo GET, DUP). A push
-    # that did not end as the callee of a recorded call let the loader escape (passed as an
-    # argument, a state, a result): it may then be called on bytes that are not in the file.
+    # that did not end as the callee of a recorded call let the global escape (passed as an
+    # argument, a state, a result): it may then be called on anything (a loader on bytes
+    # that are not in the file, type() with three arguments).
     watched: dict[int, list[Any]] = field(default_factory=dict)
     opcodes: dict[str, int] = field(default_factory=dict)  # opcode name -> first offset
     persistent_ids: dict[str, int] = field(default_factory=dict)  # id kind -> first offset
@@ -77,6 +82,14 @@ class StreamReport:
     global_builds: list[tuple[int, GlobalRef]] = field(default_factory=list)
     # APPEND/SETITEM-style opcodes applied to something other than a plain list/dict.
     odd_targets: list[tuple[int, str, Value]] = field(default_factory=list)
+    # Where an unpickler without persistent_load (pickle.load, joblib, numpy, torch's first
+    # legacy pickle: every loader of a file's first pickle) stops at the latest: the first
+    # global find_class cannot resolve, or a persistent id. Nothing after it runs.
+    halt: int | None = None
+    # The first opcode before ``halt`` that calls into something: (offset, opcode).
+    first_call: tuple[int, str] | None = None
+    # A GLOBAL/INST whose lines the end of the stream cuts: pickle.py still imports it.
+    cut_global: GlobalRef | None = None
     error: str | None = None
     error_offset: int | None = None
     error_limit: bool = False  # the error is a bound of ours, not a failure of the loader
@@ -202,18 +215,27 @@ class Walker:
     def _global(self, module: str, name: str, opcode: str, dynamic: bool = False) -> Value:
         ref = GlobalRef(module, name, self._op_offset, opcode, dynamic)
         self.report.globals.append(ref)
+        if self.report.halt is None and not dynamic and not lookup(ref,
+                                                                   self.report.protocol).found:
+            self.report.halt = self._op_offset
         value = Value("global", ref=ref)
         if ref.qualname in WATCHED_CALLS:
             self.report.watched[id(value)] = [value, 1]
         return value
 
     def pushed_again(self, value: Item) -> None:
-        """Count a memo GET or DUP of a watched loader."""
+        """Count a memo GET or DUP of a watched global."""
         entry = self.report.watched.get(id(value))
         if entry is not None:
             entry[1] += 1
 
+    def called(self, via: str) -> None:
+        """Note a call into a loaded object, unless every loader stopped before it."""
+        if self.report.first_call is None and self.report.halt is None:
+            self.report.first_call = (self._op_offset, via)
+
     def _made(self, via: str, callee: Item, args: Item) -> Value:
+        self.called(via)
         w = self._check_weight(1 + weight(args))
         d = args.depth if type(args) is Value else 0
         made = Value("made", callee=callee, args=args, via=via, weight=w, depth=d)
@@ -277,10 +299,15 @@ def _int_text(w: Walker) -> None:
     if text in ("00", "01"):
         w.push(text == "01")
         return
+    # LONG's suffix (INT would refuse it: lenient is safe); an empty INT line is _pickle's 0.
+    digits = text.removesuffix("L") or "0"
     try:
-        w.push(int(text.rstrip("L") or "0"))
+        w.push(int(digits, 0))  # both unpicklers read base prefixes: 0x1f, 0o17, 1_000
     except ValueError:
-        raise PickleError(f"bad integer literal {text[:40]!r}", w._op_offset) from None
+        try:
+            w.push(int(digits))  # _pickle's strtol also takes a leading zero ("017")
+        except ValueError:
+            raise PickleError(f"bad integer literal {text[:40]!r}", w._op_offset) from None
 
 
 def _float_text(w: Walker) -> None:
@@ -325,14 +352,17 @@ def _string_text(w: Walker) -> None:
     raw = w._text()
     if len(raw) < 2 or raw[0] != raw[-1] or raw[0] not in "'\"":
         raise PickleError("STRING literal is not quoted", w._op_offset)
-    try:
-        w.push(raw[1:-1].encode("latin-1").decode("unicode_escape"))
-    except UnicodeDecodeError:
+    try:  # the unpicklers' own decoding: unknown escapes such as \\u stay as they are
+        w.push(codecs.escape_decode(raw[1:-1].encode("latin-1"))[0].decode("latin-1"))
+    except ValueError:
         raise PickleError("bad escape in STRING literal", w._op_offset) from None
 
 
 def _unicode_text(w: Walker) -> None:
-    w.push(w.src.readline(w.limits.max_line).decode("raw_unicode_escape"))
+    try:
+        w.push(w.src.readline(w.limits.max_line).decode("raw_unicode_escape"))
+    except UnicodeDecodeError:
+        raise PickleError("bad escape in UNICODE literal", w._op_offset) from None
 
 
 def _binstring(fmt: str) -> Callable[[Walker], None]:
@@ -347,8 +377,22 @@ def _binstring(fmt: str) -> Callable[[Walker], None]:
     return handler
 
 
+def _name_lines(w: Walker, opcode: str) -> tuple[str, str]:
+    """GLOBAL/INST's module and name lines. A line the end of the stream cuts is still
+    imported by pickle.py (minus its last byte, as for a whole line): noted as cut_global."""
+    module: str | None = None
+    try:
+        module = w._text()
+        return module, w._text()
+    except Truncated as exc:
+        cut = exc.partial[:-1].decode("latin-1")
+        names = (cut, "") if module is None else (module, cut)
+        w.report.cut_global = GlobalRef(*names, w._op_offset, opcode)
+        raise
+
+
 def _global_op(w: Walker) -> None:
-    module, name = w._text(), w._text()
+    module, name = _name_lines(w, "GLOBAL")
     w.push(w._global(module, name, "GLOBAL"))
 
 
@@ -362,7 +406,7 @@ def _stack_global(w: Walker) -> None:
 
 
 def _inst(w: Walker) -> None:
-    module, name = w._text(), w._text()
+    module, name = _name_lines(w, "INST")
     cls = w._global(module, name, "INST")
     args = w.container("tuple", w.pop_mark())
     w.push(w._made("INST", cls, args))
@@ -405,7 +449,10 @@ def _newobj_ex(w: Walker) -> None:
 def _build(w: Walker) -> None:
     state = w.pop()
     inst = w.top()
+    w.called("BUILD")  # __setstate__ or attribute writes, before any check of the object
     if type(inst) is not Value:
+        if _empty_state(state):
+            return  # the default __setstate__ has nothing to set: both unpicklers read on
         raise PickleError("BUILD on a constant", w._op_offset)
     if inst.ref is not None and len(w.report.global_builds) < _MAX_NOTED:
         w.report.global_builds.append((w._op_offset, inst.ref))
@@ -418,9 +465,26 @@ def _build(w: Walker) -> None:
         w.on_build(event, w.src)
 
 
+def _empty_state(state: Item) -> bool:
+    """A BUILD state that sets nothing (pickle.py skips a false one, _pickle a None one)."""
+    if type(state) is not Value:
+        return not state
+    if state.kind == "tuple" and len(state.items) == 2 and not state.truncated:
+        return all(_empty_state(part) for part in state.items)  # (state, slot state)
+    return state.kind in ("tuple", "list", "dict", "set") and not state.items \
+        and not state.truncated
+
+
 def _persid(w: Walker) -> None:
     w._text()
+    _halt(w)
     w.push(OPAQUE)
+
+
+def _halt(w: Walker) -> None:
+    """A persistent id: loaders of a file's first pickle define no persistent_load."""
+    if w.report.halt is None:
+        w.report.halt = w._op_offset
 
 
 def _binpersid(w: Walker) -> None:
@@ -428,6 +492,7 @@ def _binpersid(w: Walker) -> None:
     # Torch pickles ('storage', ...) ids; legacy whole-module files also ('module', ...).
     kind = const_str(pid.items[0]) if type(pid) is Value and pid.items else None
     w.report.persistent_ids.setdefault(kind or "?", w._op_offset)
+    _halt(w)
     if kind == "module" and len(pid.items) > 1 and ref_of(pid.items[1]) is not None:
         w.push(pid.items[1])  # torch's legacy loader returns the module's class, a global
         return
@@ -475,6 +540,8 @@ def _add_to_top(w: Walker, opcode: str, items: list[Item]) -> None:
     plain = "dict" if opcode.startswith("SETITEM") else "set" if opcode == "ADDITEMS" else "list"
     if target.kind != plain:
         w.report.odd_targets.append((w._op_offset, opcode, target))
+        if target.kind not in ("list", "dict", "set", "tuple"):
+            w.called(opcode)  # the object's own append/extend/__setitem__/add method
     w.extend(target, items)
 
 
@@ -500,9 +567,10 @@ def _setitem(w: Walker) -> None:
 
 def _setitems(w: Walker) -> None:
     items = w.pop_mark()
+    # pickle.py sets the complete pairs before it fails on the odd item.
+    _add_to_top(w, "SETITEMS", items[: len(items) - len(items) % 2])
     if len(items) % 2:
         raise PickleError("SETITEMS with an odd number of items", w._op_offset)
-    _add_to_top(w, "SETITEMS", items)
 
 
 def _memo_text(action: str) -> Callable[[Walker], None]:

@@ -181,14 +181,18 @@ def _resolve_trusted(name: str) -> Any:
     return None
 
 
-def _import_of(name: str, category: str) -> tuple[str, str, str]:
-    """(module, attribute, name in the file) to import for one safe_globals entry."""
+def _import_of(name: str, category: str) -> tuple[str, str, bool]:
+    """(module, attribute) to import for one safe_globals entry, and whether the entry must
+    give the name in the file: torch keys an object by its ``__module__``/``__qualname__``,
+    which differ for a re-exported class and which a constant (``builtins.Ellipsis``) lacks."""
+    module, _, attr = name.rpartition(".")
     if category == BENIGN or _NUMPY_DTYPE_CLASS.match(name):
         obj = _resolve_trusted(name)
-        if obj is not None and "." not in obj.__qualname__:
-            return obj.__module__, obj.__qualname__, name
-    module, _, attr = name.rpartition(".")
-    return module, attr, name
+        qualname, home = getattr(obj, "__qualname__", None), getattr(obj, "__module__", None)
+        if isinstance(qualname, str) and isinstance(home, str) and "." not in qualname:
+            return home, qualname, f"{home}.{qualname}" != name
+        return module, attr, obj is not None
+    return module, attr, False
 
 
 def _render_code(needs: Sequence[str], categories: dict[str, str], path: str) -> str:
@@ -198,12 +202,12 @@ def _render_code(needs: Sequence[str], categories: dict[str, str], path: str) ->
     used: set[str] = set()
     for name in needs:
         category = categories.get(name, UNKNOWN)
-        module, attr, in_file = _import_of(name, category)
+        module, attr, spelled = _import_of(name, category)
         alias = attr if attr not in used else f"{module.replace('.', '_')}_{attr}"
         used.add(alias)
         if module != "builtins":
             imports.setdefault(module, []).append(attr if alias == attr else f"{attr} as {alias}")
-        expr = alias if f"{module}.{attr}" == in_file else f'({alias}, "{in_file}")'
+        expr = f'({alias}, "{name}")' if spelled else alias
         if module == "__main__":
             expr = f"{alias},  # defined in the script that saved the file"
         elif category in (UNKNOWN, DANGEROUS):
@@ -256,8 +260,10 @@ def _plan_notes(report: StreamReport) -> tuple[bool, list[str]]:
     return not notes, notes
 
 
-def plan_load(path: str, container: Container) -> LoadPlan | None:
-    """Predict every global ``torch.load(weights_only=True)`` asks for, in one pass."""
+def plan_load(path: str, container: Container,
+              findings: Sequence[GlobalFinding]) -> LoadPlan | None:
+    """Predict every global ``torch.load(weights_only=True)`` asks for, in one pass (each
+    commented with its class in ``findings``: a global can be judged by how it is called)."""
     if container.format == "torch-tar":
         return LoadPlan(container.torch_entry, False, (), "", (
             "torch.load(weights_only=True) refuses the pre-1.0 tar format whatever you "
@@ -267,11 +273,12 @@ def plan_load(path: str, container: Container) -> LoadPlan | None:
     entry = next((e for e in container.entries if e.name == container.torch_entry), None)
     if entry is None:
         return LoadPlan(container.torch_entry, False, (), "", ("torch finds no pickle to load",))
+    found = {(f.entry, f.stream, f.offset): f.category for f in findings}
     categories: dict[str, str] = {}
     needs: list[str] = []
     notes: list[str] = []
     loadable = True
-    for report in entry.streams:
+    for index, report in enumerate(entry.streams):
         ok, stream_notes = _plan_notes(report)
         loadable &= ok
         notes.extend(stream_notes)
@@ -279,7 +286,8 @@ def plan_load(path: str, container: Container) -> LoadPlan | None:
             name = ".".join(_torch_name(ref))
             if not in_torch_allowlist(name):
                 needs.append(name)
-                categories.setdefault(name, classify(ref, report.protocol)[0])
+                category = found.get((entry.name, index, ref.offset))
+                categories.setdefault(name, category or classify(ref, report.protocol)[0])
         for build in report.builds:
             built = _build_type(build)
             if built == "numpy.dtype(?)":
@@ -318,7 +326,7 @@ def scan_file(path: str | os.PathLike[str], *, limits: Limits | None = None) -> 
     findings = findings_of(container)
     problems = problems_of(container)
     verdict, reason = verdict_of(container, findings, problems)
-    plan = plan_load(p, container) if verdict != MALFORMED else None
+    plan = plan_load(p, container, findings) if verdict != MALFORMED else None
     return ScanResult(p, verdict, tuple(findings), plan, reason, container.format,
                       tuple(problems))
 
@@ -335,6 +343,9 @@ def next_step(result: ScanResult) -> str:
         return "git lfs pull (or huggingface-cli download) fetches the real file"
     if result.format == "html":
         return "download the file again; check the URL and any access token"
+    if result.format == "index" and result.verdict == MALFORMED:
+        return ("fetch the shards the index names from the checkpoint's source (or restore the "
+                f"index that goes with them), then scan again: torchverity scan {path}")
     if result.verdict != MALFORMED:
         return ""
     return restore_step(result.path)
@@ -462,11 +473,54 @@ def _walk_folder(folder: Path, limits: Limits | None, report: _Collected) -> Non
         report.empty.append(os.fspath(folder))  # unreadable files speak for themselves
 
 
+_WORST_FIRST: tuple[Verdict, ...] = (UNSAFE, MALFORMED, NEEDS_REVIEW, NEEDS_ALLOWLIST, SAFE)
+
+
+def _scan_index(result: ScanResult, limits: Limits | None, report: _Collected) -> None:
+    """A sharded checkpoint's index given by itself stands for the checkpoint: its shards
+    are scanned, and its own verdict is theirs (malformed when one is missing)."""
+    from torchverity.checkpoint._index import read_index
+    from torchverity.errors import TorchVerityError
+
+    index = Path(result.path)
+    try:
+        shards = sorted(set(read_index(index).values()))
+    except TorchVerityError as exc:
+        reason = f"not a sharded-checkpoint index: {exc.message}"
+        report.results.append(dataclasses.replace(result, verdict=MALFORMED, format="index",
+                                                  reason=reason, problems=(reason,)))
+        return
+    missing = [s for s in shards if not (index.parent / s).is_file()]
+    found = [r for s in shards if s not in missing
+             if (r := _scan_or_note(index.parent / s, limits, report.unreadable)) is not None]
+    problems = tuple(f"shard {s} is named by the index and does not exist" for s in missing)
+    verdict: Verdict = min((r.verdict for r in found), key=_WORST_FIRST.index, default=SAFE)
+    judged = (f"{len(shards)} shard(s)" if len(found) == len(shards) else
+              f"{len(found)} of {len(shards)} shard(s) (the others cannot be read)")
+    if missing:
+        verdict = MALFORMED
+        reason = (f"{len(missing)} of its {len(shards)} shard(s) do not exist: "
+                  f"{', '.join(missing)}")
+    elif verdict == SAFE:
+        reason = f"sharded checkpoint, {judged} scanned: all safe"
+    else:
+        worst = ", ".join(Path(r.path).name for r in found if r.verdict == verdict)
+        reason = f"sharded checkpoint, {judged} scanned: {worst}: {verdict}"
+    report.results.append(dataclasses.replace(result, verdict=verdict, format="index",
+                                              reason=reason, problems=problems))
+    report.results += found
+
+
+def _is_index(result: ScanResult) -> bool:
+    return result.format == "text" and result.path.endswith(".index.json")
+
+
 def scan(*paths: str | os.PathLike[str], limits: Limits | None = None) -> ScanReport:
     """Scan files; folders recursively, judging only the files that can hold a pickle.
 
     A file that cannot be read is listed in ``unreadable`` and the others are still
-    scanned; a folder with no file to judge is listed in ``empty``."""
+    scanned; a folder with no file to judge is listed in ``empty``. A sharded checkpoint's
+    ``*.index.json`` given as a file stands for its shards, which are scanned with it."""
     found = _Collected()
     for item in paths:
         p = Path(item)
@@ -476,6 +530,9 @@ def scan(*paths: str | os.PathLike[str], limits: Limits | None = None) -> ScanRe
             found.results.append(scan_file(p, limits=limits))  # raises: no such file
         else:
             result = _scan_or_note(p, limits, found.unreadable)
-            found.results += [result] if result is not None else []
+            if result is not None and _is_index(result):
+                _scan_index(result, limits, found)
+            elif result is not None:
+                found.results.append(result)
     return ScanReport(tuple(found.results), tuple(found.skipped), tuple(found.unreadable),
                       tuple(found.empty))

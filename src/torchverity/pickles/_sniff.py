@@ -13,7 +13,7 @@ import struct
 import tarfile
 from typing import BinaryIO
 
-from torchverity._formats import COMPRESSED
+from torchverity._formats import COMPRESSED, MAX_HEADER_BYTES
 
 HEAD_BYTES = 4096
 _LFS = re.compile(rb"^version https://git-lfs\.github\.com/spec/v\d+\r?\noid sha256:[0-9a-f]{64}")
@@ -106,7 +106,8 @@ def broken_safetensors(head: bytes, size: int) -> str | None:
     (n,) = struct.unpack("<Q", head[:8])
     if n == 0 and size == 8:
         return "safetensors header length is 0 (8 bytes in all): no header, no tensors"
-    if head[8:9] == b"{" and n > size - 8:
+    # Above safetensors' own bound the "length" is other bytes ("template{" is text).
+    if head[8:9] == b"{" and size - 8 < n <= MAX_HEADER_BYTES:
         return (f"safetensors header of {n} bytes runs past the end of the file ({size} bytes): "
                 "the file is cut short")
     return None

@@ -43,7 +43,11 @@ class PickleError(Exception):
 
 
 class Truncated(PickleError):
-    """The stream ended before STOP."""
+    """The stream ended before STOP. ``partial``: the bytes of a text line the end cut."""
+
+    def __init__(self, message: str, offset: int, *, partial: bytes = b"") -> None:
+        super().__init__(message, offset)
+        self.partial = partial
 
 
 class Readable(Protocol):
@@ -141,7 +145,8 @@ class ByteSource:
             if have > limit:
                 break
             if not self._fill(have + 1):
-                raise Truncated("stream ends inside a text field", self.offset)
+                raise Truncated("stream ends inside a text field", self.offset,
+                                partial=self._buf[self._pos :])
         raise PickleError(f"text field longer than {limit} bytes", self.offset, limit=True)
 
     def skip(self, n: int) -> None:

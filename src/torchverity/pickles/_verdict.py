@@ -25,10 +25,11 @@ from torchverity.pickles._classes import (
     Category,
     Verdict,
     classify,
-    importable,
+    data_call_reason,
 )
 from torchverity.pickles._containers import Container, Entry
-from torchverity.pickles._ops import StreamReport
+from torchverity.pickles._imports import import_effect, lookup
+from torchverity.pickles._ops import GlobalRef, StreamReport, Value
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,21 @@ def _nested_classes(container: Container) -> dict[int, _Class]:
     return out
 
 
+def _data_call_classes(container: Container) -> dict[int, _Class]:
+    """Benign for a global that builds data in every use (type(None), typing.List[int])."""
+    out: dict[int, _Class] = {}
+    for entry in container.entries:
+        for report in entry.streams:
+            calls: dict[int, list[Value]] = {}
+            for _, _, made in report.calls:
+                calls.setdefault(id(made.callee), []).append(made)
+            for key, (value, pushes) in report.watched.items():
+                reason = data_call_reason(value.ref, report.protocol, calls.get(key, []), pushes)
+                if reason is not None:
+                    out[id(value.ref)] = (BENIGN, reason)
+    return out
+
+
 def _call_findings(container: Container, prefix: str) -> list[GlobalFinding]:
     out: list[GlobalFinding] = []
     for n in container.nested:
@@ -103,7 +119,7 @@ def _entry_findings(entry: Entry, classes: dict[int, _Class], prefix: str,
     out: list[GlobalFinding] = []
     for index, report in enumerate(entry.streams):
         for ref in report.globals:
-            if entry.alternate and (ref.dynamic or not importable(ref.qualname)):
+            if entry.alternate and (ref.dynamic or _fails_quietly(ref, report.protocol)):
                 continue  # that reading fails there: nothing can be imported by that name
             category, reason = classes.get(id(ref)) or classify(ref, report.protocol)
             if torchscript and category == UNKNOWN and ref.module.startswith("__torch__."):
@@ -112,13 +128,26 @@ def _entry_findings(entry: Entry, classes: dict[int, _Class], prefix: str,
                 ref.qualname, ref.module, ref.name, prefix + entry.name, index, ref.offset,
                 ref.opcode, category, reason,
             ))
+        cut = report.cut_global
+        if cut is not None and import_effect(lookup(cut, report.protocol).modules):
+            out.append(GlobalFinding(
+                cut.qualname, cut.module, cut.name, prefix + entry.name, index, cut.offset,
+                cut.opcode, DANGEROUS, f"{classify(cut, report.protocol)[1]}; pickle.py "
+                "(joblib's unpickler) imports it though the stream ends inside its name",
+            ))
     if not entry.alternate:
         out.extend(_gadget_findings(prefix + entry.name, entry.streams))
     return out
 
 
+def _fails_quietly(ref: GlobalRef, protocol: int) -> bool:
+    """find_class fails on this global having imported nothing known to act."""
+    found = lookup(ref, protocol)
+    return not found.found and import_effect(found.modules) is None
+
+
 def findings_of(container: Container, prefix: str = "") -> list[GlobalFinding]:
-    classes = _nested_classes(container)
+    classes = {**_nested_classes(container), **_data_call_classes(container)}
     torchscript = container.format == "torchscript"
     out: list[GlobalFinding] = []
     for entry in container.entries:
@@ -183,7 +212,8 @@ _BROKEN = {
 _NO_PICKLE = {
     "onnx": "ONNX model (protobuf): holds no pickle; torch.load cannot read it, "
             "onnxruntime or onnx.load can",
-    "text": "text file: holds no pickle (every unpickler stops at its first byte)",
+    "text": "text file: holds no pickle (every unpickler fails on it before it calls "
+            "anything)",
 }
 
 

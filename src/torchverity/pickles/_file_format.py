@@ -1,0 +1,41 @@
+"""What kind of checkpoint a file is, agreeing with the scan on pickles no magic announces.
+
+:func:`torchverity._formats.file_format` knows a pickle by its PROTO opcode (``0x80``);
+protocols 0 and 1 have none, and a protocol-0 pickle is printable text. Such a file is
+one the scan walks as a pickle, so inspect, fingerprint and load take it as one (and
+refuse it with the scan's verdict) instead of calling it no checkpoint; a text file
+that every unpickler fails on before it runs anything is still no checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torchverity._formats import FileFormat, file_format
+from torchverity.errors import FormatError
+
+# The scan's formats for a file whose bytes are read as a pickle stream from the start.
+_PICKLE_FORMATS = frozenset({"pickle", "torch-legacy"})
+
+
+def _walked_as_pickle(path: str) -> bool:
+    # Only for files no magic names: a .safetensors or zip file never imports the scanner.
+    from torchverity.pickles._containers import scan_container
+    from torchverity.pickles._source import Limits, PickleError
+
+    try:
+        container = scan_container(path, Limits())
+    except (PickleError, OSError):  # no reading of it at all: the sniffer's answer stands
+        return False
+    return container.format in _PICKLE_FORMATS and any(not e.alternate
+                                                       for e in container.entries)
+
+
+def checkpoint_format(path: str | os.PathLike[str]) -> FileFormat:
+    """``file_format``, with a pickle the scan walks from the first byte as ``pt-legacy``."""
+    try:
+        return file_format(path)
+    except FormatError:
+        if _walked_as_pickle(os.fspath(path)):
+            return "pt-legacy"
+        raise
