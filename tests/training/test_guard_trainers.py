@@ -153,7 +153,7 @@ def test_lightning_resume_from_a_checkpoint_damaged_on_disk_stops_before_trainin
     torch.save(checkpoint, last)  # its sidecar and meta.json are the save's
     with pytest.raises(torchverity.IntegrityError) as caught:
         _lightning(tmp_path / "resumed", "record", steps=30, flip=False, resume=last)
-    assert "training resumed from a checkpoint that does not match its records" in str(
+    assert "training resumed from a checkpoint whose files do not match" in str(
         caught.value) and "state_dict.net.0.weight" in str(caught.value)
     assert not (tmp_path / "resumed" / "ckpt").exists()  # nothing saved from those weights
 

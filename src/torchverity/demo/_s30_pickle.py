@@ -1,4 +1,5 @@
-"""Demo step: a legacy checkpoint is scanned, planned and migrated; a malicious one is refused."""
+"""Demo step: a legacy checkpoint is scanned, planned and migrated; a malicious one is named,
+its tensors rescued inertly."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import Any
 
 from torchverity.demo import DemoContext, small_model
 
-TITLE = ("Pickle safety: scan, weights_only plan, migrate, a refused payload, and a model "
-         "folder judged by content")
+TITLE = ("Pickle safety: scan, weights_only plan, migrate, a payload named and never run, and "
+         "a model folder judged by content")
 
 
 @dataclass
@@ -62,8 +63,12 @@ def run(ctx: DemoContext) -> None:
     torch.save({"w": torch.ones(2), "x": _Payload(sentinel)}, evil)
     ctx.say("a checkpoint with a payload that would run 'touch' when unpickled:")
     ctx.cli("scan", str(evil), expect=1)
-    ctx.cli("migrate", str(evil), str(ctx.workdir / "evil.safetensors"), expect=1)
-    ctx.expect(not sentinel.exists(), "the payload was refused and never ran")
+    rescued = ctx.workdir / "evil.safetensors"
+    _rc, _out, err = ctx.cli("migrate", str(evil), str(rescued))
+    ctx.expect("posix.system" in err and torch.equal(_st_load(rescued)["w"], torch.ones(2)),
+               "migrate names the payload's global and rescues the tensors to safetensors, "
+               "read inertly")
+    ctx.expect(not sentinel.exists(), "the payload never ran")
     _folder(ctx, model)
 
 

@@ -42,29 +42,32 @@ def afresh_consequence(found: tuple[Path, dict[str, Any]] | None, others: str = 
             f"verify {others}` tells them apart).")
 
 
-def check_resumed(path: Path) -> None:
-    """The checkpoint (file or folder) a trainer resumed from, against what its save
-    recorded (sidecar, or its folder's manifest). Damage raises before the first update:
-    the resumed weights are what every later checkpoint certifies. With no record there is
-    nothing to compare with, and the trainer's load stands as it would anyway."""
-    from torchverity.verify import verify_path
+def check_resumed(checkpoint: Path, files: list[Path]) -> None:
+    """The files of the checkpoint a trainer resumed from (weights, optimizer and scheduler
+    state), against what its save recorded (sidecar, or its folder's manifest). Damage
+    raises before the first update: what was loaded is what every later checkpoint
+    certifies. A file with no record has nothing to compare with, and its load stands as
+    the trainer made it."""
+    from torchverity.verify import verify_file
 
-    try:
-        result = verify_path(path)
-    except InputError:
-        return
-    # Files written beside the checkpoint after its records (extra) damage nothing.
-    bad = [e for e in result.problems if e.status != "extra"]
+    bad = []
+    for f in files:
+        try:
+            result = verify_file(f)
+        except InputError:
+            continue
+        bad += [(result.record, e) for e in result.problems]
     if not bad:
         return
     what = "; ".join(f"{e.path} {e.status}" + (f" (tensors {', '.join(e.tensors[:5])})"
-                                               if e.tensors else "") for e in bad[:5])
+                                               if e.tensors else "") + f" against {record}"
+                     for record, e in bad[:5])
     raise IntegrityError(
-        f"{path}: training resumed from a checkpoint that does not match its records "
-        f"({result.record}): {what}. The weights it loaded are not the ones saved, and "
-        "every checkpoint saved from them would carry the damage", path=path,
+        f"{checkpoint}: training resumed from a checkpoint whose files do not match what its "
+        f"save recorded: {what}. What the trainer loaded is not what was saved, and every "
+        "checkpoint saved from it would carry the damage", path=checkpoint,
         hint=f"resume from a checkpoint that verifies: torchverity verify "
-             f"{shell_path(path.parent)} lists each checkpoint's verdict")
+             f"{shell_path(checkpoint.parent)} lists each checkpoint's verdict")
 
 
 def guard_options_for(model: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:

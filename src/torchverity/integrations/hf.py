@@ -107,7 +107,8 @@ class GuardCallback(GuardCallbackBase, _TrainerCallback, _ExportableState):
             self._restored, carried = _resumed_state(args, state, name)
             folder = _resumed_folder(args, state, None)
             if folder is not None:
-                check_resumed(folder)
+                check_resumed(folder, sorted(f for f in folder.iterdir()
+                                             if f.suffix in _WEIGHT_SUFFIXES))
         # The Trainer updates only the entries its trainer_state.json already has: resumed
         # from a folder saved without this callback, its next save would fail (KeyError).
         state.stateful_callbacks.setdefault(name, {})

@@ -174,7 +174,7 @@ class GuardCallback(GuardCallbackBase, _Callback):
             raise UsageError("GuardCallback guards exactly one optimizer",
                              hint="use TrainingGuard per optimizer in manual optimization")
         if trainer.ckpt_path:
-            check_resumed(Path(trainer.ckpt_path))
+            check_resumed(Path(trainer.ckpt_path), [Path(trainer.ckpt_path)])
         options = dict(guard_options_for(pl_module, self.guard_options))
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             # AMP's GradScaler drives the optimizer's found_inf itself.
