@@ -124,14 +124,16 @@ def _read_inertly(path: Path) -> dict[str, Any] | None:
 def _diff_listed(a: Any, b: Any, listed_a: Listing, listed_b: Listing, rtol: float,
                  atol: float) -> DiffResult:
     from torchverity.checkpoint._diff_listing import listed_diff
-    from torchverity.checkpoint._diff_words import compare_listed
 
     entries: dict[str, TensorDiff] = {}
     changed = []
     for name in sorted(set(listed_a) | set(listed_b)):
         one, two = listed_a.get(name, ...), listed_b.get(name, ...)
-        # Tensors whose bytes differ are compared from their files' bytes with numpy.
-        found = listed_diff(name, one, two) or compare_listed(name, one, two, rtol, atol)
+        found = listed_diff(name, one, two)
+        if found is None:  # bytes differ: compared from the files' bytes (numpy imported)
+            from torchverity.checkpoint._diff_words import compare_listed
+
+            found = compare_listed(name, one, two, rtol, atol)
         if found is None:
             changed.append(name)
         else:
