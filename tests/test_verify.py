@@ -331,6 +331,26 @@ def test_a_folder_verified_by_sidecars_names_the_files_none_covers(
     assert set(doc["unrecorded"]) == expected and "tokenizer_config.json" in expected
 
 
+def test_a_checkpoint_deleted_beside_its_sidecar_is_missing(
+        tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    """No manifest: a sidecar (and meta.json) whose checkpoint is gone stands for a file that
+    should be there, so the folder fails rather than verifying what is left."""
+    import torch
+
+    import torchverity
+
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    torchverity.save({"w": torch.ones(3)}, folder / "step1.pt")
+    torchverity.save({"w": torch.ones(4)}, folder / "step2.pt")
+    (folder / "step2.pt").unlink()
+    doc = json.loads(run_cli("verify", "--json", folder).out)["results"][0]
+    assert statuses(verify_directory(folder)) == {"step1.pt": "ok", "step2.pt": "missing"}
+    assert doc["ok"] is False and "unrecorded" not in doc
+    shown = run_cli("verify", folder)
+    assert shown.code == 1 and "missing  step2.pt" in shown.out, shown.out
+
+
 def test_a_file_its_folders_manifest_does_not_list_says_so(
         recorded_bert: Path, tmp_path: Path, run_cli: Callable[..., Any]) -> None:
     import shutil

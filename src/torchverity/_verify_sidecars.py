@@ -112,20 +112,29 @@ def verify_sidecars(root: Path, exclude: Sequence[str] = (),
     sidecar covers are listed as unrecorded (a broken download among them fails)."""
     files, _links = list_files(root)
     present = set(files)
+    # A sidecar whose file is gone vouches for a file that should be there: missing.
+    gone = sorted({rel.rsplit(".", 1)[0] for rel in files if rel.endswith(SIDECAR_SUFFIXES)
+                   and rel.rsplit(".", 1)[0] not in present
+                   and not excluded(rel.rsplit(".", 1)[0], exclude)})
+    described = present | set(gone)  # files a sidecar is about, there or not
     candidates = [rel for rel in files if not excluded(rel, exclude)
-                  and not (rel.endswith(SIDECAR_SUFFIXES) and rel.rsplit(".", 1)[0] in present)]
+                  and not (rel.endswith(SIDECAR_SUFFIXES)
+                           and rel.rsplit(".", 1)[0] in described)]
     checked = [rel for rel in candidates if find_sidecar(root / rel) is not None]
-    records = set(own_records(root, candidates, checked))  # the meta.json of checked files
+    records = set(own_records(root, candidates, checked + gone))  # meta.json beside them
     rest = [rel for rel in candidates if rel not in checked and rel not in records]
     broken = [rel for rel in rest if broken_unrecorded(root / rel) is not None]
-    if not checked and not broken:
+    if not checked and not broken and not gone:
         raise InputError(
             f"{root}: no manifest and no per-file sidecars (FILE.sha256, .blake3, .xxh128) "
             "in this folder", path=root,
             hint=f"record the folder from a trusted copy: torchverity manifest {shell_path(root)}",
         )
     entries = [check_sidecar(root / rel, rel, progress) for rel in checked]
-    algos = sorted({read_sidecar(find_sidecar(root / rel) or root)[0] for rel in checked})
+    entries += [VerifyEntry(rel, "missing", read_sidecar(find_sidecar(root / rel) or root)[1])
+                for rel in gone]
+    entries.sort(key=lambda e: e.path.encode())
+    algos = sorted({read_sidecar(find_sidecar(root / rel) or root)[0] for rel in checked + gone})
     return VerifyResult(os.fspath(root), "directory", "+".join(algos) or NO_ALGO,
                         tuple(entries),
                         f"{len(entries)} per-file sidecar(s)" if entries else NO_RECORD,
