@@ -85,6 +85,7 @@ def test_flipped_bit_in_a_shard_blob_is_caught_and_located(hf_home: Path, run_cl
     assert bad.actual != bad.blob
     res = run_cli("verify", _repo(hf_home))
     assert res.code == 1 and SHARD in res.out and "damaged" in res.out
+    assert f"huggingface-cli download {REPO} --force-download" in res.err, res.err
 
 
 def test_the_index_in_a_snapshot_stands_for_its_shards(hf_home: Path, run_cli) -> None:
@@ -284,7 +285,8 @@ def test_local_dir_download_verifies_clean(local_dir: Path, run_cli) -> None:
     assert res.code == 0, res.out + res.err
 
 
-def test_local_dir_damage_missing_and_edits_are_told_apart(local_dir: Path) -> None:
+def test_local_dir_damage_missing_and_edits_are_told_apart(local_dir: Path,
+                                                           run_cli) -> None:
     flip_bit(local_dir / SHARD, 20_000, 1, keep_mtime=True)
     (local_dir / "tokenizer.json").unlink()
     cfg = local_dir / "config.json"
@@ -293,6 +295,8 @@ def test_local_dir_damage_missing_and_edits_are_told_apart(local_dir: Path) -> N
     os.utime(cfg, (later, later))
     got = {e.path: e.status for e in verify_local_dir(local_dir).problems}
     assert got == {SHARD: "damaged", "tokenizer.json": "missing", "config.json": "changed"}
+    told = run_cli("verify", local_dir).err
+    assert f"huggingface-cli download REPO_ID --local-dir {local_dir} --force-download" in told
     entry = hub_blob_check(local_dir / SHARD)
     assert entry is not None and entry.status == "damaged"
     import torchverity

@@ -4,6 +4,7 @@ against OpenSSF signatures, Hugging Face caches against their blob names."""
 from __future__ import annotations
 
 import argparse
+import shlex
 from typing import Any
 
 from torchverity.cli._command import add_command
@@ -197,9 +198,21 @@ def _print_hub(result: Any, out: Output) -> None:
     if rows:
         out.table(("status", "file", "named", "content / why"), rows)
     if not result.ok:
+        fetch = "; ".join(sorted({_fetch_again(e.repo) for e in result.problems}))
         out.info(f"{result.target}: delete the listed files and download them again "
-                 "(huggingface-cli download REPO --force-download), then rerun "
-                 "torchverity verify")
+                 f"({fetch}), then rerun torchverity verify")
+
+
+def _fetch_again(repo: str) -> str:
+    """The download of a cached repository (``model:ORG/NAME``) again; a ``local_dir``
+    download names only its folder, so the repository id is the user's to fill in."""
+    kind, sep, name = repo.partition(":")
+    if not sep:
+        return (f"huggingface-cli download REPO_ID --local-dir {shlex.quote(repo)} "
+                "--force-download")
+    typed = "" if kind == "model" else f" --repo-type {kind}"
+    return f"huggingface-cli download {shlex.quote(name)}{typed} --force-download"
+
 def _certification_line(target: str, cert: dict[str, Any]) -> str:
     verified = cert.get("verified") or {}
     if cert["certified"]:
