@@ -358,7 +358,7 @@ def _takes(t: torch.Tensor, param: torch.Tensor) -> bool:
     """Whether the kernel reads ``t`` beside ``param``: float32 on the CPU in the same dense
     layout, so that the i-th word of each in memory is the same element (or a scalar: Adam's
     step counter)."""
-    return (t.dtype == torch.float32 and t.device.type == "cpu" and _dense(t)
+    return (t.dtype == torch.float32 and t.is_cpu and _dense(t)
             and (t.dim() == 0 or t.stride() == param.stride()))
 
 
