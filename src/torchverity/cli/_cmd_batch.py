@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 from torchverity.batch._item import DurabilityMode, EngineName
-from torchverity.cli._command import at_least
 from torchverity.cli._fit_args import add_fit_args, fit_kwargs
 from torchverity.cli._output import Output
 from torchverity.errors import shell_path
@@ -47,12 +46,12 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                      "item and after the run, or the run's outputs are discarded")
     run.add_argument("--out", required=True, type=Path,
                      help="output folder: data/, journal, manifest-sha256.txt")
-    run.add_argument("--workers", type=at_least(1), default=1, help="parallel workers (default 1)")
+    run.add_argument("--workers", type=int, default=1, help="parallel workers (default 1)")
     run.add_argument("--engine", choices=get_args(EngineName), default="local",
                      help="local threads or Ray actors (extra 'ray')")
     run.add_argument("--ray-address", help="Ray cluster to join (default: RAY_ADDRESS or a "
                      "new local one)")
-    run.add_argument("--retries", type=at_least(0), default=2,
+    run.add_argument("--retries", type=int, default=2,
                      help="retries per failing item, with backoff (default 2)")
     run.add_argument("--suffix", default=".out", help="appended to each input's key to name "
                      "its output (default .out)")
