@@ -4,7 +4,7 @@ With one worker and small items (the default durability), the driver's
 thread runs every item itself, one after the other: read and verify, model,
 hash, write and rename, with no hand-over to another thread per item (each
 cost the model more than the checks it took over). The commit points run on
-a thread of their own (see ``_run._Committer``), so the model never waits for
+a thread of their own (see ``_scheduler.Committer``), so the model never waits for
 the disk.
 
 Otherwise threads: reading, hashing, fsync and torch all release the GIL, so
