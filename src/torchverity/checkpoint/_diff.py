@@ -106,19 +106,15 @@ def _read_inertly(path: Path) -> dict[str, Any] | None:
     """A pickle file weights_only refuses, read inertly: its tensors, plain values and what
     its objects were (a payload is an entry of its own, so a file that carries one never
     compares equal to its clean copy). None for any other file."""
-    from torchverity._formats import file_format
+    from torchverity.pickles._file_format import checkpoint_format
 
-    if not path.is_file() or file_format(path) not in ("pt", "pt-legacy"):
+    if not path.is_file() or checkpoint_format(path) not in ("pt", "pt-legacy"):
         return None
+    from torchverity.pickles._extract import refused_contents
     from torchverity.pickles._scan import scan_file
 
-    scan = scan_file(path)
-    if scan.verdict not in ("unsafe", "needs-review", "needs-allowlist"):
-        return None
-    from torchverity.pickles._extract import inert_contents
-
-    tensors, plain = inert_contents(path, scan)
-    return {**plain, **tensors}
+    found = refused_contents(path, scan_file(path))
+    return None if found is None else {**found[1], **found[0]}
 
 
 def _diff_listed(a: Any, b: Any, listed_a: Listing, listed_b: Listing, rtol: float,

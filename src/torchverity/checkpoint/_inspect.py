@@ -258,13 +258,14 @@ def _open(path: Path, scan: Any) -> tuple[Any, dict[str, Any], str | None]:
     if scan is not None and scan.verdict == "malformed":
         return None, {}, f"not opened: the scan found it malformed ({scan.reason})"
     try:
-        if scan is not None and scan.verdict in ("needs-allowlist", "unsafe"):
+        if scan is not None:
             # weights_only refuses its classes, or would meet a code-running global: read
             # inertly, values too (nothing from the file runs, its globals stay placeholders)
-            from torchverity.pickles._extract import inert_contents
+            from torchverity.pickles._extract import refused_contents
 
-            tensors, plain = inert_contents(path, scan)
-            return tensors, plain, None
+            found = refused_contents(path, scan)
+            if found is not None:
+                return (*found, None)
         return read_unverified(path), {}, None
     except TorchVerityError as exc:
         return None, {}, f"cannot list tensors: {exc.message}"

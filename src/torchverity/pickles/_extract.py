@@ -74,6 +74,18 @@ def inert_tensors(path: str | os.PathLike[str],
     return inert_contents(path, scan)[0]
 
 
+# The verdicts of pickles torch's weights_only loader refuses: classes outside its list
+# (data classes, the user's own, TorchScript), or a global that runs code.
+WEIGHTS_ONLY_REFUSES = frozenset({"needs-allowlist", "needs-review", "unsafe"})
+
+
+def refused_contents(path: str | os.PathLike[str], scan: ScanResult,
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """:func:`inert_contents` of a pickle weights_only refuses (None for one it reads):
+    inspect and diff show such a file's tensors and plain values without running it."""
+    return inert_contents(path, scan) if scan.verdict in WEIGHTS_ONLY_REFUSES else None
+
+
 def inert_contents(path: str | os.PathLike[str], scan: ScanResult | None = None,
                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """:func:`inert_tensors`, and the plain values beside them (numbers, strings, booleans,
