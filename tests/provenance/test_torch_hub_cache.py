@@ -53,7 +53,11 @@ def test_an_intact_download_verifies_and_loads_against_its_name(
 
 
 def test_a_flipped_bit_in_a_download_is_named(cached: Path, run_cli: Callable[..., Any]) -> None:
+    shown = run_cli("inspect", str(cached))
+    assert shown.code == 0 and "matches the SHA-256 prefix in its name" in shown.out, shown.out
     flip_bit(cached, cached.stat().st_size - 400, 3)
+    shown = run_cli("inspect", str(cached))
+    assert shown.code == 1 and "DOES NOT MATCH the SHA-256 prefix in its name" in shown.out
     done = run_cli("verify", str(cached), "--json")
     assert done.code == 1
     assert json.loads(done.out)["results"][0]["entries"][0]["status"] == "mismatched"

@@ -27,7 +27,7 @@ from torchverity.digest import digest_file, find_sidecar, new_hasher, read_sidec
 from torchverity.errors import TorchVerityError
 
 SidecarStatus = Literal["ok", "mismatched", "missing"]
-RecordSource = Literal["sidecar", "manifest", "hub"]
+RecordSource = Literal["sidecar", "manifest", "hub", "torch-hub"]
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,10 @@ def _record_of(path: Path) -> _Record | None:
     hub = _hub_record(path)
     if hub is not None:
         return _Record("hub", hub[0], hub[1], os.fspath(path.resolve()))
-    return None
+    from torchverity.provenance._torch_hub import torch_hub_prefix
+
+    prefix = torch_hub_prefix(path)
+    return _Record("torch-hub", "sha256", prefix, path.name) if prefix is not None else None
 
 
 def _check_record(path: Path, recorded: _Record | None, actual: str | None) -> SidecarCheck:
@@ -210,7 +213,10 @@ def _check_record(path: Path, recorded: _Record | None, actual: str | None) -> S
     actual = actual or digest_file(path, algo).hexdigest
     if recorded is None:
         return SidecarCheck("missing", algo, actual)
-    status: SidecarStatus = "ok" if actual == recorded.hexdigest else "mismatched"
+    # A torch.hub name holds the digest's first hex digits only.
+    same = (actual.startswith(recorded.hexdigest) if recorded.source == "torch-hub"
+            else actual == recorded.hexdigest)
+    status: SidecarStatus = "ok" if same else "mismatched"
     return SidecarCheck(status, algo, actual, recorded.hexdigest, recorded.where,
                         recorded.source, recorded.entry)
 

@@ -139,8 +139,11 @@ def _print(r: Any, limit: int, out: Output) -> None:
 
 def _against(s: Any) -> str:
     """A SidecarCheck as words: which record the file matched, or did not."""
+    from torchverity.provenance._torch_hub import record_name
+
     record = {"sidecar": s.sidecar, "manifest": f"{s.sidecar} (entry {s.entry})",
-              "hub": "the hub's record (its blob's name)"}[s.source]
+              "hub": "the hub's record (its blob's name)",
+              "torch-hub": record_name(s.expected or "")}[s.source]
     return {"ok": f"matches {record}", "missing": "no sidecar",
             "mismatched": f"DOES NOT MATCH {record} (expected {s.expected})"}[s.status]
 
