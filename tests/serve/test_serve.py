@@ -609,6 +609,24 @@ def test_memory_corruption_turns_readiness_off_within_the_interval(workspace: Pa
         svc.stop()
 
 
+def test_a_golden_recheck_that_meets_changed_weights_names_them(workspace: Path) -> None:
+    """A flip after a re-check's fingerprint and before its golden pass fails the golden
+    pass first: its reason names the changed tensor all the same."""
+    from tvserve_model import build
+
+    from torchverity.serve._rechecks import ServiceState
+
+    model = build()
+    model.load_state_dict(torchverity.load(workspace / "model.pt"))
+    state = ServiceState(model, "tvserve", (), None, workspace / "golden.json")
+    assert state.golden_failure() is None
+    with torch.no_grad():
+        model.fc1.weight.view(-1)[5] = model.fc1.weight.view(-1)[5].neg()
+    reason = state.golden_failure()
+    assert reason is not None and reason.startswith("golden check failed")
+    assert "its weights are not the recorded ones (1 tensor(s) differ: fc1.weight)" in reason
+
+
 def test_wrong_computation_fails_the_golden_recheck(workspace: Path) -> None:
     from tvserve_model import build
 

@@ -150,8 +150,15 @@ class ServiceState:
             self._golden = "passed" if result.ok else "failed"
         if result.ok:
             return None
+        from torchverity.golden._run import model_device
+        from torchverity.golden._verdict import verdict
+
+        # The sentence the start-up check gives (changed weights named whichever part failed
+        # first), then the first failed parts.
+        what, _step = verdict(result, weights=self.weights.path if self.weights else None,
+                              device=model_device(self.model).type)
         failures = "; ".join(f.message for f in result.failures[:3])
-        return f"golden check failed: {failures or 'outputs differ'}"
+        return f"golden check failed: {what}" + (f": {failures}" if failures else "")
 
 
 async def recheck_forever(state: ServiceState, interval: float, model_thread: Executor) -> None:
