@@ -125,6 +125,9 @@ def _main(out: Path, names: list[str]) -> None:
         record = run(name, out, rank)
         (out / name / f"rank{rank}.json").write_text(json.dumps(record))
         dist.barrier()
+    # Torn down together: a rank whose interpreter exits with the group alive can abort
+    # ("terminate called without an active exception") while the other is still in it.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
