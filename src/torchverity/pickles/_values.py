@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+KEEP_BYTES = 1 << 16  # strings and bytes above this are skipped, not kept
+KEEP_ITEMS = 256  # items kept per container (enough for names and small configs)
+MAX_NOTED = 100  # gadget-shaped events kept per stream (one is enough for the verdict)
+
 
 @dataclass(frozen=True)
 class GlobalRef:
@@ -92,3 +96,12 @@ def dict_get(v: Item, key: str) -> Item:
         if k == key:
             found = val
     return TRUNCATED if v.truncated else found
+
+
+@dataclass(frozen=True)
+class Build:
+    """A BUILD opcode: the object it mutates (with what made it) and where."""
+
+    offset: int
+    inst: Value
+    state: Item
