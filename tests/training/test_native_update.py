@@ -126,8 +126,8 @@ def test_the_proof_refuses_a_kernel_one_ulp_off_and_the_guard_compiles_instead(
     fill = _native._fill_group
 
     def off_by_one_ulp(out: Any, optimizer: torch.optim.Optimizer, group: dict[str, Any],
-                       sqrts: tuple[int, int], compiled: bool) -> None:
-        fill(out, optimizer, group, sqrts, compiled)
+                       sqrts: tuple[int, int], compiled: bool, vector: int) -> None:
+        fill(out, optimizer, group, sqrts, compiled, vector)
         # what a scalar rounded the wrong way would do
         out.w1 = float(numpy.nextafter(numpy.float32(out.w1), numpy.float32(1)))
 
@@ -347,4 +347,59 @@ def test_a_channels_last_model_takes_the_native_update_bit_for_bit(name: str) ->
     guard.step()
     guard.flush()
     assert [(e.kind, e.suspects) for e in guard.events] == [("weights_changed", ("0.weight",))]
+    guard.close()
+
+
+def test_state_replaced_between_updates_is_recorded_again_and_its_next_window_watched() -> None:
+    """Code that swaps an optimizer-state tensor for a copy (no ``load_state_dict`` to tell
+    the guard): the next update verifies the old tensor, runs on the new one and records
+    it, so a flip in the new one after that update is caught and named, and none is
+    reported without one."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = TrainingGuard(model, opt, policies={"weights_changed": "record"})
+    for step in range(4):
+        opt.zero_grad()
+        guard.check(_backward(model, step))
+        guard.step()
+    weight = model[0].weight
+    opt.state[weight]["exp_avg"] = opt.state[weight]["exp_avg"].clone()
+    for step in range(4, 6):
+        opt.zero_grad()
+        guard.check(_backward(model, step))
+        guard.step()
+    assert guard._rest.coverage()["update"] == "native"
+    assert guard.flush() == [] and guard.events == []
+    faults.flip_bit(opt.state[weight]["exp_avg"], 5, 0)
+    opt.zero_grad()
+    guard.check(_backward(model, 6))
+    guard.step()
+    guard.flush()
+    assert [e.kind for e in guard.events] == ["weights_changed"]
+    assert "optimizer.0.weight.exp_avg" in guard.events[0].suspects
+    guard.close()
+
+
+@pytest.mark.parametrize("arithmetic", ["eager", "compiled"])
+def test_state_the_first_update_creates_is_watched_from_that_update_on(arithmetic: str) -> None:
+    """The first update creates the optimizer's state (the native update leaves it to the
+    optimizer, or to the compiled step): the tensors it created are recorded as it
+    returns, so a flip in one before the second update is caught and named."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if arithmetic == "compiled":
+        _compiled_lrs(opt)
+    guard = TrainingGuard(model, opt, arithmetic=arithmetic,
+                          policies={"weights_changed": "record"})
+    opt.zero_grad()
+    guard.check(_backward(model, 0))
+    guard.step()
+    assert guard._rest.coverage()["update"] == "native"
+    faults.flip_bit(opt.state[model[2].weight]["exp_avg_sq"], 0, 3)
+    opt.zero_grad()
+    guard.check(_backward(model, 1))
+    guard.step()
+    guard.flush()
+    assert [e.kind for e in guard.events] == ["weights_changed"]
+    assert guard.events[0].suspects == ("optimizer.2.weight.exp_avg_sq",)
     guard.close()

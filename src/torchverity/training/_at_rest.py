@@ -161,6 +161,7 @@ class AtRest:
         self._fused_tensors: list[torch.Tensor] = []
         self._fused_ptrs: list[int] = []
         self._after: torch.Tensor | None = None  # sums the fused update wrote, until settled
+        self._listed = False  # the tensors the last update ran on are those of the record
         self._before: torch.Tensor | None = None  # and those it read
 
     def _fused_update(self, optimizer: torch.optim.Optimizer
@@ -258,10 +259,11 @@ class AtRest:
         tensors = list(self._params)
         if with_state:
             dev, known = self._device, self._param_names
+            cpu = dev.type == "cpu"  # is_cpu costs less than building a device to compare
             for p, state in self.optimizer.state.items():
                 if id(p) in known:
-                    values = [v for v in state.values()
-                              if isinstance(v, torch.Tensor) and v.device == dev]
+                    values = [v for v in state.values() if isinstance(v, torch.Tensor)
+                              and (v.is_cpu if cpu else v.device == dev)]
                     tensors.extend(map(local_shard, values) if self._sharded else values)
         return tensors
 
@@ -308,14 +310,19 @@ class AtRest:
             self.optimizer.step()
             return None
         tensors = self.covered_tensors(self.config.optimizer_state)
-        same = self._same(tensors)
+        ptrs = list(map(torch.Tensor.data_ptr, tensors))
+        same = self._same(tensors, ptrs)
         # The names are rebuilt only when the set changed: formatting them for every
         # state tensor at every update costs more than the guard's other Python.
         names = self.names if same else self.covered(self.config.optimizer_state)[0]
         pair = None if same or self.record is None else (
             word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names)
         try:
-            sums = self.fused(tensors)
+            native = isinstance(self.fused, _native.NativeUpdate)
+            sums = self.fused(tensors, ptrs) if native else self.fused(tensors)
+            # The native update creates no state and moves no storage: after() need not
+            # list the tensors again (the next update's comparison still would see it).
+            self._listed = sums is not None and native
             if sums is None:  # the native update leaves this one (it creates state)
                 sums = self._compiled(tensors) if self._compiled is not None else (
                     update_with_sums(lambda opt: type(opt).step(opt), self.optimizer, tensors))
@@ -332,21 +339,24 @@ class AtRest:
         if pair is None and self.record is not None:
             pair = before.unsqueeze(1), self.record, names
         self._before = before.unsqueeze(1)
-        self._set_fused(names, tensors, after)
+        # The native update moves no storage; another way of stepping may have.
+        self._set_fused(names, tensors, after, ptrs if self._listed else None)
         return pair
 
-    def _same(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether ``tensors`` are those of the record, in the same storage (not so when
-        the last update created state, or storage moved: the recorded ones are then
-        verified in a pass of their own)."""
+    def _same(self, tensors: list[torch.Tensor], ptrs: list[int] | None = None) -> bool:
+        """Whether ``tensors`` (at ``ptrs``) are those of the record, in the same storage
+        (not so when the last update created state, or storage moved: the recorded ones
+        are then verified in a pass of their own)."""
         return (len(tensors) == len(self._fused_tensors)
                 and all(map(operator.is_, tensors, self._fused_tensors))
-                and list(map(torch.Tensor.data_ptr, tensors)) == self._fused_ptrs)
+                and (ptrs if ptrs is not None else list(map(torch.Tensor.data_ptr, tensors)))
+                == self._fused_ptrs)
 
     def _set_fused(self, names: tuple[str, ...], tensors: list[torch.Tensor],
-                   after: torch.Tensor) -> None:
+                   after: torch.Tensor, ptrs: list[int] | None = None) -> None:
         self.names, self._fused_tensors = names, tensors
-        self._fused_ptrs = list(map(torch.Tensor.data_ptr, tensors))
+        self._fused_ptrs = ptrs if ptrs is not None else list(map(torch.Tensor.data_ptr,
+                                                                  tensors))
         self.record = after.unsqueeze(1)
         self._after = self.record
 
@@ -384,7 +394,9 @@ class AtRest:
             self.frozen.take(self._pool())
         if self.fused is not None:
             written, self._after = self._after, None
-            moved = not self._same(self.covered_tensors(self.config.optimizer_state))
+            listed, self._listed = self._listed, False
+            moved = not listed and not self._same(
+                self.covered_tensors(self.config.optimizer_state))
             if moved or self.record is None:
                 self.names, tensors = self.covered(self.config.optimizer_state)
                 self._set_fused(self.names, tensors, word_sums(tensors))

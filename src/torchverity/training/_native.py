@@ -177,17 +177,17 @@ def unsupported(optimizer: torch.optim.Optimizer, compiled: bool = False) -> str
 
 
 def _fill_group(out: _Group, optimizer: torch.optim.Optimizer, group: dict[str, Any],
-                sqrts: tuple[int, int], compiled: bool) -> None:
+                sqrts: tuple[int, int], compiled: bool, vector: int) -> None:
     """The group's scalars, each rounded to float as torch's kernels receive it; its sqrt
     (``sqrts``: MKL's for the eager ops, a correctly rounded one for fused=True and for
     the compiled step) and, for fused=True, the vector width that leaves a scalar tail in
-    torch's kernel. ``compiled``: the constants inductor bakes into the compiled step
-    (the Python floats' own arithmetic, rounded once to float)."""
+    torch's kernel on this CPU (``vector``). ``compiled``: the constants inductor bakes
+    into the compiled step (the Python floats' own arithmetic, rounded once to float)."""
     lr, wd = float(group["lr"]), float(group["weight_decay"])
     fused = bool(group.get("fused"))
     out.compiled, out.lrf = compiled, lr
     out.sqrt = sqrts[1] if fused or compiled else sqrts[0]
-    out.vector = _VECTOR.get(torch.backends.cpu.get_cpu_capability(), 8) if fused else 0
+    out.vector = vector if fused else 0
     out.maximize, out.has_wd = bool(group["maximize"]), wd != 0
     out.wd, out.lr = wd, lr
     if isinstance(optimizer, torch.optim.Adam):
@@ -235,7 +235,8 @@ class NativeUpdate:
         self._key: list[int] | None = None
         self._usable = False
         self._items: Any = None
-        self._grads: list[tuple[int, torch.Tensor, bool]] = []
+        self._grads: list[tuple[int, torch.Tensor, bool, bool]] = []
+        self._vector = _VECTOR.get(torch.backends.cpu.get_cpu_capability(), 8)
         self._total = 0
         self._groups = (_Group * len(optimizer.param_groups))()
         self._pool: ThreadPoolExecutor | None = None
@@ -243,19 +244,20 @@ class NativeUpdate:
         self._proven = _branches(optimizer)  # what agrees() was run with
         self.declined: str | None = None  # why the settings now in place are not proven
 
-    def __call__(self, tensors: Sequence[torch.Tensor]
+    def __call__(self, tensors: Sequence[torch.Tensor], ptrs: list[int] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The update; ``ptrs``: the tensors' ``data_ptr()``, when the caller has them."""
         if _has_hooks(self.optimizer) or _scaled(self.optimizer):
             return None  # hooks, or a gradient scaler's found_inf: the optimizer's own step
         if not self._still_proven():
             return None
-        key = [t.data_ptr() for t in tensors]
+        key = ptrs if ptrs is not None else [t.data_ptr() for t in tensors]
         if key != self._key:  # built once per set of tensors and storage, usable or not
             self._key, self._usable = key, self._layout(tensors)
         if not self._usable or not self._point_grads():
             return None
         for out, group in zip(self._groups, self.optimizer.param_groups, strict=True):
-            _fill_group(out, self.optimizer, group, self._sqrts, self.compiled)
+            _fill_group(out, self.optimizer, group, self._sqrts, self.compiled, self._vector)
         n = len(tensors)
         threads = self._threads()
         sums = torch.zeros(2, threads, max(n, 1), dtype=torch.int32)
@@ -263,6 +265,8 @@ class NativeUpdate:
         self._lib.tv_prepare(self._items, len(self._items), self._groups, len(self._groups),
                              old[0].data_ptr(), new[0].data_ptr())
         self._run(threads, old, new)
+        if threads == 1:  # one row already holds the sums: no reduction to dispatch
+            return old[0, :n], new[0, :n]
         before, after = old.sum(0, dtype=torch.int32), new.sum(0, dtype=torch.int32)
         return before[:n], after[:n]
 
@@ -313,7 +317,7 @@ class NativeUpdate:
         adam = isinstance(self.optimizer, torch.optim.Adam)
         placed: set[int] = set()
         items: list[tuple[list[int | None], int, list[int], int]] = []
-        grads: list[tuple[int, torch.Tensor, bool]] = []
+        grads: list[tuple[int, torch.Tensor, bool, bool]] = []
         for g, group in enumerate(self.optimizer.param_groups):
             for p in group["params"]:
                 state = self.optimizer.state.get(p, {})
@@ -323,7 +327,7 @@ class NativeUpdate:
                 # State the optimizer creates in the first update with a gradient.
                 fresh = not state if adam else (parts[1] is None and group["momentum"] != 0)
                 placed.update(id(t) for t in parts if t is not None)
-                grads.append((len(items), p, fresh))
+                grads.append((len(items), p, fresh, p.is_contiguous()))
                 items.append(([t.data_ptr() if t is not None else None for t in parts],
                               p.numel(), [slot.get(id(t), -1) if t is not None else -1
                                           for t in parts], g))
@@ -343,11 +347,11 @@ class NativeUpdate:
         False when a gradient is in a layout the kernel does not take, or meets a
         parameter whose state the optimizer has yet to create."""
         items = self._items
-        for i, p, fresh in self._grads:
+        for i, p, fresh, contiguous in self._grads:
             grad = p.grad
             if grad is None:
                 items[i].g = None
-            elif fresh or grad.is_sparse or not _takes(grad, p):
+            elif fresh or grad.is_sparse or not (_plain(grad, contiguous) or _takes(grad, p)):
                 return False
             else:
                 items[i].g = grad.data_ptr()
@@ -360,6 +364,12 @@ def _takes(t: torch.Tensor, param: torch.Tensor) -> bool:
     step counter)."""
     return (t.dtype == torch.float32 and t.is_cpu and _dense(t)
             and (t.dim() == 0 or t.stride() == param.stride()))
+
+
+def _plain(grad: torch.Tensor, contiguous: bool) -> bool:
+    """``_takes`` for the common case, cheaper: a gradient has its parameter's shape (torch
+    checks), so beside a ``contiguous`` parameter a contiguous float32 one lines up."""
+    return contiguous and grad.dtype == torch.float32 and grad.is_cpu and grad.is_contiguous()
 
 
 def _dense(t: torch.Tensor) -> bool:

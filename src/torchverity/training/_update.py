@@ -40,8 +40,8 @@ class Update:
         """The verification of this step's window into its pending flags."""
         now, record, names = sums
         if isinstance(pending, HostPending):
-            pending.rest = [float(a != b) for a, b in zip(now.tolist(), record.tolist(),
-                                                          strict=True)]
+            pending.rest = [0.0] * now.shape[0] if torch.equal(now, record) else [
+                float(a != b) for a, b in zip(now.tolist(), record.tolist(), strict=True)]
             pending.rest_names = names
             pending.flags[_WC] = float(any(pending.rest))
         else:
