@@ -318,8 +318,10 @@ class AtRest:
         pair = None if same or self.record is None else (
             word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names)
         try:
-            native = isinstance(self.fused, _native.NativeUpdate)
-            sums = self.fused(tensors, ptrs) if native else self.fused(tensors)
+            fused = self.fused
+            native = isinstance(fused, _native.NativeUpdate)
+            sums = fused(tensors, ptrs) if isinstance(fused, _native.NativeUpdate) else (
+                fused(tensors))
             # The native update creates no state and moves no storage: after() need not
             # list the tensors again (the next update's comparison still would see it).
             self._listed = sums is not None and native
