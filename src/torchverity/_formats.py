@@ -17,8 +17,16 @@ from torchverity.errors import (
     unreadable,
 )
 
-FileFormat = Literal["pt", "pt-legacy", "safetensors"]
+# "pt-legacy": torch.save's pre-1.6 format (a magic-number pickle, then more pickles and the
+# raw storages); "pickle": any other pickle stream (pickle.dump, joblib.dump uncompressed),
+# which torch.load cannot read: it takes the first pickle for the magic number and stops.
+FileFormat = Literal["pt", "pt-legacy", "pickle", "safetensors"]
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on its JSON header
+# The legacy magic number as torch.save pickles it with protocols 2-5 (LONG1, STOP); 4 and 5
+# put a FRAME opcode before it. Protocols 0 and 1 spell it as text: no PROTO names those
+# files, and torchverity.pickles._file_format walks them.
+_LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little") + b"."
+_FRAME = b"\x95"
 
 
 
@@ -54,6 +62,13 @@ def is_safetensors(path: Path) -> bool:
     return n <= MAX_HEADER_BYTES
 
 
+def _opens_with_legacy_magic(head: bytes) -> bool:
+    body = head[2:]
+    if body[:1] == _FRAME:
+        body = body[9:]
+    return body.startswith(_LEGACY_MAGIC)
+
+
 def file_format(path: str | os.PathLike[str]) -> FileFormat:
     """What kind of checkpoint a file is, from its bytes (never its name alone)."""
     p = Path(path)
@@ -79,7 +94,7 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
     if head.startswith(b"PK\x03\x04"):
         return "pt"
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        return "pt-legacy"
+        return "pt-legacy" if _opens_with_legacy_magic(head) else "pickle"
     if is_safetensors(p):
         return "safetensors"
     foreign = foreign_format(p, head)

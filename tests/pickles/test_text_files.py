@@ -239,12 +239,20 @@ def test_printable_pickles_are_pickles_to_every_command(
 
 def test_a_protocol_0_pickle_of_plain_data_is_read_as_one(tmp_path: Path,
                                                           run_cli: Callable[..., Any]) -> None:
-    """inspect reads it inertly; torch's weights_only loader reads protocol 2 only, and the
-    refusal says so (not 'not a checkpoint', nor 'protocol 4')."""
+    """inspect reads it inertly and names it a plain pickle; load says torch.load cannot read
+    it (not 'not a checkpoint', nor 'protocol 4'). A protocol-0 legacy torch file is one:
+    torch's weights_only loader reads protocol 2 only, and the refusal says so."""
     path = tmp_path / "settings.pkl"
     path.write_bytes(pickle.dumps({"lr": 0.1, "layers": [4, 4]}, protocol=0))
     assert scan_file(path).verdict == "safe"
     res = run_cli("inspect", path)
-    assert res.code == 0 and "pt-legacy checkpoint" in res.out and "0 tensors" in res.out, res
-    with pytest.raises(UnsafeFileError, match=r"a pickle of protocol 0 or 1 \(100\)"):
+    assert res.code == 0 and "plain pickle (pickle.dump" in res.out and "0 tensors" in res.out, res
+    with pytest.raises(FormatError, match=r"a plain pickle \(pickle.dump\), not a torch.save"):
         torchverity.load(path, sidecar="ignore")
+    legacy = tmp_path / "legacy0.pt"
+    torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False,
+               pickle_protocol=0)
+    res = run_cli("inspect", "--json", legacy)
+    assert json.loads(res.out)["format"] == "pt-legacy", res
+    with pytest.raises(UnsafeFileError, match=r"a pickle of protocol 0 or 1 \(76\)"):
+        torchverity.load(legacy, sidecar="ignore")

@@ -108,7 +108,7 @@ def _read_inertly(path: Path) -> dict[str, Any] | None:
     compares equal to its clean copy). None for any other file."""
     from torchverity.pickles._file_format import checkpoint_format
 
-    if not path.is_file() or checkpoint_format(path) not in ("pt", "pt-legacy"):
+    if not path.is_file() or checkpoint_format(path) not in ("pt", "pt-legacy", "pickle"):
         return None
     from torchverity.pickles._extract import refused_contents
     from torchverity.pickles._scan import scan_file

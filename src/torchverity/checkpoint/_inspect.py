@@ -112,6 +112,10 @@ class InspectResult:
         return data
 
 
+# The scan's formats of a file read as one pickle stream from its first byte.
+_PICKLES = frozenset({"torch-legacy", "pickle", "joblib"})
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -149,13 +153,16 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     # Compared with meta.json, so rebuilt with the algorithm the record names.
     recorded_fp = (meta or {}).get("fingerprint_algo")
     algo = recorded_fp if recorded_fp in (EXACT, LEGACY_EXACT) else EXACT
-    scan = _scan(record) if fmt in ("pt", "pt-legacy") else None
+    scan = _scan(record) if fmt in ("pt", "pt-legacy", "pickle") else None
     # An unsafe joblib file is shown with its verdict (exit 1) rather than named (exit 2).
     if scan is not None and scan.format == "joblib" and scan.verdict not in ("unsafe",
                                                                              "malformed"):
         raise joblib_file_error(record)
     if scan is not None and scan.format == "torchscript":
         fmt = "torchscript"  # a torch.jit.save archive: torch's zip layout, holding code
+    elif scan is not None and fmt in ("pt-legacy", "pickle") and scan.format in _PICKLES:
+        # The scan reads the magic number however it is spelled; the sniffer by its bytes.
+        fmt = "pt-legacy" if scan.format == "torch-legacy" else "pickle"
     shard_scans = tuple(_scan(f) for f in present if _pickle_file(f))
     # One read of a .safetensors file gives both its digest and its fingerprint.
     hashers = {f: new_hasher(r.algo, threads=True) for f, r in shard_recorded.items()}
@@ -245,7 +252,7 @@ def _pickle_file(path: Path) -> bool:
     from torchverity.pickles._file_format import checkpoint_format
 
     try:
-        return checkpoint_format(path) in ("pt", "pt-legacy")
+        return checkpoint_format(path) in ("pt", "pt-legacy", "pickle")
     except TorchVerityError:
         return False
 

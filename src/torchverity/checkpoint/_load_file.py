@@ -37,7 +37,13 @@ from torchverity.checkpoint._meta import (
     meta_path_for,
     read_meta,
 )
-from torchverity.checkpoint._read import _count_tensors, _load_failure, _torch_load, joblib_error
+from torchverity.checkpoint._read import (
+    _count_tensors,
+    _load_failure,
+    _torch_load,
+    joblib_error,
+    plain_pickle_error,
+)
 from torchverity.checkpoint._records import Records, recorded_digest, resolve_records
 from torchverity.checkpoint._results import ExpectedDigest, LoadReport, SidecarPolicy
 from torchverity.digest import (
@@ -242,6 +248,9 @@ def _load_pt(p: Path, fmt: FileFormat, expected: ExpectedDigest | None,
         return _load_while_hashing(p, expected, meta, map_location)
     # A full pickle may run code: its bytes are verified before anything is unpickled.
     digest = _check_digest(p, expected, meta)
+    refused = plain_pickle_error(p) if fmt == "pickle" else None
+    if refused is not None:  # torch.load cannot read it: not even trust_sha256 runs it
+        raise refused
     return _torch_load(p, fmt, map_location, full_pickle, mmap and fmt == "pt"), digest
 
 

@@ -64,6 +64,13 @@ def read_unverified(path: str | os.PathLike[str]) -> Any:
     fmt = checkpoint_format(p)
     if fmt == "safetensors":
         return st.map_tensors(p, st.read_header(p))
+    if fmt == "pickle":
+        from torchverity.pickles._extract import inert_tensors
+        from torchverity.pickles._scan import scan_file
+
+        scan = scan_file(p)
+        if scan.format != "torch-legacy":  # torch.load fails on it whatever it holds
+            return inert_tensors(p, scan)
     try:
         return _torch_load(p, fmt, "cpu", False, fmt == "pt")
     except UnsafeFileError:
@@ -111,7 +118,7 @@ def joblib_error(p: Path) -> FormatError | None:
     from torchverity.pickles._scan import scan_file
 
     try:
-        if file_format(p) != "pt-legacy" or scan_file(p).format != "joblib":
+        if file_format(p) != "pickle" or scan_file(p).format != "joblib":
             return None
     except TorchVerityError:
         return None
@@ -152,14 +159,43 @@ def _explained_load_error(p: Path, exc: Exception) -> Exception:
     return FormatError(f"{p}: cannot load: {text}", path=p, hint=hint)
 
 
-def unsafe_file_error(p: Path) -> UnsafeFileError | None:
-    """The refusal of a file the scan finds unsafe, naming its code-running globals, with
-    the inert route as the next step; None for any other file."""
-    from torchverity.pickles._dangerous import dangerous_globals, describe_globals, rescue_step
+def plain_pickle_error(p: Path) -> TorchVerityError | None:
+    """The refusal of a plain pickle (pickle.dump, joblib.dump): torch.load reads its first
+    pickle as torch's magic number and fails ("Invalid magic number"), having run that
+    pickle in a full load. Unsafe, joblib and other pickles each get their own; None for
+    a file the scan reads as torch's legacy format (its magic number spelled unusually)."""
     from torchverity.pickles._scan import scan_file
 
     try:
         scan = scan_file(p)
+    except TorchVerityError:
+        return None
+    if scan.format not in ("pickle", "joblib"):
+        return None
+    if scan.format == "joblib":
+        return joblib_file_error(p)
+    unsafe = unsafe_file_error(p, scan)
+    if unsafe is not None:
+        return unsafe
+    path = shell_path(p)
+    return FormatError(
+        f"{p}: a plain pickle (pickle.dump), not a torch.save checkpoint: torch.load takes its "
+        "first pickle for torch's magic number and fails ('Invalid magic number'), with or "
+        "without weights_only", path=p,
+        hint=f"torchverity inspect {path} lists its tensors and values without running it; "
+             f"torchverity migrate {path} NEW.safetensors writes them to a file load reads "
+             f"(torchverity scan {path} says what pickle.load would run)")
+
+
+def unsafe_file_error(p: Path, scan: Any = None) -> UnsafeFileError | None:
+    """The refusal of a file the scan finds unsafe, naming its code-running globals, with
+    the inert route as the next step; None for any other file. ``scan``: its scan, when
+    the caller has made it."""
+    from torchverity.pickles._dangerous import dangerous_globals, describe_globals, rescue_step
+    from torchverity.pickles._scan import scan_file
+
+    try:
+        scan = scan or scan_file(p)
     except TorchVerityError:
         return None
     if scan.verdict != "unsafe":

@@ -57,7 +57,8 @@ def _warn_if_unsafe(path: str, out: Output) -> None:
 
     from torchverity.pickles._file_format import checkpoint_format
 
-    if not Path(path).is_file() or checkpoint_format(Path(path)) not in ("pt", "pt-legacy"):
+    if not Path(path).is_file() or checkpoint_format(Path(path)) not in ("pt", "pt-legacy",
+                                                                          "pickle"):
         return
     from torchverity.pickles._dangerous import dangerous_globals, describe_globals, rescue_step
     from torchverity.pickles._scan import scan_file

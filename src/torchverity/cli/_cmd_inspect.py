@@ -95,9 +95,14 @@ def _advise_unsafe(scan: Any, read: bool, out: Output) -> None:
                   f"  next: {rescue_step(scan) if read else 'do not load it'}\n")
 
 
+_KINDS = {
+    "torchscript": "TorchScript archive (torch.jit.save)",
+    "pickle": "plain pickle (pickle.dump, not torch.save: torch.load cannot read it)",
+}
+
+
 def _print(r: Any, limit: int, out: Output) -> None:
-    kind = ("TorchScript archive (torch.jit.save)" if r.format == "torchscript"
-            else f"{r.format} checkpoint")
+    kind = _KINDS.get(r.format, f"{r.format} checkpoint")
     out.line(f"{r.path}: {kind}, {_size(r.size)}"
              + (f", {len(r.shards)} shards" if r.shards else ""))
     out.line(f"  {r.sidecar.algo:<11} {r.sidecar.actual}  {_against(r.sidecar)}")

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Final, Literal
 
 from torchverity.pickles._imports import import_effect, lookup, python_name
-from torchverity.pickles._ops import GlobalRef, Value, ref_of
+from torchverity.pickles._ops import GlobalRef, Item, Value, ref_of
 from torchverity.pickles._torch_names import MODELED
 
 # A file's verdict (torchverity.pickles._verdict says which, worst first).
@@ -345,10 +346,110 @@ _DATA_CALLS = {
 }
 
 
-def data_call_reason(ref: GlobalRef, protocol: int, calls: list[Value], pushes: int) -> str | None:
+# int | None pickles as functools.reduce(operator.or_, (int, type(None))) (protocols 0-2
+# spell reduce __builtin__.reduce); operator.or_ called on two types builds the same union.
+_UNION_REDUCE = frozenset({"functools.reduce", "_functools.reduce"})
+_UNION_OR = frozenset({"operator.or_", "_operator.or_"})
+# What a hint subscript or generic alias may hold besides hints (Literal["a"], Annotated).
+_CONSTANTS = (str, int, float, bool, bytes, type(None))
+# Hints nested deeper than this inside a union are not judged (the union stays dangerous).
+_HINT_DEPTH = 16
+
+
+def _called(made: Value, protocol: int, size: int) -> tuple[str, list[Item]] | None:
+    """(python name of the callee, arguments) of a REDUCE of a named global with ``size``
+    arguments kept in full; None for any other value."""
+    args, callee = made.args, ref_of(made.callee)
+    if (made.kind != "made" or made.via != "REDUCE" or callee is None or callee.dynamic
+            or type(args) is not Value or args.kind != "tuple" or args.truncated
+            or len(args.items) != size):
+        return None
+    return ".".join(python_name(callee, protocol)), args.items
+
+
+def _hint_argument(item: Item, protocol: int, depth: int) -> str | None:
+    """A subscript of a hint as it reads: hints, constants, and tuples or lists of them."""
+    if type(item) is not Value:
+        return repr(item) if isinstance(item, _CONSTANTS) else None
+    if item.kind in ("tuple", "list") and not item.truncated:
+        parts = [_hint_argument(i, protocol, depth + 1) for i in item.items]
+        if None in parts or depth > _HINT_DEPTH:
+            return None
+        joined = ", ".join(p for p in parts if p is not None)
+        return joined if item.kind == "tuple" else f"[{joined}]"
+    return _hint(item, protocol, depth)
+
+
+def _hint(item: Item, protocol: int, depth: int = 0) -> str | None:
+    """How a type a union may hold reads (int, None, typing.List[int], list[int], a union):
+    None for anything else, a global that is neither benign nor torch's included."""
+    if item is None:
+        return "None"
+    if type(item) is not Value or depth > _HINT_DEPTH:
+        return None
+    if item.kind == "global":
+        ref = item.ref
+        if ref is None or ref.dynamic or classify(ref, protocol)[0] not in (TORCH, BENIGN):
+            return None
+        module, name = python_name(ref, protocol)
+        return name if module == "builtins" else f"{module}.{name}"
+    one = _called(item, protocol, 1)
+    if one is not None:  # type(None): the class of a constant
+        called, (arg,) = one
+        if called != "builtins.type" or type(arg) is Value or not isinstance(arg, _CONSTANTS):
+            return None
+        return "None" if arg is None else type(arg).__name__
+    two = _called(item, protocol, 2)
+    if two is None:
+        return None
+    called, (base, params) = two
+    if called in ("_operator.getitem", "operator.getitem", "types.GenericAlias"):
+        if called != "types.GenericAlias" and not _subscripts_a_generic(item, protocol):
+            return None
+        origin, inner = _hint(base, protocol, depth + 1), _hint_argument(params, protocol,
+                                                                         depth + 1)
+        return None if origin is None or inner is None else f"{origin}[{inner}]"
+    return union_text(item, protocol, depth)
+
+
+def union_text(made: Item, protocol: int, depth: int = 0) -> str | None:
+    """``int | None`` for a call that builds a union of types (reduce(or_, types), or_ of
+    two types); None for any other value or call, a union holding other globals included."""
+    if type(made) is not Value:
+        return None
+    two = _called(made, protocol, 2)
+    if two is None:
+        return None
+    called, items = two
+    if called in _UNION_REDUCE:
+        operator, operands = items
+        op = ref_of(operator)
+        if (op is None or op.dynamic or ".".join(python_name(op, protocol)) not in _UNION_OR
+                or type(operands) is not Value or operands.kind != "tuple"
+                or operands.truncated or not operands.items):
+            return None
+        items = operands.items
+    elif called not in _UNION_OR:
+        return None
+    parts = [_hint(i, protocol, depth + 1) for i in items]
+    return None if None in parts else " | ".join(p for p in parts if p is not None)
+
+
+def data_call_reason(ref: GlobalRef, protocol: int, calls: list[Value], pushes: int,
+                     handed: Sequence[Value] = ()) -> str | None:
     """Why a global is benign when every use of it is a call that builds data (``pushes``:
-    the times it was pushed; a push that is not one of ``calls`` let it escape), else None."""
-    rule = _DATA_CALLS.get(".".join(python_name(ref, protocol)))
-    if rule is None or len(calls) != pushes or not all(rule[0](c, protocol) for c in calls):
+    the times it was pushed; a push that is not one of ``calls``, nor the first argument of
+    one of the calls ``handed`` it, let it escape), else None."""
+    name = ".".join(python_name(ref, protocol))
+    if len(calls) + len(handed) != pushes:
+        return None
+    if name in _UNION_REDUCE or name in _UNION_OR:
+        unions = [union_text(c, protocol) for c in (*calls, *handed)]
+        if not unions or None in unions:
+            return None
+        role = "builds a union" if name in _UNION_REDUCE else "joins the members of a union"
+        return f"{role} of types ({unions[0]}): typing data"
+    rule = _DATA_CALLS.get(name)
+    if rule is None or handed or not all(rule[0](c, protocol) for c in calls):
         return None
     return rule[1]

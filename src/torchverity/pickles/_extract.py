@@ -20,7 +20,7 @@ import torch
 from torchverity._formats import joblib_file_error
 from torchverity.errors import FormatError, UnsafeFileError, UsageError, shell_path
 from torchverity.pickles._inert import Inert, InertLoader
-from torchverity.pickles._unwrap import NOT_CONFIG, hyper_value
+from torchverity.pickles._unwrap import NOT_CONFIG, hyper_value, union_text
 
 if TYPE_CHECKING:
     from torchverity.pickles._scan import ScanResult
@@ -201,7 +201,8 @@ class Extractor:
         if isinstance(obj, type):
             return {"$type": getattr(obj, "_tv_name", f"{obj.__module__}.{obj.__qualname__}")}
         if isinstance(obj, Inert):
-            return self._inert(obj, path)
+            union = union_text(obj)
+            return {"$type": union} if union is not None else self._inert(obj, path)
         if isinstance(obj, torch.nn.Module):
             return self._module_real(obj, path)
         if isinstance(obj, torch.optim.Optimizer):

@@ -1,10 +1,12 @@
 """What kind of checkpoint a file is, agreeing with the scan on pickles no magic announces.
 
-:func:`torchverity._formats.file_format` knows a pickle by its PROTO opcode (``0x80``);
-protocols 0 and 1 have none, and a protocol-0 pickle is printable text. Such a file is
-one the scan walks as a pickle, so inspect, fingerprint and load take it as one (and
-refuse it with the scan's verdict) instead of calling it no checkpoint; a text file
-that every unpickler fails on before it runs anything is still no checkpoint.
+:func:`torchverity._formats.file_format` knows a pickle by its PROTO opcode (``0x80``),
+and torch's legacy format by the magic number its first pickle holds; protocols 0 and 1
+have no PROTO, and a protocol-0 pickle is printable text. Such a file is one the scan
+walks as a pickle, so inspect, fingerprint and load take it as one (``pt-legacy`` when
+its first pickle is the magic number, else ``pickle``) instead of calling it no
+checkpoint; a text file that every unpickler fails on before it runs anything is still
+no checkpoint.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torchverity.errors import FormatError
 _PICKLE_FORMATS = frozenset({"pickle", "torch-legacy"})
 
 
-def _walked_as_pickle(path: str) -> bool:
+def _walked_as_pickle(path: str) -> FileFormat | None:
     # Only for files no magic names: a .safetensors or zip file never imports the scanner.
     from torchverity.pickles._containers import scan_container
     from torchverity.pickles._source import Limits, PickleError
@@ -26,16 +28,19 @@ def _walked_as_pickle(path: str) -> bool:
     try:
         container = scan_container(path, Limits())
     except (PickleError, OSError):  # no reading of it at all: the sniffer's answer stands
-        return False
-    return container.format in _PICKLE_FORMATS and any(not e.alternate
-                                                       for e in container.entries)
+        return None
+    if container.format not in _PICKLE_FORMATS or all(e.alternate for e in container.entries):
+        return None
+    return "pt-legacy" if container.format == "torch-legacy" else "pickle"
 
 
 def checkpoint_format(path: str | os.PathLike[str]) -> FileFormat:
-    """``file_format``, with a pickle the scan walks from the first byte as ``pt-legacy``."""
+    """``file_format``, with a pickle the scan walks from the first byte as ``pt-legacy``
+    (torch's legacy format) or ``pickle``."""
     try:
         return file_format(path)
     except FormatError:
-        if _walked_as_pickle(os.fspath(path)):
-            return "pt-legacy"
+        walked = _walked_as_pickle(os.fspath(path))
+        if walked is not None:
+            return walked
         raise

@@ -39,9 +39,12 @@ from torchverity.pickles._values import first_arg as first_arg
 from torchverity.pickles._values import ref_of as ref_of
 
 # Globals judged per call, by their arguments: the loader of archives pickle.dumps(tensor)
-# embeds, and the calls that build typing data (type(None), typing.List[int]).
+# embeds, and the calls that build typing data (type(None), typing.List[int], int | None:
+# functools.reduce(operator.or_, (int, type(None)))).
 WATCHED_CALLS = frozenset({"torch.storage._load_from_bytes", "builtins.type", "__builtin__.type",
-                           "_operator.getitem", "operator.getitem"})
+                           "_operator.getitem", "operator.getitem", "__builtin__.reduce",
+                           "functools.reduce", "_functools.reduce", "_operator.or_",
+                           "operator.or_"})
 
 
 @dataclass
@@ -209,10 +212,18 @@ class Walker:
         return value
 
     def pushed_again(self, value: Item) -> None:
-        """Count a memo GET or DUP of a watched global."""
-        entry = self.report.watched.get(id(value))
+        """Count a memo GET or DUP of a watched global, or of a tuple holding one: a union's
+        reduce is handed operator.or_ in its argument tuple, which a second reference to
+        that tuple would hand on."""
+        watched = self.report.watched
+        entry = watched.get(id(value))
         if entry is not None:
             entry[1] += 1
+        elif type(value) is Value and value.kind == "tuple":
+            for item in value.items:
+                inner = watched.get(id(item))
+                if inner is not None:
+                    inner[1] += 1
 
     def called(self, via: str) -> None:
         """Note a call into a loaded object, unless every loader stopped before it."""

@@ -29,7 +29,7 @@ from torchverity.pickles._classes import (
 )
 from torchverity.pickles._containers import Container, Entry
 from torchverity.pickles._imports import import_effect, lookup
-from torchverity.pickles._ops import GlobalRef, StreamReport, Value
+from torchverity.pickles._ops import GlobalRef, StreamReport, Value, first_arg
 
 
 @dataclass(frozen=True)
@@ -79,15 +79,19 @@ def _nested_classes(container: Container) -> dict[int, _Class]:
 
 
 def _data_call_classes(container: Container) -> dict[int, _Class]:
-    """Benign for a global that builds data in every use (type(None), typing.List[int])."""
+    """Benign for a global that builds data in every use (type(None), typing.List[int],
+    int | None: the or_ a union's reduce is handed as its first argument)."""
     out: dict[int, _Class] = {}
     for entry in container.entries:
         for report in entry.streams:
             calls: dict[int, list[Value]] = {}
+            handed: dict[int, list[Value]] = {}
             for _, _, made in report.calls:
                 calls.setdefault(id(made.callee), []).append(made)
+                handed.setdefault(id(first_arg(made)), []).append(made)
             for key, (value, pushes) in report.watched.items():
-                reason = data_call_reason(value.ref, report.protocol, calls.get(key, []), pushes)
+                reason = data_call_reason(value.ref, report.protocol, calls.get(key, []), pushes,
+                                          handed.get(key, []))
                 if reason is not None:
                     out[id(value.ref)] = (BENIGN, reason)
     return out
