@@ -508,7 +508,12 @@ NOTES = (
     "generates for the compiled update, the sums of what the update is about to overwrite "
     "in place are taken in loops of their own before the update's loop, about half the "
     "update's memory traffic again; the native update with the compiled step's "
-    "arithmetic takes them in its one pass instead."
+    "arithmetic takes them in its one pass instead. The guard's detectors read the "
+    "gradients once before each update: the per-parameter norms that the skip policies of "
+    "non-finite gradients and gradient spikes decide on before the update is applied. The "
+    "row *compiled step after the rules' gradient norms* times that read alone; against the "
+    "compiled step it is most of the guard's cost, and on a model whose update is a large "
+    "share of its step (the MLP) it is more than the targets by itself."
 )
 
 
