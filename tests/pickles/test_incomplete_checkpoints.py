@@ -117,3 +117,38 @@ def test_an_index_given_by_itself_stands_for_its_shards(
     report = scan(index)
     assert not report.ok and gone not in {Path(r.path).name for r in report.results}
     assert not sentinel.exists()
+
+
+def test_a_folder_scan_names_the_shards_its_index_lists_and_the_folder_lacks(
+        sharded: tuple[Path, Path], tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    """Scanning the folder and scanning its index agree: a complete sharded checkpoint
+    passes (the index is a text file among the rest), one with a shard gone fails,
+    naming it."""
+    for folder, index_name in zip(sharded, ("pytorch_model.bin.index.json",
+                                            "model.safetensors.index.json"), strict=True):
+        res = run_cli("scan", "--json", folder)
+        report = json.loads(res.out)
+        assert res.code == 0 and all(f["verdict"] == "safe" for f in report["files"]), res.out
+        assert index_name in {Path(s["path"]).name for s in report["skipped"]}
+        copy = tmp_path / folder.name
+        copy.mkdir()
+        for f in folder.iterdir():
+            (copy / f.name).write_bytes(f.read_bytes())
+        index = copy / index_name
+        gone = sorted(set(json.loads(index.read_text())["weight_map"].values()))[-1]
+        (copy / gone).unlink()
+        res = run_cli("scan", "--json", copy)
+        files = {Path(f["path"]).name: f for f in json.loads(res.out)["files"]}
+        assert res.code == 1, res.out
+        assert (files[index_name]["verdict"], files[index_name]["format"]) == ("malformed",
+                                                                                 "index")
+        assert files[index_name]["problems"] == [
+            f"shard {gone} is named by the index and does not exist"]
+        assert gone not in files and all(f["verdict"] == "safe" for name, f in files.items()
+                                         if name != index_name)
+    other = tmp_path / "other"  # an *.index.json of something else stays a text file
+    other.mkdir()
+    (other / "faiss.index.json").write_text(json.dumps({"dim": 8, "metric": "l2"}))
+    torch.save({"w": torch.ones(2)}, other / "model.pt")
+    res = run_cli("scan", other)
+    assert res.code == 0 and "faiss.index.json: skipped" in res.out + res.err, res.out

@@ -463,6 +463,9 @@ def _walk_folder(folder: Path, limits: Limits | None, report: _Collected) -> Non
         result = _scan_or_note(names[0], limits, report.unreadable)
         if result is None:
             continue
+        if _is_index(result) and (broken := _broken_index(result)) is not None:
+            report.results.append(broken)  # its shards present are files of the walk
+            continue
         reason = _skip_reason(result, names[0])
         if reason is None:
             aliases = tuple(os.fspath(q) for q in names[1:])
@@ -493,22 +496,43 @@ def _scan_index(result: ScanResult, limits: Limits | None, report: _Collected) -
     missing = [s for s in shards if not (index.parent / s).is_file()]
     found = [r for s in shards if s not in missing
              if (r := _scan_or_note(index.parent / s, limits, report.unreadable)) is not None]
-    problems = tuple(f"shard {s} is named by the index and does not exist" for s in missing)
+    if missing:
+        report.results += [_missing_shards(result, shards, missing), *found]
+        return
     verdict: Verdict = min((r.verdict for r in found), key=_WORST_FIRST.index, default=SAFE)
     judged = (f"{len(shards)} shard(s)" if len(found) == len(shards) else
               f"{len(found)} of {len(shards)} shard(s) (the others cannot be read)")
-    if missing:
-        verdict = MALFORMED
-        reason = (f"{len(missing)} of its {len(shards)} shard(s) do not exist: "
-                  f"{', '.join(missing)}")
-    elif verdict == SAFE:
+    if verdict == SAFE:
         reason = f"sharded checkpoint, {judged} scanned: all safe"
     else:
         worst = ", ".join(Path(r.path).name for r in found if r.verdict == verdict)
         reason = f"sharded checkpoint, {judged} scanned: {worst}: {verdict}"
     report.results.append(dataclasses.replace(result, verdict=verdict, format="index",
-                                              reason=reason, problems=problems))
+                                              reason=reason))
     report.results += found
+
+
+def _missing_shards(result: ScanResult, shards: list[str], missing: list[str]) -> ScanResult:
+    """An index naming shards that are not beside it: the checkpoint cannot be accounted for."""
+    return dataclasses.replace(
+        result, verdict=MALFORMED, format="index",
+        reason=f"{len(missing)} of its {len(shards)} shard(s) do not exist: {', '.join(missing)}",
+        problems=tuple(f"shard {s} is named by the index and does not exist" for s in missing))
+
+
+def _broken_index(result: ScanResult) -> ScanResult | None:
+    """In a folder scan, a sharded checkpoint's index that names missing shards (another
+    ``*.index.json``, or a complete one, is a text file like the rest)."""
+    from torchverity.checkpoint._index import read_index
+    from torchverity.errors import TorchVerityError
+
+    index = Path(result.path)
+    try:
+        shards = sorted(set(read_index(index).values()))
+    except TorchVerityError:
+        return None
+    missing = [s for s in shards if not (index.parent / s).is_file()]
+    return _missing_shards(result, shards, missing) if missing else None
 
 
 def _is_index(result: ScanResult) -> bool:
