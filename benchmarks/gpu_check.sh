@@ -30,7 +30,7 @@ status=0
 # The guard's tests (the one that needs CUDA: the hot path never synchronises) and the
 # fingerprint tests.
 python3 -m pytest -q -p no:cacheprovider -x tests/training/test_guard_policies.py \
-    tests/training/test_guard_fused.py tests/test_fingerprint.py \
+    tests/training/test_guard_fused.py tests/checkpoint/test_fingerprint.py \
     2>&1 | tee "$out/tests-cuda.log" || status=1
 # Every window verified: the fused guard against torch.compile(optimizer.step), the
 # two-pass guard against the eager step, on the GPU (each block ends with a sync).
