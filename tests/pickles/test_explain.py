@@ -244,7 +244,15 @@ def test_real_messages_of_broken_files_name_their_cause(
     torch.save({"w": torch.ones(2)}, plain)
     onnx_file = tmp_path / "m.onnx"
     torch.onnx.export(torch.nn.Linear(3, 2), (torch.ones(1, 3),), str(onnx_file), dynamo=False)
+    pickled = tmp_path / "state.pkl"
+    pickled.write_bytes(pickle.dumps({"step": 3, "lr": [0.1, 0.01]}, protocol=2))
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(legacy.read_bytes()[:4] + b"\xff" + legacy.read_bytes()[5:])
     cases = [
+        (lambda: torch.load(pickled, weights_only=False), "not-torch-save"),
+        (lambda: torch.load(damaged, weights_only=True), "not-torch-save"),
         (lambda: torch.load(empty, weights_only=True), "truncated-zip"),
         (lambda: load_file(lfs), "safetensors-not-safetensors"),
         (lambda: load_file(short), "truncated-zip"),

@@ -103,6 +103,17 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity inspect {file}",
     ),
     _rule(
+        "not-torch-save",
+        r"Invalid magic number; corrupt file\?",
+        "the file is neither a torch.save zip archive nor a legacy (pre-1.6) torch.save file "
+        "whose first pickle is torch's magic number: a plain pickle (pickle.dump, "
+        "joblib.dump), a file in another format, or a legacy checkpoint damaged at its start.",
+        "find out which without running it: inspect names a plain pickle, a joblib file, a "
+        "broken download or damage; read a plain pickle with the library that wrote it, once "
+        "torchverity scan says it runs no code.",
+        "torchverity inspect {file}",
+    ),
+    _rule(
         "torchscript-weights-only",
         r"Cannot use ``weights_only=True`` with TorchScript archives|"
         r"received a zip file that looks like a TorchScript archive",
