@@ -8,6 +8,7 @@ import logging
 import pickle
 import shlex
 import traceback
+import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -111,6 +112,10 @@ def test_cant_get_attribute_and_lfs_pointer() -> None:
         ("zipfile.BadZipFile: Bad CRC-32 for file 'archive/data/0'", "zip-crc"),
         ("RuntimeError: PytorchStreamReader failed reading zip archive: failed finding "
          "central directory", "truncated-zip"),
+        # transformers 4.x, when the weights file starts with "version" (its source's text)
+        ("OSError: You seem to have cloned a repository without having git-lfs installed. "
+         "Please install git-lfs and run `git lfs install` followed by `git lfs pull` in the "
+         "folder you cloned.", "git-lfs-pointer"),
     ],
 )
 def test_table_recognises(message: str, key: str) -> None:
@@ -211,6 +216,69 @@ def _error_text(fn: Callable[[], object]) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc))
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_save_onto_a_full_disk_is_named(run_cli: Callable[..., object]) -> None:
+    """/dev/full fails every write with ENOSPC, as a full disk does."""
+    text = _error_text(lambda: torch.save({"w": torch.ones(1000)}, "/dev/full"))
+    assert [e.key for e in explain_text(text)] == ["save-write-failed"], text
+    res = run_cli("explain", text)
+    assert res.code == 0 and "disk or quota is full" in res.out, res.out
+
+
+def _transformers_4_load_state_dict(checkpoint_file: Path) -> object:
+    """What transformers 4.x's modeling_utils.load_state_dict does when torch.load fails
+    (the control flow and messages of its released source)."""
+    try:
+        return torch.load(checkpoint_file)
+    except Exception as e:
+        try:
+            with open(checkpoint_file) as f:
+                if f.read(7) == "version":
+                    raise OSError(
+                        "You seem to have cloned a repository without having git-lfs "
+                        "installed. Please install git-lfs and run `git lfs install` followed "
+                        "by `git lfs pull` in the folder you cloned.") from None
+                raise ValueError(
+                    f"Unable to locate the file {checkpoint_file} which is necessary to load "
+                    "this pretrained model. Make sure you have saved the model properly."
+                ) from e
+        except (UnicodeDecodeError, ValueError):
+            raise OSError(  # noqa: B904 (as transformers raises it)
+                f"Unable to load weights from pytorch checkpoint file for '{checkpoint_file}' "
+                f"at '{checkpoint_file}'. If you tried to load a PyTorch model from a TF 2.0 "
+                "checkpoint, please set from_tf=True.")
+
+
+def test_transformers_4_hides_torchs_error_behind_its_own(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """The whole traceback a user pastes holds torch's error, transformers' probe of the file
+    and its own OSError: torch's cause is named, and transformers' lines with it."""
+    page = tmp_path / "page" / "pytorch_model.bin"
+    page.parent.mkdir()
+    page.write_text("<!DOCTYPE html><html><body>404</body></html>")
+    cut = tmp_path / "cut" / "pytorch_model.bin"
+    cut.parent.mkdir()
+    torch.save({"w": torch.ones(1000)}, cut)
+    cut.write_bytes(cut.read_bytes()[:-200])
+    for path, cause in ((page, "html-page"), (cut, "truncated-zip")):
+        exc = _raised(lambda p=path: _transformers_4_load_state_dict(p))
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        assert "During handling of the above exception" in text and "OSError: Unable" in text
+        found = explain_text(text)
+        assert [e.key for e in found] == [cause, "transformers-unreadable-weights"], text
+        assert str(path) in found[1].cause
+        res = run_cli("explain", text)
+        assert res.code == 0 and "[unexplained]" not in res.out, res.out
+    exc = _raised(lambda: torch.load(cut))  # the same file, torch's traceback alone
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    assert "OSError: [Errno 22] Invalid argument" in text
+    found = explain_text(text)
+    assert [(e.key, e.evidence) for e in found] == [
+        ("truncated-zip", "OSError: [Errno 22] Invalid argument")], text
+    stray = "UnicodeDecodeError: 'utf-8' codec can't decode byte 0x80 in position 0"
+    assert explain_text(stray) == []  # on its own it is no transformers probe
+
+
 def test_torch_full_weights_only_messages_are_one_explained_report(
         tmp_path: Path, run_cli: Callable[..., object]) -> None:
     """torch quotes its unpickler's message on a line of its own ("WeightsUnpickler error:"):
@@ -250,7 +318,15 @@ def test_real_messages_of_broken_files_name_their_cause(
     torch.save({"w": torch.ones(2)}, legacy, _use_new_zipfile_serialization=False)
     damaged = tmp_path / "damaged.pt"
     damaged.write_bytes(legacy.read_bytes()[:4] + b"\xff" + legacy.read_bytes()[5:])
+    record = tmp_path / "record.pt"
+    torch.save({"w": torch.ones(1000)}, record)
+    header = next(i.header_offset for i in zipfile.ZipFile(record).infolist()
+                  if i.filename.endswith("data/0"))
+    damaged_record = bytearray(record.read_bytes())
+    damaged_record[header] ^= 0xFF  # the record's local header signature
+    record.write_bytes(bytes(damaged_record))
     cases = [
+        (lambda: torch.load(record), "damaged-zip-record"),
         (lambda: torch.load(pickled, weights_only=False), "not-torch-save"),
         (lambda: torch.load(damaged, weights_only=True), "not-torch-save"),
         (lambda: torch.load(empty, weights_only=True), "truncated-zip"),

@@ -78,7 +78,8 @@ _RULES: tuple[_Rule, ...] = (
     _rule(
         "git-lfs-pointer",
         r"Unsupported operand 118\b|invalid load key, 'v'|"
-        r"version https://git-lfs\.github\.com/spec",
+        r"version https://git-lfs\.github\.com/spec|"
+        r"cloned a repository without having git-lfs installed",
         "the file is a Git LFS pointer (a small text file starting 'version https://git-lfs'), "
         "not the weights: the repository was cloned or downloaded without LFS (byte 118 is 'v').",
         "fetch the real file: 'git lfs pull' in the clone, or download it again with "
@@ -298,12 +299,51 @@ _RULES: tuple[_Rule, ...] = (
         r"locating file (?!constants\.pkl))[^\n]*|failed finding central directory|"
         r"file is not a zip file|truncated|Ran out of input|^\s*(?:builtins\.)?EOFError\s*$|"
         r"Error while deserializing header: (?:header too small|invalid JSON in header)|"
-        r"MetadataIncompleteBuffer|InvalidHeaderDeserialization",
+        r"MetadataIncompleteBuffer|InvalidHeaderDeserialization|"
+        # torch >= 2.13 on a file cut short by a few bytes: the reader's errno, which only
+        # the traceback line above it ties to the archive
+        r"PyTorchFileReader\([^\n]*\n(?:[ \t^~]*\n)?OSError: \[Errno 22\] Invalid argument",
         "the file is incomplete or damaged: a save interrupted before it finished (torch.save "
         "is not atomic), a partial copy or download, or a full disk.",
         "check the file against its sidecar or manifest and restore a good copy; write "
         "checkpoints with torchverity.save, which writes atomically.",
         "torchverity verify {file}",
+    ),
+    _rule(
+        "damaged-zip-record",
+        r"PytorchStreamReader failed reading file (?P<record>\S+?):? invalid header or archive "
+        r"is corrupted",
+        "a record inside the checkpoint's zip archive{detail} is damaged (its header bytes "
+        "changed "
+        "after it was written): storage, copy or download corruption, not an interrupted save.",
+        "verify the file against its sidecar or manifest and restore a good copy; torchverity "
+        "diff against a good copy names the tensors that differ.",
+        "torchverity verify {file}",
+    ),
+    _rule(
+        "save-write-failed",
+        r"\[enforce fail at inline_container\.cc:\d+\] \. unexpected pos \d+ vs \d+",
+        "torch.save could not write the whole archive: the disk or quota is full, or the file "
+        "system refused a write. The file it left is incomplete, and one saved over an older "
+        "checkpoint has destroyed it (torch.save is not atomic).",
+        "free space (df -h on the target) or save elsewhere; write checkpoints with "
+        "torchverity.save, which leaves the previous checkpoint intact when a save fails.",
+        "torchverity verify {file}",
+    ),
+    _rule(
+        "transformers-unreadable-weights",
+        r"Unable to load weights from pytorch checkpoint file for '(?P<weights>[^']+)'|"
+        # what it raises on the way, while handling torch's error: a text file's probe, or
+        # a binary file's failure to read as text
+        r"Unable to locate the file \S+ which is necessary to load this pretrained model|"
+        r"^UnicodeDecodeError: [^\n]*(?=[\s\S]*?Unable to load weights from pytorch checkpoint)",
+        "transformers could not read the weights file{detail}; its message hides why: the "
+        "error printed above it ('During handling of the above exception') is torch's. Most "
+        "often the file is damaged or truncated, or an HTML page or another format saved "
+        "under the weights name; rarely a TensorFlow checkpoint.",
+        "check the file, then download it again or restore a good copy; explain the whole "
+        "traceback to have torch's error named too.",
+        "torchverity inspect {file}",
     ),
     _rule(
         "zip-crc",
@@ -344,8 +384,10 @@ _INDEX_SET = re.compile(r"\{([\d, .]+)\}")
 _ERROR_LINE = re.compile(
     r"^.*\b\w*(?:Error|Exception)\b:.*$|^\s*(?:error|fatal)\b[:\s].*$", re.MULTILINE | re.I)
 # torch's weights_only error quotes its unpickler's message on a line of its own: that line
-# continues the report above it, whose cause it holds.
-_CONTINUATION = re.compile(r"WeightsUnpickler error:")
+# continues the report above it, whose cause it holds. Python's separators between chained
+# exceptions ("...direct cause of the following exception:") report nothing themselves.
+_CONTINUATION = re.compile(r"WeightsUnpickler error:|^The above exception was the direct cause "
+                           r"of the following exception:")
 
 
 def strip_ansi(text: str) -> str:
@@ -461,7 +503,7 @@ def _render(rule: _Rule, matches: list[re.Match[str]]) -> Explanation:
         cause=rule.cause.replace("{detail}", _detail(found)),
         fix=rule.fix,
         command=rule.command.replace("{file}", "FILE"),
-        evidence=matches[0].group(0).strip(),
+        evidence=matches[0].group(0).strip().splitlines()[-1],  # the error's own line
         count=count,
         tally=tally,
     )
