@@ -7,6 +7,7 @@ import json
 import logging
 import pickle
 import shlex
+import shutil
 import traceback
 import zipfile
 from collections.abc import Callable, Iterator
@@ -482,3 +483,50 @@ def test_unexplained_hint_fits_the_error(tmp_path: Path, run_cli: Callable[..., 
     res = run_cli("explain", gpu_error)
     assert res.code == 1 and "torchverity doctor" in res.err, (gpu_error, res.err)
     assert "inspect" not in res.err
+
+
+def _from_pretrained_traceback(folder: Path) -> str:
+    """The whole traceback ``BertModel.from_pretrained(folder)`` prints, as a user pastes it."""
+    from transformers import BertModel
+
+    exc = _raised(lambda: BertModel.from_pretrained(folder))
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def test_broken_model_folders_are_named_from_transformers_own_tracebacks(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """The folders a download or copy leaves broken, loaded with transformers: each
+    traceback is explained, none exits 1, and the check names the folder."""
+    from torch_zip_artifacts import bert
+
+    pytest.importorskip("transformers")
+    model = bert()
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    model.save_pretrained(single)
+    model.save_pretrained(sharded, max_shard_size="40KB")
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(single, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    missing = tmp_path / "missing_shard"
+    shutil.copytree(sharded, missing)
+    shard = sorted(json.loads((missing / "model.safetensors.index.json").read_text())
+                   ["weight_map"].values())[-1]
+    (missing / shard).unlink()
+    cut = tmp_path / "cut"
+    shutil.copytree(single, cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    bad_config = tmp_path / "bad_config"
+    shutil.copytree(single, bad_config)
+    (bad_config / "config.json").write_text('{"model_type": "bert", ')
+    cases = [(no_weights, "hf-no-weights", f"torchverity inspect {no_weights}"),
+             (missing, "missing-shard", f"torchverity verify {missing}"),
+             (cut, "truncated-zip", "torchverity verify FILE"),
+             (bad_config, "config-not-json", f"torchverity verify {bad_config}")]
+    for folder, key, command in cases:
+        text = _from_pretrained_traceback(folder)
+        found = explain_text(text)
+        assert [(e.key, e.command) for e in found] == [(key, command)], text
+        res = run_cli("explain", text)
+        assert res.code == 0 and "[unexplained]" not in res.out, res.out
+    assert str(shard) in explain_text(_from_pretrained_traceback(missing))[0].cause

@@ -284,6 +284,38 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity inspect {file}",
     ),
     _rule(
+        "missing-shard",
+        r"No such file or directory:? '?(?P<shard>[^'\s]*(?:model|pytorch_model)-\d{5}-of-"
+        r"\d{5}\.(?:safetensors|bin))",
+        "a shard that the checkpoint's index names is not in the folder{detail}: an "
+        "incomplete download or copy, or shards of another save beside this index.",
+        "fetch the missing shards from the checkpoint's source (huggingface-cli download "
+        "fetches what is missing); the folder's manifest, where there is one, says what "
+        "belongs in it.",
+        "torchverity verify {folder}",
+    ),
+    _rule(
+        "hf-no-weights",
+        r"no file named [\w.,\s]+?,? found in directory (?P<where>\S+?)\.?$",
+        "the model folder{detail} holds no weights file that transformers looks for: only "
+        "its config and tokenizer were downloaded or copied, the weights are under another "
+        "name, or the path is another folder of the repository.",
+        "download the weights too (huggingface-cli download REPO, which fetches what is "
+        "missing), or point from_pretrained at the folder that holds them.",
+        "torchverity inspect {folder}",
+    ),
+    _rule(
+        "config-not-json",
+        r"the config file at '(?P<config>[^'{}]+)' is not a valid JSON file|"
+        # the parser's error that transformers reports as the above, in the same traceback
+        r"^json\.decoder\.JSONDecodeError: [^\n]*(?=[\s\S]*?is not a valid JSON file)",
+        "the model's config.json{detail} is not JSON: damaged or cut short, or a Git LFS "
+        "pointer or HTML page saved under its name.",
+        "restore the file from a good copy or download it again; the folder's manifest "
+        "tells a good copy.",
+        "torchverity verify {folder}",
+    ),
+    _rule(
         "safetensors-not-safetensors",
         r"Error while deserializing header: header too large|HeaderTooLarge",
         "the file's first 8 bytes are not a safetensors header length: most often a Git LFS "
@@ -300,6 +332,7 @@ _RULES: tuple[_Rule, ...] = (
         r"file is not a zip file|truncated|Ran out of input|^\s*(?:builtins\.)?EOFError\s*$|"
         r"Error while deserializing header: (?:header too small|invalid JSON in header)|"
         r"MetadataIncompleteBuffer|InvalidHeaderDeserialization|"
+        r"Error while deserializing header: incomplete metadata, file not fully covered|"
         # torch >= 2.13 on a file cut short by a few bytes: the reader's errno, which only
         # the traceback line above it ties to the archive
         r"PyTorchFileReader\([^\n]*\n(?:[ \t^~]*\n)?OSError: \[Errno 22\] Invalid argument",
@@ -502,11 +535,27 @@ def _render(rule: _Rule, matches: list[re.Match[str]]) -> Explanation:
         key=rule.key,
         cause=rule.cause.replace("{detail}", _detail(found)),
         fix=rule.fix,
-        command=rule.command.replace("{file}", "FILE"),
+        command=rule.command.replace("{file}", "FILE").replace("{folder}",
+                                                                _folder(matches)),
         evidence=matches[0].group(0).strip().splitlines()[-1],  # the error's own line
         count=count,
         tally=tally,
     )
+
+
+def _folder(matches: list[re.Match[str]]) -> str:
+    """The model folder the messages name (the folder itself, or a file's), else FOLDER."""
+    import os
+    import shlex
+
+    for match in matches:
+        groups = match.groupdict()
+        if groups.get("where"):
+            return shlex.quote(groups["where"])
+        named = groups.get("shard") or groups.get("config")
+        if named:
+            return shlex.quote(os.path.dirname(named) or ".")
+    return "FOLDER"
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
