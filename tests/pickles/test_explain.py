@@ -530,3 +530,28 @@ def test_broken_model_folders_are_named_from_transformers_own_tracebacks(
         res = run_cli("explain", text)
         assert res.code == 0 and "[unexplained]" not in res.out, res.out
     assert str(shard) in explain_text(_from_pretrained_traceback(missing))[0].cause
+
+
+def test_a_checkpoint_path_that_does_not_exist_is_named_with_its_folder(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """A real Lightning resume from a path with no file, and torch.load of one."""
+    import lightning as L
+
+    from torch_zip_artifacts import lightning_net
+
+    gone = tmp_path / "runs" / "epoch=3-step=400.ckpt"
+    gone.parent.mkdir()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)),
+                                       batch_size=2)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), accelerator="cpu", devices=1)
+    exc = _raised(lambda: trainer.fit(lightning_net({"lr": 0.1}), data, ckpt_path=gone))
+    lightning_text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    for text in (lightning_text, _error_text(lambda: torch.load(gone))):
+        found = explain_text(text)
+        assert [(e.key, e.command) for e in found] == [
+            ("checkpoint-not-found", f"torchverity verify {gone.parent}")], text
+        assert str(gone) in found[0].cause
+        res = run_cli("explain", text)
+        assert res.code == 0 and "[unexplained]" not in res.out, res.out

@@ -295,6 +295,17 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity verify {folder}",
     ),
     _rule(
+        "checkpoint-not-found",
+        r"Checkpoint file not found: (?P<absent>[^\s{}\"']+)\s*$|No such file or directory: '?"
+        r"(?P<nofile>[^'\s]+\.(?:pt|pth|ckpt|bin|safetensors|pkl|tar))'?$",
+        "the checkpoint{detail} is not at that path: a typo, or a relative path resolved "
+        "from another working directory, a checkpoint removed by a retention policy "
+        "(save_top_k, save_total_limit), or a copy or download that has not finished.",
+        "look where the run saved it (the trainer's checkpoint folder) and pass that path; "
+        "a folder's manifest lists what belongs in it.",
+        "torchverity verify {folder}",
+    ),
+    _rule(
         "hf-no-weights",
         r"no file named [\w.,\s]+?,? found in directory (?P<where>\S+?)\.?$",
         "the model folder{detail} holds no weights file that transformers looks for: only "
@@ -407,7 +418,8 @@ _RULES: tuple[_Rule, ...] = (
 )
 
 # A cause that explains the same lines better than a general one replaces it.
-_SUPERSEDES = {"peft-adapter-keys": "missing-unexpected-keys"}
+_SUPERSEDES = {"peft-adapter-keys": "missing-unexpected-keys",
+               "missing-shard": "checkpoint-not-found"}
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _DETAILS_SHOWN = 5
@@ -552,7 +564,8 @@ def _folder(matches: list[re.Match[str]]) -> str:
         groups = match.groupdict()
         if groups.get("where"):
             return shlex.quote(groups["where"])
-        named = groups.get("shard") or groups.get("config")
+        named = next((groups[k] for k in ("shard", "config", "absent", "nofile")
+                      if groups.get(k)), None)
         if named:
             return shlex.quote(os.path.dirname(named) or ".")
     return "FOLDER"
