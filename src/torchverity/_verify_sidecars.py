@@ -63,15 +63,72 @@ def _is_record(path: Path, of_name: str, meta: bool) -> bool:
 
 
 def broken_unrecorded(path: Path) -> FormatError | None:
-    """The error naming a file as a broken download: a Git LFS pointer under any name (an
-    LFS-tracked file never fetched), an HTML page under a weights name (an .html or .md
-    file may well start like one). None for anything else."""
+    """The error naming a file as a broken download, known from its own bytes with no
+    record: a Git LFS pointer under any name (an LFS-tracked file never fetched), an HTML
+    page under a weights name (an .html or .md file may well start like one), a weights
+    file cut short, or a sharded checkpoint's index naming shards its folder lacks. None
+    for anything else."""
     from torchverity.checkpoint._model_files import WEIGHTS_SUFFIXES
 
     kind = download_kind(path)
-    if kind is None or (kind == "html" and not path.name.lower().endswith(WEIGHTS_SUFFIXES)):
+    if kind == "lfs-pointer" or (kind == "html" and path.name.lower().endswith(
+            WEIGHTS_SUFFIXES)):
+        return broken_download(path)
+    if kind is None and path.name.lower().endswith(WEIGHTS_SUFFIXES):
+        return _cut_short(path)
+    if kind is None and path.name.endswith(".index.json"):
+        return _shards_missing(path)
+    return None
+
+
+def _cut_short(path: Path) -> FormatError | None:
+    """A weights file that ends before its own structure does: a safetensors file holding
+    fewer data bytes than its header names, a zip archive (torch.save) without the central
+    directory it writes last."""
+    import zipfile
+
+    from torchverity._formats import file_format
+
+    try:
+        fmt = file_format(path)
+    except (FormatError, InputError):
         return None
-    return broken_download(path)
+    if fmt == "safetensors":
+        from torchverity.checkpoint._st_header import parse_header
+
+        try:
+            parse_header(path)
+        except FormatError as exc:
+            reason = exc.message.removeprefix(f"{path}: ")
+            return FormatError(f"{path}: {reason}", path=path, hint=_FETCH_AGAIN)
+        return None
+    if fmt == "pt" and not zipfile.is_zipfile(path):
+        return FormatError(
+            f"{path}: a torch.save archive cut short: its central directory, written last, is "
+            "missing (an interrupted save, copy or download)", path=path, hint=_FETCH_AGAIN)
+    return None
+
+
+_FETCH_AGAIN = ("copy or download the file again from its source (huggingface-cli download "
+                "fetches what is incomplete), then verify it")
+
+
+def _shards_missing(index: Path) -> FormatError | None:
+    """A sharded checkpoint's index that names shards its folder does not hold."""
+    from torchverity.checkpoint._index import read_index
+
+    try:
+        shards = sorted(set(read_index(index).values()))
+    except FormatError:
+        return None  # another *.index.json, or one verify of the index reports itself
+    missing = [s for s in shards if not (index.parent / s).is_file()]
+    if not missing:
+        return None
+    return FormatError(
+        f"{index}: names {len(missing)} of its {len(shards)} shard(s) that the folder does "
+        f"not hold: {', '.join(missing[:5])}", path=index,
+        hint="fetch the missing shards from the checkpoint's source (huggingface-cli download "
+             "fetches what is missing), then verify the folder again")
 
 
 def no_record_error(path: Path) -> InputError:
@@ -185,7 +242,7 @@ def advice(result: VerifyResult) -> list[str]:
     broken_paths = set(result.broken)
     for rel in (*(e.path for e in result.problems), *result.broken):
         path = _entry_path(result, rel)
-        broken = broken_download(path)
+        broken = broken_unrecorded(path) if rel in broken_paths else broken_download(path)
         if broken is not None:
             broken_paths.add(rel)
             # Each step is printed after the target: the file verified says it once.

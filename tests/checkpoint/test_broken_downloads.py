@@ -102,3 +102,40 @@ def test_verify_of_a_folder_without_records_names_its_broken_downloads(
     doc = json.loads(run_cli("verify", "--json", root).out)["results"][0]
     assert doc["broken_downloads"] == ["model.safetensors", "pytorch_model.bin"]
     assert doc["unrecorded"] == ["README.md"] and doc["ok"] is False
+
+
+def test_verify_without_records_fails_what_a_files_own_bytes_show_incomplete(
+        tmp_path: Path, run_cli) -> None:
+    """Downloads and copies that stopped early, in folders transformers wrote: a
+    .safetensors file cut short, a shard gone from a sharded folder, a torch.save archive
+    without its central directory. No record covers them, and each fails, named, with the
+    step that fetches it; the intact folders raise nothing beyond 'no record'."""
+    from torch_zip_artifacts import bert, save_bin_shards
+
+    model = bert()
+    single, sharded, bins = tmp_path / "single", tmp_path / "sharded", tmp_path / "bins"
+    model.save_pretrained(single)
+    model.save_pretrained(sharded, max_shard_size="40KB")
+    save_bin_shards(model, bins, max_shard_size="10GB")
+    for folder in (single, sharded, bins):  # intact: nothing vouches, nothing is broken
+        result = run_cli("verify", folder)
+        assert result.code == 2 and "no manifest and no per-file sidecars" in result.err
+    weights = single / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    index = sharded / "model.safetensors.index.json"
+    gone = sorted(set(json.loads(index.read_text())["weight_map"].values()))[-1]
+    (sharded / gone).unlink()
+    archive = bins / "pytorch_model.bin"
+    archive.write_bytes(archive.read_bytes()[:-10])
+    cases = [(single, "model.safetensors", "but the file holds"),
+             (sharded, index.name, f"the folder does not hold: {gone}"),
+             (bins, archive.name, "torch.save archive cut short")]
+    for folder, name, words in cases:
+        result = run_cli("verify", folder)
+        assert result.code == 1, result.err
+        assert words in result.err and "huggingface-cli download" in result.err, result.err
+        assert "once the broken downloads are fetched again" in result.err
+        doc = json.loads(run_cli("verify", "--json", folder).out)["results"][0]
+        assert doc["broken_downloads"] == [name] and doc["ok"] is False
+    result = run_cli("verify", archive)  # the file by itself
+    assert result.code == 1 and "central directory" in result.err, result.err

@@ -24,7 +24,9 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "gave its files (offline). "
         "--signature checks an OpenSSF model signature (key or certificate chain), "
         "--attestation an in-toto statement. Lists ok / mismatched / missing / extra paths and "
-        "broken downloads (a Git LFS pointer or an HTML page saved as the file); exit 1 if "
+        "broken downloads (a Git LFS pointer or an HTML page saved as the file; with no "
+        "record, also a weights file cut short or an index naming shards the folder lacks); "
+        "exit 1 if "
         "any is not ok.",
     )
     p.add_argument("paths", nargs="+", metavar="PATH")
