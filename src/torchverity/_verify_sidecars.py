@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
-from torchverity._formats import broken_download, download_kind
+from torchverity._formats import broken_download, download_kind, file_format
 from torchverity._verify_results import VerifyEntry, VerifyResult, _damaged_tensors
 from torchverity.digest import ALGORITHMS, digest_file, find_sidecar, read_sidecar, sidecar_path
 from torchverity.errors import FormatError, InputError, shell_path
@@ -81,13 +81,15 @@ def broken_unrecorded(path: Path) -> FormatError | None:
     return None
 
 
+_FETCH_AGAIN = ("copy or download the file again from its source (huggingface-cli download "
+                "fetches what is incomplete), then verify it")
+
+
 def _cut_short(path: Path) -> FormatError | None:
     """A weights file that ends before its own structure does: a safetensors file holding
     fewer data bytes than its header names, a zip archive (torch.save) without the central
     directory it writes last."""
     import zipfile
-
-    from torchverity._formats import file_format
 
     try:
         fmt = file_format(path)
@@ -109,19 +111,15 @@ def _cut_short(path: Path) -> FormatError | None:
     return None
 
 
-_FETCH_AGAIN = ("copy or download the file again from its source (huggingface-cli download "
-                "fetches what is incomplete), then verify it")
-
 
 def _shards_missing(index: Path) -> FormatError | None:
     """A sharded checkpoint's index that names shards its folder does not hold."""
-    from torchverity.checkpoint._index import read_index
+    from torchverity.checkpoint._index import index_shards
 
     try:
-        shards = sorted(set(read_index(index).values()))
+        shards, missing = index_shards(index)
     except FormatError:
         return None  # another *.index.json, or one verify of the index reports itself
-    missing = [s for s in shards if not (index.parent / s).is_file()]
     if not missing:
         return None
     return FormatError(

@@ -46,6 +46,13 @@ def read_index(index: Path) -> dict[str, str]:
     return dict(weight_map)
 
 
+def index_shards(index: Path) -> tuple[list[str], list[str]]:
+    """The shard files an index names (sorted, each once) and those of them not beside it;
+    :class:`FormatError` when it is no sharded-checkpoint index."""
+    shards = sorted(set(read_index(index).values()))
+    return shards, [s for s in shards if not (index.parent / s).is_file()]
+
+
 def _plain_name(name: str) -> bool:
     parts = PurePosixPath(name).parts
     return len(parts) == 1 and parts[0] not in (".", "..") and "\\" not in name

@@ -482,18 +482,17 @@ _WORST_FIRST: tuple[Verdict, ...] = (UNSAFE, MALFORMED, NEEDS_REVIEW, NEEDS_ALLO
 def _scan_index(result: ScanResult, limits: Limits | None, report: _Collected) -> None:
     """A sharded checkpoint's index given by itself stands for the checkpoint: its shards
     are scanned, and its own verdict is theirs (malformed when one is missing)."""
-    from torchverity.checkpoint._index import read_index
+    from torchverity.checkpoint._index import index_shards
     from torchverity.errors import TorchVerityError
 
     index = Path(result.path)
     try:
-        shards = sorted(set(read_index(index).values()))
+        shards, missing = index_shards(index)
     except TorchVerityError as exc:
         reason = f"not a sharded-checkpoint index: {exc.message}"
         report.results.append(dataclasses.replace(result, verdict=MALFORMED, format="index",
                                                   reason=reason, problems=(reason,)))
         return
-    missing = [s for s in shards if not (index.parent / s).is_file()]
     found = [r for s in shards if s not in missing
              if (r := _scan_or_note(index.parent / s, limits, report.unreadable)) is not None]
     if missing:
@@ -523,15 +522,13 @@ def _missing_shards(result: ScanResult, shards: list[str], missing: list[str]) -
 def _broken_index(result: ScanResult) -> ScanResult | None:
     """In a folder scan, a sharded checkpoint's index that names missing shards (another
     ``*.index.json``, or a complete one, is a text file like the rest)."""
-    from torchverity.checkpoint._index import read_index
+    from torchverity.checkpoint._index import index_shards
     from torchverity.errors import TorchVerityError
 
-    index = Path(result.path)
     try:
-        shards = sorted(set(read_index(index).values()))
+        shards, missing = index_shards(Path(result.path))
     except TorchVerityError:
         return None
-    missing = [s for s in shards if not (index.parent / s).is_file()]
     return _missing_shards(result, shards, missing) if missing else None
 
 

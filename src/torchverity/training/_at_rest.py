@@ -319,12 +319,13 @@ class AtRest:
             word_sums(self._fused_tensors).unsqueeze(1), self.record, self.names)
         try:
             fused = self.fused
-            native = isinstance(fused, _native.NativeUpdate)
-            sums = fused(tensors, ptrs) if isinstance(fused, _native.NativeUpdate) else (
-                fused(tensors))
-            # The native update creates no state and moves no storage: after() need not
-            # list the tensors again (the next update's comparison still would see it).
-            self._listed = sums is not None and native
+            if isinstance(fused, _native.NativeUpdate):
+                sums = fused(tensors, ptrs)
+                # It creates no state and moves no storage: after() need not list the
+                # tensors again (the next update's comparison still would see it).
+                self._listed = sums is not None
+            else:
+                sums, self._listed = fused(tensors), False
             if sums is None:  # the native update leaves this one (it creates state)
                 sums = self._compiled(tensors) if self._compiled is not None else (
                     update_with_sums(lambda opt: type(opt).step(opt), self.optimizer, tensors))
