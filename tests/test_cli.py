@@ -44,9 +44,13 @@ def test_every_command_accepts_json() -> None:
 def test_hash_output_matches_sha256sum(tmp_path: Path, run_cli, monkeypatch) -> None:
     tree = _fixed_tree(tmp_path)
     monkeypatch.chdir(tree)
-    ours = run_cli("hash", "a.txt", "sub/b.bin")
+    ours = run_cli("hash", "--algo", "sha256", "a.txt", "sub/b.bin")
     theirs = subprocess.run(["sha256sum", "a.txt", "sub/b.bin"], capture_output=True, text=True)
     assert ours.code == 0 and ours.out == theirs.stdout and ours.err == ""
+    import blake3
+
+    default = run_cli("hash", "a.txt")  # BLAKE3, as b3sum prints it
+    assert default.out == blake3.blake3(b"alpha\n").hexdigest() + "  a.txt\n"
 
 
 def test_json_outputs_are_stable(tmp_path: Path, run_cli, monkeypatch, golden) -> None:
@@ -79,7 +83,7 @@ def test_exit_codes(tmp_path: Path, run_cli) -> None:
     assert missing.err == f"torchverity: error: {tmp_path / 'nothing'}: no such file or directory\n"
     by_sidecars = run_cli("verify", tree)  # no manifest: the sidecars it holds are checked
     assert by_sidecars.code == 1 and "1 per-file sidecar" in by_sidecars.out
-    (tree / "a.txt.sha256").unlink()
+    (tree / "a.txt.blake3").unlink()
     no_manifest = run_cli("verify", tree)
     assert no_manifest.code == 2
     assert f"next: record the folder from a trusted copy: torchverity manifest {tree}" \

@@ -74,9 +74,9 @@ def test_parallel_digests_equal_serial(tmp_path: Path) -> None:
 
 
 def test_sidecar_is_accepted_by_real_sha256sum(data_file: Path) -> None:
-    sidecar = write_sidecar(data_file, digest_file(data_file))
-    assert sidecar == sidecar_path(data_file)
-    assert sidecar.read_text() == f"{digest_file(data_file).hexdigest}  weights.bin\n"
+    sidecar = write_sidecar(data_file, digest_file(data_file, "sha256"))
+    assert sidecar == sidecar_path(data_file, "sha256")
+    assert sidecar.read_text() == f"{digest_file(data_file, 'sha256').hexdigest}  weights.bin\n"
     ok = subprocess.run(
         ["sha256sum", "-c", sidecar.name], cwd=data_file.parent, capture_output=True, text=True
     )
@@ -97,10 +97,11 @@ def test_sidecar_written_by_sha256sum_is_read(tmp_path: Path, data_file: Path) -
         text=True,
         check=True,
     ).stdout
-    sidecar = sidecar_path(data_file)
+    sidecar = sidecar_path(data_file, "sha256")
     sidecar.write_text(line)
     algo, hexdigest, name = read_sidecar(sidecar)
-    assert (algo, hexdigest, name) == ("sha256", digest_file(data_file).hexdigest, "weights.bin")
+    assert (algo, hexdigest, name) == ("sha256", digest_file(data_file, "sha256").hexdigest,
+                                       "weights.bin")
 
 
 @pytest.mark.parametrize(
@@ -116,12 +117,25 @@ def test_sidecar_written_by_sha256sum_is_read(tmp_path: Path, data_file: Path) -
     ids=["empty", "short-hex", "non-hex", "no-name", "two-lines", "63-digits"],
 )
 def test_malformed_sidecar_is_a_format_error(data_file: Path, content: str) -> None:
-    sidecar = sidecar_path(data_file)
+    sidecar = sidecar_path(data_file, "sha256")
     sidecar.write_text(content)
     with pytest.raises(FormatError) as info:
         read_sidecar(sidecar)
     assert "not a valid sha256 sidecar" in str(info.value)
     assert f"torchverity hash --algo sha256 --write {data_file}" in str(info.value)
+
+
+def test_the_default_sidecar_is_blake3_and_b3sum_reads_it(data_file: Path) -> None:
+    import blake3
+
+    sidecar = write_sidecar(data_file, digest_file(data_file))
+    assert sidecar == data_file.with_name("weights.bin.blake3")
+    want = blake3.blake3(data_file.read_bytes()).hexdigest()
+    assert read_sidecar(sidecar) == ("blake3", want, "weights.bin")
+    if shutil.which("b3sum"):
+        ok = subprocess.run(["b3sum", "-c", sidecar.name], cwd=data_file.parent,
+                            capture_output=True)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
 
 
 def test_unknown_algorithm_and_missing_file(tmp_path: Path) -> None:

@@ -68,7 +68,8 @@ def test_a_manifest_that_lists_git_files_still_has_them_verified(
     record = clone / "torchverity.manifest.json"
     written = read_manifest(record)
     head = clone / ".git" / "HEAD"
-    entry = ManifestEntry(".git/HEAD", head.stat().st_size, digest_file(head, "sha256").hexdigest)
+    entry = ManifestEntry(".git/HEAD", head.stat().st_size,
+                          digest_file(head, written.algo).hexdigest)
     entries = sorted((entry, *written.entries), key=lambda e: e.path.encode())
     record.write_text(json.dumps(Manifest(written.algo, tuple(entries)).to_dict()))
     done = run_cli("verify", str(clone), "--json")

@@ -277,17 +277,17 @@ def test_records_written_after_the_manifest_are_not_foreign_extras(
     torchverity.save({"w": torch.ones(3)}, folder / "résumé ckpt.pt")  # + sidecar, meta.json
     held = tmp_path / "held"
     held.mkdir()
-    for name in ("résumé ckpt.pt.sha256", "résumé ckpt.pt.meta.json"):
+    for name in ("résumé ckpt.pt.blake3", "résumé ckpt.pt.meta.json"):
         shutil.move(folder / name, held / name)
     write_manifest(folder)  # lists the two weights files only
-    for name in ("résumé ckpt.pt.sha256", "résumé ckpt.pt.meta.json"):
+    for name in ("résumé ckpt.pt.blake3", "résumé ckpt.pt.meta.json"):
         shutil.move(held / name, folder / name)
     assert run_cli("hash", "--write", folder / "modèle 1.safetensors").code == 0
     result = verify_directory(folder)
     assert result.ok and statuses(result) == {"modèle 1.safetensors": "ok",
                                               "résumé ckpt.pt": "ok"}
-    assert result.unlisted_records == ("modèle 1.safetensors.sha256",
-                                       "résumé ckpt.pt.meta.json", "résumé ckpt.pt.sha256")
+    assert result.unlisted_records == ("modèle 1.safetensors.blake3",
+                                       "résumé ckpt.pt.blake3", "résumé ckpt.pt.meta.json")
     assert result.to_dict()["unlisted_records"] == list(result.unlisted_records)
     res = run_cli("verify", folder)
     assert res.code == 0 and "OK (2 ok)" in res.out, (res.out, res.err)
@@ -297,10 +297,10 @@ def test_records_written_after_the_manifest_are_not_foreign_extras(
     # that only borrows a record's name.
     torch.save({"w": torch.zeros(2)}, folder / "extra.pt")
     write_sidecar(folder / "extra.pt", digest_file(folder / "extra.pt"))
-    torch.save({"w": torch.zeros(2)}, folder / "modèle 1.safetensors.blake3")
+    torch.save({"w": torch.zeros(2)}, folder / "modèle 1.safetensors.xxh128")
     got = statuses(verify_directory(folder))
-    assert got == {"extra.pt": "extra", "extra.pt.sha256": "extra",
-                   "modèle 1.safetensors": "ok", "modèle 1.safetensors.blake3": "extra",
+    assert got == {"extra.pt": "extra", "extra.pt.blake3": "extra",
+                   "modèle 1.safetensors": "ok", "modèle 1.safetensors.xxh128": "extra",
                    "résumé ckpt.pt": "ok"}
     res = subprocess.run([sys.executable, "-m", "torchverity", "verify", str(folder)],
                          capture_output=True, text=True, timeout=120,
@@ -327,7 +327,7 @@ def test_a_folder_verified_by_sidecars_names_the_files_none_covers(
     doc = json.loads(run_cli("verify", "--json", folder).out)["results"][0]
     assert doc["ok"] is True and [e["path"] for e in doc["entries"]] == ["model.safetensors"]
     expected = {p.name for p in folder.iterdir()} - {"model.safetensors",
-                                                      "model.safetensors.sha256"}
+                                                      "model.safetensors.blake3"}
     assert set(doc["unrecorded"]) == expected and "tokenizer_config.json" in expected
 
 
@@ -406,7 +406,7 @@ def test_an_index_stands_for_its_sharded_checkpoint(tmp_path: Path,
     got = {e["path"]: e["status"]
            for e in json.loads(run_cli("verify", "--json", index).out)["results"][0]["entries"]}
     assert got[shards[1].name] == "mismatched" and got[shards[3].name] == "missing"
-    (folder / f"{shards[2].name}.sha256").unlink()  # a shard nothing records any more
+    (folder / f"{shards[2].name}.blake3").unlink()  # a shard nothing records any more
     unrecorded = run_cli("verify", index)
     assert unrecorded.code == 2 and "have no record to check them against" in unrecorded.err
     assert shards[2].name in unrecorded.err

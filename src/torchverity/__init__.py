@@ -54,7 +54,7 @@ Examples (``torchverity demo`` runs every capability end to end)::
 
 Command line::
 
-    torchverity hash --write model.pt      # sidecar model.pt.sha256 (sha256sum -c reads it)
+    torchverity hash --write model.pt      # sidecar model.pt.blake3 (b3sum -c reads it)
     torchverity manifest runs/exp1         # torchverity.manifest.json + root digest
     torchverity verify model.pt runs/exp1  # exit 1 on any mismatch, with the place
 

@@ -181,7 +181,7 @@ def verify_sidecars(root: Path, exclude: Sequence[str] = (),
     broken = [rel for rel in rest if broken_unrecorded(root / rel) is not None]
     if not checked and not broken and not gone:
         raise InputError(
-            f"{root}: no manifest and no per-file sidecars (FILE.sha256, .blake3, .xxh128) "
+            f"{root}: no manifest and no per-file sidecars (FILE.blake3, .sha256, .xxh128) "
             "in this folder", path=root,
             hint=f"record the folder from a trusted copy: torchverity manifest {shell_path(root)}",
         )

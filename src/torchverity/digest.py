@@ -1,12 +1,13 @@
 """Streaming file digests and sidecar files.
 
-A sidecar ``FILE.sha256`` holds one ``<hex>  <name>`` line, exactly what
-``sha256sum`` writes, so ``sha256sum -c FILE.sha256`` (run in FILE's folder)
-accepts it. ``FILE.blake3`` uses the same line format (``b3sum -c`` reads it),
-and so does ``FILE.xxh128`` (``xxh128sum -c`` reads it): XXH3-128, a
-non-cryptographic 128-bit hash several times faster than BLAKE3, for
-catching accidental damage (disk, copy, download) where no adversary is
-assumed; a sidecar stored beside its file protects against nothing more.
+A sidecar ``FILE.blake3`` (the default) holds one ``<hex>  <name>`` line, exactly
+what ``b3sum`` writes, so ``b3sum -c FILE.blake3`` (run in FILE's folder) accepts
+it: BLAKE3 is cryptographic and fast enough to keep up with ``torch.load``.
+``FILE.sha256`` uses the same line format (``sha256sum -c`` reads it), for digests
+that must match published SHA-256 ones, and so does ``FILE.xxh128``
+(``xxh128sum -c`` reads it): XXH3-128, a non-cryptographic 128-bit hash several
+times faster than BLAKE3, for catching accidental damage (disk, copy, download)
+where no adversary is assumed; a sidecar stored beside its file protects against nothing more.
 A digest here is always over the whole file with no chunking parameters, so
 the algorithm, named by the extension, is all a verifier needs to rebuild it.
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 
 Algorithm = Literal["sha256", "blake3", "xxh128"]
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
-DEFAULT_ALGO: Algorithm = "sha256"
+DEFAULT_ALGO: Algorithm = "blake3"
 HEX_LENGTH = {"sha256": 64, "blake3": 64, "xxh128": 32}
 # Hashes that run faster than memory is copied: cheapest on the thread that just
 # read the bytes (still in its cache), where slower ones go to a second core.

@@ -160,12 +160,14 @@ def build_manifest(
 
 def write_manifest(
     directory: str | os.PathLike[str],
-    algo: str = DEFAULT_ALGO,
+    algo: str | None = None,
     *,
     fmt: ManifestFormat = "json",
     progress: Callable[[int], None] | None = None,
 ) -> Manifest:
-    """Build and atomically write the manifest into ``directory``."""
+    """Build and atomically write the manifest into ``directory``; ``algo`` defaults to
+    BLAKE3, or SHA-256 for the sha256sum format."""
+    algo = algo or ("sha256" if fmt == "sha256sum" else DEFAULT_ALGO)
     if fmt == "sha256sum" and algo != "sha256":
         raise InputError("the sha256sum format holds sha256 digests only", hint="drop --algo")
     manifest = build_manifest(directory, algo, progress=progress)

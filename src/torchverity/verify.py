@@ -53,7 +53,7 @@ INDEX_SUFFIX = ".index.json"
 def verify_file(
     path: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None
 ) -> VerifyResult:
-    """Check a file against its sidecar (``FILE.sha256``, ``.blake3`` or ``.xxh128``); a
+    """Check a file against its sidecar (``FILE.blake3``, ``.sha256`` or ``.xxh128``); a
     link to a checkpoint of its folder (Lightning's ``last.ckpt``), against that
     checkpoint's. An index of a sharded checkpoint (``*.index.json``) stands for the
     checkpoint: the shards it names are checked too, each against its own record.

@@ -489,7 +489,10 @@ def test_weights_are_verified_before_the_first_item(
     journal = Journal.open(out)
     job = json.loads(journal.job()["job"])
     journal.close()
-    assert job["model"]["weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    import blake3
+
+    assert job["model"]["weights_digest"] == \
+        f"blake3:{blake3.blake3(weights.read_bytes()).hexdigest()}"
     assert job["model"]["model_fingerprint"] == torchverity.fingerprint(
         {"w": torch.full((4,), 0.5)}).root
 
@@ -507,11 +510,11 @@ def test_weights_are_verified_before_the_first_item(
     fresh = tmp_path / "fresh"
     bad = run_cli(*base[:-1], fresh, "--weights", weights)
     assert bad.code == 1, bad.err
-    assert "w.pt" in bad.err and "sha256" in bad.err
+    assert "w.pt" in bad.err and "blake3 digest does not match" in bad.err
     assert not fresh.exists()
 
     # No sidecar at all: the weights cannot be verified, so the job does not start.
-    (tmp_path / "w.pt.sha256").unlink()
+    (tmp_path / "w.pt.blake3").unlink()
     missing = run_cli(*base[:-1], fresh, "--weights", weights)
     assert missing.code != 0 and "sidecar" in missing.err
     assert not fresh.exists()

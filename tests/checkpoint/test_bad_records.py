@@ -7,6 +7,7 @@ A clean copy of each record passes (exit 0), so the table cannot pass by refusin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sqlite3
@@ -119,19 +120,17 @@ def test_a_forged_self_consistent_meta_json_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_meta_json_whose_other_algorithm_digest_lies_is_refused(tmp_path: Path) -> None:
-    """Fingerprint and size true, the digest (blake3, beside a sha256 sidecar) of other bytes."""
+    """Fingerprint and size true, the digest (sha256, beside a blake3 sidecar) of other bytes."""
     from torchverity.errors import IntegrityError
 
     path = _saved(tmp_path, "model.pt")
     meta_file = path.with_name("model.pt.meta.json")
     meta = json.loads(meta_file.read_text())
-    meta["digest"] = {"algo": "blake3", "hex": "ab" * 32}
+    meta["digest"] = {"algo": "sha256", "hex": "ab" * 32}
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(IntegrityError, match="made for other bytes"):
         torchverity.load(path, sidecar="require")
-    import blake3
-
-    meta["digest"]["hex"] = blake3.blake3(path.read_bytes()).hexdigest()
+    meta["digest"]["hex"] = hashlib.sha256(path.read_bytes()).hexdigest()
     meta_file.write_text(json.dumps(meta))
     torchverity.load(path, sidecar="require")  # the truth in another algorithm is accepted
 
@@ -247,7 +246,7 @@ def test_every_bad_folder_manifest_is_refused(tmp_path: Path,
 
 def test_every_bad_sidecar_is_refused(tmp_path: Path, run_cli: Callable[..., Any]) -> None:
     path = _saved(tmp_path, "model.pt")
-    side = path.with_name("model.pt.sha256")
+    side = path.with_name("model.pt.blake3")
     good = side.read_bytes()
     for label, data in [("folder", None), ("empty", b""), ("non-utf8", b"\xff\xfe\x80"),
                         ("short hex", b"abc  model.pt\n"), ("two lines", good + good),

@@ -85,7 +85,8 @@ def test_round_trip_verifies_everything(saved: tuple[Path, dict[str, torch.Tenso
 
 
 def test_sidecar_is_sha256sum_compatible(saved: tuple[Path, dict[str, torch.Tensor]]) -> None:
-    path, _ = saved
+    path, state = saved
+    torchverity.save(state, path, algo="sha256")
     done = subprocess.run(["sha256sum", "-c", f"{path.name}.sha256"], cwd=path.parent,
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -101,7 +102,7 @@ def test_meta_json_records_environment_and_user_data(
     assert meta["environment"]["torch"] == torch.__version__
     assert {"torchverity", "cuda", "cudnn", "python", "platform", "git_commit"} <= set(
         meta["environment"])
-    assert meta["digest"]["hex"] == (path.parent / f"{path.name}.sha256").read_text().split()[0]
+    assert meta["digest"]["hex"] == (path.parent / f"{path.name}.blake3").read_text().split()[0]
     tensors = meta["fingerprint"]["tensors"]
     assert tensors["emb"]["dtype"] == "bfloat16" and tensors["layer.weight"]["shape"] == [64, 32]
     assert meta["size"] == path.stat().st_size
@@ -149,7 +150,7 @@ def test_overwrite_keeps_permissions_and_leaves_no_temp_files(tmp_path: Path) ->
     os.chmod(path, 0o640)
     torchverity.save(_state(1), path)
     assert path.stat().st_mode & 0o777 == 0o640
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "m.pt.meta.json", "m.pt.sha256"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "m.pt.blake3", "m.pt.meta.json"]
     assert _equal(torchverity.load(path), _state(1))
 
 
@@ -217,7 +218,7 @@ def test_meta_digest_catches_damage_without_sidecar(
     saved: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:
     path, _ = saved
-    (path.parent / f"{path.name}.sha256").unlink()
+    (path.parent / f"{path.name}.blake3").unlink()
     _flip(path, path.stat().st_size - 3)
     with pytest.raises(IntegrityError, match=r"does not match model\.\w+\.meta\.json"):
         torchverity.load(path)
@@ -322,9 +323,9 @@ def test_bound_load_still_checks_names_shapes_and_values(tmp_path: Path) -> None
 
 def test_resave_with_another_algorithm_drops_the_stale_sidecar(tmp_path: Path) -> None:
     path = tmp_path / "m.pt"
-    torchverity.save(_state(0), path)
+    torchverity.save(_state(0), path, algo="sha256")
     stale = (path.parent / f"{path.name}.sha256").read_text()
-    torchverity.save(_state(1), path, algo="blake3")
+    torchverity.save(_state(1), path)
     assert not (path.parent / f"{path.name}.sha256").exists()
     assert _equal(torchverity.load(path, sidecar="require"), _state(1))
     # A crash before the old sidecar was removed: meta.json names the algorithm to trust.
@@ -490,7 +491,7 @@ def test_never_falls_back_to_full_pickle(tmp_path: Path, caplog: pytest.LogCaptu
     assert "trust_sha256" in (info.value.hint or "")
     with pytest.raises(IntegrityError, match="not the trusted"):
         torchverity.load(path, trust_sha256="0" * 64)
-    digest = torchverity.digest_file(path).hexdigest
+    digest = torchverity.digest_file(path, "sha256").hexdigest
     with caplog.at_level(logging.WARNING, logger="torchverity.checkpoint"):
         obj, report = torchverity.load(path, trust_sha256=digest, sidecar="ignore",
                                        with_report=True)
@@ -572,7 +573,7 @@ def test_disk_full_leaves_previous_file_intact(tmp_path: Path) -> None:
     assert "ERR True cannot save" in done.stdout, done.stderr
     assert "the previous m.pt is intact" in done.stdout
     assert _equal(torchverity.load(path, sidecar="require"), _state())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "m.pt.meta.json", "m.pt.sha256"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "m.pt.blake3", "m.pt.meta.json"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (to drop privileges)")
@@ -656,7 +657,7 @@ def test_kill_9_during_save_never_tears_the_checkpoint(tmp_path: Path) -> None:
     # The stale temp files of killed saves are swept (or replaced) by the next save.
     torchverity.save(first, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "big.pt", "big.pt.meta.json", "big.pt.sha256"]
+        "big.pt", "big.pt.blake3", "big.pt.meta.json"]
 
 
 def test_crash_between_renames_is_recovered_from_pending_records(tmp_path: Path) -> None:
@@ -666,7 +667,7 @@ def test_crash_between_renames_is_recovered_from_pending_records(tmp_path: Path)
     torchverity.save(_state(0), path)
     torchverity.save(_state(1), newer)
     # The state a crash leaves after the checkpoint's rename, before its companions'.
-    for suffix in (".sha256", ".meta.json"):
+    for suffix in (".blake3", ".meta.json"):
         shutil.copy(f"{newer}{suffix}", pending_name(Path(f"{path}{suffix}")))
     shutil.copy(newer, path)
     with pytest.warns(CheckpointWarning, match="interrupted"):

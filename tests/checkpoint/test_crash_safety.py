@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import subprocess
 import time
@@ -82,7 +83,8 @@ def _after_kill(path: Path, sharded: bool) -> str:
         index = json.loads((path / "model.safetensors.index.json").read_text())
         live = set(index["weight_map"].values()) | {"model.safetensors.index.json"}
         stray = [p.name for p in path.iterdir()
-                 if p.name.lstrip(".").split(".sha256")[0].split(".meta.json")[0] not in live]
+                 if re.sub(r"\.(sha256|blake3|xxh128|meta\.json)(\.pending)?$", "",
+                           p.name.lstrip(".")) not in live]
         assert not stray, stray
     return held
 
@@ -129,10 +131,10 @@ def test_an_interrupted_save_is_not_refused_by_load_or_verify(tmp_path: Path) ->
     new.mkdir()
     torchverity.save(B, new / "model.pt")
     shutil.copy(new / "model.pt", path)
-    shutil.copy(new / "model.pt.sha256", path.parent / ".model.pt.sha256.pending")
+    shutil.copy(new / "model.pt.blake3", path.parent / ".model.pt.blake3.pending")
     shutil.copy(new / "model.pt.meta.json", path.parent / ".model.pt.meta.json.pending")
     assert verify_path(path).ok and _loaded(path) == "B"  # killed before the sidecar rename
-    (path.parent / ".model.pt.sha256.pending").replace(path.parent / "model.pt.sha256")
+    (path.parent / ".model.pt.blake3.pending").replace(path.parent / "model.pt.blake3")
     assert verify_path(path).ok and _loaded(path) == "B"  # killed before the meta.json rename
 
 
@@ -141,7 +143,7 @@ def test_stale_temp_files_are_swept_and_ignored(tmp_path: Path) -> None:
     torchverity.save(A, folder, shard_bytes=16000)
     dead = 2 ** 22 + 12345  # above the kernel's pid_max: no such process
     stale = [folder / f".model.safetensors.index.json.tmp-{dead}",
-             folder / ".model-00002-of-00009.g7.safetensors.sha256.pending",
+             folder / ".model-00002-of-00009.g7.safetensors.blake3.pending",
              folder / "model-00003-of-00009.g7.safetensors"]
     for p in stale:
         p.write_text("left by a killed save")

@@ -59,7 +59,7 @@ def test_cli_clean_and_json(tmp_path: Path, run_cli: Callable[..., Any]) -> None
     torchverity.save(_ckpt(), path, meta={"step": 9})
     r = run_cli("inspect", path)
     assert r.code == 0, r.err
-    assert f"matches {path}.sha256" in r.out
+    assert f"matches {path}.blake3" in r.out
     assert "scan        safe (weights_only loads it as is)" in r.out
     assert "matches meta.json" in r.out and 'user meta   {"step": 9}' in r.out
     assert "2 tensors, 16 elements (float32 48 B, bfloat16 8 B)" in r.out
@@ -178,7 +178,7 @@ def test_safetensors_digest_comes_from_the_fingerprint_read(tmp_path: Path, algo
     save_file({"w": torch.randn(300, 70), "b": torch.ones(3, dtype=torch.bfloat16)}, path,
               metadata={"format": "pt"})
     want = digest_file(path, algo).hexdigest
-    assert inspect(path).sidecar.actual == digest_file(path, "sha256").hexdigest
+    assert inspect(path).sidecar.actual == digest_file(path).hexdigest  # the default: blake3
     write_sidecar(path, digest_file(path, algo))
     r = inspect(path)
     assert (r.sidecar.status, r.sidecar.algo, r.sidecar.actual) == ("ok", algo, want)

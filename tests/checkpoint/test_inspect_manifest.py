@@ -81,7 +81,7 @@ def test_each_shard_is_checked_against_its_manifest_entry(
     assert [r.shard_records[s].status for s in shards] == ["ok", "mismatched"]
     out = run_cli("inspect", folder)
     assert out.code == 1
-    assert f"shard       {shards[1]}: sha256 " in out.out
+    assert f"shard       {shards[1]}: blake3 " in out.out
     assert f"DOES NOT MATCH {folder / MANIFEST_NAME} (entry {shards[1]})" in out.out
     assert "shards      1 of 2 match their records" in out.out
     with pytest.raises(IntegrityError):

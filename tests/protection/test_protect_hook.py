@@ -65,7 +65,7 @@ def test_refuse_from_the_environment_refuses_a_damaged_checkpoint(
     """, python=hooked_python, env={"TORCHVERITY_PROTECT": "refuse"}, args=(str(good), str(bad)))
     assert done.returncode == 3, done.stderr
     assert done.stdout.strip() == "refused ['w']"
-    assert f"torchverity protect: refused torch.load: {bad}: sha256 digest does not match" \
+    assert f"torchverity protect: refused torch.load: {bad}: blake3 digest does not match" \
         in done.stderr
 
 

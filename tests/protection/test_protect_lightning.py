@@ -110,8 +110,8 @@ def test_checkpoints_saved_under_the_switch_get_records_and_a_damaged_one_is_ref
         _trainer(tmp_path, 1).fit(Regressor(omegaconf.OmegaConf.create({"lr": 0.1})), _data())
     [ckpt] = (tmp_path / "checkpoints").glob("*.ckpt")
     names = {p.name for p in ckpt.parent.iterdir()}
-    assert f"{ckpt.name}.sha256" in names  # and no temp or pending file is left behind
-    assert names <= {ckpt.name, f"{ckpt.name}.sha256", f"{ckpt.name}.meta.json"}
+    assert f"{ckpt.name}.blake3" in names  # and no temp or pending file is left behind
+    assert names <= {ckpt.name, f"{ckpt.name}.blake3", f"{ckpt.name}.meta.json"}
     [saved] = [json.loads(x) for x in log.read_text().splitlines()
                if json.loads(x)["kind"] == "saved"]
     assert saved["api"] == "TorchCheckpointIO.save_checkpoint" and saved["path"] == str(ckpt)
@@ -120,9 +120,9 @@ def test_checkpoints_saved_under_the_switch_get_records_and_a_damaged_one_is_ref
     _resume(tmp_path, ckpt, "refuse", tmp_path / "clean.jsonl")  # a clean resume verifies
     assert "verified" in _kinds(tmp_path / "clean.jsonl")
     [ckpt] = (tmp_path / "checkpoints").glob("epoch=1-*.ckpt")  # the resumed run's own
-    assert (ckpt.parent / f"{ckpt.name}.sha256").is_file()
+    assert (ckpt.parent / f"{ckpt.name}.blake3").is_file()
     flip_tensor_bit(ckpt, bit=4)
-    with pytest.raises(IntegrityError, match=rf"{ckpt.name}\.sha256"):
+    with pytest.raises(IntegrityError, match=rf"{ckpt.name}\.blake3"):
         _resume(tmp_path, ckpt, "refuse", tmp_path / "refuse.jsonl")
 
 
@@ -138,4 +138,4 @@ def test_checkpoints_removed_by_lightning_take_their_records_along(tmp_path: Pat
     names = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
     [ckpt] = [n for n in names if n.endswith(".ckpt")]
     assert all(n.startswith(ckpt) for n in names), names  # no orphaned sidecars
-    assert f"{ckpt}.sha256" in names
+    assert f"{ckpt}.blake3" in names

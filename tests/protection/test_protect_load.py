@@ -84,7 +84,7 @@ def test_under_warn_the_damaged_file_loads_and_is_reported(tmp_path: Path) -> No
         got = torch.load(path)
     assert set(got) == {"b", "w"}
     [mismatch] = events(log, "mismatch")
-    assert "digest does not match model.pt.sha256" in mismatch["message"]
+    assert "digest does not match model.pt.blake3" in mismatch["message"]
     assert "damaged tensor" in mismatch["message"]
 
 
@@ -118,7 +118,7 @@ def test_a_hugging_face_cache_blob_is_checked_against_its_name(tmp_path: Path) -
     snap.mkdir(parents=True)
     staged = tmp_path / "staged.safetensors"
     safetensors.torch.save_file(_state(), staged)
-    digest = torchverity.digest_file(staged).hexdigest
+    digest = torchverity.digest_file(staged, "sha256").hexdigest
     shutil.move(staged, blobs / digest)
     (snap / "model.safetensors").symlink_to(Path("../../blobs") / digest)
     log = tmp_path / "log.jsonl"

@@ -40,7 +40,7 @@ def test_torch_save_gets_a_sidecar_and_meta_that_torchverity_load_requires(
     with protected("refuse"):
         assert torch.save(_state(), path) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "model.pt", "model.pt.meta.json", "model.pt.sha256"]
+        "model.pt", "model.pt.blake3", "model.pt.meta.json"]
     obj, report = torchverity.load(path, sidecar="require", with_report=True)
     assert report.verified and report.fingerprint_check == "bound"
     assert torch.equal(obj["w"], _state()["w"])
@@ -55,7 +55,7 @@ def test_objects_meta_json_cannot_describe_get_a_sidecar_and_still_load(
         torch.save({"config": Config(), "w": torch.ones(3)}, path, pickle_protocol=4)
         again = torch.load(path, weights_only=False)
     assert again["config"].lr == 0.5
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.pt", "full.pt.sha256"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.pt", "full.pt.blake3"]
     assert torchverity.verify_file(path).ok
 
 

@@ -39,7 +39,7 @@ def test_statement_is_in_toto_v1_with_fingerprint_and_seed(ckpt: Path, tmp_path:
     itoto.Statement.copy_from_pb(json_format.ParseDict(st, itoto.spb.Statement())).validate()
     assert st["_type"] == "https://in-toto.io/Statement/v1"
     assert st["subject"] == [{"name": "model.pt", "digest": {
-        "sha256": torchverity.digest_file(ckpt).hexdigest}}]
+        "sha256": torchverity.digest_file(ckpt, "sha256").hexdigest}}]
     rec = st["predicate"]["checkpoint"]["model.pt"]
     meta = json.loads(ckpt.with_name("model.pt.meta.json").read_text())
     assert rec["fingerprint"]["root"] == meta["fingerprint"]["root"]
@@ -70,7 +70,7 @@ def test_signed_attestation_verifies_and_refuses_edits(ckpt: Path, tmp_path: Pat
     result = verify_attestation(folder, att, public_key=pub)
     assert result.ok and result.predicate["checkpoint"]["model.pt"]["seed"] == 1234
     names = {e.path for e in result.entries}
-    assert names == {"model.pt", "model.pt.sha256", "model.pt.meta.json"}
+    assert names == {"model.pt", "model.pt.blake3", "model.pt.meta.json"}
     # An attacker edits the signed statement to match swapped weights: the envelope fails.
     bundle = json.loads(att.read_text())
     st = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
@@ -145,6 +145,6 @@ def test_guard_log_of_a_real_run_is_attested(tmp_path: Path, run_cli) -> None:
     assert res.code == 0, res.err
     record = json.loads(res.out)["statement"]["predicate"]["guard"]
     assert record["steps"] == 12 and record["anomalies"] == {} and record["finished"]
-    assert record["sha256"] == torchverity.digest_file(log).hexdigest
+    assert record["sha256"] == torchverity.digest_file(log, "sha256").hexdigest
     result = verify_attestation(tmp_path / "model.pt", tmp_path / "model.pt.intoto.json")
     assert result.ok and result.predicate["guard"]["steps"] == 12

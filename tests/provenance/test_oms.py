@@ -166,18 +166,32 @@ def test_fresh_manifest_digests_are_reused_not_rehashed(model: Path,
     from torchverity.manifest import write_manifest
 
     priv, pub = keys
-    write_manifest(model)
+    write_manifest(model, "sha256")  # signatures hold SHA-256: such records are reused
     report = sign_model(model, private_key=priv)
     assert report.hashed == ()
     assert set(report.reused) == set(report.files)
     assert verify_model(model, model / "model.sig", public_key=pub).ok
 
 
-def test_stale_records_are_hashed_again(model: Path, keys: tuple[Path, Path]) -> None:
+def test_default_blake3_records_are_not_signed_as_sha256(model: Path,
+                                                         keys: tuple[Path, Path]) -> None:
+    """A BLAKE3 manifest cannot stand in for SHA-256: every file is hashed, and the
+    signature still verifies with model_signing's own command."""
     from torchverity.manifest import write_manifest
 
     priv, pub = keys
     write_manifest(model)
+    report = sign_model(model, private_key=priv)
+    assert report.reused == {} and set(report.hashed) == set(report.files)
+    done = _ms("verify", "key", model, "--public_key", pub, "--signature", model / "model.sig")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_stale_records_are_hashed_again(model: Path, keys: tuple[Path, Path]) -> None:
+    from torchverity.manifest import write_manifest
+
+    priv, pub = keys
+    write_manifest(model, "sha256")  # signatures hold SHA-256: such records are reused
     manifest_mtime = (model / "torchverity.manifest.json").stat().st_mtime_ns
     (model / "config.json").write_text('{"edited": true}\n')
     os.utime(model / "config.json", ns=(manifest_mtime + 10**9, manifest_mtime + 10**9))
@@ -192,7 +206,7 @@ def test_silent_damage_after_the_record_is_caught_after_signing(
     from torchverity.manifest import write_manifest
 
     priv, pub = keys
-    write_manifest(model)
+    write_manifest(model, "sha256")  # signatures hold SHA-256: such records are reused
     flip_bit(model / WEIGHTS, 4000, 5, keep_mtime=True)
     report = sign_model(model, private_key=priv)
     assert WEIGHTS in report.reused
@@ -208,7 +222,8 @@ def test_save_sidecar_is_reused(tmp_path: Path, keys: tuple[Path, Path]) -> None
     priv, pub = keys
     folder = tmp_path / "ckpt"
     folder.mkdir()
-    torchverity.save({"w": torch.arange(1000, dtype=torch.float32)}, folder / "model.pt")
+    torchverity.save({"w": torch.arange(1000, dtype=torch.float32)}, folder / "model.pt",
+                     algo="sha256")
     report = sign_model(folder, private_key=priv)
     assert report.reused.get("model.pt") == "model.pt.sha256"
     assert "model.pt" not in report.hashed

@@ -148,7 +148,7 @@ def test_metadata_traces_answers_to_the_verified_weights(service: Service,
                                                           workspace: Path) -> None:
     with Client(service.url) as client:
         meta = client.metadata()
-    sidecar_hex = (workspace / "model.pt.sha256").read_text().split()[0]
+    sidecar_hex = (workspace / "model.pt.blake3").read_text().split()[0]
     params = meta["parameters"]
     assert meta["name"] == "Mlp" and meta["platform"] == "pytorch"
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
@@ -500,7 +500,7 @@ def _corrupt_byte(path: Path) -> None:
 
 def test_corrupted_weights_refuse_to_start(workspace: Path, tmp_path: Path) -> None:
     bad = tmp_path / "model.pt"
-    for suffix in ("", ".sha256", ".meta.json"):
+    for suffix in ("", ".blake3", ".meta.json"):
         bad.with_name("model.pt" + suffix).write_bytes(
             (workspace / ("model.pt" + suffix)).read_bytes())
     _corrupt_byte(bad)

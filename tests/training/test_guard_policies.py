@@ -131,8 +131,8 @@ def test_rollback_reloads_the_verified_checkpoint_and_the_run_finishes(
     assert run.final_loss == pytest.approx(clean.final_loss, rel=0.5)
     kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert kept == [
-        "guard-step00000250.pt", "guard-step00000250.pt.meta.json", "guard-step00000250.pt.sha256",
-        "guard-step00000300.pt", "guard-step00000300.pt.meta.json", "guard-step00000300.pt.sha256",
+        "guard-step00000250.pt", "guard-step00000250.pt.blake3", "guard-step00000250.pt.meta.json",
+        "guard-step00000300.pt", "guard-step00000300.pt.blake3", "guard-step00000300.pt.meta.json",
     ]
 
 

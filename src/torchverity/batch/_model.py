@@ -151,7 +151,7 @@ class ModelSpec:
 
         state, report = load(self.weights, sidecar="require", with_report=True,
                              strip_prefix=self.strip_prefix, key_map=dict(self.key_map))
-        ident["weights_sha256"] = str(report.digest)
+        ident["weights_digest"] = f"{report.algo}:{report.digest}"
         if self.strip_prefix or self.key_map:
             ident["key_fit"] = repr((self.strip_prefix, self.key_map))
         ident["model_fingerprint"] = report.fingerprint or fingerprint(state, mode="exact").root

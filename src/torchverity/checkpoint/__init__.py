@@ -4,7 +4,7 @@
 as it is written (no second pass over the file), fsyncs, renames over the
 target and fsyncs the folder, so a process killed at any moment leaves either
 the previous checkpoint or the new one, never a torn file. Next to the file it
-writes ``FILE.sha256`` (a ``sha256sum`` line) and ``FILE.meta.json`` (versions,
+writes ``FILE.blake3`` (a ``b3sum`` line) and ``FILE.meta.json`` (versions,
 seed, data digest, fingerprint, keys/shapes/dtypes and the caller's metadata;
 see ``docs/formats/checkpoint.md``).
 

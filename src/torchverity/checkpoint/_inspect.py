@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchverity.checkpoint._fp_record import EXACT, LEGACY_EXACT
-from torchverity.digest import digest_file, find_sidecar, new_hasher, read_sidecar
+from torchverity.digest import DEFAULT_ALGO, digest_file, find_sidecar, new_hasher, read_sidecar
 from torchverity.errors import TorchVerityError
 
 SidecarStatus = Literal["ok", "mismatched", "missing"]
@@ -167,7 +167,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     # One read of a .safetensors file gives both its digest and its fingerprint.
     hashers = {f: new_hasher(r.algo, threads=True) for f, r in shard_recorded.items()}
     if fmt == "safetensors":
-        hashers[record] = new_hasher(recorded.algo if recorded else "sha256", threads=True)
+        hashers[record] = new_hasher(recorded.algo if recorded else DEFAULT_ALGO, threads=True)
     streamed = (_safetensors_contents(p, algo, hashers) if fmt in ("safetensors", "sharded")
                 else None)
     listed = streamed
@@ -216,7 +216,7 @@ def _record_of(path: Path) -> _Record | None:
 def _check_record(path: Path, recorded: _Record | None, actual: str | None) -> SidecarCheck:
     """``path`` against its record; ``actual`` is the file's digest when it was computed
     while reading the tensors."""
-    algo = recorded.algo if recorded else "sha256"
+    algo = recorded.algo if recorded else DEFAULT_ALGO
     actual = actual or digest_file(path, algo).hexdigest
     if recorded is None:
         return SidecarCheck("missing", algo, actual)

@@ -185,7 +185,7 @@ def _expected_digest(p: Path, meta: Mapping[str, Any] | None, policy: SidecarPol
         return ExpectedDigest("sha256", prefix, "torch-hub", prefix=True)
     if policy == "require":
         raise IntegrityError(
-            f"{p}: no sidecar ({p.name}.sha256), no entry in a manifest of its folder, and "
+            f"{p}: no sidecar ({p.name}.blake3), no entry in a manifest of its folder, and "
             "sidecar='require': refusing to load unverified bytes", path=p,
             hint=f"save with torchverity.save, or record the digest: {record_step(p)}",
         )

@@ -44,6 +44,7 @@ from torchverity.checkpoint._results import LoadReport, SaveReport, SidecarPolic
 from torchverity.checkpoint._save_file import save_file
 from torchverity.digest import (
     ALGORITHMS,
+    DEFAULT_ALGO,
     check_algo,
     format_sidecar_line,
     new_hasher,
@@ -67,7 +68,7 @@ def save_sharded(
     meta: Mapping[str, Any] | None = None,
     seed: int | None = None,
     data: str | os.PathLike[str] | None = None,
-    algo: str = "sha256",
+    algo: str = DEFAULT_ALGO,
 ) -> SaveReport:
     """Split a flat state_dict into shards of at most ``shard_bytes`` and write the index."""
     if shard_format not in INDEX_NAMES:

@@ -39,7 +39,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                      help="build(state) -> fn(item) -> bytes|str|tensor (build() without "
                      "--weights)")
     run.add_argument("--weights", type=Path,
-                     help="checkpoint, verified against its .sha256 sidecar before any item")
+                     help="checkpoint, verified against its sidecar or manifest before any item")
     add_fit_args(run, strict=False)
     run.add_argument("--golden", type=Path, metavar="FILE",
                      help="golden file: the model (fn.model) must pass it before the first "

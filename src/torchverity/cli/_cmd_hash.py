@@ -13,10 +13,12 @@ from torchverity.digest import ALGORITHMS, DEFAULT_ALGO
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p = add_command(
         subparsers, common, "hash", _run,
-        help="print file digests like sha256sum; --write sidecars",
-        description="Print '<hex>  <path>' lines exactly like sha256sum. "
-        "--write also writes the sidecar FILE.sha256 (FILE.blake3, FILE.xxh128 with --algo), "
-        "which torchverity verify and load check (sha256sum -c accepts FILE.sha256).",
+        help="print file digests like b3sum or sha256sum; --write sidecars",
+        description="Print '<hex>  <path>' lines exactly like b3sum (sha256sum with --algo "
+        "sha256). "
+        "--write also writes the sidecar FILE.blake3 (FILE.sha256, FILE.xxh128 with --algo), "
+        "which torchverity verify and load check (b3sum -c accepts FILE.blake3, sha256sum -c "
+        "FILE.sha256).",
     )
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--algo", choices=ALGORITHMS, default=DEFAULT_ALGO)

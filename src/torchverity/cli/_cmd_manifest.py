@@ -7,7 +7,7 @@ from typing import Any, get_args
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.digest import ALGORITHMS, DEFAULT_ALGO
+from torchverity.digest import ALGORITHMS
 from torchverity.manifest import ManifestFormat
 
 
@@ -21,7 +21,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         "Prints the root digest.",
     )
     p.add_argument("directory", metavar="DIR")
-    p.add_argument("--algo", choices=ALGORITHMS, default=DEFAULT_ALGO)
+    p.add_argument("--algo", choices=ALGORITHMS,
+                   help="the digest (default: blake3; sha256 with --format sha256sum)")
     p.add_argument("--format", choices=get_args(ManifestFormat), default="json", dest="fmt")
 
 

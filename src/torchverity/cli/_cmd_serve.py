@@ -31,7 +31,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
                    help="builds the model, as uvicorn names apps (mypkg.models:build)")
     p.add_argument("--weights", required=True, metavar="CKPT",
                    help="checkpoint (file, Hugging Face folder or index) with a sidecar "
-                   "(CKPT.sha256) or listed in its folder's manifest")
+                   "(CKPT.blake3) or listed in its folder's manifest")
     add_fit_args(p)
     p.add_argument("--golden", metavar="FILE", help="golden record checked before serving and "
                    "at every re-check (torchverity golden record)")

@@ -16,7 +16,7 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
     p = add_command(
         subparsers, common, "verify", _run,
         help="check files and folders against their records",
-        description="A file is checked against FILE.sha256 (or .blake3, .xxh128), a folder "
+        description="A file is checked against FILE.blake3 (or .sha256, .xxh128), a folder "
         "against its manifest (a folder without one by the sidecars of its files, listing the "
         "files none covers; a file without a sidecar by its folder's manifest), an index "
         "(*.index.json) with the shards it names, a Hugging Face hub cache (HF_HOME, "

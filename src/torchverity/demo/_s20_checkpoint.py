@@ -20,11 +20,11 @@ def run(ctx: DemoContext) -> None:
     good = folder / "model.safetensors"
     report = torchverity.save(model.state_dict(), good, meta={"epoch": 3}, seed=0)
     ctx.say(f"torchverity.save wrote {good.name}, its sidecar and meta.json in one pass "
-            f"(sha256 {report.digest[:16]}..., fingerprint {report.fingerprint[:16]}...)")
+            f"({report.algo} {report.digest[:16]}..., fingerprint {report.fingerprint[:16]}...)")
     ctx.cli("inspect", str(good))
 
     bad = folder / "model-copy.safetensors"
-    for suffix in ("", ".sha256", ".meta.json"):
+    for suffix in ("", f".{report.algo}", ".meta.json"):
         shutil.copy(f"{good}{suffix}", f"{bad}{suffix}")
     weights = model.state_dict()["2.weight"]
     # Bit 30 of a float32 is the top exponent bit: a small weight becomes ~1e38.

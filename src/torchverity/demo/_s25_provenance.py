@@ -19,8 +19,9 @@ NEEDS = ("sign",)
 
 def _signed_model(ctx: DemoContext, model_dir: Path) -> tuple[Path, Path]:
     priv, pub = write_key_pair(ctx.workdir)
-    ctx.say("sign the folder with an ECDSA P-256 key (the manifest's digests are reused):")
-    ctx.cli("manifest", str(model_dir))
+    ctx.say("record the folder in SHA-256, the digest OpenSSF signatures hold, then sign it "
+            "with an ECDSA P-256 key (the manifest's digests are reused):")
+    ctx.cli("manifest", str(model_dir), "--algo", "sha256")
     ctx.cli("sign", str(model_dir), "--key", str(priv))
     sig = str(model_dir / "model.sig")
     ctx.cli("verify", str(model_dir), "--signature", sig, "--public-key", str(pub))

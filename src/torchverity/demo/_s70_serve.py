@@ -38,13 +38,13 @@ def run(ctx: DemoContext) -> None:
     torch.manual_seed(0)
     model = DemoNet()
     weights, golden = folder / "model.pt", folder / "golden.json"
-    torchverity.save(model.state_dict(), weights)
+    saved = torchverity.save(model.state_dict(), weights)
     torchverity.golden.record(model, torch.linspace(-1, 1, 16).reshape(2, 8), golden)
     spec = f"{__name__}:DemoNet"
 
     bad = folder / "bad" / "model.pt"
     bad.parent.mkdir()
-    for suffix in ("", ".sha256", ".meta.json"):
+    for suffix in ("", f".{saved.algo}", ".meta.json"):
         bad.with_name(bad.name + suffix).write_bytes(weights.with_name(weights.name + suffix)
                                                      .read_bytes())
     ctx.say("a copy of the weights gets one flipped bit; the service refuses to start on it:")

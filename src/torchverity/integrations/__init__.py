@@ -4,7 +4,7 @@
 * ``torchverity.integrations.hf.GuardCallback`` (``pip install 'torchverity[hf]'``)
 
 Both run the same detectors and policies as :class:`torchverity.TrainingGuard`
-and record every checkpoint the trainer saves: a ``FILE.sha256`` sidecar and
+and record every checkpoint the trainer saves: a ``FILE.blake3`` sidecar and
 a ``FILE.meta.json`` with the content fingerprint, exactly what
 ``torchverity.save`` writes, so ``torchverity verify`` and ``torchverity.load``
 check those files like their own. The records are written after the guard has

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from torchverity.checkpoint._records import linked_checkpoint
+from torchverity.digest import ALGORITHMS
 from torchverity.errors import UsageError, require_extra, shell_path
 from torchverity.integrations._common import (
     CheckpointRecord,
@@ -94,7 +95,7 @@ class _RecordingIO(_CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         self.inner.remove_checkpoint(path)
-        for suffix in (".sha256", ".meta.json"):
+        for suffix in (*(f".{a}" for a in ALGORITHMS), ".meta.json"):
             Path(f"{path}{suffix}").unlink(missing_ok=True)
 
     def teardown(self) -> None:

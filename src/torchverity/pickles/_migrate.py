@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from torchverity.digest import DEFAULT_ALGO
 from torchverity.errors import (
     FormatError,
     InputError,
@@ -180,7 +181,7 @@ def migrate(
     target: str | os.PathLike[str],
     *,
     trust_sha256: str | None = None,
-    algo: str = "sha256",
+    algo: str = DEFAULT_ALGO,
     nested: bool = False,
 ) -> MigrateResult:
     """Write ``target`` (.safetensors or .pt) with the tensors of ``source`` and a meta.json.

@@ -153,7 +153,8 @@ def atomic_save(session: Session, payload: Any, target: Path, fmt: str, api: str
                        fp_future.result() if fp_future is not None else None)
     session.emit(Event("saved", api, f"{api} wrote {target} atomically with its sidecar"
                        + (" and meta.json" if fp_future is not None else ""), os.fspath(target),
-                       caller_site(), {"sha256": digest, "size": writer.size}), loud=False)
+                       caller_site(),
+                       {"algo": DEFAULT_ALGO, "digest": digest, "size": writer.size}), loud=False)
 
 
 def _stage_records(staged: Any, target: Path, fmt: str, api: str, digest: str, size: int,

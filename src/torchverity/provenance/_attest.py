@@ -136,7 +136,7 @@ def _guard_record(path: str | os.PathLike[str] | None) -> dict[str, Any] | None:
 
     p = Path(path)
     run = summarize(p)
-    return {"file": p.name, "sha256": digest_file(p).hexdigest, "steps": run.steps,
+    return {"file": p.name, "sha256": digest_file(p, "sha256").hexdigest, "steps": run.steps,
             "anomalies": run.counts, "first_anomaly_step": run.first_anomaly_step,
             "skipped": run.skipped, "rollbacks": run.rollbacks, "replays": run.replays,
             "checkpoints": run.checkpoints, "finished": run.finished}
@@ -152,10 +152,11 @@ def build_statement(ckpt: str | os.PathLike[str], *,
 
     root = existing(ckpt)
     files, _links = model_files(root, [*GIT_PATHS, *exclude])
-    digests = model_digests(root, files)
+    # in-toto subjects are matched by SHA-256 everywhere they are consumed.
+    digests = model_digests(root, files, "sha256")
     subjects = [itoto.ResourceDescriptor(name=root.name if rel == "." else rel,
                                          digest={"sha256": hx}).pb
-                for rel, hx in digests.sha256.items()]
+                for rel, hx in digests.hexdigests.items()]
     from torchverity import __version__
 
     predicate = {
@@ -297,7 +298,7 @@ def _compare(root: Path, subjects: dict[str, str], att: Path) -> tuple[VerifyEnt
         files, _links = model_files(root, [*GIT_PATHS, *_excluded(root, att)])
         paths = {rel: root / rel for rel in files}
     present = [name for name in subjects if name in paths]
-    got = dict(zip(present, digest_files([paths[n] for n in present]), strict=True))
+    got = dict(zip(present, digest_files([paths[n] for n in present], "sha256"), strict=True))
     entries: list[VerifyEntry] = []
     for name, want in subjects.items():
         d = got.get(name)

@@ -2,8 +2,9 @@
 
 The signature is the library's own: a Sigstore bundle holding a DSSE envelope
 around an in-toto statement that lists every file's relative path and
-SHA-256. torchverity supplies the digests (reusing fresh records instead of
-hashing again) and, when verifying, compares them per file so a failure names
+SHA-256, the one algorithm ``model_signing verify`` checks files with. torchverity
+supplies the digests (reusing fresh SHA-256 records instead of hashing again)
+and, when verifying, compares them per file so a failure names
 each file that is mismatched, missing or extra. Files the library never signs
 (``.git``, ``.gitattributes``, ``.github``, ``.gitignore``, the signature
 itself) and torchverity's own manifests are left out, as the signature records.
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from torchverity._verify_results import EntryTally
+from torchverity.digest import ALGORITHMS
 from torchverity.errors import FormatError, InputError, UsageError, require_extra, shell_path
 from torchverity.manifest import MANIFEST_FILES, walk_files
 from torchverity.provenance._keys import (
@@ -27,7 +29,7 @@ from torchverity.provenance._keys import (
     load_private_key,
     load_public_key,
 )
-from torchverity.provenance._records import model_digests
+from torchverity.provenance._records import Digests, model_digests
 from torchverity.verify import Status, VerifyEntry
 
 GIT_PATHS = (".git", ".gitattributes", ".github", ".gitignore")
@@ -141,14 +143,16 @@ class _Prehashed:
         return self._manifest
 
 
-def _build_manifest(root: Path, sha256: dict[str, str], ignore: Sequence[str]) -> Any:
+def _build_manifest(root: Path, digests: Digests, ignore: Sequence[str]) -> Any:
     ms = _library()
     from model_signing._hashing import hashing as ms_hashing
 
     items = [ms.manifest.FileManifestItem(path=pathlib.PurePosixPath(rel),
-                                          digest=ms_hashing.Digest("sha256", bytes.fromhex(hx)))
-             for rel, hx in sha256.items()]
-    serialization = ms.manifest._FileSerialization("sha256", False, [Path(p) for p in ignore])
+                                          digest=ms_hashing.Digest(digests.algo,
+                                                                   bytes.fromhex(hx)))
+             for rel, hx in digests.hexdigests.items()]
+    serialization = ms.manifest._FileSerialization(digests.algo, False,
+                                                    [Path(p) for p in ignore])
     name = root.name or os.path.basename(root.resolve())
     return ms.manifest.Manifest(name, items, serialization)
 
@@ -205,8 +209,10 @@ def sign_model(
             hint="replace the links with the files they point to, then sign again")
     if not files:
         raise InputError(f"{root}: no files to sign", path=root)
-    digests = model_digests(root, files)
-    manifest = _build_manifest(root, digests.sha256, ignore)
+    # SHA-256: `model_signing verify` hashes with it whatever the signature names, so
+    # only SHA-256 records (manifest --algo sha256, save(algo="sha256")) are reused.
+    digests = model_digests(root, files, "sha256")
+    manifest = _build_manifest(root, digests, ignore)
     _write_signature(config.set_hashing_config(_Prehashed(manifest)), root, sig)
     return SignReport(os.fspath(root), os.fspath(sig), mode, tuple(files), digests.reused,
                       digests.hashed, tuple(ignore))
@@ -461,7 +467,7 @@ def signed_record(
     public_key: str | os.PathLike[str] | None = None,
     certificate_chain: Sequence[str | os.PathLike[str]] = (),
 ) -> tuple[str, str, str]:
-    """``("sha256", hex, "signature")`` for a file the signature covers, once it verifies.
+    """``(algo, hex, "signature")`` for a file the signature covers, once it verifies.
 
     Only the signature is checked here (no hashing): a loader that hashes the
     file as it reads it compares the digest, so the weights are read once.
@@ -476,8 +482,8 @@ def signed_record(
                           if a.name == signed.model_name]
     for rel in candidates:
         found = signed.digests.get(rel)
-        if found is not None and found[0] == "sha256":
-            return "sha256", found[1], "signature"
+        if found is not None and found[0] in ALGORITHMS:
+            return found[0], found[1], "signature"
     raise IntegrityError(
         f"{p}: not covered by signature {sig} (signed by {signed.signer}, over "
         f"'{signed.model_name}')", path=p,

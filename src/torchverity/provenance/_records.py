@@ -22,9 +22,10 @@ from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, read_manifest
 
 @dataclass(frozen=True)
 class Digests:
-    """SHA-256 of each file, and where each came from."""
+    """Each file's digest under ``algo``, and where each came from."""
 
-    sha256: dict[str, str]
+    algo: str
+    hexdigests: dict[str, str]
     reused: dict[str, str]  # path -> the record it came from
     hashed: tuple[str, ...]
 
@@ -44,7 +45,7 @@ def _fresh(path: Path, record_mtime: int, size: int = -1) -> bool:
     return st.st_mtime_ns <= record_mtime and size in (-1, st.st_size)
 
 
-def _from_manifest(root: Path, wanted: set[str]) -> dict[str, tuple[str, str]]:
+def _from_manifest(root: Path, wanted: set[str], algo: str) -> dict[str, tuple[str, str]]:
     found: dict[str, tuple[str, str]] = {}
     for name in (MANIFEST_NAME, SHA256SUM_NAME):
         record = root / name
@@ -55,7 +56,7 @@ def _from_manifest(root: Path, wanted: set[str]) -> dict[str, tuple[str, str]]:
             manifest = read_manifest(record)
         except TorchVerityError:
             continue  # an unreadable record is just not reused
-        if manifest.algo != "sha256":
+        if manifest.algo != algo:
             continue
         for e in manifest.entries:
             if e.path in wanted and e.path not in found and _fresh(root / e.path, mtime, e.size):
@@ -63,9 +64,9 @@ def _from_manifest(root: Path, wanted: set[str]) -> dict[str, tuple[str, str]]:
     return found
 
 
-def _from_sidecar(root: Path, rel: str) -> tuple[str, str] | None:
+def _from_sidecar(root: Path, rel: str, algo: str) -> tuple[str, str] | None:
     path = root / rel if rel != "." else root
-    side = sidecar_path(path, "sha256")
+    side = sidecar_path(path, algo)
     mtime = _mtime(side)
     if mtime is None or not _fresh(path, mtime):
         return None
@@ -76,15 +77,17 @@ def _from_sidecar(root: Path, rel: str) -> tuple[str, str] | None:
     return (hexd, side.name) if name == path.name else None
 
 
-def model_digests(root: Path, files: list[str]) -> Digests:
-    """SHA-256 of ``files`` (relative to ``root``; ``"."`` when ``root`` is the file)."""
+def model_digests(root: Path, files: list[str], algo: str) -> Digests:
+    """``algo`` digests of ``files`` (relative to ``root``; ``"."`` when ``root`` is the
+    file), reusing fresh records of the same algorithm."""
     folder = root if root.is_dir() else root.parent
-    recorded = _from_manifest(folder, set(files)) if root.is_dir() else {}
+    recorded = _from_manifest(folder, set(files), algo) if root.is_dir() else {}
     for rel in files:
-        if rel not in recorded and (hit := _from_sidecar(root, rel)) is not None:
+        if rel not in recorded and (hit := _from_sidecar(root, rel, algo)) is not None:
             recorded[rel] = hit
     todo = [rel for rel in files if rel not in recorded]
     paths = [root / rel if rel != "." else root for rel in todo]
-    digests = {rel: d.hexdigest for rel, d in zip(todo, digest_files(paths), strict=True)}
-    sha256 = {rel: recorded[rel][0] if rel in recorded else digests[rel] for rel in files}
-    return Digests(sha256, {rel: src for rel, (_h, src) in recorded.items()}, tuple(todo))
+    digests = {rel: d.hexdigest for rel, d in zip(todo, digest_files(paths, algo), strict=True)}
+    hexdigests = {rel: recorded[rel][0] if rel in recorded else digests[rel] for rel in files}
+    return Digests(algo, hexdigests, {rel: src for rel, (_h, src) in recorded.items()},
+                   tuple(todo))

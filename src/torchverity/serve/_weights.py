@@ -1,7 +1,7 @@
 """Start-up verification of the weights a service will hold.
 
 The file's digest must be recorded somewhere the service can check before
-unpickling: a sidecar (``CKPT.sha256``), the folder's manifest, or the name a
+unpickling: a sidecar (``CKPT.blake3``), the folder's manifest, or the name a
 Hugging Face hub cache gave its blob. The checkpoint is then loaded with
 ``torchverity.load`` (``weights_only=True``), which also checks the content
 fingerprint against ``CKPT.meta.json`` when present and the keys, shapes and
@@ -160,8 +160,8 @@ def _check_against_manifest(path: Path) -> tuple[str, str]:
         record = find_manifest(path.parent)
     except InputError:
         raise IntegrityError(
-            f"{path}: no recorded digest (no {path.name}.sha256 sidecar and no manifest in "
-            f"{path.parent}): refusing to serve unverified weights",
+            f"{path}: no recorded digest (no sidecar {path.name}.blake3, .sha256 or .xxh128, "
+            f"and no manifest in {path.parent}): refusing to serve unverified weights",
             path=path, hint=f"record it from a trusted copy: {record_step(path)}",
         ) from None
     manifest = read_manifest(record)
