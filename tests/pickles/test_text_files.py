@@ -241,7 +241,7 @@ def test_a_protocol_0_pickle_of_plain_data_is_read_as_one(tmp_path: Path,
                                                           run_cli: Callable[..., Any]) -> None:
     """inspect reads it inertly and names it a plain pickle; load says torch.load cannot read
     it (not 'not a checkpoint', nor 'protocol 4'). A protocol-0 legacy torch file is one:
-    torch's weights_only loader reads protocol 2 only, and the refusal says so."""
+    no torch.load reads its text persistent ids, trusted or not, and the refusal says so."""
     path = tmp_path / "settings.pkl"
     path.write_bytes(pickle.dumps({"lr": 0.1, "layers": [4, 4]}, protocol=0))
     assert scan_file(path).verdict == "safe"
@@ -254,5 +254,6 @@ def test_a_protocol_0_pickle_of_plain_data_is_read_as_one(tmp_path: Path,
                pickle_protocol=0)
     res = run_cli("inspect", "--json", legacy)
     assert json.loads(res.out)["format"] == "pt-legacy", res
-    with pytest.raises(UnsafeFileError, match=r"a pickle of protocol 0 or 1 \(76\)"):
+    with pytest.raises(FormatError, match=r"trust_sha256 cannot help either: .*pickled as "
+                                          r"text \(pickle protocol 0\)"):
         torchverity.load(legacy, sidecar="ignore")

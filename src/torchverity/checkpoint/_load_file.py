@@ -43,6 +43,7 @@ from torchverity.checkpoint._read import (
     _torch_load,
     joblib_error,
     plain_pickle_error,
+    torch_cannot_read_error,
 )
 from torchverity.checkpoint._records import Records, recorded_digest, resolve_records
 from torchverity.checkpoint._results import ExpectedDigest, LoadReport, SidecarPolicy
@@ -55,6 +56,7 @@ from torchverity.digest import (
 from torchverity.errors import (
     FormatError,
     IntegrityError,
+    UnsafeFileError,
     shell_path,
 )
 from torchverity.pickles._file_format import checkpoint_format
@@ -242,6 +244,16 @@ def _trusted(p: Path, trust_sha256: str | None) -> bool:
 
 
 def _load_pt(p: Path, fmt: FileFormat, expected: ExpectedDigest | None,
+             meta: Mapping[str, Any] | None, map_location: Any, full_pickle: bool,
+             mmap: bool) -> tuple[Any, str | None]:
+    try:
+        return _read_pt(p, fmt, expected, meta, map_location, full_pickle, mmap)
+    except (FormatError, UnsafeFileError) as exc:
+        # Asked only once torch failed: a scan of every file would slow each load.
+        raise torch_cannot_read_error(p) or exc from None
+
+
+def _read_pt(p: Path, fmt: FileFormat, expected: ExpectedDigest | None,
              meta: Mapping[str, Any] | None, map_location: Any, full_pickle: bool,
              mmap: bool) -> tuple[Any, str | None]:
     if expected is not None and fmt == "pt" and not (full_pickle or mmap):

@@ -187,6 +187,27 @@ def plain_pickle_error(p: Path) -> TorchVerityError | None:
              f"(torchverity scan {path} says what pickle.load would run)")
 
 
+def torch_cannot_read_error(p: Path) -> FormatError | None:
+    """The refusal of a torch file that no torch.load reads, weights_only or not (its
+    persistent ids pickled as text, at protocol 0): trust_sha256 cannot help, migrate can.
+    None for any other file, and for one the scan finds unsafe or malformed (their own
+    errors say more)."""
+    from torchverity.pickles._scan import scan_file
+
+    try:
+        scan = scan_file(p)
+    except TorchVerityError:
+        return None
+    if scan.plan is None or not scan.plan.torch_cannot_read or not scan.ok:
+        return None
+    path = shell_path(p)
+    return FormatError(
+        f"{p}: torch.load cannot read this file, so trust_sha256 cannot help either: "
+        f"{scan.plan.torch_cannot_read}", path=p,
+        hint=f"torchverity migrate {path} NEW.safetensors converts it without running it (then "
+             f"load the new file); torchverity inspect {path} lists its tensors")
+
+
 def unsafe_file_error(p: Path, scan: Any = None) -> UnsafeFileError | None:
     """The refusal of a file the scan finds unsafe, naming its code-running globals, with
     the inert route as the next step; None for any other file. ``scan``: its scan, when

@@ -10,6 +10,7 @@ from typing import Any
 
 from torchverity.cli._command import add_command, at_least
 from torchverity.cli._output import Output
+from torchverity.errors import shell_path
 
 
 def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -78,6 +79,8 @@ def _advise(result: Any, found: list[str], out: Output) -> None:
     for scan in result.scans:
         if scan.verdict == "unsafe":
             _advise_unsafe(scan, result.not_loaded is None and bool(result.tensors), out)
+        elif scan.plan is not None and scan.plan.torch_cannot_read and not found:
+            _advise_convert(scan, out)
     for text in found:
         out.err.write(f"torchverity: damaged: {text}\n")
     if found or any(scan.verdict == "malformed" for scan in result.scans):
@@ -95,6 +98,14 @@ def _advise_unsafe(scan: Any, read: bool, out: Output) -> None:
                   f"  next: {rescue_step(scan) if read else 'do not load it'}\n")
 
 
+def _advise_convert(scan: Any, out: Output) -> None:
+    """An intact file no torch.load reads is not damaged: say so, and how to convert it."""
+    out.err.write(f"torchverity: {scan.path}: intact, but torch.load cannot read it: "
+                  f"{scan.plan.torch_cannot_read}\n"
+                  f"  next: torchverity migrate {shell_path(scan.path)} NEW.safetensors "
+                  "converts it without running it\n")
+
+
 _KINDS = {
     "torchscript": "TorchScript archive (torch.jit.save)",
     "pickle": "plain pickle (pickle.dump, not torch.save: torch.load cannot read it)",
@@ -103,17 +114,14 @@ _KINDS = {
 
 def _print(r: Any, limit: int, out: Output) -> None:
     kind = _KINDS.get(r.format, f"{r.format} checkpoint")
+    if r.scan is not None and r.scan.plan is not None and r.scan.plan.torch_cannot_read:
+        kind += " at pickle protocol 0 (no torch.load setting reads it)"
     out.line(f"{r.path}: {kind}, {_size(r.size)}"
              + (f", {len(r.shards)} shards" if r.shards else ""))
     out.line(f"  {r.sidecar.algo:<11} {r.sidecar.actual}  {_against(r.sidecar)}")
     _print_shard_records(r, out)
     if r.scan is not None:
-        plan = r.scan.plan
-        # An unsafe file's plan would name its code-running globals as what to allowlist.
-        how = (f": {r.scan.reason}" if r.scan.verdict == "unsafe" else "" if plan is None else
-               " (weights_only loads it as is)" if plan.loadable and not plan.needs else
-               f" (weights_only needs: {', '.join(plan.needs)})")
-        out.line(f"  scan        {r.scan.verdict}{how}")
+        out.line(f"  scan        {r.scan.verdict}{_plan_words(r.scan)}")
     if r.shard_scans:
         counts = Counter(scan.verdict for scan in r.shard_scans)
         flagged = [Path(scan.path).name for scan in r.shard_scans if not scan.ok]
@@ -140,6 +148,24 @@ def _print(r: Any, limit: int, out: Output) -> None:
         out.line(f"  {name} = {value}")
     if 0 < limit < len(values):
         out.line(f"  ... {len(values) - limit} more values (--limit 0 lists all)")
+
+
+def _plan_words(scan: Any) -> str:
+    """What the scan's load plan says, after its verdict."""
+    plan = scan.plan
+    # An unsafe file's plan would name its code-running globals as what to allowlist.
+    if scan.verdict == "unsafe":
+        return f": {scan.reason}"
+    if plan is None:
+        return ""
+    if plan.torch_cannot_read:
+        return " (torch.load cannot read it, with any weights_only setting)"
+    if not plan.loadable:
+        return (" (torch.load(weights_only=True) cannot read it, whatever you allowlist: "
+                f"torchverity scan {shell_path(scan.path)} says why)")
+    if plan.needs:
+        return f" (weights_only needs: {', '.join(plan.needs)})"
+    return " (weights_only loads it as is)"
 
 
 def _against(s: Any) -> str:

@@ -71,7 +71,9 @@ def _print_result(result: ScanResult, out: Output, show_all: bool) -> None:
                   if result.format in MIGRATABLE else "")
         out.line(f"  do not load this file: it would run code{rescue}")
     elif not plan.loadable:
-        out.line("  torch.load(weights_only=True) cannot read this file:")
+        out.line("  torch.load cannot read this file, with any weights_only setting; the file "
+                 "is intact (it reads in full):" if plan.torch_cannot_read else
+                 "  torch.load(weights_only=True) cannot read this file:")
         for note in plan.notes:
             out.line(f"    {note}")
         out.line(f"  convert it: torchverity migrate {shell_path(result.path)} NEW.safetensors")

@@ -187,6 +187,18 @@ _RULES: tuple[_Rule, ...] = (
         "torchverity migrate {file} {file}.safetensors",
     ),
     _rule(
+        "protocol-0-persistent-ids",
+        r"saved_id must be a tuple, got str",
+        "the file was saved with torch.save(..., pickle_protocol=0): protocol 0 writes each "
+        "persistent id (torch's reference to a storage) as text, and torch.load reads only "
+        "tuples, with or without weights_only: no torch.load reads such a file, damaged "
+        "or not.",
+        "convert it without running its code: torchverity migrate reads those ids by torch's "
+        "exact grammar and writes the tensors bit for bit to a file torch.load and safetensors "
+        "read; trust_sha256 or weights_only=False cannot help.",
+        "torchverity migrate {file} {file}.safetensors",
+    ),
+    _rule(
         "unsupported-opcode",
         r"Unsupported operand (?!118\b|60\b|8\b|147\b|(?:" + _PROTOCOL_0_OPERANDS
         + r")\b)(?P<op>\d+)",

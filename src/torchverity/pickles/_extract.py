@@ -48,7 +48,12 @@ def inert_read(path: Path, scan: ScanResult) -> tuple[Any, list[str]]:
             else "the file is damaged: restore it from a good copy or download it again")
     try:
         return inert_load(path, scan.format)
-    except (FormatError, UsageError):
+    except FormatError as exc:
+        if exc.path is not None:
+            raise
+        # The reader's own refusals (a persistent id it cannot parse) name no file.
+        raise FormatError(f"{path}: {exc.message}", path=path, hint=exc.hint or hint) from None
+    except UsageError:
         raise
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, struct.error,
             UnicodeDecodeError) as exc:

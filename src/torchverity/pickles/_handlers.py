@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torchverity.pickles._source import PickleError, Truncated
+from torchverity.pickles._text_pids import TEXT_PID_UNKNOWN, TextModuleId, read_text_pid
 from torchverity.pickles._values import (
     KEEP_BYTES,
     MAX_NOTED,
@@ -218,8 +219,15 @@ def _empty_state(state: Item) -> bool:
 
 
 def _persid(w: Walker) -> None:
-    w._text()
+    # Protocol 0 spells torch's id tuple as its repr: read with the inert loader's grammar.
+    pid = read_text_pid(w._text().removesuffix("\n"))
+    kind = (TEXT_PID_UNKNOWN if pid is None else
+            "module" if isinstance(pid, TextModuleId) else "storage")
+    w.report.persistent_ids.setdefault(kind, w._op_offset)
     _halt(w)
+    if isinstance(pid, TextModuleId):  # torch's legacy loader returns the class it names
+        w.push(w._global(pid.module, pid.name, "PERSID"))
+        return
     w.push(OPAQUE)
 
 

@@ -7,6 +7,9 @@ records: zip checkpoints (TorchScript archives included: their ``data.pkl`` is
 read like any other, their code is never compiled), the legacy magic-number
 format, plain pickles, and archives nested by ``torch.storage._load_from_bytes``
 (read by this same loader, never by ``torch.load`` or ``torch.jit.load``).
+A file pickled at protocol 0 holds its persistent ids as text, the repr of torch's
+tuple, which no ``torch.load`` reads: :mod:`torchverity.pickles._text_pids` parses it
+by torch's exact grammar, and any other text is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import io
 import struct
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
 import torch
@@ -22,6 +26,7 @@ import torch
 from torchverity.errors import FormatError, UsageError
 from torchverity.pickles._placeholders import Inert as Inert
 from torchverity.pickles._placeholders import InertUnpickler
+from torchverity.pickles._text_pids import TextModuleId, parse_legacy_pid, parse_zip_pid
 
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 _NP_CORE = ("numpy.core", "numpy._core")
@@ -137,10 +142,7 @@ class InertLoader:
             loaded: dict[str, Any] = {}
 
             def persistent(pid: Any) -> Any:
-                if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] not in ("storage",
-                                                                                  b"storage"):
-                    raise FormatError(f"unsupported persistent id {str(pid)[:60]}")
-                dtype, key = _dtype_of(pid[1]), str(pid[2])
+                dtype, key = _zip_storage_id(pid)
                 if key not in loaded:
                     raw = record(f"data/{key}")
                     if raw is None:
@@ -157,31 +159,94 @@ class InertLoader:
             raise FormatError("not a torch checkpoint (no legacy magic number)")
         self._unpickle(fh)  # protocol version
         self._unpickle(fh)  # sys info
-        roots: dict[Any, Any] = {}
-        views: dict[Any, Any] = {}
+        storages = _LegacyStorages(_bytes_left(fh))
+        resolve = self.unpickler.resolve
 
         def persistent(pid: Any) -> Any:
-            if isinstance(pid, tuple) and pid and pid[0] == "module":
-                return pid[1]
-            if not isinstance(pid, tuple) or len(pid) != 6 or pid[0] != "storage":
-                raise FormatError(f"unsupported persistent id {str(pid)[:60]}")
-            _, storage_type, root_key, _, numel, view = pid
-            dtype = _dtype_of(storage_type)
-            if root_key not in roots:
-                roots[root_key] = _typed(torch.UntypedStorage(numel * dtype.itemsize), dtype)
-            if view is None:
-                return roots[root_key]
-            view_key, offset, size = view
-            if view_key not in views:
-                base = roots[root_key]._untyped_storage
-                start = offset * dtype.itemsize
-                views[view_key] = _typed(base[start : start + size * dtype.itemsize], dtype)
-            return views[view_key]
+            found = _legacy_id(pid, resolve)
+            return storages.get(found) if isinstance(found, _StorageId) else found
 
         result = self._unpickle(fh, persistent)
         for key in self._unpickle(fh):
-            _fill(fh, roots[key])
+            _fill(fh, storages.root(key))
         return result
+
+
+@dataclass(frozen=True)
+class _StorageId:
+    """A legacy storage id, as torch pickled it (a tuple) or as protocol 0 spelled it."""
+
+    dtype: torch.dtype
+    key: Any
+    numel: Any
+    view: Any
+
+
+def _zip_storage_id(pid: Any) -> tuple[torch.dtype, str]:
+    """(dtype, record key) of a zip checkpoint's storage id; protocol 0 pickles its repr."""
+    if isinstance(pid, str):
+        # The dtype's name comes from the parser's allowlist, never from the file.
+        parsed = parse_zip_pid(pid)
+        return getattr(torch, parsed.dtype), parsed.key
+    if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] not in ("storage", b"storage"):
+        raise FormatError(f"unsupported persistent id {str(pid)[:60]}")
+    return _dtype_of(pid[1]), str(pid[2])
+
+
+def _legacy_id(pid: Any, resolve: Callable[[str, str], Any]) -> Any:
+    """A legacy persistent id as a :class:`_StorageId`, or the module class it names."""
+    if isinstance(pid, str):
+        parsed = parse_legacy_pid(pid)
+        if isinstance(parsed, TextModuleId):
+            return resolve(parsed.module, parsed.name)  # a placeholder, as GLOBAL gives
+        # The dtype's name comes from the parser's allowlist, never from the file.
+        return _StorageId(getattr(torch, parsed.dtype), parsed.key, parsed.numel, parsed.view)
+    if isinstance(pid, tuple) and pid and pid[0] == "module":
+        return pid[1]
+    if not isinstance(pid, tuple) or len(pid) != 6 or pid[0] != "storage":
+        raise FormatError(f"unsupported persistent id {str(pid)[:60]}")
+    _, storage_type, key, _, numel, view = pid
+    return _StorageId(_dtype_of(storage_type), key, numel, view)
+
+
+class _LegacyStorages:
+    """The storages a legacy pickle names, allocated as first named: their bytes follow."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # the bytes left in the file: no storage record holds more
+        self.roots: dict[Any, Any] = {}
+        self.views: dict[Any, Any] = {}
+
+    def get(self, pid: _StorageId) -> Any:
+        if pid.key not in self.roots:
+            if type(pid.numel) is not int or not 0 <= pid.numel * pid.dtype.itemsize <= \
+                    self.limit:
+                raise FormatError(f"a legacy storage record of {pid.numel!r} elements, which "
+                                  f"the {self.limit} bytes left in the file cannot hold")
+            nbytes = pid.numel * pid.dtype.itemsize
+            self.roots[pid.key] = _typed(torch.UntypedStorage(nbytes), pid.dtype)
+        if pid.view is None:
+            return self.roots[pid.key]
+        view_key, offset, size = pid.view
+        if view_key not in self.views:
+            base = self.roots[pid.key]._untyped_storage
+            start = offset * pid.dtype.itemsize
+            self.views[view_key] = _typed(base[start : start + size * pid.dtype.itemsize],
+                                          pid.dtype)
+        return self.views[view_key]
+
+    def root(self, key: Any) -> Any:
+        if key not in self.roots:
+            raise FormatError(f"the legacy checkpoint lists storage {str(key)[:40]!r}, which "
+                              "its pickle never names")
+        return self.roots[key]
+
+
+def _bytes_left(fh: IO[bytes]) -> int:
+    here = fh.tell()
+    end = fh.seek(0, io.SEEK_END)
+    fh.seek(here)
+    return end - here
 
 
 def _fill(fh: IO[bytes], typed: Any) -> None:

@@ -57,6 +57,12 @@ class InertUnpickler(pickle.Unpickler):
     placeholders: ClassVar[dict[str, type]] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        return self.resolve(module, name)
+
+    @classmethod
+    def resolve(cls, module: str, name: str) -> Any:
+        """``find_class`` without an unpickler: a protocol-0 persistent id names a class in
+        its text, which the unpickler never looks up."""
         import _compat_pickle
 
         # Python 2 names (``__builtin__.set``) mean what pickle's own lookup maps them to.
@@ -64,12 +70,12 @@ class InertUnpickler(pickle.Unpickler):
             module, name = _compat_pickle.NAME_MAPPING[(module, name)]
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         qual = f"{module}.{name}"
-        if qual in self.real:
-            return self.real[qual]
-        cls = self.placeholders.get(qual)
-        if cls is None:
-            cls = type(name.rpartition(".")[2] or "Unknown", (Inert,), {
+        if qual in cls.real:
+            return cls.real[qual]
+        made = cls.placeholders.get(qual)
+        if made is None:
+            made = type(name.rpartition(".")[2] or "Unknown", (Inert,), {
                 "_tv_name": qual, "__module__": "torchverity.migrate.inert",
             })
-            self.placeholders[qual] = cls
-        return cls
+            cls.placeholders[qual] = made
+        return made

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickletools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -85,6 +86,8 @@ class LoadPlan:
     needs: tuple[str, ...]
     code: str
     notes: tuple[str, ...] = ()
+    # Why no torch.load reads the file, weights_only or not ("" when a full load would).
+    torch_cannot_read: str = ""
 
 
 @dataclass(frozen=True)
@@ -243,13 +246,8 @@ def _target_notes(report: StreamReport) -> list[str]:
     return notes
 
 
-def _plan_notes(report: StreamReport) -> tuple[bool, list[str]]:
-    notes: list[str] = []
-    unsupported = {op: off for op, off in report.opcodes.items() if op not in _WEIGHTS_ONLY_OPCODES}
-    for op, off in sorted(unsupported.items(), key=lambda kv: kv[1]):
-        notes.append(f"opcode {op} at offset {off} is not supported by torch's weights_only "
-                     "unpickler (pickle protocol 4+ or 0/1)")
-    notes.extend(_target_notes(report))
+def _plan_notes(report: StreamReport) -> list[str]:
+    notes = _target_notes(report)
     notes.extend(
         f"persistent id {kind!r} at offset {off}: torch's weights_only loader accepts only "
         "storages (legacy files that pickle whole modules record their source this way)"
@@ -257,7 +255,46 @@ def _plan_notes(report: StreamReport) -> tuple[bool, list[str]]:
     )
     blocked = [g for g in report.globals if _torch_name(g)[0] in _TORCH_BLOCKED_MODULES]
     notes.extend(f"{g.qualname} is in a module torch blocks even when allowlisted" for g in blocked)
-    return not notes, notes
+    return notes
+
+
+_OPCODE_PROTOCOL = {op.name: op.proto for op in pickletools.opcodes}
+# Why torch's weights_only unpickler lacks an opcode, by the protocol that introduced it.
+_OPCODE_CAUSES = (
+    (range(0, 2), "pickle protocol 0/1 opcodes", "torch's weights_only unpickler reads "
+     "protocol 2 only"),
+    (range(2, 4), "pickle protocol 2/3 opcodes", "not among the protocol 2 opcodes torch's "
+     "weights_only unpickler implements"),
+    (range(4, 256), "pickle protocol 4+ opcodes", "torch's weights_only unpickler reads "
+     "protocol 2 only"),
+)
+# PERSID: at protocol 0 the pickler writes torch's persistent id tuple as its repr.
+TEXT_IDS = ("its persistent ids (torch's references to storages) are pickled as text "
+            "(pickle protocol 0), which no torch.load reads, whatever weights_only says")
+
+
+def _first_offsets(reports: Sequence[StreamReport]) -> dict[str, int]:
+    """Each opcode torch's weights_only unpickler lacks -> where it first appears."""
+    first: dict[str, int] = {}
+    for report in reports:
+        for op, off in report.opcodes.items():
+            if op not in _WEIGHTS_ONLY_OPCODES:
+                first[op] = min(off, first.get(op, off))
+    return first
+
+
+def _opcode_notes(reports: Sequence[StreamReport]) -> list[str]:
+    """One note per cause (not per opcode) of the opcodes torch's weights_only unpickler lacks."""
+    first = _first_offsets(reports)
+    notes = []
+    if "PERSID" in first:
+        notes.append(f"PERSID at offset {first.pop('PERSID')}: {TEXT_IDS}")
+    for protocols, what, why in _OPCODE_CAUSES:
+        ops = sorted((op for op in first if _OPCODE_PROTOCOL[op] in protocols),
+                     key=lambda op: first[op])
+        if ops:
+            notes.append(f"{what} {', '.join(ops)} (the first at offset {first[ops[0]]}): {why}")
+    return notes
 
 
 def plan_load(path: str, container: Container,
@@ -276,12 +313,11 @@ def plan_load(path: str, container: Container,
     found = {(f.entry, f.stream, f.offset): f.category for f in findings}
     categories: dict[str, str] = {}
     needs: list[str] = []
-    notes: list[str] = []
-    loadable = True
+    notes = _opcode_notes(entry.streams)
+    for report in entry.streams:
+        notes.extend(_plan_notes(report))
+    loadable = not notes
     for index, report in enumerate(entry.streams):
-        ok, stream_notes = _plan_notes(report)
-        loadable &= ok
-        notes.extend(stream_notes)
         for ref in report.globals:
             name = ".".join(_torch_name(ref))
             if not in_torch_allowlist(name):
@@ -299,7 +335,9 @@ def plan_load(path: str, container: Container,
         known = _NUMPY_DTYPE_CLASS.match(name) or name in _BENIGN
         categories.setdefault(name, BENIGN if known else UNKNOWN)
     code = _render_code(needs, categories, path) if needs and loadable else ""
-    return LoadPlan(container.torch_entry, loadable, tuple(needs), code, tuple(notes))
+    unreadable = TEXT_IDS if any("PERSID" in r.opcodes for r in entry.streams) else ""
+    return LoadPlan(container.torch_entry, loadable, tuple(needs), code, tuple(notes),
+                    unreadable)
 
 
 # -------------------------------------------------------------------- verdict

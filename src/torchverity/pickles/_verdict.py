@@ -30,6 +30,7 @@ from torchverity.pickles._classes import (
 from torchverity.pickles._containers import Container, Entry
 from torchverity.pickles._imports import import_effect, lookup
 from torchverity.pickles._ops import GlobalRef, StreamReport, Value, first_arg
+from torchverity.pickles._text_pids import TEXT_PID_UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,19 @@ def _stream_errors(container: Container, prefix: str = "") -> list[str]:
 
 
 def problems_of(container: Container) -> list[str]:
-    return list(dict.fromkeys([*container.problems, *_stream_errors(container)]))
+    return list(dict.fromkeys([*container.problems, *_stream_errors(container),
+                               *_text_pid_problems(container)]))
+
+
+def _text_pid_problems(container: Container) -> list[str]:
+    """A torch file's protocol-0 persistent id whose text torch never writes: no loader,
+    the inert reader included, can say what it stands for."""
+    if container.format not in ("torch-legacy", "torch-zip"):
+        return []
+    return [f"{e.name}: the persistent id at offset {offset} is {TEXT_PID_UNKNOWN} (at "
+            "pickle protocol 0 an id is the repr of torch's storage tuple)"
+            for e in container.entries if e.name == container.torch_entry
+            for r in e.streams if (offset := r.persistent_ids.get(TEXT_PID_UNKNOWN)) is not None]
 
 
 _BROKEN = {
