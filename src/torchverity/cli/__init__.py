@@ -70,7 +70,7 @@ def _listing_parser() -> argparse.ArgumentParser:
 # Every command and the line ``torchverity --help`` shows for it, in that order. Each line
 # is the ``help=`` its module registers; tests/cli/test_command_table.py compares the two.
 COMMANDS: dict[str, str] = {
-    "hash": "print file digests like sha256sum; --write sidecars",
+    "hash": "print file digests like b3sum or sha256sum; --write sidecars",
     "manifest": "write a manifest of every file in a folder",
     "verify": "check files and folders against their records",
     "inject": "fault drills: flip a bit or truncate a file",
