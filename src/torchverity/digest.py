@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
+import blake3  # the default hash: imported with this module, as hashlib is
+
 from torchverity.errors import FormatError, InputError, UsageError, shell_path
 
 if TYPE_CHECKING:
@@ -79,8 +81,6 @@ def new_hasher(algo: str = DEFAULT_ALGO, *, threads: bool = False) -> Hasher:
     """A fresh hash object; ``threads`` lets blake3 use all cores."""
     check_algo(algo)
     if algo == "blake3":
-        import blake3
-
         return blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
     if algo == "xxh128":
         import xxhash
