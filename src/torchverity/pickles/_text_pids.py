@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cache
 
 from torchverity.errors import FormatError
 from torchverity.pickles._torch_names import STORAGES
@@ -42,16 +43,19 @@ _STORAGE_HEAD = (rf"\('storage', <class '(?P<cls>[A-Za-z_][\w.]*)'>, '(?P<key>{_
                  rf"'(?P<location>{_LOCATION})', (?P<numel>{_INT})")
 # The legacy format adds a view of the storage: None, or (view key, offset, size).
 _VIEW = rf"\('(?P<view>{_KEY})', (?P<offset>{_INT}), (?P<size>{_INT})\)"
-_LEGACY_STORAGE = re.compile(_STORAGE_HEAD + rf", (?:None|{_VIEW})\)", re.ASCII)
-_ZIP_STORAGE = re.compile(_STORAGE_HEAD + r"\)", re.ASCII)
 # A str's repr: quoted, every backslash escaping one character (no raw newline: the
 # opcode's text ends at the first).
 _STR = r"(?:'(?:[^'\\\n]|\\.)*'|\"(?:[^\"\\\n]|\\.)*\")"
-_MODULE = re.compile(
-    r"\('module', <class '(?P<cls>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)'>, "
-    rf"(?:None|{_STR}), (?:None|{_STR})\)",
-    re.ASCII,
-)
+_MODULE = (r"\('module', <class '(?P<cls>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)'>, "
+           rf"(?:None|{_STR}), (?:None|{_STR})\)")
+
+
+@cache
+def _grammar(shape: str) -> re.Pattern[str]:
+    """The compiled shape, compiled on first use: protocol-0 files are rare, and every
+    scan of a pickle imports this module."""
+    return re.compile({"legacy": _STORAGE_HEAD + rf", (?:None|{_VIEW})\)",
+                       "zip": _STORAGE_HEAD + r"\)", "module": _MODULE}[shape], re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -77,10 +81,10 @@ class TextModuleId:
 def parse_legacy_pid(text: str) -> TextStorageId | TextModuleId:
     """The persistent id a protocol-0 PERSID of torch's legacy (pre-1.6) format holds;
     FormatError for any other text."""
-    storage = _storage_id(text, _LEGACY_STORAGE)
+    storage = _storage_id(text, _grammar("legacy"))
     if storage is not None:
         return storage
-    found = _MODULE.fullmatch(text)
+    found = _grammar("module").fullmatch(text)
     if found is None:
         raise _not_torchs(text, "legacy (pre-1.6)")
     module, _, name = found["cls"].rpartition(".")
@@ -90,7 +94,7 @@ def parse_legacy_pid(text: str) -> TextStorageId | TextModuleId:
 def parse_zip_pid(text: str) -> TextStorageId:
     """The storage id a protocol-0 PERSID of torch's zip format holds (it names no modules);
     FormatError for any other text."""
-    storage = _storage_id(text, _ZIP_STORAGE)
+    storage = _storage_id(text, _grammar("zip"))
     if storage is None:
         raise _not_torchs(text, "zip")
     return storage
