@@ -40,9 +40,9 @@ Algorithm = Literal["sha256", "blake3", "xxh128"]
 ALGORITHMS: tuple[Algorithm, ...] = get_args(Algorithm)
 DEFAULT_ALGO: Algorithm = "blake3"
 HEX_LENGTH = {"sha256": 64, "blake3": 64, "xxh128": 32}
-# Hashes that run faster than memory is copied: cheapest on the thread that just
-# read the bytes (still in its cache), where slower ones go to a second core.
-FASTER_THAN_COPY = frozenset({"xxh128"})
+# Hashes that run faster than bytes are copied out of the page cache: cheapest on the
+# thread that just read them (still in its cache), where slower ones go to a second core.
+FASTER_THAN_COPY = frozenset({"xxh128", "blake3"})
 # 8 MiB reads keep Python's per-chunk cost far below the hash's own time
 # (about 128 calls per GiB) while the buffer stays small and fixed.
 READ_SIZE = 8 * 1024 * 1024

@@ -214,6 +214,47 @@ def test_one_pass_load_refuses_flips_with_every_sidecar_algorithm(
     assert _equal(torchverity.load(path), state)
 
 
+@pytest.mark.parametrize("algo", ["sha256", "blake3", "xxh128"])
+@pytest.mark.parametrize("suffix", ["pt", "safetensors"])
+def test_large_tensors_read_by_two_threads_are_hashed_whole(
+        tmp_path: Path, suffix: str, algo: str) -> None:
+    # 12 MiB and 1.5 MiB tensors: read in split chunks (this thread's head, a worker's
+    # tail) for BLAKE3 and XXH3, hashed beside the read for SHA-256. A flip in either
+    # part of any chunk is caught and named.
+    g = torch.Generator().manual_seed(2)
+    state = {"big": torch.randn(3 << 20, generator=g), "mid": torch.randn(393_216, generator=g),
+             "small": torch.arange(7)}
+    path = tmp_path / f"m.{suffix}"
+    torchverity.save(state, path, algo=algo)
+    assert _equal(torchverity.load(path, sidecar="require"), state)
+    good = path.read_bytes()
+    big = good.index(state["big"].numpy().tobytes()[:64])
+    mid = good.index(state["mid"].numpy().tobytes()[:64])
+    for offset, name in ((big, "big"), (big + (7 << 20), "big"), (big + (9 << 20) + 5, "big"),
+                         (big + (12 << 20) - 1, "big"), (mid + (1 << 20) + 3, "mid")):
+        _flip(path, offset, 6)
+        with pytest.raises(IntegrityError, match=f"{algo} digest does not match") as info:
+            torchverity.load(path)
+        assert info.value.tensors == [name]
+        path.write_bytes(good)
+
+
+def test_a_safetensors_file_cut_short_while_read_is_format_damage(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchverity.checkpoint._safetensors import read_header, read_tensors
+
+    path = tmp_path / "m.safetensors"
+    torchverity.save({"big": torch.ones(3 << 20), "small": torch.ones(3)}, path)
+    header = read_header(path)
+    with open(path, "r+b") as fh:  # after the header was read: as a concurrent writer would
+        fh.truncate(header.data_start + (5 << 20))
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        for reader in (pool, None):
+            with pytest.raises(FormatError, match="file ended inside tensor 'big'"):
+                read_tensors(path, header, reader=reader)
+
+
 def test_meta_digest_catches_damage_without_sidecar(
     saved: tuple[Path, dict[str, torch.Tensor]],
 ) -> None:

@@ -43,7 +43,6 @@ the root.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -64,6 +63,7 @@ from torchverity.checkpoint._fp_record import (
     plain_tensor_hasher,
     value_digest,
 )
+from torchverity.checkpoint._hashing_reader import cpu_count
 from torchverity.errors import FormatError, UsageError
 
 __all__ = ["DEVICE", "EXACT", "FINGERPRINT_VERSION", "LEGACY_EXACT", "Fingerprint",
@@ -221,14 +221,8 @@ def _exact_digests(leaves: list[tuple[str, Any]], algo: str,
     if big < 2:
         return [_exact_digest(n, v, algo) for n, v in leaves]
     # hashlib releases the GIL on large buffers, so threads use every core.
-    with ThreadPoolExecutor(max_workers=workers or min(big, _cpu_count())) as pool:
+    with ThreadPoolExecutor(max_workers=workers or min(big, cpu_count())) as pool:
         return list(pool.map(lambda item: _exact_digest(item[0], item[1], algo), leaves))
-
-
-def _cpu_count() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 def fingerprint_tensor(tensor: torch.Tensor, name: str = "", *,

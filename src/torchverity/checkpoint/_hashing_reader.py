@@ -5,21 +5,27 @@ first the central directory at the end, then each storage record straight
 into the tensor's memory with one ``readinto``. :class:`HashingReader` hands
 those reads through and feeds the file's bytes to a hash in file order, so
 verifying the file costs no second read: record bytes are hashed from the
-buffer torch just filled, while it is still in the cache. Large reads are
-split into chunks: the hash of one chunk runs on a worker thread (hashes
-release the GIL) while the next chunk is read, and every chunk of a buffer is
-hashed before ``readinto`` returns, so no hash ever touches memory that torch
-may have freed. Without a pool, each chunk is hashed by the reading thread
-right after it is copied, while it is still in that core's cache: cheaper for
-a hash faster than the copy itself (XXH3) than handing it to another core.
-Bytes torch skips (zip headers' padding, anything read out of order) are
-read here with ``pread``: the digest always covers every byte of the file
-exactly once, whatever order the reader used.
+buffer torch just filled, while it is still in the cache, and every byte of a
+buffer is hashed before ``readinto`` returns, so no hash ever touches memory
+that torch may have freed. Bytes torch skips (zip headers' padding, anything
+read out of order) are read here with ``pread``: the digest always covers
+every byte of the file exactly once, whatever order the reader used.
 
-The last chunk of a large read, and a small read whole, are hashed from a copy:
-torch gets its buffer back while the hash catches up, so the hash thread
-always has work queued while torch reads the next record (a checkpoint is
-hundreds of reads; the hash is the slower side for SHA-256).
+How a large read is shared between cores depends on the hash:
+
+- faster than the copy out of the page cache (BLAKE3, XXH3), with ``split=True``:
+  two threads fill each read, a worker reading the tails of its chunks while this
+  thread reads the heads and hashes each chunk as soon as it is in
+  (:func:`read_split`). The worker's share comes from the measured speeds of the
+  copy and the hash: when the copy is slow (fresh memory to fault in, as in a new
+  process) both threads read; when it is as fast as the hash (memory the
+  allocator reuses) the worker reads nearly all and this thread hashes.
+- slower than the copy (SHA-256), with a pool: the hash of each chunk runs on the
+  worker while this thread reads the next. The last chunk of a large read, and a
+  small read whole, are hashed from a copy: torch gets its buffer back while the
+  hash catches up, so the worker always has work queued while torch reads the
+  next record (a checkpoint is hundreds of reads).
+- with neither, each chunk is hashed by the reading thread right after the copy.
 
 :func:`lane` gives these pipelines long-lived worker threads: starting a
 thread per save or load costs more than hashing a small checkpoint when the
@@ -31,14 +37,18 @@ from __future__ import annotations
 import io
 import os
 import threading
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
-from torchverity.digest import READ_SIZE, Hasher, open_for_reading
+from torchverity.digest import FASTER_THAN_COPY, READ_SIZE, Hasher, new_hasher, open_for_reading
 
 _CHUNK = 1 << 20  # small enough to be hashed from the cache, large enough to amortise a call
 _MAX_GAP = 1 << 20  # a jump further ahead than this is left for later (it may be read next)
+_SPLIT_CHUNK = 4 << 20  # few thread hand-offs per record, and still in cache when hashed
+_MIN_SPLIT = 256 << 10
 
 _lanes: dict[str, ThreadPoolExecutor] = {}
 _lanes_lock = threading.Lock()
@@ -65,14 +75,40 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_lanes)
 
 
+def cpu_count() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def load_reader(path: Path, algo: str) -> HashingReader:
+    """The reader a verified load goes through, for ``algo`` on this machine's cores.
+
+    A hash slower than the copy (SHA-256) runs on a second core beside the
+    reading one; a faster one runs on the reading thread, with a second core
+    reading alongside (:meth:`HashingReader` with ``split``).
+    """
+    cores = cpu_count()
+    if algo not in FASTER_THAN_COPY:
+        # BLAKE3-style threads inside the hash only pay when cores are free beside the reader.
+        return HashingReader(path, new_hasher(algo, threads=cores > 2), lane("load-hash"))
+    if cores > 1:
+        return HashingReader(path, new_hasher(algo), lane("load-read"), split=True)
+    return HashingReader(path, new_hasher(algo), None)
+
+
 class HashingReader(io.RawIOBase):
     """Read ``path`` like a plain file; :meth:`hexdigest` is the digest of all of it."""
 
-    def __init__(self, path: Path, hasher: Hasher, pool: Executor | None) -> None:
+    def __init__(self, path: Path, hasher: Hasher, pool: Executor | None, *,
+                 split: bool = False) -> None:
         super().__init__()
         self._fh = open_for_reading(path)
         self._hasher = hasher
-        self._pool = pool
+        self._pool = None if split else pool
+        self._reader = pool if split else None
+        self._balance = Balance()
         self._done = 0  # bytes [0, _done) have been handed to the hasher, in order
         self._last: Future[Any] | None = None
 
@@ -109,8 +145,9 @@ class HashingReader(io.RawIOBase):
             self._feed_copy(view[skip:n])
             self._done = max(self._done, pos + n)
             return n
-        n = self._read_hashing(view, skip)
-        self._done = pos + n
+        n = (self._read_split(view, skip, pos, self._reader) if self._reader is not None
+             else self._read_hashing(view, skip))
+        self._done = max(self._done, pos + n)
         return n
 
     def hexdigest(self) -> str:
@@ -145,6 +182,15 @@ class HashingReader(io.RawIOBase):
                 borrowed.result()  # the buffer belongs to torch once we return
         return filled
 
+    def _read_split(self, view: memoryview, skip: int, pos: int, reader: Executor) -> int:
+        def consume(a: int, b: int) -> None:
+            if b > skip:
+                self._hasher.update(view[max(a, skip):b])
+
+        filled = read_split(self._fh.fileno(), view, pos, reader, consume, self._balance)
+        self._fh.seek(pos + filled)
+        return filled
+
     def _hash_file_range(self, start: int, end: int | None) -> None:
         """Hash ``[start, end)`` (to the end of the file when ``end`` is None) with pread."""
         fd = self._fh.fileno()
@@ -170,3 +216,95 @@ class HashingReader(io.RawIOBase):
     def _wait(self) -> None:
         if self._last is not None:
             self._last.result()
+
+
+class Balance:
+    """The worker's share of each chunk in :func:`read_split`, from measured speeds.
+
+    Per chunk this thread reads ``1 - share`` and hashes it all while the worker reads
+    ``share``: both finish together when ``share = 1/2 + hash/(2 * copy)`` (seconds per
+    byte), so the hash hides behind the worker's read. Copy and hash speeds are summed
+    over every chunk so far; one reader's reads share one balance.
+    """
+
+    def __init__(self) -> None:
+        self.share = 0.65  # BLAKE3 against a copy into fresh memory, until measured
+        self._copy = [0.0, 0]  # seconds, bytes (both threads' reads)
+        self._hash = [0.0, 0]
+
+    def copied(self, seconds: float, n: int) -> None:
+        self._copy[0] += seconds
+        self._copy[1] += n
+
+    def hashed(self, seconds: float, n: int) -> None:
+        self._hash[0] += seconds
+        self._hash[1] += n
+        if self._copy[0] > 0 and self._hash[1]:
+            ratio = (self._hash[0] / self._hash[1]) / (self._copy[0] / self._copy[1])
+            self.share = min(1.0, 0.5 + ratio / 2)
+
+    def split(self, a: int, b: int) -> tuple[int, int, int]:
+        """``(a, m, b)``: this thread reads ``[a, m)``, the worker ``[m, b)`` (page-aligned)."""
+        return a, a + (int((b - a) * (1 - self.share)) & ~0xFFF), b
+
+
+def read_split(fd: int, view: memoryview, pos: int, reader: Executor,
+               consume: Callable[[int, int], None], balance: Balance) -> int:
+    """Fill ``view`` from file offset ``pos`` with this thread and ``reader``'s.
+
+    The worker is handed the tails of every chunk at once and reads them in order
+    without waiting for this thread, which reads each chunk's head and then calls
+    ``consume(a, b)`` on the whole chunk ``view[a:b]``, in order, as soon as its tail
+    is in. Returns the bytes filled, fewer only where the file ends; no read is still
+    writing into ``view`` on return.
+    """
+    chunks = _plan(len(view), balance)
+    tails = [reader.submit(_timed_pread, fd, view[m:b], pos + m) for _, m, b in chunks]
+    try:
+        for (a, m, b), tail in zip(chunks, tails, strict=True):
+            head, seconds = _timed_pread(fd, view[a:m], pos + a)
+            got, tail_seconds = tail.result()
+            balance.copied(seconds + tail_seconds, head + got)
+            if head < m - a or got < b - m:  # the file ended: keep what is contiguous
+                filled = a + head if head < m - a else m + got
+                if filled > a:
+                    consume(a, filled)
+                return filled
+            start = time.perf_counter()
+            consume(a, b)
+            balance.hashed(time.perf_counter() - start, b - a)
+        return len(view)
+    finally:
+        for tail in tails:
+            tail.cancel()  # a read not yet started never starts
+        wait(tails)
+
+
+def _plan(n: int, balance: Balance) -> list[tuple[int, int, int]]:
+    """The chunks of an ``n``-byte read as ``(a, m, b)``: this thread reads ``[a, m)``,
+    the worker ``[m, b)``. Both read half of the first chunk: there is nothing to hash
+    until it is in. The last chunks halve in size, since the last is hashed with
+    nothing left to read beside it."""
+    chunks, a = [], 0
+    while a < n:
+        size = max(_MIN_SPLIT, min(_SPLIT_CHUNK, (n - a) // 2))
+        b = n if n - a - size < _MIN_SPLIT else a + size
+        chunks.append((a, a + ((b - a) // 2 & ~0xFFF), b) if a == 0 else balance.split(a, b))
+        a = b
+    return chunks
+
+
+def _timed_pread(fd: int, view: memoryview, offset: int) -> tuple[int, float]:
+    start = time.perf_counter()
+    return _pread_into(fd, view, offset), time.perf_counter() - start
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``offset``; fewer bytes only where the file ends."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if not n:
+            break
+        got += n
+    return got

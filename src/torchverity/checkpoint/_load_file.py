@@ -14,15 +14,12 @@ from typing import Any
 
 import torch
 
-import torchverity.checkpoint._safetensors as st
 from torchverity._formats import FileFormat, download_kind, foreign_format
 from torchverity._tensors import dtype_name
-from torchverity.checkpoint._damage import _locate_pt_damage
 from torchverity.checkpoint._fingerprint import (
     EXACT,
     Fingerprint,
     TensorDigest,
-    _cpu_count,
     exact_algo,
     fingerprint,
     from_entries,
@@ -30,7 +27,7 @@ from torchverity.checkpoint._fingerprint import (
     tensor_hasher,
 )
 from torchverity.checkpoint._folders import manifest_entry, record_step
-from torchverity.checkpoint._hashing_reader import HashingReader, lane
+from torchverity.checkpoint._hashing_reader import cpu_count, lane, load_reader
 from torchverity.checkpoint._meta import (
     META_SUFFIX,
     _meta_fingerprint,
@@ -229,7 +226,7 @@ def _check_digest(p: Path, expected: ExpectedDigest | None,
         return None
     actual = digest_file(p, expected.algo).hexdigest
     if not expected.matches(actual):
-        raise _digest_mismatch(p, expected, actual, _locate_pt_damage(p, meta))
+        raise _digest_mismatch(p, expected, actual, _damaged_tensors(p, meta))
     return actual
 
 
@@ -276,10 +273,7 @@ def _load_while_hashing(p: Path, expected: ExpectedDigest,
     """
     failure: Exception | None = None
     obj: Any = None
-    pool = None if expected.algo in FASTER_THAN_COPY else lane("load-hash")
-    # BLAKE3 spreads a chunk over threads only when two cores are free beside torch's
-    # reading one; on fewer, its threads would take turns with the reader.
-    reader = HashingReader(p, new_hasher(expected.algo, threads=_cpu_count() > 2), pool)
+    reader = load_reader(p, expected.algo)
     try:
         obj = torch.load(reader, map_location=map_location,  # type: ignore[arg-type]
                          weights_only=True)
@@ -289,7 +283,7 @@ def _load_while_hashing(p: Path, expected: ExpectedDigest,
         actual = reader.hexdigest()
         reader.close()
     if not expected.matches(actual):
-        raise _digest_mismatch(p, expected, actual, _locate_pt_damage(p, meta))
+        raise _digest_mismatch(p, expected, actual, _damaged_tensors(p, meta))
     if failure is not None:
         raise _load_failure(p, "pt", failure) from None
     return obj, actual
@@ -306,6 +300,8 @@ def _read_safetensors(p: Path, expected: ExpectedDigest | None,
 
     Without meta.json there is no fingerprint to compare with, so none is computed.
     """
+    import torchverity.checkpoint._safetensors as st  # a .pt load never needs it
+
     try:
         header = st.read_header(p)
     except FormatError:
@@ -316,23 +312,29 @@ def _read_safetensors(p: Path, expected: ExpectedDigest | None,
     algo = exact_algo(recorded) if recorded else EXACT
     tensor_hashers = {e.name: tensor_hasher(e.name, e.dtype, e.shape, algo)
                       for e in header.entries} if hash_tensors and recorded else {}
-    pool = lane("load-hash")
+    # A hash faster than the copy runs on this thread while a second core reads alongside;
+    # a slower one (SHA-256) runs on a second core while this thread reads.
+    split = cpu_count() > 1 and (expected is None or expected.algo in FASTER_THAN_COPY)
+    pool = lane("load-read" if split else "load-hash")
     pending: list[Future[Any]] = []
 
     def feed(name: str, chunk: memoryview) -> None:
-        # The file digest of a chunk runs on the pool while this thread hashes
-        # the tensor and reads the next chunk: two cores, one read. A chunk's
-        # view keeps its tensor alive until the pool is done with it.
+        # Beside: the file digest of a chunk runs on the pool while this thread hashes
+        # the tensor and reads the next chunk: two cores, one read. A chunk's view
+        # keeps its tensor alive until the pool is done with it.
         for f in pending:
             f.result()
         pending.clear()
         if file_hasher is not None:
-            pending.append(pool.submit(file_hasher.update, chunk))
+            if split:
+                file_hasher.update(chunk)
+            else:
+                pending.append(pool.submit(file_hasher.update, chunk))
         if name and tensor_hashers:
             tensor_hashers[name].update(chunk)
 
     try:
-        tensors = st.read_tensors(p, header, feed)
+        tensors = st.read_tensors(p, header, feed, pool if split else None)
     finally:
         for f in pending:
             f.result()
@@ -343,7 +345,7 @@ def _read_safetensors(p: Path, expected: ExpectedDigest | None,
     digest = file_hasher.hexdigest() if file_hasher else None
     if expected is not None and (digest is None or not expected.matches(digest)):
         damaged = (recorded.differing(fp) if recorded and fp
-                   else _locate_pt_damage(p, meta))
+                   else _damaged_tensors(p, meta))
         raise _digest_mismatch(p, expected, str(digest), damaged)
     return tensors, digest, fp
 
@@ -407,6 +409,13 @@ def _content_mismatch(p: Path, recorded: Fingerprint, actual: Mapping[str, Tenso
     )
 
 
+
+
+def _damaged_tensors(p: Path, meta: Mapping[str, Any] | None) -> list[str]:
+    """The tensors whose bytes differ from meta.json's record (none without meta.json)."""
+    from torchverity.checkpoint._damage import _locate_pt_damage  # only once a digest differs
+
+    return _locate_pt_damage(p, meta)
 
 
 def _describe(entry: TensorDigest | None) -> str:

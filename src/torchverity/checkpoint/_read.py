@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-import torchverity.checkpoint._safetensors as st
 from torchverity._formats import FileFormat, file_format, joblib_file_error
 from torchverity._tensors import iter_leaves
 from torchverity.checkpoint._model_fit import state_dict_of
@@ -63,6 +62,8 @@ def read_unverified(path: str | os.PathLike[str]) -> Any:
     check_limits(p)  # the scan's bounds, before any reader parses the file
     fmt = checkpoint_format(p)
     if fmt == "safetensors":
+        import torchverity.checkpoint._safetensors as st
+
         return st.map_tensors(p, st.read_header(p))
     if fmt == "pickle":
         from torchverity.pickles._extract import inert_tensors

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from torchverity._tensors import host_bytes
+from torchverity.checkpoint._hashing_reader import Balance, read_split
 from torchverity.checkpoint._st_header import _bad, parse_header, stream_tensor_bytes
 from torchverity.errors import FormatError
 
@@ -84,6 +86,7 @@ def read_header(path: Path) -> Header:
 
 
 Feed = Callable[[str, memoryview], None]
+_SPLIT_FROM = 1 << 20  # below this a hand-off to the worker costs more than its half of the read
 
 
 class Writer(Protocol):
@@ -91,13 +94,17 @@ class Writer(Protocol):
 
 
 
-def read_tensors(path: Path, header: Header, feed: Feed | None = None) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path, header: Header, feed: Feed | None = None,
+                 reader: Executor | None = None) -> dict[str, torch.Tensor]:
     """Read every tensor straight into its own memory (one pass, no extra copy).
 
     ``feed(name, chunk)`` sees each chunk as it lands (name ``""`` for the
     header bytes), so callers hash the file and the tensors in the same pass.
+    With ``reader`` a worker thread reads part of each large tensor alongside
+    this one, which feeds the chunk before meanwhile (see :func:`read_split`).
     """
     tensors: dict[str, torch.Tensor] = {}
+    balance = Balance()
     with open(path, "rb", buffering=0) as fh:
         head = fh.read(header.data_start)
         if feed:
@@ -106,7 +113,10 @@ def read_tensors(path: Path, header: Header, feed: Feed | None = None) -> dict[s
             t = torch.empty(e.shape, dtype=e.dtype)
             if e.nbytes:
                 target = memoryview(t.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-                _fill(fh, target, path, e.name, feed)
+                if reader is not None and e.nbytes >= _SPLIT_FROM:
+                    _fill_split(fh, target, path, e.name, feed, (reader, balance))
+                else:
+                    _fill(fh, target, path, e.name, feed)
             tensors[e.name] = t
     return tensors
 
@@ -125,6 +135,19 @@ def _fill(fh: Any, target: memoryview, path: Path, name: str, feed: Feed | None)
         if feed:
             feed(name, target[pos : pos + n])
         pos += n
+
+
+def _fill_split(fh: Any, target: memoryview, path: Path, name: str, feed: Feed | None,
+                split: tuple[Executor, Balance]) -> None:
+    def consume(a: int, b: int) -> None:
+        if feed:
+            feed(name, target[a:b])
+
+    pos = fh.tell()
+    filled = read_split(fh.fileno(), target, pos, split[0], consume, split[1])
+    if filled < len(target):
+        raise _bad(path, f"file ended inside tensor '{name}'")
+    fh.seek(pos + filled)
 
 
 # ------------------------------------------------------------------ writing

@@ -74,8 +74,8 @@ def check_safetensors_limits(path: str | os.PathLike[str], *,
 
 def check_limits(path: str | os.PathLike[str], *, limits: Limits | None = None) -> None:
     """Raise FormatError if loading ``path`` would exceed the scan's bounds; else return."""
-    # The scan's walkers (pickle, zip) load only for a file that needs them.
-    from torchverity.pickles._containers import scan_fh
+    # The zip reader loads only for a file that needs it, the full scan only for a file
+    # not laid out as torch writes it.
     from torchverity.pickles._zip import inflation_problems, zip_views
 
     p = Path(path)
@@ -99,6 +99,8 @@ def check_limits(path: str | os.PathLike[str], *, limits: Limits | None = None) 
                 if exc.limit:
                     _refuse(p, str(exc))
                 return  # not readable as a zip: the loader reports that itself
+        from torchverity.pickles._containers import scan_fh
+
         fh.seek(0)
         try:
             container = scan_fh(fh, size, bounds, p.name, 0)

@@ -14,18 +14,16 @@ read here.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 from torchverity.checkpoint import meta_path_for
 from torchverity.checkpoint._damage import _locate_pt_damage
-from torchverity.checkpoint._hashing_reader import HashingReader
+from torchverity.checkpoint._hashing_reader import load_reader
 from torchverity.checkpoint._load_file import (
     _digest_binds_fingerprint,
     _digest_mismatch,
@@ -33,7 +31,7 @@ from torchverity.checkpoint._load_file import (
 )
 from torchverity.checkpoint._meta import META_SUFFIX
 from torchverity.checkpoint._results import DigestSource, ExpectedDigest
-from torchverity.digest import ALGORITHMS, FASTER_THAN_COPY, digest_file, new_hasher
+from torchverity.digest import ALGORITHMS, digest_file
 from torchverity.errors import InputError, IntegrityError, shell_path
 from torchverity.manifest import MANIFEST_NAME, SHA256SUM_NAME, find_manifest, read_manifest
 from torchverity.provenance._torch_hub import record_name, torch_hub_prefix
@@ -202,16 +200,13 @@ def load_hashing(record: Record, load: Any) -> tuple[Any, BaseException | None,
     """
     failure: BaseException | None = None
     obj: Any = None
-    inline = record.algo in FASTER_THAN_COPY
-    with (contextlib.nullcontext() if inline else
-          ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchverity-load")) as pool:
-        reader = HashingReader(record.path, new_hasher(record.algo, threads=True), pool)
-        try:
-            obj = load(reader)
-        except Exception as exc:  # judged by the caller, once the digest says whether it is damage
-            failure = exc
-        finally:
-            actual = reader.hexdigest()
-            reader.close()
+    reader = load_reader(record.path, record.algo)
+    try:
+        obj = load(reader)
+    except Exception as exc:  # judged by the caller, once the digest says whether it is damage
+        failure = exc
+    finally:
+        actual = reader.hexdigest()
+        reader.close()
     bad = None if record.matches(actual) else mismatch(record, actual)
     return obj, failure, bad
