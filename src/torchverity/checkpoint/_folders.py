@@ -63,6 +63,13 @@ def resolve(path: str | os.PathLike[str]) -> Target:
     return Target(p, single_weights_file(p), p)
 
 
+def is_model_folder(target: Target) -> bool:
+    """Whether the weights are a model folder: given as a folder or an index, or a weights
+    file with ``config.json`` beside it (a file alone in a folder of other things is not)."""
+    return (target.index is not None or target.path.is_dir()
+            or (target.folder / "config.json").is_file())
+
+
 def single_weights_file(folder: Path) -> Path:
     """The one weights file of a single-file folder (config.json and friends beside it)."""
     for name in WEIGHT_NAMES:

@@ -9,14 +9,13 @@ import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchverity.checkpoint._folders import not_weights, resolve
+from torchverity.checkpoint._folders import Target, is_model_folder, not_weights, resolve
 from torchverity.checkpoint._key_map import FitReport, KeyFit, rename_keys
 from torchverity.checkpoint._load_file import _load_file
-from torchverity.checkpoint._model_files import ModelFiles, check_model_files
 from torchverity.checkpoint._model_fit import check_against_model, state_dict_of
 from torchverity.checkpoint._results import (
     CheckpointWarning,
@@ -27,6 +26,9 @@ from torchverity.checkpoint._results import (
 from torchverity.errors import (
     UsageError,
 )
+
+if TYPE_CHECKING:
+    from torchverity.checkpoint._model_files import ModelFiles
 
 
 def load(
@@ -78,7 +80,7 @@ def load(
     target = resolve(p)
     signed = _signed(target.folder if target.index is not None else None, target.file,
                      signature, public_key, certificate_chain)
-    beside = check_model_files(target) if sidecar != "ignore" else None
+    beside = _model_files(target) if sidecar != "ignore" else None
     if target.index is not None:
         from torchverity.checkpoint._sharded import load_sharded
 
@@ -104,6 +106,14 @@ def load(
     for text in report.warnings:
         warnings.warn(text, CheckpointWarning, stacklevel=2)
     return (obj, report) if with_report else obj
+
+
+def _model_files(target: Target) -> ModelFiles | None:
+    if not is_model_folder(target):
+        return None  # a folder of checkpoints: no build reads files beside them
+    from torchverity.checkpoint._model_files import check_model_files
+
+    return check_model_files(target)
 
 
 def _with_model_files(report: LoadReport, beside: ModelFiles, folder: Path) -> LoadReport:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from torchverity.checkpoint._folders import Target, covering_manifest, not_weights
+from torchverity.checkpoint._folders import Target, covering_manifest, is_model_folder, not_weights
 from torchverity.digest import ALGORITHMS, digest_files
 from torchverity.errors import HubFileMismatchError, ManifestMismatchError, shell_path
 from torchverity.manifest import (
@@ -107,13 +107,6 @@ def read_by_build(name: str) -> bool:
     lower = name.lower()
     return not (lower.startswith(".") or lower.endswith(WEIGHTS_SUFFIXES + _RECORDS + _DOCS)
                 or lower.startswith(_DOC_NAMES))
-
-
-def is_model_folder(target: Target) -> bool:
-    """Whether the weights are a model folder: given as a folder or an index, or a weights
-    file with ``config.json`` beside it (a file alone in a folder of other things is not)."""
-    return (target.index is not None or target.path.is_dir()
-            or (target.folder / "config.json").is_file())
 
 
 def check_model_files(target: Target) -> ModelFiles | None:
