@@ -10,7 +10,7 @@ from typing import Literal
 import pytest
 import torch
 
-from torchverity.checkpoint._hashing_reader import HashingReader, load_reader
+from torchverity.checkpoint._hashing_reader import Balance, HashingReader, load_reader
 from torchverity.digest import digest_file, new_hasher
 
 
@@ -113,3 +113,16 @@ def test_reader_sees_the_flip_torch_load_ignores(tmp_path: Path) -> None:
         assert not torch.equal(loaded["w"], torch.ones(1000))  # torch itself noticed nothing
         assert reader.hexdigest() != before
         reader.close()
+
+
+def test_the_worker_share_follows_the_measured_copy_and_hash_speeds() -> None:
+    balance = Balance()
+    balance.copied(3.0, 1 << 30)  # a copy that faults in fresh memory: 3x the hash's time
+    balance.hashed(1.0, 1 << 30)
+    assert balance.share == pytest.approx(2 / 3)
+    a, m, b = balance.split(1 << 20, 5 << 20)
+    assert (a, b) == (1 << 20, 5 << 20) and m % 4096 == 0
+    assert (m - a) == pytest.approx((b - a) / 3, abs=4096)  # this thread reads a third
+    balance.copied(29.0, 15 << 30)  # memory the allocator reuses: the copy is as fast as the hash
+    balance.hashed(31.0, 15 << 30)
+    assert balance.share == 1.0 and balance.split(0, 4 << 20)[1] == 0  # the worker reads all

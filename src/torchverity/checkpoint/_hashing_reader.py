@@ -89,11 +89,9 @@ def load_reader(path: Path, algo: str) -> HashingReader:
     reading one; a faster one runs on the reading thread, with a second core
     reading alongside (:meth:`HashingReader` with ``split``).
     """
-    cores = cpu_count()
     if algo not in FASTER_THAN_COPY:
-        # BLAKE3-style threads inside the hash only pay when cores are free beside the reader.
-        return HashingReader(path, new_hasher(algo, threads=cores > 2), lane("load-hash"))
-    if cores > 1:
+        return HashingReader(path, new_hasher(algo), lane("load-hash"))
+    if cpu_count() > 1:
         return HashingReader(path, new_hasher(algo), lane("load-read"), split=True)
     return HashingReader(path, new_hasher(algo), None)
 
@@ -229,18 +227,18 @@ class Balance:
 
     def __init__(self) -> None:
         self.share = 0.65  # BLAKE3 against a copy into fresh memory, until measured
-        self._copy = [0.0, 0]  # seconds, bytes (both threads' reads)
-        self._hash = [0.0, 0]
+        self._copy_s = self._hash_s = 0.0  # both threads' reads; this thread's hashing
+        self._copied = self._hashed = 0
 
     def copied(self, seconds: float, n: int) -> None:
-        self._copy[0] += seconds
-        self._copy[1] += n
+        self._copy_s += seconds
+        self._copied += n
 
     def hashed(self, seconds: float, n: int) -> None:
-        self._hash[0] += seconds
-        self._hash[1] += n
-        if self._copy[0] > 0 and self._hash[1]:
-            ratio = (self._hash[0] / self._hash[1]) / (self._copy[0] / self._copy[1])
+        self._hash_s += seconds
+        self._hashed += n
+        if self._copy_s > 0 and self._hashed:
+            ratio = (self._hash_s / self._hashed) / (self._copy_s / self._copied)
             self.share = min(1.0, 0.5 + ratio / 2)
 
     def split(self, a: int, b: int) -> tuple[int, int, int]:
