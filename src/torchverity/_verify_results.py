@@ -14,6 +14,8 @@ STATUSES: tuple[Status, ...] = ("ok", "mismatched", "missing", "extra")
 
 @dataclass(frozen=True)
 class VerifyEntry:
+    """One file's verdict: its status, the digests and sizes compared, the damaged tensors."""
+
     path: str
     status: Status
     expected: str | None = None

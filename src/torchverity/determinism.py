@@ -258,6 +258,8 @@ class ReproducibilityResult:
 
 @dataclass
 class _Snapshot:
+    """What each replay starts from: the objects' states and the RNG."""
+
     states: list[Any]
     rng: RngState
 

@@ -41,6 +41,9 @@ class Finding:
 
 @dataclass(frozen=True)
 class DoctorReport:
+    """What doctor found: versions, torch.load's defaults, determinism settings, GPUs,
+    self-test results and the findings drawn from them."""
+
     ok: bool
     versions: dict[str, str | None]
     weights_only: dict[str, Any]

@@ -18,6 +18,8 @@ from torchverity.errors import InputError, UsageError
 
 @dataclass(frozen=True)
 class BitFlip:
+    """A bit flipped in a file: where, and the byte before and after."""
+
     path: str
     offset: int
     bit: int
@@ -27,6 +29,8 @@ class BitFlip:
 
 @dataclass(frozen=True)
 class Truncation:
+    """A file cut short: how many bytes went, its size before and after."""
+
     path: str
     removed: int
     old_size: int

@@ -50,6 +50,8 @@ _HEX = re.compile(r"^[0-9a-f]+$")
 
 @dataclass(frozen=True)
 class ManifestEntry:
+    """One file of a manifest: its path below the root, size and digest."""
+
     path: str
     size: int
     digest: str

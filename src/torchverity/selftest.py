@@ -104,6 +104,8 @@ class SelftestResult:
 
 @dataclass
 class _Tally:
+    """Runs and failures of one self-test case."""
+
     runs: int = 0
     failures: int = 0
     skipped: str = ""
@@ -118,6 +120,8 @@ class _Tally:
 
 @dataclass
 class _Round:
+    """One round of self-tests on a device, with its generator and tallies."""
+
     device: torch.device
     number: int
     generator: torch.Generator

@@ -29,6 +29,8 @@ PRUNE_REMOVED = ("--prune-removed", "prune_removed=True")
 
 @dataclass(frozen=True)
 class InputChange:
+    """An input that differs from the journal's record of it: new, edited or removed."""
+
     kind: ChangeKind
     key: str
     record: InputRecord | None  # None for a removed input

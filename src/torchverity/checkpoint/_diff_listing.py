@@ -54,6 +54,8 @@ class Listed:
 
 @dataclass(frozen=True)
 class _Span:
+    """Where one tensor's bytes lie in its file."""
+
     name: str
     begin: int
     nbytes: int

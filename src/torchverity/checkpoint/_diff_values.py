@@ -55,6 +55,8 @@ def _sig(value: Any) -> tuple[str, tuple[int, ...]]:
 
 @dataclass
 class _Tally:
+    """What one pair of tensors differs by so far: elements, bits, the largest errors."""
+
     differing: int = 0
     bits: int = 0
     first: int | None = None

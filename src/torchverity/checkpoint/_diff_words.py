@@ -125,6 +125,8 @@ def _words(where: Where, shape: tuple[int, ...], itemsize: int, word: int) -> np
 
 @dataclass
 class _Tally:
+    """What one pair of tensors differs by so far: elements, bits, the largest errors."""
+
     differing: int = 0
     bits: int = 0
     first: int | None = None

@@ -32,6 +32,8 @@ RecordSource = Literal["sidecar", "manifest", "hub", "torch-hub"]
 
 @dataclass(frozen=True)
 class TensorRow:
+    """One tensor as inspect lists it."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -66,6 +68,9 @@ class _Record:
 
 @dataclass(frozen=True)
 class InspectResult:
+    """What inspect found in a file: its format, the sidecar's verdict, tensors, values,
+    fingerprint and meta.json, and for a pickle-based file the scan."""
+
     path: str
     format: str
     size: int

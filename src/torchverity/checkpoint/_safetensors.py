@@ -67,6 +67,8 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Header:
+    """A validated .safetensors header, its dtypes as torch's."""
+
     entries: tuple[TensorInfo, ...]  # in file order
     metadata: dict[str, str]
     data_start: int

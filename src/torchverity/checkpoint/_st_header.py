@@ -51,6 +51,8 @@ class RawEntry:
 
 @dataclass(frozen=True)
 class RawHeader:
+    """A validated .safetensors header, its dtypes as the file's codes (no torch)."""
+
     entries: tuple[RawEntry, ...]  # in file order
     metadata: dict[str, str]
     data_start: int

@@ -32,6 +32,8 @@ class Explanation:
 
 @dataclass(frozen=True)
 class _Rule:
+    """A known error: the pattern that finds it, its cause, the fix and the command."""
+
     key: str
     pattern: re.Pattern[str]
     cause: str

@@ -47,6 +47,8 @@ class _NoState:
 
 @dataclass(frozen=True, slots=True)
 class _Dtype(_NoState):
+    """A dtype leaf of an inert listing."""
+
     name: str
 
     def __str__(self) -> str:  # a dtype leaf reads as str(torch.<name>)
@@ -55,6 +57,8 @@ class _Dtype(_NoState):
 
 @dataclass(frozen=True, slots=True)
 class _Storage(_NoState):
+    """A storage the pickle names, and where its record's bytes are."""
+
     dtype: str | None  # None: untyped (its tensor names the dtype)
     start: int  # where its record's bytes begin in the file
     nbytes: int

@@ -489,6 +489,8 @@ def _scan_or_note(path: Path, limits: Limits | None,
 
 @dataclass
 class _Collected:
+    """What a folder scan gathered, file by file."""
+
     results: list[ScanResult] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     unreadable: list[Unreadable] = field(default_factory=list)

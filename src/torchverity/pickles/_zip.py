@@ -26,6 +26,8 @@ BOMB_MIN_BYTES = 16 << 20
 
 @dataclass(frozen=True)
 class ZipMember:
+    """A central-directory entry, as recorded."""
+
     name: str
     flags: int
     method: int
@@ -143,6 +145,8 @@ def region(fh: BinaryIO, start: int, length: int) -> BinaryIO:
 
 @dataclass(frozen=True)
 class _EndRecord:
+    """The end-of-central-directory record (zip64 aware)."""
+
     count: int
     cd_size: int
     cd_offset: int  # as recorded

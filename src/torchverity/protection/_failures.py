@@ -29,6 +29,8 @@ _KEEP = 200  # failures kept with their exception (and its frames) per session
 
 @dataclass
 class Failure:
+    """A load that failed under protect: where it came from, how it failed, what followed."""
+
     api: str
     path: str | None
     error: str

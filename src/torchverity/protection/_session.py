@@ -26,6 +26,8 @@ from torchverity.protection._state import (
 
 @dataclass
 class Session:
+    """What protect keeps for this process: its policy, log, counts, ledger and trust."""
+
     policy: Policy
     log_path: Path | None
     counts: dict[str, int] = field(default_factory=dict)  # events by kind (the log has them)

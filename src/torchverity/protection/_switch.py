@@ -31,6 +31,8 @@ _OWN_PREFIX = "torchverity.protection"
 
 @dataclass(frozen=True)
 class _Patch:
+    """One function protect replaced, and the original to put back."""
+
     owner: Any
     name: str
     original: Any

@@ -159,6 +159,8 @@ def repo_id(repo: Path) -> str:
 
 @dataclass(frozen=True)
 class _Link:
+    """A snapshot entry of a Hugging Face cache and the repository it belongs to."""
+
     repo: Path
     revision: str
     rel: str

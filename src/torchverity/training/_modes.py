@@ -13,6 +13,8 @@ from torchverity.training._events import KINDS, SKIPPING
 
 @dataclass(frozen=True)
 class StepModes:
+    """How each step is applied and undone, for these settings and devices."""
+
     fused_skip: bool  # the fused optimizer skips a flagged update itself (found_inf)
     needs_backup: bool  # copy the state before the update, to undo it
     host_skip: bool  # decide on the host and simply not run a flagged update

@@ -52,6 +52,8 @@ def build_row(cat: Callable[[Sequence[T]], T], *, flags: T, loss_gnorm: T, thres
 
 @dataclass(frozen=True)
 class Row:
+    """One step's detector row, still on the device or as host floats."""
+
     step: int
     row: torch.Tensor | list[float]  # device path: a tensor read at the flush; host: floats
     rest_names: tuple[str, ...]
