@@ -278,7 +278,6 @@ def test_fingerprint_catches_content_swap_when_digest_is_ignored(tmp_path: Path)
     assert "content does not match a.pt.meta.json" in info.value.message
 
 
-
 @pytest.mark.parametrize("algo", ["sha256", "blake3"])
 @pytest.mark.parametrize("suffix", ["pt", "safetensors"])
 def test_pipelined_digest_matches_a_reread_of_the_file(tmp_path: Path, suffix: str,

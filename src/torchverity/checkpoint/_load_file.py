@@ -200,7 +200,6 @@ def _hub_record(p: Path) -> ExpectedDigest | None:
     return ExpectedDigest(found[0], found[1], "hub") if found else None
 
 
-
 def _digest_mismatch(p: Path, expected: ExpectedDigest, actual: str,
                      damaged: list[str]) -> IntegrityError:
     algo, want, source = expected.algo, expected.hex, expected.source
@@ -287,10 +286,6 @@ def _load_while_hashing(p: Path, expected: ExpectedDigest,
     if failure is not None:
         raise _load_failure(p, "pt", failure) from None
     return obj, actual
-
-
-
-
 
 
 def _read_safetensors(p: Path, expected: ExpectedDigest | None,
@@ -407,8 +402,6 @@ def _content_mismatch(p: Path, recorded: Fingerprint, actual: Mapping[str, Tenso
         hint=f"restore {p.name} from a verified copy, or its meta.json if only that changed; "
              f"torchverity diff {shell_path(p)} <good copy>",
     )
-
-
 
 
 def _damaged_tensors(p: Path, meta: Mapping[str, Any] | None) -> list[str]:

@@ -75,8 +75,6 @@ class Header:
     file_size: int
 
 
-
-
 # ------------------------------------------------------------------ reading
 
 
@@ -93,7 +91,6 @@ _SPLIT_FROM = 1 << 20  # below this a hand-off to the worker costs more than its
 
 class Writer(Protocol):
     def write(self, data: Any, /) -> int: ...
-
 
 
 def read_tensors(path: Path, header: Header, feed: Feed | None = None,
