@@ -111,7 +111,6 @@ def _cut_short(path: Path) -> FormatError | None:
     return None
 
 
-
 def _shards_missing(index: Path) -> FormatError | None:
     """A sharded checkpoint's index that names shards its folder does not hold."""
     from torchverity.checkpoint._index import index_shards

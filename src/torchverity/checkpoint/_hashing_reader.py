@@ -46,6 +46,7 @@ from typing import Any
 from torchverity.digest import FASTER_THAN_COPY, READ_SIZE, Hasher, new_hasher, open_for_reading
 
 _CHUNK = 1 << 20  # small enough to be hashed from the cache, large enough to amortise a call
+SMALL_READ = _CHUNK  # a read this small is done whole on one thread: a hand-off costs more
 _MAX_GAP = 1 << 20  # a jump further ahead than this is left for later (it may be read next)
 _SPLIT_CHUNK = 4 << 20  # few thread hand-offs per record, and still in cache when hashed
 _MIN_SPLIT = 256 << 10
@@ -96,6 +97,28 @@ def load_reader(path: Path, algo: str) -> HashingReader:
     return HashingReader(path, new_hasher(algo), None)
 
 
+def load_while_hashing(path: Path, algo: str,
+                       load: Callable[[HashingReader], Any]) -> tuple[Any, Exception | None, str]:
+    """``load(reader)`` through :func:`load_reader`: one read of ``path`` feeds both.
+
+    Returns the object (None when the load raised), the load's own exception, kept
+    for the caller to judge once the digest says whether the file is damaged, and
+    the file's digest. Only for loaders that run no code from the file: they read
+    bytes whose digest is not known yet.
+    """
+    obj: Any = None
+    failure: Exception | None = None
+    reader = load_reader(path, algo)
+    try:
+        obj = load(reader)
+    except Exception as exc:
+        failure = exc
+    finally:
+        actual = reader.hexdigest()
+        reader.close()
+    return obj, failure, actual
+
+
 class HashingReader(io.RawIOBase):
     """Read ``path`` like a plain file; :meth:`hexdigest` is the digest of all of it."""
 
@@ -138,7 +161,7 @@ class HashingReader(io.RawIOBase):
         if pos > self._done:
             self._hash_file_range(self._done, pos)
         skip = self._done - pos
-        if len(view) - skip < _CHUNK:
+        if len(view) - skip < SMALL_READ:
             n = self._fh.readinto(view) or 0
             self._feed_copy(view[skip:n])
             self._done = max(self._done, pos + n)

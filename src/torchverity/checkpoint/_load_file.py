@@ -27,7 +27,7 @@ from torchverity.checkpoint._fingerprint import (
     tensor_hasher,
 )
 from torchverity.checkpoint._folders import manifest_entry, record_step
-from torchverity.checkpoint._hashing_reader import cpu_count, lane, load_reader
+from torchverity.checkpoint._hashing_reader import cpu_count, lane, load_while_hashing
 from torchverity.checkpoint._meta import (
     META_SUFFIX,
     _meta_fingerprint,
@@ -270,17 +270,10 @@ def _load_while_hashing(p: Path, expected: ExpectedDigest,
     bytes before their digest is known; nothing is returned unless it matches,
     and a file that fails to load is reported as damaged when its digest differs.
     """
-    failure: Exception | None = None
-    obj: Any = None
-    reader = load_reader(p, expected.algo)
-    try:
-        obj = torch.load(reader, map_location=map_location,  # type: ignore[arg-type]
-                         weights_only=True)
-    except Exception as exc:  # judged below, once the digest says whether it is damage
-        failure = exc
-    finally:
-        actual = reader.hexdigest()
-        reader.close()
+    obj, failure, actual = load_while_hashing(
+        p, expected.algo,
+        lambda reader: torch.load(reader, map_location=map_location,  # type: ignore[arg-type]
+                                  weights_only=True))
     if not expected.matches(actual):
         raise _digest_mismatch(p, expected, actual, _damaged_tensors(p, meta))
     if failure is not None:

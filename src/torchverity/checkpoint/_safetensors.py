@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from torchverity._tensors import host_bytes
-from torchverity.checkpoint._hashing_reader import Balance, read_split
+from torchverity.checkpoint._hashing_reader import SMALL_READ, Balance, read_split
 from torchverity.checkpoint._st_header import _bad, parse_header, stream_tensor_bytes
 from torchverity.errors import FormatError
 
@@ -86,7 +86,6 @@ def read_header(path: Path) -> Header:
 
 
 Feed = Callable[[str, memoryview], None]
-_SPLIT_FROM = 1 << 20  # below this a hand-off to the worker costs more than its half of the read
 
 
 class Writer(Protocol):
@@ -112,8 +111,8 @@ def read_tensors(path: Path, header: Header, feed: Feed | None = None,
             t = torch.empty(e.shape, dtype=e.dtype)
             if e.nbytes:
                 target = memoryview(t.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-                if reader is not None and e.nbytes >= _SPLIT_FROM:
-                    _fill_split(fh, target, path, e.name, feed, (reader, balance))
+                if reader is not None and e.nbytes >= SMALL_READ:
+                    _fill_split(fh, target, path, e.name, feed, reader, balance)
                 else:
                     _fill(fh, target, path, e.name, feed)
             tensors[e.name] = t
@@ -137,13 +136,13 @@ def _fill(fh: Any, target: memoryview, path: Path, name: str, feed: Feed | None)
 
 
 def _fill_split(fh: Any, target: memoryview, path: Path, name: str, feed: Feed | None,
-                split: tuple[Executor, Balance]) -> None:
+                reader: Executor, balance: Balance) -> None:
     def consume(a: int, b: int) -> None:
         if feed:
             feed(name, target[a:b])
 
     pos = fh.tell()
-    filled = read_split(fh.fileno(), target, pos, split[0], consume, split[1])
+    filled = read_split(fh.fileno(), target, pos, reader, consume, balance)
     if filled < len(target):
         raise _bad(path, f"file ended inside tensor '{name}'")
     fh.seek(pos + filled)

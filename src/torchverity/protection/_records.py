@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from torchverity.checkpoint import meta_path_for
 from torchverity.checkpoint._damage import _locate_pt_damage
-from torchverity.checkpoint._hashing_reader import load_reader
+from torchverity.checkpoint._hashing_reader import load_while_hashing
 from torchverity.checkpoint._load_file import (
     _digest_binds_fingerprint,
     _digest_mismatch,
@@ -198,15 +198,6 @@ def load_hashing(record: Record, load: Any) -> tuple[Any, BaseException | None,
     Returns the object, the load's own exception (kept as raised) and the
     mismatch, if any. Only for loaders that run no code from the file.
     """
-    failure: BaseException | None = None
-    obj: Any = None
-    reader = load_reader(record.path, record.algo)
-    try:
-        obj = load(reader)
-    except Exception as exc:  # judged by the caller, once the digest says whether it is damage
-        failure = exc
-    finally:
-        actual = reader.hexdigest()
-        reader.close()
+    obj, failure, actual = load_while_hashing(record.path, record.algo, load)
     bad = None if record.matches(actual) else mismatch(record, actual)
     return obj, failure, bad
