@@ -351,6 +351,31 @@ def test_a_checkpoint_deleted_beside_its_sidecar_is_missing(
     assert shown.code == 1 and "missing  step2.pt" in shown.out, shown.out
 
 
+def test_a_shard_deleted_with_its_sidecar_is_missing_from_the_recorded_index(
+        tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    """No manifest, a sharded save: a shard removed together with its sidecar and meta.json
+    leaves no record of its own, but the intact index still names it."""
+    import torch
+
+    import torchverity
+
+    folder = tmp_path / "sharded"
+    g = torch.Generator().manual_seed(0)
+    torchverity.save({f"layer.{i}.weight": torch.randn(64, 64, generator=g) for i in range(6)},
+                     folder, shard_bytes=40_000)
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    assert run_cli("verify", folder).code == 0  # clean: no false alarm
+    gone = shards[1]
+    for path in folder.glob(f"{gone}*"):
+        path.unlink()
+    shown = run_cli("verify", folder)
+    assert shown.code == 1 and f"missing  {gone}" in shown.out, shown.out
+    assert f"against {len(shards)} per-file sidecar(s)" in shown.out
+    doc = json.loads(run_cli("verify", "--json", folder).out)["results"][0]
+    assert doc["ok"] is False and doc["counts"]["missing"] == 1
+
+
 def test_a_file_its_folders_manifest_does_not_list_says_so(
         recorded_bert: Path, tmp_path: Path, run_cli: Callable[..., Any]) -> None:
     import shutil

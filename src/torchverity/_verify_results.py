@@ -62,6 +62,9 @@ class VerifyResult(EntryTally):
     # Files no record covers that are a Git LFS pointer or an HTML page: broken downloads
     # fail with no record to compare them with.
     broken: tuple[str, ...] = ()
+    # Recorded files that --exclude skipped: not checked, named so that the verdict is not
+    # taken to cover them.
+    skipped: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -88,6 +91,7 @@ class VerifyResult(EntryTally):
                if self.unlisted_records else {}),
             **({"unrecorded": list(self.unrecorded)} if self.unrecorded else {}),
             **({"broken_downloads": list(self.broken)} if self.broken else {}),
+            **({"skipped": list(self.skipped)} if self.skipped else {}),
         }
 
 

@@ -14,7 +14,7 @@ from torchverity._formats import broken_download, download_kind, file_format
 from torchverity._verify_results import VerifyEntry, VerifyResult, _damaged_tensors
 from torchverity.digest import ALGORITHMS, digest_file, find_sidecar, read_sidecar, sidecar_path
 from torchverity.errors import FormatError, InputError, shell_path
-from torchverity.manifest import list_files
+from torchverity.manifest import MANIFEST_FILES, list_files
 from torchverity.provenance._torch_hub import refetch_hint, torch_hub_prefix
 
 SIDECAR_SUFFIXES = tuple(f".{a}" for a in ALGORITHMS)
@@ -24,9 +24,12 @@ NO_ALGO = "none"
 
 
 def excluded(rel: str, exclude: Sequence[str]) -> bool:
-    """Whether a relative POSIX path matches a glob (on the path or its file name)."""
-    name = rel.rsplit("/", 1)[-1]
-    return any(fnmatch.fnmatchcase(rel, g) or fnmatch.fnmatchcase(name, g) for g in exclude)
+    """Whether a relative POSIX path matches a glob, on the path or its file name, or on a
+    folder above it or that folder's name (``sub`` and ``sub/`` skip what ``sub`` holds)."""
+    parts = rel.split("/")
+    paths = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    names = (*paths, *parts)
+    return any(fnmatch.fnmatchcase(n, g.rstrip("/") or g) for g in exclude for n in names)
 
 
 # torchverity's own records are small; a file under such a name that is not one is foreign.
@@ -187,13 +190,35 @@ def verify_sidecars(root: Path, exclude: Sequence[str] = (),
     entries = [check_sidecar(root / rel, rel, progress) for rel in checked]
     entries += [VerifyEntry(rel, "missing", read_sidecar(find_sidecar(root / rel) or root)[1])
                 for rel in gone]
+    # A shard deleted with its sidecar leaves no record of its own, but the recorded index
+    # still names it: the checkpoint is incomplete.
+    entries += [VerifyEntry(rel, "missing") for rel in _unlisted_shards(root, entries, gone)]
     entries.sort(key=lambda e: e.path.encode())
     algos = sorted({read_sidecar(find_sidecar(root / rel) or root)[0] for rel in checked + gone})
     return VerifyResult(os.fspath(root), "directory", "+".join(algos) or NO_ALGO,
                         tuple(entries),
-                        f"{len(entries)} per-file sidecar(s)" if entries else NO_RECORD,
+                        f"{len(checked) + len(gone)} per-file sidecar(s)" if entries
+                        else NO_RECORD,
                         unrecorded=tuple(rel for rel in rest if rel not in broken),
                         broken=tuple(broken))
+
+
+def _unlisted_shards(root: Path, entries: list[VerifyEntry], gone: list[str]) -> list[str]:
+    """The shards that an intact, recorded index names and the folder lacks, beyond those
+    a sidecar already reports missing."""
+    from torchverity.checkpoint._index import index_shards
+
+    missing = []
+    for e in entries:
+        if e.status != "ok" or not e.path.endswith(".index.json"):
+            continue
+        try:
+            _shards, absent = index_shards(root / e.path)
+        except FormatError:
+            continue  # another kind of *.index.json
+        folder = e.path.rpartition("/")[0]
+        missing += [f"{folder}/{s}" if folder else s for s in absent]
+    return sorted(set(missing) - set(gone))
 
 
 def check_sidecar(path: Path, rel: str, progress: Callable[[int], None] | None,
@@ -235,6 +260,8 @@ def advice(result: VerifyResult) -> list[str]:
     # A manifest records a folder: for an index, the folder of its shards.
     folder = shell_path(Path(result.target).parent) if result.kind == "file" \
         and len(result.entries) > 1 else target
+    if result.kind == "directory" and Path(result.record).name in MANIFEST_FILES:
+        folder = shell_path(Path(result.record).parent)  # a manifest above records it
     steps = []
     broken_paths = set(result.broken)
     for rel in (*(e.path for e in result.problems), *result.broken):
@@ -261,7 +288,7 @@ def advice(result: VerifyResult) -> list[str]:
                      f"{folder})")
     if counts["extra"]:
         steps.append("extra: files the record does not list; if they belong, "
-                     f"{fetched}record them (torchverity manifest {target}), else remove them "
+                     f"{fetched}record them (torchverity manifest {folder}), else remove them "
                      "or skip them with --exclude GLOB")
     if result.unrecorded:
         steps.append(f"unrecorded: no sidecar covers {len(result.unrecorded)} file(s), so "

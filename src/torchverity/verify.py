@@ -36,6 +36,7 @@ from torchverity.digest import digest_file, digest_files, find_sidecar
 from torchverity.errors import InputError, shell_path
 from torchverity.manifest import (
     MANIFEST_FILES,
+    Manifest,
     find_manifest,
     list_files,
     read_manifest,
@@ -176,15 +177,18 @@ def verify_directory(
 ) -> VerifyResult:
     """Check a folder against its manifest: ok, mismatched, missing and extra files.
 
-    With no manifest, every file that has a sidecar is checked against it.
-    Paths matching an ``exclude`` glob (on the path or the file name) are skipped.
+    A folder with no manifest of its own is checked against the nearest manifest above
+    that lists files in it (a pipeline's root lists ``unet/...``); with none, every file
+    that has a sidecar is checked against it. Paths matching an ``exclude`` glob (on the
+    path, the file name or a folder above it) are skipped; the recorded ones are named.
     """
     root = Path(directory)
-    if not any((root / name).is_file() for name in MANIFEST_FILES) and root.is_dir():
+    found = _manifest_over(root)
+    if found is None:
         return verify_sidecars(root, exclude, progress)
-    record = find_manifest(root)
-    manifest = read_manifest(record)
-    expected = {e.path: e for e in manifest.entries if not excluded(e.path, exclude)}
+    record, manifest, prefix = found
+    listed = {e.path[len(prefix):]: e for e in manifest.entries if e.path.startswith(prefix)}
+    expected = {rel: e for rel, e in listed.items() if not excluded(rel, exclude)}
     present = [rel for rel in expected if resolve_inside(root, rel, record).is_file()]
     digests = digest_files([root / rel for rel in present], manifest.algo, progress=progress)
     actual = dict(zip(present, digests, strict=True))
@@ -208,15 +212,34 @@ def verify_directory(
         )
     files, _links = list_files(root)
     unlisted = [rel for rel in files
-                if rel not in expected and rel not in MANIFEST_FILES and not excluded(rel, exclude)]
+                if rel not in listed and rel not in MANIFEST_FILES and not excluded(rel, exclude)]
     records = own_records(root, unlisted, expected)
     entries += [VerifyEntry(rel, "extra") for rel in unlisted if rel not in records]
     entries.sort(key=lambda e: e.path.encode())
     return VerifyResult(
         os.fspath(root), "directory", manifest.algo, tuple(entries), os.fspath(record),
         certification_of([root / e.path for e in entries if e.status != "extra"]),
-        tuple(records),
+        tuple(records), skipped=tuple(sorted(set(listed) - set(expected))),
     )
+
+
+def _manifest_over(root: Path) -> tuple[Path, Manifest, str] | None:
+    """The manifest that records ``root`` (its own, or the nearest above that lists files
+    in it), read, with the prefix of ``root``'s paths in it; None when none does."""
+    from torchverity.checkpoint._folders import covering_manifest
+
+    if any((root / name).is_file() for name in MANIFEST_FILES) or not root.is_dir():
+        record = find_manifest(root)  # a path that is no folder is refused here
+        return record, read_manifest(record), ""
+    found = covering_manifest(root)
+    if found is None or not found[1]:
+        return None
+    above, prefix = found
+    manifest = read_manifest(above)
+    if not any(e.path.startswith(prefix) for e in manifest.entries):
+        return None  # the manifest above records other files, not this folder's
+    # The manifest as the user's own path reaches it.
+    return (above if root.is_absolute() else Path(os.path.relpath(above))), manifest, prefix
 
 
 def certification_of(paths: list[Path]) -> dict[str, Any] | None:

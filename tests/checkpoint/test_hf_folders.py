@@ -158,6 +158,91 @@ def test_extra_files_get_their_own_advice_and_exclude_skips_them(
     assert changed.code == 1 and "mismatched:" in changed.err and "extra:" not in changed.err
 
 
+def test_exclude_skips_a_folder_by_name_and_names_recorded_files_it_skips(
+        hf: dict[str, object], tmp_path: Path, run_cli) -> None:
+    import json
+
+    folder = _copy(hf["sharded"], tmp_path)
+    write_manifest(folder)
+    (folder / "runs" / "logs").mkdir(parents=True)
+    (folder / "runs" / "logs" / "events.out").write_text("x\n")
+    assert run_cli("verify", folder).code == 1  # the extra files are seen
+    for glob in ("runs", "runs/", "logs"):
+        res = run_cli("verify", folder, "--exclude", glob)
+        assert res.code == 0 and "events.out" not in res.out, (glob, res.out)
+    shard = sorted(folder.glob("model-*-of-*.safetensors"))[0]
+    shard.unlink()
+    res = run_cli("verify", folder, "--exclude", "runs", "--exclude", shard.name)
+    assert res.code == 0  # what was asked to be skipped, but never silently
+    assert f"not checked, skipped by --exclude: {shard.name}" in res.out, res.out
+    doc = json.loads(run_cli("verify", "--json", folder, "--exclude", "runs",
+                             "--exclude", shard.name).out)["results"][0]
+    assert doc["skipped"] == [shard.name]
+
+
+def test_a_subfolder_is_verified_against_the_manifest_above_it(
+        hf: dict[str, object], tmp_path: Path, run_cli) -> None:
+    """A pipeline's root manifest lists ``text_encoder/...``: verifying the subfolder uses
+    it, as load and inspect do, and the advice re-records the root."""
+    root = tmp_path / "pipeline"
+    sub = Path(shutil.copytree(hf["sharded"], root / "text_encoder"))
+    (root / "model_index.json").write_text('{"_class_name": "P"}\n')
+    write_manifest(root)
+    res = run_cli("verify", sub)
+    assert res.code == 0 and f"against {root / 'torchverity.manifest.json'}" in res.out, res.err
+    (sub / "notes.txt").write_text("local\n")
+    (sub / "config.json").write_text("{}\n")
+    res = run_cli("verify", sub)
+    rows = {tuple(line.split()[:2]) for line in res.out.splitlines()[1:]}
+    assert res.code == 1 and ("mismatched", "config.json") in rows, res.out
+    assert ("extra", "notes.txt") in rows and "model_index.json" not in res.out
+    assert f"torchverity manifest {root}" in res.err and f"manifest {sub}" not in res.err
+
+
+def test_inspect_says_which_shard_differs_from_its_record_and_what_to_do(
+        hf: dict[str, object], tmp_path: Path, run_cli) -> None:
+    import json
+
+    folder = _copy(hf["sharded"], tmp_path)
+    write_manifest(folder)
+    clean = run_cli("inspect", folder)
+    assert clean.code == 0 and "damaged" not in clean.err, clean.err
+    shard = sorted(folder.glob("model-*-of-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0x40  # inside the last tensor's data
+    shard.write_bytes(bytes(data))
+    res = run_cli("inspect", folder)
+    assert res.code == 1
+    assert f"torchverity: damaged: {shard}: blake3 " in res.err, res.err
+    assert "does not match" in res.err and f"torchverity verify {folder}" in res.err
+    doc = json.loads(run_cli("inspect", "--json", folder).out)
+    assert doc["ok"] is False and len(doc["problems"]) == 1 and shard.name in doc["problems"][0]
+    shard.unlink()
+    gone = run_cli("inspect", folder)
+    assert "(1 missing)" in gone.out and "have none" not in gone.out, gone.out
+
+
+def test_inspect_names_the_tensor_a_damaged_shard_lost(tmp_path: Path, run_cli) -> None:
+    """A sharded save with a meta.json per shard: the damaged tensor is named."""
+    import json
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"layer.{i}.weight": torch.randn(64, 64, generator=g) for i in range(4)}
+    folder = tmp_path / "ckpt"
+    torchverity.save(state, folder, shard_bytes=40_000)
+    shard = sorted(folder.glob("model-*-of-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-8] ^= 0x40
+    shard.write_bytes(bytes(data))
+    res = run_cli("inspect", folder)
+    damaged = [line for line in res.err.splitlines() if line.startswith("torchverity: damaged:")]
+    assert res.code == 1 and len(damaged) == 1, res.err
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    last = max((k for k in header if k != "__metadata__"),
+               key=lambda k: header[k]["data_offsets"][1])
+    assert damaged[0].endswith(f"damaged tensors: {last}"), damaged
+
+
 def test_inspect_takes_the_index_itself(hf: dict[str, object], tmp_path: Path, run_cli) -> None:
     import json
 

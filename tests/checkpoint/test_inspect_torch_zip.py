@@ -139,6 +139,22 @@ def test_a_file_outside_the_listing_is_loaded_as_before(tmp_path: Path, run_cli:
     _same_as_loaded(first, run_cli, torch_free=False, values=values)
 
 
+def test_limit_caps_the_weights_only_plan_on_the_scan_line(tmp_path: Path, run_cli: Any) -> None:
+    """omegaconf hyper-parameters need many classes allowlisted: the scan line lists --limit
+    of them and names the command that prints the whole plan."""
+    omegaconf = pytest.importorskip("omegaconf")
+    cfg = omegaconf.OmegaConf.create({"model": {"width": 4, "layers": [1, 2]}, "lr": 0.01,
+                                      "name": "x", "flag": True})
+    first, _ = lightning_checkpoints(tmp_path, cfg)
+    capped = run_cli("inspect", "--limit", "2", first)
+    line = next(x for x in capped.out.splitlines() if x.startswith("  scan"))
+    needs = line.split("weights_only needs: ", 1)[1]
+    assert needs.count(", ") == 2 and f"more (torchverity scan {first} prints" in needs, line
+    full = next(x for x in run_cli("inspect", "--limit", "0", first).out.splitlines()
+                if x.startswith("  scan"))
+    assert "more (" not in full and full.count(", ") > 2, full
+
+
 def test_names_that_collide_when_flattened_are_refused_as_when_loaded(tmp_path: Path) -> None:
     from torchverity.checkpoint._diff_listing import listing
     from torchverity.errors import FormatError

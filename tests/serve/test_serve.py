@@ -555,6 +555,38 @@ def test_cli_serves_verified_weights(workspace: Path) -> None:
     assert proc.returncode == 0
 
 
+def test_cli_json_is_one_document_with_access_logs_on_stderr(workspace: Path) -> None:
+    """--port 0 serves on the port the system picks and reports it; uvicorn's access log of a
+    request goes to stderr, so stdout stays the one JSON report. A port in use fails before
+    any report, as one JSON error document."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(workspace), *sys.path]),
+           "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "torchverity", "serve", "--json", "--model",
+            "tvserve_model:build", "--weights", str(workspace / "model.pt")]
+    proc = subprocess.Popen([*args, "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        report = json.loads(_read_json_doc(proc))
+        port = int(report["url"].rsplit(":", 1)[1])
+        assert port > 0
+        with Client(report["url"], fingerprint=report["fingerprint"]) as client:
+            _wait_ready(client)
+            client.predict(torch.ones(1, 4))
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", port + 1 if port < 65535 else port - 1))
+            taken.listen()
+            busy = subprocess.run([*args, "--port", str(taken.getsockname()[1])],
+                                  capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert out.strip() == "", out  # nothing after the report: the access log is on stderr
+    assert '"POST /predict' in err and "200" in err, err
+    assert busy.returncode == 2 and "cannot listen on 127.0.0.1" in busy.stderr, busy.stderr
+    doc = json.loads(busy.stdout)  # one document: the error, no report before it
+    assert doc["ok"] is False and "url" not in doc, busy.stdout
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

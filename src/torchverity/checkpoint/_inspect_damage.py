@@ -35,8 +35,39 @@ def problems(result: Any) -> list[str]:
     if extra:
         found.append(f"the folder holds {len(extra)} shard(s) of this save that the index does "
                      f"not name: {', '.join(extra[:5])}")
-    found += _meta_problems(record, result)
+    records = _record_problems(result, record, folder)
+    meta = _meta_problems(record, result)
+    found += records + meta
+    if result.fingerprint_matches_meta is False and not (records or meta):
+        found.append("the tensors differ from those meta.json records (its fingerprint "
+                     "does not match)")
     return found
+
+
+def _record_problems(result: Any, file: Path, folder: Path) -> list[str]:
+    """The file, and each shard, whose bytes differ from the record that vouches for them,
+    with the tensors hit when a meta.json beside it names them."""
+    checks = {file: result.sidecar}
+    checks.update({folder / name: check for name, check in result.shard_records.items()})
+    found = []
+    for path, check in checks.items():
+        if check.status != "mismatched":
+            continue
+        where = check.sidecar or "its record"
+        hit = _damaged(path)
+        found.append(f"{path}: {check.algo} {check.actual} does not match {where} (recorded "
+                     f"{check.expected})" + (f"; damaged tensors: {', '.join(hit)}" if hit else ""))
+    return found
+
+
+def _damaged(path: Path) -> list[str]:
+    from torchverity.checkpoint._meta import meta_path_for
+
+    if not meta_path_for(path).is_file():
+        return []  # no record of its tensors: nothing to name them by
+    from torchverity.checkpoint._damage import locate_damage
+
+    return locate_damage(path)
 
 
 def _extra_shards(folder: Path, listed: set[str]) -> list[str]:
@@ -72,6 +103,8 @@ def _meta_problems(record: Path, result: Any) -> list[str]:
         algo, want = digest
         actual = (result.sidecar.actual if result.sidecar.algo == algo
                   else digest_file(record, algo).hexdigest)
-        if actual != want:
+        told = (result.sidecar.status == "mismatched" and result.sidecar.algo == algo
+                and result.sidecar.expected == want)  # the sidecar's line says it already
+        if actual != want and not told:
             found.append(f"meta.json records {algo} {want}, the file's is {actual}")
     return found

@@ -121,7 +121,7 @@ def _print(r: Any, limit: int, out: Output) -> None:
     out.line(f"  {r.sidecar.algo:<11} {r.sidecar.actual}  {_against(r.sidecar)}")
     _print_shard_records(r, out)
     if r.scan is not None:
-        out.line(f"  scan        {r.scan.verdict}{_plan_words(r.scan)}")
+        out.line(f"  scan        {r.scan.verdict}{_plan_words(r.scan, limit)}")
     if r.shard_scans:
         counts = Counter(scan.verdict for scan in r.shard_scans)
         flagged = [Path(scan.path).name for scan in r.shard_scans if not scan.ok]
@@ -150,7 +150,7 @@ def _print(r: Any, limit: int, out: Output) -> None:
         out.line(f"  ... {len(values) - limit} more values (--limit 0 lists all)")
 
 
-def _plan_words(scan: Any) -> str:
+def _plan_words(scan: Any, limit: int) -> str:
     """What the scan's load plan says, after its verdict."""
     plan = scan.plan
     # An unsafe file's plan would name its code-running globals as what to allowlist.
@@ -164,7 +164,12 @@ def _plan_words(scan: Any) -> str:
         return (" (torch.load(weights_only=True) cannot read it, whatever you allowlist: "
                 f"torchverity scan {shell_path(scan.path)} says why)")
     if plan.needs:
-        return f" (weights_only needs: {', '.join(plan.needs)})"
+        shown = plan.needs if limit <= 0 else plan.needs[:limit]
+        more = len(plan.needs) - len(shown)
+        # The plan is the scan's to give whole: the cut list says where to read it.
+        rest = (f", ... {more} more (torchverity scan {shell_path(scan.path)} prints the "
+                "safe_globals plan)") if more else ""
+        return f" (weights_only needs: {', '.join(shown)}{rest})"
     return " (weights_only loads it as is)"
 
 
@@ -187,9 +192,16 @@ def _print_shard_records(r: Any, out: Output) -> None:
         if check.status == "mismatched":
             out.line(f"  shard       {name}: {check.algo} {check.actual} {_against(check)}")
     matched = sum(check.status == "ok" for check in r.shard_records.values())
-    unrecorded = len(r.shards) - len(r.shard_records)
+    folder = Path(r.path) if Path(r.path).is_dir() else Path(r.path).parent
+    absent = [s for s in r.shards if s not in r.shard_records]
+    gone = sum(not (folder / s).is_file() for s in absent)
+    notes = []
+    if len(absent) > gone:
+        notes.append(f"{len(absent) - gone} have none")
+    if gone:
+        notes.append(f"{gone} missing")
     out.line(f"  shards      {matched} of {len(r.shards)} match their records"
-             + (f" ({unrecorded} have none)" if unrecorded else ""))
+             + (f" ({', '.join(notes)})" if notes else ""))
 
 
 def _print_meta(meta: dict[str, Any], out: Output) -> None:

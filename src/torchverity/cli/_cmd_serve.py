@@ -83,26 +83,61 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         provenance={"signature": args.signature, "public_key": args.public_key,
                     "certificate_chain": args.certificate, "attestation": args.attestation},
     )
-    report = _report(app.state.torchverity, args)
+    state = app.state.torchverity
+    if args.check:
+        report = _report(state, None)
+        out.result(report, lambda: _print_report(report, out))
+        return 0
+    # Bound before the report is written: a port in use fails here, and --port 0 is
+    # reported as the port the system picked.
+    sock = _listen(args.host, args.port)
+    port = int(sock.getsockname()[1])
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    report = _report(state, f"http://{host}:{port}")
     out.result(report, lambda: _print_report(report, out))
     out.out.flush()
-    if args.check:
-        return 0
     from torchverity.serve import timed_protocol
 
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level, http=timed_protocol()))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port,
+                                           log_level=args.log_level, http=timed_protocol(),
+                                           log_config=_log_config()))
     try:
-        server.run()
-    except SystemExit:  # uvicorn exits when it cannot bind
-        raise InputError(f"cannot listen on {args.host}:{args.port}",
-                         hint="is the port in use? pick another with --port") from None
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         out.info("torchverity serve: stopped")
     return 0
 
 
-def _report(state: Any, args: argparse.Namespace) -> dict[str, Any]:
+def _listen(host: str, port: int) -> Any:
+    """A socket bound to ``host:port`` for uvicorn to serve on."""
+    import socket
+
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise InputError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                         hint="is the port in use? pick another with --port (--port 0 takes a "
+                              "free one)") from None
+    return sock
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging with its access log on stderr: stdout carries the report alone (one
+    JSON document with --json)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
+
+
+def _report(state: Any, url: str | None) -> dict[str, Any]:
     status = state.readiness()
     return {
         "ok": True,
@@ -111,7 +146,7 @@ def _report(state: Any, args: argparse.Namespace) -> dict[str, Any]:
         "fingerprint": state.fingerprint_header,
         "golden": status.golden,
         "inputs": [s.to_dict() for s in state.spec],
-        "url": None if args.check else f"http://{args.host}:{args.port}",
+        "url": url,
         "warnings": _warnings(state.weights),
     }
 

@@ -169,6 +169,9 @@ def _print_result(result: Any, out: Output) -> None:
     unrecorded = getattr(result, "unrecorded", ())
     if unrecorded:
         out.line(f"  not checked, no record covers them: {', '.join(unrecorded)}")
+    skipped = getattr(result, "skipped", ())
+    if skipped:
+        out.line(f"  not checked, skipped by --exclude: {', '.join(skipped)}")
     cert = getattr(result, "certification", None)
     if cert is not None:
         out.line(_certification_line(result.target, cert))
