@@ -135,11 +135,11 @@ def no_record_error(path: Path) -> InputError:
     """Nothing records the digest of ``path``: no sidecar, no manifest entry, no hub name.
     When a manifest covers its folder but does not list it, that is said, with the check
     of what the manifest does list before anything is recorded again."""
-    from torchverity.checkpoint._folders import covering_manifest, record_step
+    from torchverity.checkpoint._folders import record_step, unlisted
 
     names = [sidecar_path(path, a).name for a in ALGORITHMS]
     sidecars = f"{', '.join(names[:-1])} or {names[-1]}"
-    found = covering_manifest(path.parent) if path.parent.is_dir() else None
+    found = unlisted(path)
     step = record_step(path)
     if found is None:
         return InputError(
@@ -149,17 +149,11 @@ def no_record_error(path: Path) -> InputError:
             if step.startswith("torchverity hash") else
             f"record the sharded checkpoint's folder from a trusted copy: {step}",
         )
-    # The manifest as the user's own path reaches it (covering_manifest resolves it).
-    manifest = found[0] if path.is_absolute() else Path(os.path.relpath(found[0]))
-    folder = shell_path(manifest.parent)
+    manifest, check = found
     return InputError(
         f"{path}: no sidecar ({sidecars}), and the manifest {manifest} does not list it "
         "(the file was added after the manifest was written, or does not belong there)",
-        path=path,
-        hint=f"check the files the manifest lists: torchverity verify {folder}; if "
-             f"{path.name} belongs there, record it from a trusted copy: torchverity hash "
-             f"--write {shell_path(path)} (or record the folder again: torchverity manifest "
-             f"{folder})",
+        path=path, hint=check,
     )
 
 

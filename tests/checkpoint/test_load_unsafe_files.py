@@ -35,3 +35,29 @@ def test_an_unsafe_file_is_refused_naming_its_globals_with_the_inert_route(
     loaded = torchverity.load(f"{evil.path}.safetensors")
     assert torch.equal(loaded["model.w"], torch.arange(6.0).reshape(2, 3))
     assert not sentinel.exists()
+
+
+class _Config:
+    """A custom class in a checkpoint: weights_only refuses it, its code is not malicious."""
+
+    def __init__(self) -> None:
+        self.width = 4
+
+
+def test_refusals_give_the_cause_not_torchs_advice_to_turn_weights_only_off(
+        tmp_path: Path) -> None:
+    """torch's message goes on to suggest weights_only=False; the refusal gives the cause, and
+    the digest to trust comes from the publisher, not from inspecting the file itself."""
+    scripted = tmp_path / "scripted.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), scripted)
+    custom = tmp_path / "custom.pt"
+    torch.save({"w": torch.ones(2), "config": _Config()}, custom)
+    for path, cause in ((scripted, "TorchScript archive"), (custom, "outside its allowlist")):
+        with pytest.raises(UnsafeFileError) as refused:
+            torchverity.load(path, sidecar="ignore")
+        message, hint = refused.value.message, refused.value.hint or ""
+        assert cause in message, message
+        assert "weights_only` set to `False`" not in message and "two options" not in message
+        assert "inspect shows" not in hint, hint
+    assert "trust_sha256=<the SHA-256 they list>" in hint
+    assert "torchverity hash --algo sha256 FILE" in hint

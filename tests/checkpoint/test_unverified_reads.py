@@ -49,4 +49,5 @@ def test_refusal_messages_carry_no_terminal_escapes(tmp_path: Path) -> None:
     assert "\x1b[" in str(raw.value)  # what torch itself says
     with pytest.raises(UnsafeFileError) as info:
         torchverity.load(path)
-    assert "\x1b" not in str(info.value) and "Weights only load failed" in str(info.value)
+    assert "\x1b" not in str(info.value) and "refused by the weights_only loader" in str(info.value)
+    assert "omegaconf" in str(info.value)  # the global torch named, in the cause

@@ -20,6 +20,17 @@ MODELS = textwrap.dedent(
     def net():
         torch.manual_seed(0)
         return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+
+    def build(state):
+        model = net().eval()
+        model.load_state_dict(state)
+
+        def predict(item):
+            with torch.no_grad():
+                return model(torch.ones(4)).numpy().tobytes()
+
+        predict.model = model
+        return predict
     """
 )
 
@@ -104,3 +115,42 @@ def test_serve_refusal_says_what_failed_with_the_real_command(setup: dict[str, P
             f"--golden {setup['golden']}") in err
     assert f"torchverity verify {moved}" in err
     assert "MODULE:CALLABLE" not in err and "CKPT" not in err
+
+
+def test_a_record_without_a_weights_fingerprint_is_said_to_check_outputs_only(
+        setup: dict[str, Path], run_cli) -> None:
+    """A record of a plain callable holds no weights fingerprint: a check that passes on its
+    outputs says the weights were not compared, with the command that records them."""
+    from tv_golden_models import net  # type: ignore[import-not-found]
+
+    model = net().eval()
+    bare = setup["root"] / "bare.json"
+    golden.record(lambda x: model(x), torch.load(setup["root"] / "x.pt"), bare)
+    base = ("golden", "check", "--model", "tv_golden_models:net", "--weights", setup["bad"])
+    passed = run_cli(*base, "--golden", bare)
+    assert passed.code == 0  # the outputs match: the weight change is out of the inputs' reach
+    assert "the record holds no weights fingerprint, so the weights were not compared" \
+        in passed.err, passed.err
+    assert f"torchverity golden record --model tv_golden_models:net --weights {setup['bad']}" \
+        in passed.err
+    recorded = run_cli(*base[:-2], "--weights", setup["good"], "--golden", setup["golden"])
+    assert recorded.code == 0 and "fingerprint" not in recorded.err, recorded.err
+    refused = run_cli(*base, "--golden", bare, "--check-weights")
+    assert refused.code == 2 and "torchverity golden record ..." not in refused.err
+
+
+def test_batch_says_the_weights_failed_and_which_checkpoint_to_look_at(
+        setup: dict[str, Path], run_cli) -> None:
+    inputs = setup["root"] / "in"
+    inputs.mkdir()
+    (inputs / "a.txt").write_text("a")
+    base = ("batch", "run", "--inputs", inputs, "--model", "tv_golden_models:build",
+            "--golden", setup["golden"])
+    assert run_cli(*base, "--weights", setup["good"], "--out", setup["root"] / "ok").code == 0
+    bad = run_cli(*base, "--weights", setup["bad"], "--out", setup["root"] / "bad")
+    assert bad.code == 1
+    assert ("failed its golden check before the first item: the outputs match the record, "
+            "but the weights are not the recorded ones (1 tensor(s) differ: 0.weight)") \
+        in bad.err, bad.err
+    assert f"torchverity inspect {setup['bad']}" in bad.err
+    assert "golden check --golden" not in bad.err and "selftest" not in bad.err

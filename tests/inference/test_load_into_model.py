@@ -19,7 +19,8 @@ import torch
 
 import torchverity
 from torchverity.checkpoint import CheckpointWarning
-from torchverity.errors import StateDictMismatchError
+from torchverity.checkpoint._key_map import parse_key_map
+from torchverity.errors import StateDictMismatchError, UsageError
 from torchverity.manifest import write_manifest
 
 transformers = pytest.importorskip("transformers")
@@ -174,6 +175,77 @@ def test_stacked_wrapper_prefixes_are_named_and_stripped(tmp_path: Path, wrapper
                                         with_report=True)
         assert report.missing_keys == report.unexpected_keys == ()
         assert torch.equal(model.state_dict()["2.weight"], inner.state_dict()["2.weight"])
+
+
+@pytest.mark.parametrize("wrap,inner", [("compile", "_orig_mod"), ("dp", "module")])
+def test_a_plain_checkpoint_into_a_wrapped_model_names_the_wrapper(
+        tmp_path: Path, wrap: str, inner: str) -> None:
+    """The mirror case: the model is wrapped (torch.compile, DataParallel), the checkpoint is
+    not. The hint says so and both ways it names load."""
+    plain = net()
+    path = tmp_path / "plain.pt"
+    torchverity.save(plain.state_dict(), path)
+    wrapped = torch.compile(net()) if wrap == "compile" else torch.nn.DataParallel(net())
+    with pytest.raises(StateDictMismatchError) as caught:
+        torchverity.load(path, model=wrapped)
+    hint = caught.value.hint or ""
+    assert f"every missing key is '{inner}.' + an unexpected key" in hint, hint
+    assert f"(model.{inner})" in hint and f"--key-map ={inner}." in hint
+    torchverity.load(path, model=getattr(wrapped, inner))  # into the model it wraps
+    mapped = torch.compile(net()) if wrap == "compile" else torch.nn.DataParallel(net())
+    torchverity.load(path, model=mapped, key_map=parse_key_map([f"={inner}."]))  # or add it
+    assert torch.equal(getattr(mapped, inner).state_dict()["2.weight"],
+                       plain.state_dict()["2.weight"])
+
+
+def test_renames_that_break_a_fitting_checkpoint_or_match_nothing_are_said(
+        files: dict[str, Path], tmp_path: Path) -> None:
+    model = net()
+    path = tmp_path / "plain.pt"
+    torchverity.save({f"model.{k}": v for k, v in net().state_dict().items()}, path)
+
+    class Wrapper(torch.nn.Module):  # its own keys start with 'model.', as the file's do
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = net()
+
+    with pytest.raises(StateDictMismatchError) as caught:
+        torchverity.load(path, model=Wrapper(), strip_prefix="model.")
+    assert "the strip_prefix or key_map given renamed them away" in (caught.value.hint or "")
+    with pytest.warns(CheckpointWarning, match=r"strip_prefix 'zzz\.' matched no checkpoint key"):
+        torchverity.load(path, model=Wrapper(), strip_prefix="zzz.")
+    with pytest.raises(UsageError, match=r"would leave every key starting with '\.'") as dotless:
+        torchverity.load(files["ddp"], model=model, strip_prefix="module")
+    assert "strip_prefix='module.' (CLI: --strip-prefix module.)" in (dotless.value.hint or "")
+    for bad in ({"strip_prefix": 5}, {"key_map": ["fc."]}):
+        with pytest.raises(UsageError):
+            torchverity.load(files["ddp"], model=model, **bad)
+
+
+def test_no_strict_names_the_prefix_half_the_keys_carry(tmp_path: Path) -> None:
+    state = net().state_dict()
+    half = {(f"module.{k}" if k.endswith("bias") else k): v for k, v in state.items()}
+    path = tmp_path / "half.pt"
+    torchverity.save(half, path)
+    with pytest.warns(CheckpointWarning) as warned:
+        torchverity.load(path, model=net(), strict=False)
+    assert any("every unexpected key is 'module.' + a missing key" in str(w.message)
+               for w in warned), [str(w.message) for w in warned]
+    clean = tmp_path / "clean.pt"
+    torchverity.save(state, clean)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torchverity.load(clean, model=net(), strict=False)  # no false alarm
+
+
+def test_a_dtype_alone_is_named_with_the_cast(tmp_path: Path) -> None:
+    path = tmp_path / "half.pt"
+    torchverity.save(net().half().state_dict(), path)
+    with pytest.raises(StateDictMismatchError) as caught:
+        torchverity.load(path, model=net())
+    hint = caught.value.hint or ""
+    assert "only dtypes differ (the checkpoint holds float16 where the model has float32)" in hint
+    assert "model.to(torch.float16)" in hint
 
 
 def test_a_prefix_is_stripped_once_leaving_the_models_own(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from torchverity.batch._item import ItemFn
-from torchverity.errors import TorchVerityError, shell_path
+from torchverity.errors import TorchVerityError
 
 
 class ModelFactory(Protocol):
@@ -25,14 +25,17 @@ class ModelFactory(Protocol):
     def cli_args(self) -> list[str] | None: ...  # how `batch run` names this model, if it can
 
 
-def golden_gate(fn: ItemFn, golden: str, when: str) -> None:
+def golden_gate(fn: ItemFn, golden: str, when: str, weights: str | None = None) -> None:
     """Run the golden check on the model behind ``fn`` (its ``model`` attribute).
 
-    Raises IntegrityError naming the failed part, so no output is accepted from
-    a model that does not reproduce its recorded outputs.
+    Raises IntegrityError saying what failed (the outputs, or the weights alone) and the
+    next step, so no output is accepted from a model that does not reproduce its recorded
+    outputs. ``weights``: the checkpoint the model was built from, if any.
     """
     from torchverity.errors import IntegrityError, UsageError
     from torchverity.golden import check
+    from torchverity.golden._run import model_device
+    from torchverity.golden._verdict import verdict
 
     model = getattr(fn, "model", None)
     if model is None:
@@ -43,15 +46,14 @@ def golden_gate(fn: ItemFn, golden: str, when: str) -> None:
     result = check(model, golden)
     if result.ok:
         return
-    first = result.failures[0]
-    raise IntegrityError(
-        f"{golden}: the model failed its golden check {when}: {first.part} of output "
-        f"'{first.output}': {first.message}",
-        path=golden,
-        tensors=list(result.weights_changed or ()),
-        hint=f"torchverity golden check --golden {shell_path(golden)} shows every failed part; "
-        "torchverity selftest checks the device",
-    )
+    # A batch factory is no model factory: no golden check command can rebuild its model.
+    what, step = verdict(result, weights=weights, device=model_device(model).type,
+                         every_part=f"torchverity.golden.check(predict.model, {golden!r})"
+                                    ".failures in Python")
+    detail = what.removeprefix(f"{golden}: ")
+    raise IntegrityError(f"{golden}: the model failed its golden check {when}: {detail}",
+                         path=golden,
+                         tensors=list(result.weights_changed or ()), hint=step)
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ class ModelSpec:
                 "see docs/batch.md",
             )
         if self.golden:
-            golden_gate(fn, self.golden, "before the first item")
+            golden_gate(fn, self.golden, "before the first item", self.weights)
         return fn, ident
 
     def cli_args(self) -> list[str] | None:

@@ -173,6 +173,22 @@ def covering_manifest(folder: Path) -> tuple[Path, str] | None:
     return None
 
 
+def unlisted(path: Path) -> tuple[Path, str] | None:
+    """For a file with no record of its own in a folder a manifest covers: the manifest (as
+    the user's own path reaches it) and the next step, which checks what the manifest does
+    list before anything is recorded again (a renamed or added file is no proof of
+    anything). None when no manifest covers the folder."""
+    found = covering_manifest(path.parent) if path.parent.is_dir() else None
+    if found is None:
+        return None
+    manifest = found[0] if path.is_absolute() else Path(os.path.relpath(found[0]))
+    folder = shell_path(manifest.parent)
+    return manifest, (f"check the files the manifest lists: torchverity verify {folder}; if "
+                      f"{path.name} belongs there, record it from a trusted copy: torchverity "
+                      f"hash --write {shell_path(path)} (or record the folder again: "
+                      f"torchverity manifest {folder})")
+
+
 def manifest_entry(path: Path) -> tuple[str, str, Path] | None:
     """``(algo, hex, manifest)`` for a file listed in the manifest of its folder, or of the
     nearest folder above that has one, else None."""

@@ -39,15 +39,40 @@ class KeyFit:
     @classmethod
     def of(cls, strict: bool = True, strip_prefix: str | Iterable[str] | None = None,
            key_map: Mapping[str, str] | None = None) -> KeyFit:
-        prefixes = (strip_prefix,) if isinstance(strip_prefix, str) else tuple(strip_prefix or ())
-        if any(not p for p in prefixes):
-            raise UsageError("an empty strip_prefix strips nothing",
-                             hint="name the prefix, e.g. strip_prefix='module.'")
-        return cls(bool(strict), prefixes, tuple((key_map or {}).items()))
+        prefixes = _prefixes(strip_prefix)
+        pairs = tuple(key_map.items()) if isinstance(key_map, Mapping) else None
+        if key_map is None:
+            pairs = ()
+        if pairs is None or not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
+            raise UsageError("key_map maps old key prefixes (str) to new ones (str)",
+                             hint="for example key_map={'fc.': 'head.'} (CLI: --key-map fc.=head.)")
+        return cls(bool(strict), prefixes, pairs)
 
     @property
     def renames(self) -> bool:
         return bool(self.strip_prefixes or self.key_map)
+
+
+def _prefixes(strip_prefix: object) -> tuple[str, ...]:
+    """The prefixes to strip, each a non-empty str; a wrapper's prefix without its dot would
+    leave every key starting with '.'."""
+    if strip_prefix is None:
+        return ()
+    given = (strip_prefix,) if isinstance(strip_prefix, str) else strip_prefix
+    if not isinstance(given, Iterable) or not all(isinstance(p, str) for p in given):
+        raise UsageError(f"strip_prefix must be a str or a list of str, not {strip_prefix!r}",
+                         hint="for example strip_prefix='module.' (CLI: --strip-prefix module.)")
+    prefixes = tuple(given)
+    for p in prefixes:
+        if not p:
+            raise UsageError("an empty strip_prefix strips nothing",
+                             hint="name the prefix, e.g. strip_prefix='module.' (CLI: "
+                                  "--strip-prefix module.)")
+        if p + "." in KNOWN_PREFIXES:
+            raise UsageError(f"strip_prefix '{p}' would leave every key starting with '.'",
+                             hint=f"strip the prefix with its dot: strip_prefix='{p}.' (CLI: "
+                                  f"--strip-prefix {p}.)")
+    return prefixes
 
 
 @dataclass(frozen=True)
@@ -189,8 +214,24 @@ def base_adapter_diagnosis(unexpected: Iterable[str]) -> str | None:
 
 def _common_prefix(keys: list[str]) -> tuple[str, ...]:
     first = keys[0].split(".", 1)[0] + "."
-    return (first,) if first not in KNOWN_PREFIXES and all(k.startswith(first) for k in keys) \
-        else ()
+    return (first,) if first not in (*KNOWN_PREFIXES, ".") \
+        and all(k.startswith(first) for k in keys) else ()
+
+
+def wrapped_model_diagnosis(missing: Iterable[str], unexpected: Iterable[str]) -> str | None:
+    """Say so when every missing key is a wrapper's prefix (or a stack of them) + an
+    unexpected key: a plain checkpoint given to a model wrapped by torch.compile or DDP."""
+    extra, lacking = set(unexpected), list(missing)
+    if not extra or not lacking:
+        return None
+    for prefix in _shared_stacks(lacking):
+        if all(k[len(prefix):] in extra for k in lacking):
+            by = _wrappers(prefix) or f" ({prefix} from {_WRAPPERS[prefix]})"
+            return (f"every missing key is '{prefix}' + an unexpected key: the model is wrapped"
+                    f"{by} and the checkpoint is not; load into the model it wraps "
+                    f"(model.{prefix[:-1]}) or add the prefix: key_map={{'': '{prefix}'}} "
+                    f"(CLI: --key-map ={prefix})")
+    return None
 
 
 def parse_key_map(items: Iterable[str]) -> dict[str, str]:
@@ -198,8 +239,9 @@ def parse_key_map(items: Iterable[str]) -> dict[str, str]:
     mapping = {}
     for item in items:
         old, sep, new = item.partition("=")
-        if not sep or not old:
+        if not sep or not (old or new):
             raise UsageError(f"--key-map '{item}' is not OLD=NEW",
-                             hint="for example --key-map bert.=  or  --key-map fc.=head.")
+                             hint="for example --key-map bert.=  or  --key-map fc.=head.  (an "
+                                  "empty OLD prefixes every key: --key-map =module.)")
         mapping[old] = new
     return mapping

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchverity.checkpoint._folders import Target, is_model_folder, not_weights, resolve
-from torchverity.checkpoint._key_map import FitReport, KeyFit, rename_keys
+from torchverity.checkpoint._key_map import (
+    FitReport,
+    KeyFit,
+    partial_prefix_diagnosis,
+    prefix_diagnosis,
+    rename_keys,
+)
 from torchverity.checkpoint._load_file import _load_file
 from torchverity.checkpoint._model_fit import check_against_model, state_dict_of
 from torchverity.checkpoint._results import (
@@ -23,9 +29,7 @@ from torchverity.checkpoint._results import (
     LoadReport,
     SidecarPolicy,
 )
-from torchverity.errors import (
-    UsageError,
-)
+from torchverity.errors import UsageError, shell_path
 
 if TYPE_CHECKING:
     from torchverity.checkpoint._model_files import ModelFiles
@@ -100,9 +104,13 @@ def load(
     if beside is not None:
         report = _with_model_files(report, beside, target.folder)
     if model is not None:
-        report = _fitted(report, check_against_model(obj, model, p, fit))
+        fitted = check_against_model(obj, model, p, fit)
+        report = _fitted(report, fitted, _renamed_none(fit, fitted.renamed, p))
     elif fit.renames:
-        obj = rename_keys(state_dict_of(obj), fit)[0]
+        obj, renamed = rename_keys(state_dict_of(obj), fit)
+        note = _renamed_none(fit, renamed, p)
+        if note:
+            report = dataclasses.replace(report, warnings=(*report.warnings, note))
     for text in report.warnings:
         warnings.warn(text, CheckpointWarning, stacklevel=2)
     return (obj, report) if with_report else obj
@@ -124,14 +132,29 @@ def _with_model_files(report: LoadReport, beside: ModelFiles, folder: Path) -> L
                                warnings=(*report.warnings, *([note] if note else [])))
 
 
-def _fitted(report: LoadReport, fit: FitReport) -> LoadReport:
-    notes = list(report.warnings)
+def _renamed_none(fit: KeyFit, renamed: int, path: Path) -> str | None:
+    """A rename asked for that matched no key is most likely the wrong prefix: said, not
+    silently done nothing."""
+    if not fit.renames or renamed:
+        return None
+    asked = [f"strip_prefix {p!r}" for p in fit.strip_prefixes]
+    asked += [f"key_map {old!r}" for old, _new in fit.key_map]
+    return (f"{path}: {', '.join(asked)} matched no checkpoint key: nothing was renamed "
+            f"(torchverity inspect {shell_path(path)} lists the keys)")
+
+
+def _fitted(report: LoadReport, fit: FitReport, note: str | None = None) -> LoadReport:
+    notes = [*report.warnings, *([note] if note else [])]
     if fit.missing:
         notes.append(f"{report.path}: strict=False: {len(fit.missing)} model key(s) not in the "
                      f"checkpoint kept their initial values: {', '.join(fit.missing[:10])}")
     if fit.unexpected:
         notes.append(f"{report.path}: strict=False: {len(fit.unexpected)} checkpoint key(s) not "
                      f"in the model were not loaded: {', '.join(fit.unexpected[:10])}")
+    diagnosis = (prefix_diagnosis(fit.missing, fit.unexpected)
+                 or partial_prefix_diagnosis(fit.missing, fit.unexpected))
+    if diagnosis:
+        notes.append(f"{report.path}: {diagnosis}")
     return dataclasses.replace(report, model_checked=True, missing_keys=fit.missing,
                                unexpected_keys=fit.unexpected, ignored_keys=fit.ignored_buffers,
                                warnings=tuple(notes))

@@ -26,7 +26,7 @@ from torchverity.checkpoint._fingerprint import (
     layout,
     tensor_hasher,
 )
-from torchverity.checkpoint._folders import manifest_entry, record_step
+from torchverity.checkpoint._folders import manifest_entry, record_step, unlisted
 from torchverity.checkpoint._hashing_reader import cpu_count, lane, load_while_hashing
 from torchverity.checkpoint._meta import (
     META_SUFFIX,
@@ -85,8 +85,7 @@ def _load_file(p: Path, map_location: Any, policy: SidecarPolicy, trust_sha256: 
             _check_digest(p, expected, None)
         raise
     if expected is None and policy == "warn":
-        notes.append(f"{p}: no sidecar: the file's bytes were not verified "
-                     f"(write one with: torchverity hash --write {shell_path(p)})")
+        notes.append(_unverified_note(p))
     full_pickle = _trusted(p, trust_sha256)
     bound = _digest_binds_fingerprint(expected, meta) and not recheck_tensors
     if fmt == "safetensors":
@@ -229,12 +228,23 @@ def _check_digest(p: Path, expected: ExpectedDigest | None,
     return actual
 
 
+def _unverified_note(p: Path) -> str:
+    found = unlisted(p)
+    if found is None:
+        return (f"{p}: no sidecar: the file's bytes were not verified "
+                f"(write one with: torchverity hash --write {shell_path(p)})")
+    manifest, check = found
+    return (f"{p}: no sidecar, and the manifest {manifest} does not list it (added after the "
+            f"manifest, or renamed): the file's bytes were not verified ({check})")
+
+
 def _trusted(p: Path, trust_sha256: str | None) -> bool:
     if trust_sha256 is None:
         return False
     actual = require_sha256(
         p, trust_sha256, refusing="refusing a full-pickle load",
-        hint="trust_sha256 must name this exact file; torchverity inspect shows its digest")
+        hint="trust_sha256 must be the SHA-256 its publisher lists for this exact file; a "
+             "different digest means a different file: get it again from the publisher")
     log.warning("loading %s with weights_only=False: caller trusts sha256 %s", p, actual)
     return True
 

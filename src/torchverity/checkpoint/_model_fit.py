@@ -20,6 +20,7 @@ from torchverity.checkpoint._key_map import (
     partial_prefix_diagnosis,
     prefix_diagnosis,
     rename_keys,
+    wrapped_model_diagnosis,
 )
 from torchverity.errors import (
     FormatError,
@@ -57,9 +58,15 @@ def check_against_model(obj: Any, model: torch.nn.Module, path: Path,
     # strict=False that would load none of the file's tensors is never what was meant.
     nothing_fits = bool(state) and not state.keys() & want.keys()
     if mismatched or nothing_fits or (fit.strict and (missing or unexpected)):
-        raise _mismatch_error(path, model, missing, unexpected, mismatched, nothing_fits)
+        raise _mismatch_error(path, model, missing, unexpected, mismatched, nothing_fits,
+                              renamed_away=bool(renamed) and _fits_as_saved(obj, want))
     model.load_state_dict({k: v for k, v in state.items() if k in want}, strict=False)
     return FitReport(tuple(missing), tuple(unexpected), tuple(ignored), renamed)
+
+
+def _fits_as_saved(obj: Any, want: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint's own keys, before any renaming, are the model's."""
+    return set(state_dict_of(obj)) >= set(want)
 
 
 def _tied(want: Mapping[str, Any], state: Mapping[str, Any]) -> set[str]:
@@ -119,8 +126,9 @@ def build_mismatch(exc: BaseException, state: Mapping[str, Any],
 def _mismatch_error(path: Path, model: torch.nn.Module, missing: list[str],
                     unexpected: list[str], mismatched: list[dict[str, str]],
                     nothing_fits: bool = False, *, lenient: bool = True,
-                    ) -> StateDictMismatchError:
-    """``lenient``: the load can be told strict=False (a factory's own load cannot)."""
+                    renamed_away: bool = False) -> StateDictMismatchError:
+    """``lenient``: the load can be told strict=False (a factory's own load cannot).
+    ``renamed_away``: the keys fitted as saved, and the renaming asked for broke them."""
     parts = []
     if missing:
         parts.append(f"{len(missing)} missing: {', '.join(missing[:10])}")
@@ -130,11 +138,12 @@ def _mismatch_error(path: Path, model: torch.nn.Module, missing: list[str],
         parts.append(f"'{m['name']}' is {m['actual']}, model expects {m['expected']}")
     if nothing_fits:
         parts.append("none of the checkpoint's keys is one of the model's")
-    diagnosis = None if mismatched else (prefix_diagnosis(missing, unexpected)
-                                         or adapter_diagnosis(missing, unexpected)
-                                         or base_adapter_diagnosis(unexpected)
-                                         or (partial_prefix_diagnosis(missing, unexpected)
-                                             if lenient else None))
+    diagnosis = _renamed_away() if renamed_away else _dtypes_only(mismatched) if mismatched \
+        else (prefix_diagnosis(missing, unexpected)
+              or wrapped_model_diagnosis(missing, unexpected)
+              or adapter_diagnosis(missing, unexpected)
+              or base_adapter_diagnosis(unexpected)
+              or (partial_prefix_diagnosis(missing, unexpected) if lenient else None))
     hint = diagnosis or (
         f"check the model config matches the one that saved it; "
         f"torchverity inspect {shell_path(path)} lists the checkpoint's tensors"
@@ -144,3 +153,22 @@ def _mismatch_error(path: Path, model: torch.nn.Module, missing: list[str],
         f"{path}: checkpoint does not fit {type(model).__name__}: " + "; ".join(parts),
         path=path, missing=missing, unexpected=unexpected, mismatched=mismatched, hint=hint,
     )
+
+
+def _renamed_away() -> str:
+    return ("the checkpoint's keys are the model's as saved: the strip_prefix or key_map given "
+            "renamed them away; load without it (CLI: without --strip-prefix / --key-map)")
+
+
+def _dtypes_only(mismatched: list[dict[str, str]]) -> str | None:
+    """Say so when every mismatch is a dtype alone (a float16 checkpoint, a float32 model)."""
+    def shape(text: str) -> str:
+        return text[text.find("["):]
+
+    if not all(shape(m["expected"]) == shape(m["actual"]) for m in mismatched):
+        return None
+    got = sorted({m["actual"].split("[", 1)[0] for m in mismatched})
+    want = sorted({m["expected"].split("[", 1)[0] for m in mismatched})
+    return (f"only dtypes differ (the checkpoint holds {', '.join(got)} where the model has "
+            f"{', '.join(want)}): convert one to the other before loading, the model with "
+            f"model.to(torch.{got[0]}) or the checkpoint's tensors with .to(torch.{want[0]})")

@@ -142,7 +142,8 @@ def _explained_load_error(p: Path, exc: Exception) -> Exception:
     explanation = explain_exception(exc)
     if explanation is not None:
         explanation = with_file(explanation, os.fspath(p))
-        text = f"{text} (likely cause: {explanation.cause.rstrip('.')})"
+        # torch's own words go on to suggest weights_only=False: the cause replaces them.
+        text = f"{type(exc).__name__}: {explanation.cause.rstrip('.')}"
         hint = f"{explanation.fix.rstrip('.')}; check with: {explanation.command}"
     if explanation is not None and explanation.key == "torchscript-weights-only":
         return UnsafeFileError(
@@ -154,10 +155,14 @@ def _explained_load_error(p: Path, exc: Exception) -> Exception:
     if refused:
         return UnsafeFileError(
             f"{p}: refused by the weights_only loader: {text}", path=p,
-            hint=f"torchverity scan {shell_path(p)}; if you trust this exact file, pass "
-                 "trust_sha256=<its sha256> (torchverity inspect shows it)",
+            hint=f"torchverity scan {shell_path(p)} names what would run; {TRUST_STEP}",
         )
     return FormatError(f"{p}: cannot load: {text}", path=p, hint=hint)
+
+
+# The digest to trust comes from whoever vouches for the file, never from the file itself.
+TRUST_STEP = ("if its publisher vouches for this exact file, pass trust_sha256=<the SHA-256 they "
+              "list> (torchverity hash --algo sha256 FILE prints this copy's, to compare)")
 
 
 def plain_pickle_error(p: Path) -> TorchVerityError | None:

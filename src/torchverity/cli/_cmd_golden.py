@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from torchverity.cli._command import at_least
 from torchverity.cli._fit_args import add_fit_args, fit_kwargs
 from torchverity.cli._output import Output
-from torchverity.errors import UsageError
+from torchverity.errors import UsageError, shell_path
 
 if TYPE_CHECKING:
     from torchverity.checkpoint._results import LoadReport
@@ -93,7 +94,10 @@ def build_model(spec: str, weights: Path | None, device: str, out: Output,
         check_model_files(resolve(weights))  # the load checks them again and warns
     model = call_spec(spec, import_callable(spec))
     if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"'{spec}' returned a {type(model).__name__}, not a torch.nn.Module")
+        raise UsageError(f"'{spec}' returned a {type(model).__name__}, not a torch.nn.Module",
+                         hint="--model names a class or function that returns the model itself "
+                              "(an nn.Module), e.g. mypkg.models:build with build() returning "
+                              "Net()")
     loaded = None
     if weights is not None:
         _obj, report = _loaded(weights, out, model=model, map_location="cpu", **(fit or {}))
@@ -118,12 +122,19 @@ def _loaded(path: Path, out: Output, **kwargs: Any) -> tuple[Any, LoadReport]:
     return obj, report
 
 
-def _require_fingerprint(path: Path) -> None:
+def _require_fingerprint(args: argparse.Namespace) -> None:
     from torchverity.golden._record_file import load_record
 
-    if load_record(path)[0].model_fingerprint is None:
-        raise UsageError(f"{path}: the record holds no weights fingerprint to compare with",
-                         hint="record it again with the model: torchverity golden record ...")
+    if load_record(args.golden)[0].model_fingerprint is None:
+        raise UsageError(f"{args.golden}: the record holds no weights fingerprint to compare with",
+                         hint=_record_again(args))
+
+
+def _record_again(args: argparse.Namespace) -> str:
+    weights = f" --weights {shell_path(args.weights)}" if args.weights is not None else ""
+    return (f"record it again from the trusted weights, which stores their fingerprint: "
+            f"torchverity golden record --model {shlex.quote(args.model)}{weights} --golden "
+            f"{shell_path(args.golden)} --inputs INPUTS (or --shape DIMS)")
 
 
 def _inputs(args: argparse.Namespace, out: Output, model: Any) -> Any:
@@ -172,9 +183,13 @@ def _check(args: argparse.Namespace, out: Output) -> int:
     model, loaded = build_model(args.model, args.weights, args.device, out, fit_kwargs(args))
     exact = _EXACT[args.mode]
     if args.check_weights:
-        _require_fingerprint(args.golden)
+        _require_fingerprint(args)
     result = golden.check(model, args.golden, exact=exact, rtol=args.rtol, atol=args.atol,
                           weights=args.check_weights)
+    if result.ok and result.weights_changed is None and args.check_weights is not False:
+        # Outputs alone miss a weight change that moves no output bit on the golden inputs.
+        out.warn(f"{args.golden}: the record holds no weights fingerprint, so the weights were "
+                 f"not compared, only the outputs; {_record_again(args)}")
     return out.result({**to_jsonable(result), "weights": loaded},
                       lambda: _print_check(result, args, out))
 

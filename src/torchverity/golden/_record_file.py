@@ -24,6 +24,9 @@ STATS = ("mean", "std", "min", "max")  # the summary statistics recorded per out
 
 
 GOLDEN_VERSION = 1
+# A golden file is what `golden record` writes: a damaged one is recorded again.
+_RECORD_AGAIN = ("record it again from the trusted model: torchverity golden record --model M:F "
+                 "--weights W --golden FILE")
 
 
 @dataclass(frozen=True)
@@ -132,11 +135,14 @@ def load_record(path: str | os.PathLike[str]) -> tuple[GoldenRecord, dict[str, t
             hint="create it with: torchverity golden record --model M:F --weights W --golden FILE",
         ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{p}: not a readable golden file: {exc}", path=p) from None
+        raise FormatError(f"{p}: not a readable golden file: {exc}", path=p,
+                          hint=_RECORD_AGAIN) from None
     except RecursionError:
-        raise FormatError(f"{p}: not a golden file: nested too deeply", path=p) from None
+        raise FormatError(f"{p}: not a golden file: nested too deeply", path=p,
+                          hint=_RECORD_AGAIN) from None
     if not isinstance(doc, dict) or doc.get("format") != GOLDEN_FORMAT:
-        raise FormatError(f"{p}: not a torchverity golden file (no format marker)", path=p)
+        raise FormatError(f"{p}: not a torchverity golden file (no format marker)", path=p,
+                          hint=_RECORD_AGAIN)
     if type(doc.get("version")) is not int or doc["version"] != GOLDEN_VERSION:
         raise FormatError(
             f"{p}: golden file version {doc.get('version')!r} is not supported "

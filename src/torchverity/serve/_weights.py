@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 
-from torchverity.checkpoint._folders import manifest_entry, not_weights, record_step, resolve
+from torchverity.checkpoint._folders import (
+    manifest_entry,
+    not_weights,
+    record_step,
+    resolve,
+    unlisted,
+)
 from torchverity.checkpoint._key_map import KeyFit
 from torchverity.checkpoint._model_files import ModelFiles, check_model_files
 from torchverity.checkpoint._results import CheckpointWarning
@@ -75,7 +81,9 @@ def check_before_build(weights: str | os.PathLike[str]) -> ModelFiles | None:
 def _existing(weights: str | os.PathLike[str]) -> Path:
     path = Path(weights)
     if not path.exists():
-        raise InputError(f"{path}: no such weights file", path=path)
+        raise InputError(f"{path}: no such weights file", path=path,
+                         hint=f"check the path (ls {shell_path(path.parent)}): --weights takes a "
+                              "checkpoint file, a Hugging Face folder or its index")
     return path
 
 
@@ -167,9 +175,10 @@ def _check_against_manifest(path: Path) -> tuple[str, str]:
     manifest = read_manifest(record)
     entry = next((e for e in manifest.entries if e.path == path.name), None)
     if entry is None:
+        found = unlisted(path)
         raise IntegrityError(
             f"{path}: not listed in {record}: refusing to serve unverified weights",
-            path=path, hint=f"torchverity hash --write {shell_path(path)}, or rebuild the manifest",
+            path=path, hint=found[1] if found else f"torchverity verify {shell_path(path.parent)}",
         )
     algo = manifest.algo
     actual = digest_file(path, algo).hexdigest
