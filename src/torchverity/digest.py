@@ -221,10 +221,25 @@ def digest_file(
     return FileDigest(path=os.fspath(p), algo=algo, hexdigest=hasher.hexdigest(), size=size)
 
 
+_SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def check_sha256_hex(value: str, path: Path | None = None) -> str:
+    """``value`` lower-cased when it can be a SHA-256 at all; else UsageError: text that
+    is no digest is a mistyped argument, not a file that differs."""
+    if isinstance(value, str) and _SHA256_HEX.fullmatch(value):
+        return value.lower()
+    where = f"sha256sum {shell_path(path)}" if path is not None else "sha256sum FILE"
+    raise UsageError(f"the trusted SHA-256 {value!r} is not one: a SHA-256 is 64 hex digits",
+                     hint=f"{where} prints the file's SHA-256; pass that whole value")
+
+
 def require_sha256(path: Path, trusted: str, *, refusing: str, hint: str) -> str:
-    """The file's sha256 when it is the one the caller trusts; otherwise IntegrityError."""
+    """The file's sha256 when it is the one the caller trusts; otherwise IntegrityError
+    (UsageError when ``trusted`` is no SHA-256 at all)."""
     from torchverity.errors import IntegrityError
 
+    trusted = check_sha256_hex(trusted, path)
     actual = digest_file(path, "sha256").hexdigest
     if actual != trusted.lower():
         raise IntegrityError(f"{path}: sha256 is {actual}, not the trusted {trusted}: {refusing}",

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+FORMAT_DOC = Path(__file__).parents[2] / "docs/formats/batch.md"
+
 MODELS = textwrap.dedent(
     """
     import os
@@ -204,3 +206,60 @@ def test_prune_refuses_inputs_it_cannot_list(run_cli, job: dict[str, Path]) -> N
     assert result.code == 2 and "nothing was pruned" in result.err
     assert len(list((job["out"] / "data").iterdir())) == 4
     assert _verify(run_cli, job) == (0, [])  # unlisted inputs are not removed ones
+
+
+def _another_job(job: dict[str, Path], name: str) -> dict[str, Path]:
+    """A second job beside ``job``, with the same model and an empty inputs folder."""
+    inputs = job["inputs"].parent / f"{name}_in"
+    inputs.mkdir()
+    return {"inputs": inputs, "out": job["out"].parent / f"{name}_out"}
+
+
+def test_failed_attempts_are_counted_per_run(run_cli, job: dict[str, Path]) -> None:
+    """--retries bounds one run: verify reports that run's attempts, and the total apart
+    (an attempt that once committed the item counts in the total only)."""
+    assert _run(run_cli, job).code == 0
+    (job["inputs"] / "1.txt").write_text("bad bytes")
+    failed = json.loads(_run(run_cli, job, "--retries", "1").out)
+    [problem] = failed["problems"]
+    assert (problem["attempts"], problem["run_attempts"]) == (3, 2)
+    documented = FORMAT_DOC.read_text().split('"problems": [{', 1)[1].split("}]", 1)[0]
+    assert all(f'"{key}"' in documented for key in problem), documented
+    _, [found] = _verify(run_cli, job)
+    assert found["detail"].startswith("after 2 attempts in its latest run (3 in all): ")
+    again = json.loads(_run(run_cli, job, "--retries", "1", "--retry-failed").out)
+    assert (again["problems"][0]["attempts"], again["problems"][0]["run_attempts"]) == (5, 2)
+    _, [found] = _verify(run_cli, job)
+    assert found["detail"].startswith("after 2 attempts in its latest run (5 in all): ")
+    # A rerun that does not try the item again leaves the latest run's count as it was.
+    (job["inputs"] / "4.txt").write_text("item 4")
+    assert json.loads(_run(run_cli, job).out)["problems"][0]["run_attempts"] == 2
+    fresh = _another_job(job, "fresh")
+    (fresh["inputs"] / "0.txt").write_text("bad")
+    assert _run(run_cli, fresh).code == 1
+    _, [only] = _verify(run_cli, fresh)
+    assert only["detail"].startswith("after 1 attempt: ")
+
+
+def test_verify_counts_only_intact_outputs_as_committed(run_cli, job: dict[str, Path]) -> None:
+    assert _run(run_cli, job).code == 0
+    (job["out"] / "data" / "0.txt.out").unlink()
+    (job["out"] / "data" / "1.txt.out").write_bytes(b"ITEM 1, DAMAGED")
+    (job["inputs"] / "2.txt").write_text("item 2, edited")
+    report = json.loads(run_cli("batch", "verify", "--json", job["out"]).out)
+    assert {p["kind"] for p in report["problems"]} == {"missing-output", "output-mismatch",
+                                                       "input-changed"}
+    assert (report["items"], report["committed"]) == (4, 1)
+    human = run_cli("batch", "verify", job["out"])
+    assert human.code == 1 and "(1 of 4 inputs committed)" in human.out
+
+
+def test_verify_of_a_folder_that_is_not_there_says_so(run_cli, tmp_path: Path) -> None:
+    for path in (tmp_path / "nope", tmp_path / "a_file"):
+        if path.name == "a_file":
+            path.write_text("not a folder")
+        result = run_cli("batch", "verify", path)
+        assert result.code == 2 and "no batch journal" not in result.err
+        what = "is not a folder" if path.exists() else "does not exist"
+        assert f"{path}: {what}" in result.err and "next: " in result.err, result.err
+        assert "Traceback" not in result.err

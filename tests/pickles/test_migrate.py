@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import pickle
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -394,3 +395,80 @@ def test_torchscript_load_refusal_points_to_the_inert_route(tmp_path: Path) -> N
     assert done.returncode == 0 and "SETSTATE-RAN" not in done.stdout + done.stderr, done.stderr
     loaded = torchverity.load(f"{archive}.safetensors")
     assert [torch.equal(t, torch.arange(3.0)) for t in loaded.values()] == [True]
+
+
+def test_nested_takes_a_saved_state_dict_as_the_model(tmp_path: Path,
+                                                      run_cli: Callable[..., Any]) -> None:
+    """A file that is a state_dict (scalars beside it or not) is the model part whole; tied
+    weights keep both keys."""
+    linear = torch.nn.Linear(2, 2)
+    plain = tmp_path / "sd.pt"
+    torch.save(linear.state_dict(), plain)
+    res = run_cli("migrate", plain, tmp_path / "osd.pt", "--nested")
+    assert res.code == 0, res.err
+    out = torch.load(tmp_path / "osd.pt", weights_only=True)
+    assert out.keys() == {"model"}
+    fresh = torch.nn.Linear(2, 2)
+    fresh.load_state_dict(out["model"])
+    assert torch.equal(fresh.weight, linear.weight) and torch.equal(fresh.bias, linear.bias)
+
+    shared = torch.arange(4.0)
+    mixed = tmp_path / "mixed.pt"
+    torch.save({"w": shared, "tied": shared, "epoch": 1}, mixed)
+    result = migrate(mixed, tmp_path / "omixed.pt", nested=True)
+    out = torch.load(tmp_path / "omixed.pt", weights_only=True)
+    assert out["model"].keys() == {"w", "tied"} and torch.equal(out["model"]["tied"], shared)
+    meta = json.loads(Path(result.meta_path or "").read_text())["user"]
+    assert meta["content"]["epoch"] == 1 and meta["locations"] == {"w": ["model", "w"]}
+    assert result.skipped == ()
+
+
+def test_nested_refusal_steps_are_commands_that_work(tmp_path: Path,
+                                                     run_cli: Callable[..., Any]) -> None:
+    flat = tmp_path / "flat.pt"
+    torch.save({"w": torch.ones(2), "b": torch.zeros(3), "epoch": 1}, flat)
+    res = run_cli("migrate", flat, tmp_path / "o.safetensors", "--nested")
+    assert res.code == 2
+    step = res.err.split("next: ", 1)[1].strip()
+    assert step.startswith("torchverity migrate ")
+    assert run_cli(*shlex.split(step)[1:]).code == 0
+    # The .pt name the step would pick is the source itself: it names another file.
+    res = run_cli("migrate", flat, tmp_path / "flat.safetensors", "--nested")
+    step = res.err.split("next: ", 1)[1].strip()
+    assert str(flat) not in shlex.split(step)[3:] and run_cli(*shlex.split(step)[1:]).code == 0
+    deep = tmp_path / "deep.pt"  # tensors only inside other objects: no model part
+    torch.save({"runs": [{"w": torch.ones(1)}]}, deep)
+    res = run_cli("migrate", deep, tmp_path / "deep_out.pt", "--nested")
+    assert res.code == 2 and "no model state dict" in res.err
+    step = res.err.split("next: ", 1)[1].strip()
+    assert run_cli(*shlex.split(step.split(": ", 1)[1])[1:]).code == 0
+
+
+@pytest.mark.parametrize("name", ["x.npz", "x.txt", "noext", "x.ckpt", "x.SAFETENSORS"])
+def test_only_safetensors_and_torch_targets_are_written(
+        tmp_path: Path, run_cli: Callable[..., Any], name: str) -> None:
+    src = tmp_path / "s.pt"
+    torch.save({"w": torch.ones(2)}, src)
+    res = run_cli("migrate", src, tmp_path / name)
+    assert res.code == 2 and ".safetensors, .pt or .pth" in res.err, res.err
+    assert not list(tmp_path.glob(f"{name}*"))
+    step = res.err.split("next: ", 1)[1].strip()
+    assert run_cli(*shlex.split(step)[1:]).code == 0
+    assert migrate(src, tmp_path / "ok.pth").tensors == 1
+
+
+def test_a_malformed_trusted_sha256_is_bad_usage(tmp_path: Path,
+                                                 run_cli: Callable[..., Any]) -> None:
+    import torchverity
+
+    src = tmp_path / "s.pt"
+    torch.save({"w": torch.ones(2)}, src)
+    for bad in ("00", "g" * 64, "0" * 63):
+        res = run_cli("migrate", src, tmp_path / "o.safetensors", "--trust-sha256", bad)
+        assert res.code == 2 and "64 hex digits" in res.err, res.err
+        assert f"sha256sum {src}" in res.err and "--trust-sha256" not in res.err.split("next:")[1]
+        with pytest.raises(UsageError, match="64 hex digits"):
+            torchverity.load(src, trust_sha256=bad)
+    assert not (tmp_path / "o.safetensors").exists()
+    res = run_cli("migrate", src, tmp_path / "o.safetensors", "--trust-sha256", "A" * 64)
+    assert res.code == 1 and "not the trusted" in res.err

@@ -31,6 +31,8 @@ PENDING, RUNNING, COMMITTED, FAILED, CHANGED = (
     "pending", "running", "committed", "failed", "input-changed"
 )
 STATES = (PENDING, RUNNING, COMMITTED, FAILED, CHANGED)
+# An event with no item: a run started. Attempts "in a run" are counted between these.
+RUN_EVENT = "run"
 
 _SCHEMA = f"""
 CREATE TABLE job (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -231,6 +233,25 @@ class Journal:
                " WHERE state = 'pending' ORDER BY id")
         return [WorkItem(*row) for row in self._query(sql)]
 
+    def run_attempts(self) -> dict[int, int]:
+        """Each item's attempts that failed in the latest run that tried it, by item id.
+
+        ``attempts`` counts every attempt since the item was listed; a failed item's latest
+        run alone is what ``--retries`` bounded. Items whose failures all predate the
+        first run mark (a journal from an older version) are left out."""
+        rows = self._query(
+            "SELECT item, kind FROM events WHERE kind IN (?, ?, ?) ORDER BY rowid",
+            (RUN_EVENT, PENDING, FAILED))
+        run = 0
+        latest: dict[int, tuple[int, int]] = {}  # item -> (run, failures in that run)
+        for item, kind in rows:
+            if kind == RUN_EVENT:
+                run += 1
+            elif item is not None:
+                seen_in, count = latest.get(item, (run, 0))
+                latest[item] = (run, count + 1 if seen_in == run else 1)
+        return {item: count for item, (seen_in, count) in latest.items() if seen_in > 0}
+
     def committed_outputs(self) -> list[tuple[str, int, str]]:
         """(output, size, digest) of every committed item: only the columns the bag needs."""
         return self._query("SELECT output, output_size, output_digest FROM items"
@@ -243,6 +264,11 @@ class Journal:
             raise _corrupt(self.path, str(exc)) from None
 
     # ------------------------------------------------------------ writing
+
+    def start_run(self) -> None:
+        """Mark where this run's events begin (see :meth:`run_attempts`)."""
+        with self._transaction():
+            self._events([(None, RUN_EVENT, "started")])
 
     def recover(self) -> list[ItemRow]:
         """Items a killed run left ``running`` go back to ``pending``; returns them."""

@@ -80,6 +80,9 @@ class ItemProblem:
     state: str
     attempts: int
     error: str | None
+    # A failed item's attempts in the latest run that tried it (what --retries bounds);
+    # None for other states, or when the journal cannot tell.
+    run_attempts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,7 @@ def _run_locked(job: _Job, make: Callable[[bool], Engine],
     try:
         resume = (_resume(journal, job) if resumed
                   else _Resume(0, 0, [], AppliedChanges(0, 0, (), ()), 0))
+        journal.start_run()
         skip = frozenset(r.id for r in resume.changes.removed)
         durability = Durability(out, options.durability)
         engine = make(durability.per_file)
@@ -447,8 +451,10 @@ def _report(journal: Journal, job: _Job, engine: EngineName, resumed: bool, resu
     for row in removed:
         counts[row.state] -= 1
     gone = {r.id for r in removed}
+    tries = journal.run_attempts()
     problems = tuple(
-        ItemProblem(r.key, r.state, r.attempts, r.error)
+        ItemProblem(r.key, r.state, r.attempts, r.error,
+                    tries.get(r.id) if r.state == FAILED else None)
         for r in journal.items(FAILED, CHANGED, PENDING) if r.id not in gone
     ) + tuple(ItemProblem(r.key, "input-removed", r.attempts, removed_detail(r, job.doc["inputs"]))
               for r in removed)

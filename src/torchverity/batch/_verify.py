@@ -24,7 +24,7 @@ from torchverity.batch._changes import (
 from torchverity.batch._journal import CHANGED, COMMITTED, ItemRow, Journal
 from torchverity.batch._paths import DATA_DIR
 from torchverity.batch._run import stored_digests
-from torchverity.errors import TorchVerityError
+from torchverity.errors import BatchError, TorchVerityError
 from torchverity.manifest import SHA256SUM_NAME, ManifestEntry, read_manifest
 
 # Problem kinds, in the order a reader should fix them.
@@ -32,6 +32,8 @@ KINDS = (
     "missing-output", "output-mismatch", "extra-output", "manifest-mismatch", "bag-mismatch",
     "failed", "input-changed", "input-removed", "new-input", "not-done",
 )
+# Problems that leave a committed item without a usable output.
+_NOT_INTACT = {"missing-output", "output-mismatch", "input-changed"}
 # What a rerun of the job (with no flag) puts right; "failed" and "input-removed" need one.
 _RERUN_FIXES = {"missing-output", "output-mismatch", "manifest-mismatch", "bag-mismatch",
                 "input-changed", "new-input", "not-done"}
@@ -68,20 +70,31 @@ class BatchVerifyResult:
         return not self.problems
 
 
+def _existing_folder(out: str | os.PathLike[str]) -> Path:
+    root = Path(out).resolve()
+    if not root.is_dir():
+        what = "is not a folder" if root.exists() else "does not exist"
+        raise BatchError(f"{out}: {what}; batch verify reads the --out folder of a batch job",
+                         out=root, hint="check the path: it is the folder given as --out to "
+                                        "'torchverity batch run', which holds batch-journal.sqlite")
+    return root
+
+
 def verify_batch(out: str | os.PathLike[str]) -> BatchVerifyResult:
     """Check every output against the journal and the bag manifest; write the manifest if absent."""
-    root = Path(out).resolve()
+    root = _existing_folder(out)
     journal = Journal.open(root, read_only=True)
     try:
         rows = journal.items()
         job = journal.job()
+        tries = journal.run_attempts()
     finally:
         journal.close()
     inputs = inputs_of(job)
     changes = input_changes(inputs, root, rows) if inputs is not None else None
     gone = {c.key for c in changes or [] if c.kind == "input-removed"}
     committed = [r for r in rows if r.state == COMMITTED]
-    problems = [*_check_items(root, [r for r in rows if r.key not in gone], committed),
+    problems = [*_check_items(root, [r for r in rows if r.key not in gone], committed, tries),
                 *_extra_files(root, rows), *_input_problems(changes or [], inputs)]
     manifest_path = root / SHA256SUM_NAME
     entries = [ManifestEntry(r.output, int(r.output_size or 0), str(r.output_digest))
@@ -97,9 +110,12 @@ def verify_batch(out: str | os.PathLike[str]) -> BatchVerifyResult:
     problems.sort(key=lambda p: (KINDS.index(p.kind), p.key or "", p.path or ""))
     kinds = {p.kind for p in problems}
     new = sum(c.kind == "new-input" for c in changes or [])
+    # A committed output counts only while it is intact and its input is the one it was
+    # made from: the summary must not call a deleted or stale output committed.
+    spoiled = {p.key for p in problems if p.kind in _NOT_INTACT}
     return BatchVerifyResult(
         out=os.fspath(root), items=len(rows) - len(gone) + new,
-        committed=sum(r.key not in gone for r in committed),
+        committed=sum(r.key not in gone and r.key not in spoiled for r in committed),
         problems=tuple(problems), manifest=os.fspath(manifest_path) if manifest_path.is_file()
         else None, manifest_written=written,
         next_step=_next_step(job.get("command"), kinds),
@@ -117,7 +133,18 @@ def _next_step(command: str | None, kinds: set[str]) -> str | None:
     return f"{extra}; {step}" if step else extra
 
 
-def _check_items(root: Path, rows: list[ItemRow], committed: list[ItemRow]) -> list[BatchProblem]:
+def _attempts_text(row: ItemRow, tries: dict[int, int]) -> str:
+    """How often a failed item was tried: its latest run's share (what ``--retries``
+    bounds) and, when earlier runs tried it too, the total."""
+    latest = tries.get(row.id, row.attempts)
+    plural = "" if latest == 1 else "s"
+    if latest == row.attempts:
+        return f"after {latest} attempt{plural}"
+    return f"after {latest} attempt{plural} in its latest run ({row.attempts} in all)"
+
+
+def _check_items(root: Path, rows: list[ItemRow], committed: list[ItemRow],
+                 tries: dict[int, int]) -> list[BatchProblem]:
     """Each committed output against its digest; ``rows`` (those of inputs that exist) that
     have not ended with an output."""
     problems: list[BatchProblem] = []
@@ -136,7 +163,7 @@ def _check_items(root: Path, rows: list[ItemRow], committed: list[ItemRow]) -> l
         kind = {"failed": "failed", "input-changed": "input-changed"}.get(row.state, "not-done")
         detail = row.error or f"state is {row.state}: the job has not finished"
         if kind == "failed":
-            detail = f"after {row.attempts} attempts: {detail}"
+            detail = f"{_attempts_text(row, tries)}: {detail}"
         problems.append(BatchProblem(kind, row.key, None, detail))
     return problems
 

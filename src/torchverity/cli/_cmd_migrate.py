@@ -15,14 +15,14 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         subparsers, common, "migrate", _run,
         help="convert a legacy checkpoint to a weights_only-loadable state_dict",
         description="Extract the tensors of a legacy checkpoint (custom classes, whole models, "
-        "optimizers, Namespace, numpy) into NEW (.safetensors or .pt) and its non-tensor data "
-        "into NEW.meta.json, without running the file's code. Unknown classes become inert "
+        "optimizers, Namespace, numpy) into NEW (.safetensors, .pt or .pth) and its non-tensor "
+        "data into NEW.meta.json, without running the file's code. Unknown classes become inert "
         "placeholders; nothing from the file runs (TorchScript and nested archives included). "
         "A file with code-running globals (scan: unsafe) is migrated too: those globals are "
         "named in a warning and in NEW.meta.json, and never run. Malformed files are refused.",
     )
     p.add_argument("source", type=Path, help="the legacy checkpoint")
-    p.add_argument("target", type=Path, help="the new file (.safetensors or .pt)")
+    p.add_argument("target", type=Path, help="the new file (.safetensors, .pt or .pth)")
     p.add_argument("--trust-sha256", metavar="HEX",
                    help="the source's SHA-256: refuse to migrate any other bytes (optional: "
                         "nothing from the file runs either way)")

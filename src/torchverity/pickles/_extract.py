@@ -146,7 +146,7 @@ class Extractor:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)  # id(tensor) -> first name
     skipped: list[str] = field(default_factory=list)
-    _active: set[int] = field(default_factory=set)
+    _active: dict[int, str] = field(default_factory=dict)  # id -> path, while encoded
     _alive: list[torch.Tensor] = field(default_factory=list)  # keeps ids in `names` unique
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, str]:
@@ -168,13 +168,14 @@ class Extractor:
             return obj
         if isinstance(obj, float):
             return obj if math.isfinite(obj) else repr(obj)
-        if id(obj) in self._active:
-            return {"$cycle": path}
-        self._active.add(id(obj))
+        referent = self._active.get(id(obj))
+        if referent is not None:
+            return {"$cycle": referent}
+        self._active[id(obj)] = path
         try:
             return self._compound(obj, path)
         finally:
-            self._active.discard(id(obj))
+            del self._active[id(obj)]
 
     def _any_tensor(self, t: torch.Tensor, path: str) -> Any:
         """Strided tensors by name; nested and sparse ones as their strided parts."""
@@ -263,6 +264,7 @@ class Extractor:
         out: dict[str, Any] = {"$class": obj._tv_name}
         if obj._tv_args:
             out["args"] = self.value(list(obj._tv_args), _join(path, "args"))
+        state = _attributes(state)
         if isinstance(state, Mapping):
             out.update(self.mapping(state, path))
         elif state is not None:
@@ -296,6 +298,38 @@ class Extractor:
         for name, t in module.state_dict(keep_vars=True).items():
             self.tensor(t, _join(path, name))
         return {"$class": _qualname(module)}
+
+
+def _is_slots_state(state: Any) -> bool:
+    """pickle's ``(instance dict or None, slot values)`` state of a class with __slots__."""
+    return (isinstance(state, tuple) and len(state) == 2
+            and (state[0] is None or isinstance(state[0], Mapping))
+            and isinstance(state[1], Mapping))
+
+
+def _is_dunder(key: Any) -> bool:
+    return isinstance(key, str) and key.startswith("__") and key.endswith("__")
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or (isinstance(value, (Mapping, list, tuple, set, frozenset))
+                             and not value)
+
+
+def _attributes(state: Any) -> Any:
+    """An object's state as one mapping of its attributes where the pickle splits them, so
+    a config class reads as its fields whatever way it stores them; other states as given.
+
+    A pydantic model pickles ``{"__dict__": fields, "__pydantic_extra__": ...,
+    "__pydantic_fields_set__": ..., ...}``: its fields become the keys, and the
+    bookkeeping entries stay only when they hold something."""
+    if _is_slots_state(state):
+        return {**(state[0] or {}), **state[1]}
+    if (isinstance(state, Mapping) and isinstance(state.get("__dict__"), Mapping)
+            and all(_is_dunder(k) for k in state)):
+        extra = {k: v for k, v in state.items() if k != "__dict__" and not _is_empty(v)}
+        return {**state["__dict__"], **extra}
+    return state
 
 
 def _join(path: str, name: str) -> str:

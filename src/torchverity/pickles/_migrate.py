@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from torchverity.digest import DEFAULT_ALGO
+from torchverity.digest import DEFAULT_ALGO, check_sha256_hex
 from torchverity.errors import (
     FormatError,
     InputError,
@@ -169,6 +169,34 @@ def _refuse(scan: ScanResult, path: Path) -> None:
                               "included) and plain pickles")
 
 
+# torchverity.save writes these: safetensors for flat tensor maps, torch.save for the rest.
+TARGET_SUFFIXES = (".safetensors", ".pt", ".pth")
+
+
+def _suggested(src: Path, dst: Path, suffix: str) -> Path:
+    """``dst`` with ``suffix``, or beside it under another name when that is the source."""
+    wanted = dst.with_suffix(suffix)
+    return dst.with_name(f"{dst.stem}.migrated{suffix}") if wanted.resolve() == src.resolve() \
+        else wanted
+
+
+def _check_target(src: Path, dst: Path, nested: bool) -> None:
+    if src.resolve() == dst.resolve():
+        raise UsageError("migrate writes a new file: give a different target path")
+    # Exact suffixes: save() picks the format by them, so X.SAFETENSORS would be a pickle.
+    suffix = dst.suffix
+    if nested and suffix != ".pt":
+        raise UsageError(f"{dst}: a nested output (model + optimizer) is written as .pt",
+                         hint=f"torchverity migrate {shell_path(src)} "
+                              f"{shell_path(_suggested(src, dst, '.pt'))} --nested")
+    if suffix not in TARGET_SUFFIXES:
+        accepted = f"{', '.join(TARGET_SUFFIXES[:-1])} or {TARGET_SUFFIXES[-1]}"
+        raise UsageError(
+            f"{dst}: migrate writes {accepted} files, not {suffix or 'a name without a suffix'}",
+            hint=f"torchverity migrate {shell_path(src)} "
+                 f"{shell_path(_suggested(src, dst, '.safetensors'))}")
+
+
 def _check_trust(path: Path, trust_sha256: str) -> None:
     from torchverity.digest import require_sha256
 
@@ -184,7 +212,7 @@ def migrate(
     algo: str = DEFAULT_ALGO,
     nested: bool = False,
 ) -> MigrateResult:
-    """Write ``target`` (.safetensors or .pt) with the tensors of ``source`` and a meta.json.
+    """Write ``target`` (.safetensors, .pt or .pth) with the tensors of ``source`` and a meta.json.
 
     Nothing from the file runs, whatever it holds: TorchScript archives, nested archives
     and files naming code-running globals (listed in the result's ``dangerous``) are read
@@ -194,12 +222,9 @@ def migrate(
     from torchverity.checkpoint._save import save
 
     src, dst = Path(source), Path(target)
-    if src.resolve() == dst.resolve():
-        raise UsageError("migrate writes a new file: give a different target path")
-    if nested and dst.suffix != ".pt":
-        raise UsageError("a nested output (model + optimizer) is written as .pt",
-                         hint=f"torchverity migrate {shell_path(src)} "
-                              f"{shell_path(dst.with_suffix('.pt'))} --nested")
+    _check_target(src, dst, nested)
+    if trust_sha256 is not None:
+        check_sha256_hex(trust_sha256, src)
     if src.is_dir():
         raise _folder_source(src, dst)
     scan = scan_file(src)
@@ -214,7 +239,7 @@ def migrate(
     meta = {"source": src.name, "mode": "inert", "placeholders": placeholders,
             "dangerous": dangerous, "content": meta_tree, "skipped": extractor.skipped}
     if nested:
-        report, count = _save_nested(obj, extractor, dst, meta, algo)
+        report, count = _save_nested(obj, extractor, src, dst, meta, algo)
     else:
         tensors = _writable(extractor.tensors)
         report, count = save(tensors, dst, meta=meta, algo=algo), len(tensors)
@@ -237,13 +262,23 @@ def _extract(src: Path, obj: Any) -> tuple[Extractor, Any]:
     return extractor, meta_tree
 
 
-def _save_nested(obj: Any, extractor: Extractor, dst: Path, meta: dict[str, Any],
-                 algo: str) -> tuple[Any, int]:
+def _no_model(obj: Any, src: Path, dst: Path) -> UsageError:
+    keys = ", ".join(map(str, list(obj)[:8])) if isinstance(obj, Mapping) else type(obj).__name__
+    return UsageError(
+        f"{src}: no model state dict or optimizer found for a nested output (keys: {keys})",
+        hint=f"migrate it without --nested, which keeps every tensor: torchverity migrate "
+             f"{shell_path(src)} {shell_path(_suggested(src, dst, '.safetensors'))}")
+
+
+def _save_nested(obj: Any, extractor: Extractor, src: Path, dst: Path,
+                 meta: dict[str, Any], algo: str) -> tuple[Any, int]:
     from torchverity.checkpoint._load import load
     from torchverity.checkpoint._save import save
     from torchverity.pickles._nested_out import nested_checkpoint, same_tree, tensor_paths
 
-    out = nested_checkpoint(obj, extractor.tensors)
+    out = nested_checkpoint(obj, extractor.tensors, extractor.names)
+    if out is None:
+        raise _no_model(obj, src, dst)
     paths = tensor_paths(out)
     # The model part holds the extractor's detached copies, the optimizer part the tensors
     # as unpickled: a name is found through either object.

@@ -5,6 +5,8 @@ The optimizer part is what ``torch.optim.Optimizer.state_dict()`` returns
 accepts it; it is rebuilt from a whole pickled optimizer (an inert
 placeholder) or taken from a saved optimizer state dict (Lightning's
 ``optimizer_states``). A file holding an optimizer alone gives ``{"optimizer": ...}``.
+The model part is the state dict under a usual key, else the file's top-level tensors
+(a saved ``state_dict()``, with or without scalars such as the epoch beside it).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from typing import Any
 
 import torch
 
-from torchverity.errors import UsageError
 from torchverity.pickles._inert import Inert
 
 _MODEL_KEYS = ("state_dict", "model", "model_state_dict", "net", "module")
@@ -25,16 +26,19 @@ def _state(obj: Any) -> Any:
     return obj._tv_state if isinstance(obj, Inert) else obj
 
 
-def _model(obj: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _model(obj: Any, tensors: Mapping[str, torch.Tensor],
+           names: Mapping[int, str]) -> dict[str, torch.Tensor] | None:
     if not isinstance(obj, Mapping):
         return dict(tensors)
     for key in _MODEL_KEYS:
         if key in obj:
             prefix = f"{key}."
             return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-    raise UsageError("no model found for a nested output (keys: "
-                     f"{', '.join(map(str, list(obj)[:8]))})",
-                     hint="migrate it to a flat .safetensors/.pt instead (without --nested)")
+    # A saved state_dict is the model itself; scalars beside it (epoch) stay in the meta.
+    # By identity, not by name: tied weights are one tensor under two keys.
+    top = {k: tensors[names[id(v)]] for k, v in obj.items()
+           if isinstance(k, str) and isinstance(v, torch.Tensor) and id(v) in names}
+    return top or None
 
 
 def _optimizer_state(opt: Any) -> dict[str, Any] | None:
@@ -70,11 +74,18 @@ def _optimizer(obj: Any) -> dict[str, Any] | None:
     return None
 
 
-def nested_checkpoint(obj: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def nested_checkpoint(obj: Any, tensors: Mapping[str, torch.Tensor],
+                      names: Mapping[int, str]) -> dict[str, Any] | None:
+    """The nested layout, or None when the file holds neither a model nor an optimizer
+    (tensors only in places no state dict lives). ``tensors`` are the extracted tensors by
+    name, ``names`` the name of each tensor of ``obj`` by ``id``."""
     alone = _optimizer_state(obj)
     if alone is not None:  # an optimizer's state_dict (or the optimizer) saved on its own
         return {"optimizer": alone}
-    out: dict[str, Any] = {"model": _model(obj, tensors)}
+    model = _model(obj, tensors, names)
+    if model is None:
+        return None
+    out: dict[str, Any] = {"model": model}
     opt = _optimizer(obj)
     if opt is not None:
         out["optimizer"] = opt
