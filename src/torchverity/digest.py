@@ -229,9 +229,10 @@ def check_sha256_hex(value: str, path: Path | None = None) -> str:
     is no digest is a mistyped argument, not a file that differs."""
     if isinstance(value, str) and _SHA256_HEX.fullmatch(value):
         return value.lower()
-    where = f"sha256sum {shell_path(path)}" if path is not None else "sha256sum FILE"
+    where = shell_path(path) if path is not None else "FILE"
     raise UsageError(f"the trusted SHA-256 {value!r} is not one: a SHA-256 is 64 hex digits",
-                     hint=f"{where} prints the file's SHA-256; pass that whole value")
+                     hint="pass the whole SHA-256 the file's publisher lists (torchverity hash "
+                          f"--algo sha256 {where} prints this copy's, to compare)")
 
 
 def require_sha256(path: Path, trusted: str, *, refusing: str, hint: str) -> str:
