@@ -236,6 +236,8 @@ def verify_by_manifest(path: Path, progress: Callable[[int], None] | None,
     if listed is None:
         return None
     algo, expected, record = listed
+    if not path.is_absolute():  # the manifest as the user's own path reaches it
+        record = Path(os.path.relpath(record))
     if not path.exists():
         entry = VerifyEntry(path.name, "missing", expected=expected)
     else:
@@ -267,7 +269,14 @@ def advice(result: VerifyResult) -> list[str]:
             what = broken.message.removeprefix(f"{path}: ")
             named = "" if os.fspath(path) == result.target else f"{rel}: "
             steps.append(f"{named}{what}; next: {broken.hint}")
-    counts = Counter(e.status for e in result.problems if e.path not in broken_paths)
+    renamed = _renamed(result)
+    for old, new in renamed.items():
+        steps.append(f"renamed: {new} holds the recorded bytes of the missing {old}; if the "
+                     f"name is what changed, rename it back: mv {shell_path(_entry_path(result, new))} "
+                     f"{shell_path(_entry_path(result, old))}")
+    told = set(renamed) | set(renamed.values())
+    counts = Counter(e.status for e in result.problems
+                     if e.path not in broken_paths and e.path not in told)
     # Recording the folder now would vouch for the broken downloads in it.
     fetched = "once the broken downloads are fetched again, " if broken_paths else ""
     if counts["mismatched"] and torch_hub_prefix(Path(result.target)) is not None:
@@ -290,6 +299,14 @@ def advice(result: VerifyResult) -> list[str]:
                      f"cover every file, {fetched}record the folder from a trusted copy: "
                      f"torchverity manifest {target}")
     return steps
+
+
+def _renamed(result: VerifyResult) -> dict[str, str]:
+    """Missing files whose recorded digest an extra file holds: old name -> new name."""
+    by_digest = {e.actual: e.path for e in result.problems
+                 if e.status == "extra" and e.actual is not None}
+    return {e.path: by_digest[e.expected] for e in result.problems
+            if e.status == "missing" and e.expected in by_digest}
 
 
 def _entry_path(result: VerifyResult, rel: str) -> Path:

@@ -214,13 +214,30 @@ def verify_directory(
     unlisted = [rel for rel in files
                 if rel not in listed and rel not in MANIFEST_FILES and not excluded(rel, exclude)]
     records = own_records(root, unlisted, expected)
-    entries += [VerifyEntry(rel, "extra") for rel in unlisted if rel not in records]
+    extra = [rel for rel in unlisted if rel not in records]
+    entries += _extras(root, extra, [e for e in entries if e.status == "missing"], manifest.algo)
     entries.sort(key=lambda e: e.path.encode())
     return VerifyResult(
         os.fspath(root), "directory", manifest.algo, tuple(entries), os.fspath(record),
         certification_of([root / e.path for e in entries if e.status != "extra"]),
         tuple(records), skipped=tuple(sorted(set(listed) - set(expected))),
     )
+
+
+def _extras(root: Path, extra: list[str], missing: list[VerifyEntry], algo: str,
+            ) -> list[VerifyEntry]:
+    """The extra files, each hashed when its size is that of a missing one: a file renamed
+    after it was recorded is then told by its digest (``actual``)."""
+    sizes = {e.expected_size for e in missing if e.expected_size is not None}
+    entries = []
+    for rel in extra:
+        path = root / rel
+        if path.is_file() and not path.is_symlink() and path.stat().st_size in sizes:
+            entries.append(VerifyEntry(rel, "extra", actual=digest_file(path, algo).hexdigest,
+                                       actual_size=path.stat().st_size))
+        else:
+            entries.append(VerifyEntry(rel, "extra"))
+    return entries
 
 
 def _manifest_over(root: Path) -> tuple[Path, Manifest, str] | None:

@@ -243,6 +243,24 @@ def test_inspect_names_the_tensor_a_damaged_shard_lost(tmp_path: Path, run_cli) 
     assert damaged[0].endswith(f"damaged tensors: {last}"), damaged
 
 
+def test_a_renamed_shard_is_told_by_its_digest(hf: dict[str, object], tmp_path: Path,
+                                              run_cli) -> None:
+    folder = _copy(hf["sharded"], tmp_path)
+    write_manifest(folder)
+    (folder / "notes.txt").write_text("x" * 10)  # an extra file of another size: not hashed
+    shard = sorted(folder.glob("model-*-of-*.safetensors"))[0]
+    moved = shard.with_name(shard.stem + ".old.safetensors")
+    shard.rename(moved)
+    res = run_cli("verify", folder)
+    assert res.code == 1
+    assert (f"renamed: {moved.name} holds the recorded bytes of the missing {shard.name}; "
+            f"if the name is what changed, rename it back: mv {moved} {shard}") in res.err
+    assert "missing: copy those files" not in res.err and "extra: files" in res.err  # notes
+    shutil.copy(folder / "config.json", moved)  # other bytes of the same name: no rename
+    res = run_cli("verify", folder)
+    assert "renamed:" not in res.err and "missing: copy those files" in res.err
+
+
 def test_inspect_takes_the_index_itself(hf: dict[str, object], tmp_path: Path, run_cli) -> None:
     import json
 
