@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,7 +44,8 @@ class EventReport:
 
     @property
     def clean(self) -> bool:
-        return not self.anomalies
+        """No detector fired and no update was skipped or rolled back."""
+        return not self.anomalies and not self.skipped and not self.rollbacks
 
 
 def _number(value: Any) -> float:
@@ -154,20 +155,77 @@ def _figure(path: str | Path) -> Figure:
             ax.axvline(step, color="tab:red", ls="--", lw=0.8,
                        label="anomaly" if i == 0 and ax is ax_loss else None)
     if marks:
-        ax_loss.legend(loc="upper right")
+        # Above the axes, at the right: inside, it would sit where the labels go.
+        ax_loss.legend(loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False,
+                       fontsize="small", borderaxespad=0.1)
     ax_loss.set_title(f"{Path(path).name}: {len(steps)} steps, {len(marks)} anomalies")
     fig.tight_layout()
-    # Labels run up the lines; two closer than a label is thick share one label.
-    lo, hi = ax_loss.get_xlim()
-    width_pt = ax_loss.get_position().width * fig.get_figwidth() * 72
-    gap = (hi - lo) * _LABEL_PT * 1.5 / width_pt if width_pt > 0 else 0.0
-    for step, text in _labels_by_step(marks, gap):
-        ax_loss.annotate(text, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                         va="top", ha="right", fontsize=_LABEL_PT, color="tab:red")
+    if marks:
+        _label_anomalies(fig, ax_loss, marks)
     return fig
 
 
 _LABEL_PT = 7  # the anomaly labels' font size
+# The share of the loss axes' height a label may run down from the top; the curve is
+# moved below the labels, so this bounds how much of the height it gives up.
+_LABEL_SHARE = 0.45
+
+
+def _label_anomalies(fig: Figure, ax: Any, marks: list[tuple[int, str]]) -> None:
+    """Label the anomaly lines at the top of ``ax``: rotated to run down each line, wrapped
+    into columns to stay in the top of the axes, one label for steps closer than a label is
+    thick, and the curve scaled to stay below them."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.font_manager import FontProperties
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    font = FontProperties(size=_LABEL_PT)
+    to_pt = 72 / fig.dpi
+    box = ax.get_window_extent(renderer)
+
+    def fits(line: str) -> bool:
+        width, _, _ = renderer.get_text_width_height_descent(line, font, ismath=False)
+        return width * to_pt <= box.height * to_pt * _LABEL_SHARE
+
+    lo, hi = ax.get_xlim()
+    width_pt = box.width * to_pt
+    columns, labels = 1, []
+    while True:  # wider labels need a wider gap, whose merged labels may be wider still
+        gap = (hi - lo) * _LABEL_PT * 1.2 * columns * 1.5 / width_pt if width_pt > 0 else 0.0
+        labels = [(step, _wrapped(text, fits)) for step, text in _labels_by_step(marks, gap)]
+        widest = max(text.count("\n") + 1 for _, text in labels)
+        if widest <= columns:
+            break
+        columns = widest
+    for step, text in labels:
+        ax.annotate(text, (step, 1.0), xycoords=("data", "axes fraction"), rotation=90,
+                    va="top", ha="right", fontsize=_LABEL_PT, color="tab:red",
+                    linespacing=1.2)
+    _make_room_below(ax, renderer, box)
+
+
+def _wrapped(text: str, fits: Callable[[str], bool]) -> str:
+    """``text`` broken at its spaces into the fewest lines that fit (a word too long for a
+    line gets one of its own)."""
+    lines: list[str] = []
+    for word in text.split(" "):
+        if lines and fits(f"{lines[-1]} {word}"):
+            lines[-1] += f" {word}"
+        else:
+            lines.append(word)
+    return "\n".join(lines)
+
+
+def _make_room_below(ax: Any, renderer: Any, box: Any) -> None:
+    """Raise the top of the y range so the curve stays below the labels' lowest point."""
+    lowest = min(text.get_window_extent(renderer).y0 for text in ax.texts)
+    taken = (box.y1 - lowest) / box.height + 0.03
+    if not 0 < taken < 1:
+        return
+    scale = ax.yaxis.get_transform()  # in its space (log10 for a log axis) heights add up
+    bottom, top = (float(v) for v in scale.transform([[y] for y in ax.get_ylim()]).ravel())
+    raised = bottom + (top - bottom) / (1 - taken)
+    ax.set_ylim(top=float(scale.inverted().transform([[raised]])[0, 0]))
 
 
 def _series(path: str | Path) -> tuple[list[int], list[float], list[float],

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import logging
+import os
 import pickle
+import re
 import shlex
 import shutil
+import subprocess
+import sys
 import traceback
 import zipfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 
 import pytest
@@ -362,13 +367,14 @@ def _transformers_log() -> Iterator[io.StringIO]:
         hf_logging.set_verbosity(verbosity)
 
 
-def _from_pretrained_text(folder: Path, **kwargs: object) -> str:
-    """The log of ``BertModel.from_pretrained(folder)`` and the error it raises, if any."""
-    from transformers import BertModel
+def _from_pretrained_text(folder: Path, model: str = "BertModel", **kwargs: object) -> str:
+    """The log of ``BertModel.from_pretrained(folder)`` (or of another ``model`` class) and
+    the error it raises, if any."""
+    import transformers
 
     with _transformers_log() as log:
         try:
-            BertModel.from_pretrained(folder, **kwargs)
+            getattr(transformers, model).from_pretrained(folder, **kwargs)
         except RuntimeError as exc:
             return log.getvalue() + "".join(traceback.format_exception_only(type(exc), exc))
     return log.getvalue()
@@ -555,3 +561,213 @@ def test_a_checkpoint_path_that_does_not_exist_is_named_with_its_folder(
         assert str(gone) in found[0].cause
         res = run_cli("explain", text)
         assert res.code == 0 and "[unexplained]" not in res.out, res.out
+
+
+def test_an_operand_that_is_no_newer_pickle_opcode_is_not_called_a_protocol(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """torch names the first byte its unpickler does not know an 'operand': only the opcodes
+    protocols 3 to 5 added mean a newer protocol (and migrate converts such a file); any other
+    byte means the file is no pickle torch reads, and inspect says what it is."""
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"\x00\x01garbage" * 10)
+    text = _error_text(lambda: torch.load(junk))
+    assert "Unsupported operand 0" in text
+    [found] = explain_text(text)
+    assert found.key == "not-a-pickle-opcode" and "protocol" not in found.cause
+    assert "byte 0x00" in found.cause and found.command == "torchverity inspect FILE"
+    check = run_cli(*shlex.split(with_file(found, str(junk)).command)[1:])
+    assert check.code == 2 and "not a checkpoint" in check.err, check.err
+    newer = {3: tmp_path / "p3.pt", 5: tmp_path / "p5.pt"}
+    for protocol, path in newer.items():
+        torch.save({"w": torch.ones(2), "tag": b"run-7"}, path, pickle_protocol=protocol)
+    opcodes = {3: "operand 67 is SHORT_BINBYTES, of protocol 3",
+               5: "operand 149 is FRAME, of protocol 4"}
+    for protocol, path in newer.items():
+        with pytest.warns(UserWarning, match=f"pickle protocol {protocol}"):
+            [found] = explain_text(_error_text(lambda p=path: torch.load(p)))
+        assert found.key == "unsupported-opcode", found
+        assert f"pickled with protocol 3 or later ({opcodes[protocol]})," in found.cause
+        converted = run_cli(*shlex.split(with_file(found, str(path)).command)[1:])
+        assert converted.code == 0, converted.err
+
+
+# A training script whose log holds metrics named like errors, as Lightning's progress bar
+# and metric table, a Hugging Face-style metrics dict and print() write them.
+_TRAIN_SCRIPT = """
+import sys
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, _i):
+        loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+        self.log("train_error", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, _i):
+        error = torch.nn.functional.l1_loss(self.layer(batch[0]), batch[1])
+        self.log("val_error", error, prog_bar=True)
+        self.log("error_rate", (error > 0.5).float(), prog_bar=True)
+
+    def on_validation_epoch_end(self):
+        m = self.trainer.callback_metrics
+        print(f"Epoch {self.current_epoch}: val_error: {float(m['val_error']):.4f}, "
+              f"error_rate: {float(m['error_rate']):.2f}")
+        print({"eval_loss": float(m["val_error"]), "eval_error_rate": float(m["error_rate"]),
+               "epoch": float(self.current_epoch)})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+torch.manual_seed(0)
+data = DataLoader(TensorDataset(torch.randn(32, 4), torch.randn(32, 1)), batch_size=8)
+trainer = L.Trainer(max_epochs=2, logger=False, enable_checkpointing=False,
+                    accelerator="cpu", devices=1, default_root_dir=sys.argv[1])
+trainer.fit(Net(), data, data)
+trainer.validate(trainer.lightning_module, data)
+print("No error: all fine")
+"""
+
+
+def _training_log(tmp_path: Path) -> str:
+    """What ``python train.py > train.log 2>&1`` leaves: a real Lightning run's output."""
+    pytest.importorskip("lightning")
+    script = tmp_path / "train.py"
+    script.write_text(_TRAIN_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0, done.stderr
+    return done.stdout + done.stderr
+
+
+def _usage_error() -> str:
+    """What argparse prints for an unknown option."""
+    parser = argparse.ArgumentParser(prog="train.py")
+    err = io.StringIO()
+    with pytest.raises(SystemExit), redirect_stderr(err):
+        parser.parse_args(["--lr-warmup"])
+    return err.getvalue()
+
+
+def _interrupted() -> str:
+    """The traceback of a run stopped with Ctrl-C: its last line names no Error class."""
+    def train() -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as info:
+        train()
+    exc = info.value
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def test_metrics_named_like_errors_are_not_errors(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    log_text = _training_log(tmp_path)
+    assert "val_error: " in log_text and "train_error" in log_text and "error_rate" in log_text
+    log = tmp_path / "train.log"
+    log.write_text(log_text)
+    res = run_cli("explain", "--log", log)
+    assert res.code == 0 and "[unexplained]" not in res.out, res.out
+    state = tmp_path / "state.pt"
+    torch.save({"w": torch.ones(2)}, state)
+    errors = [_error_text(lambda: torch.load(state)["model_state_dict"]), _usage_error(),
+              _interrupted()]
+    log.write_text(log_text + "".join(errors))
+    res = run_cli("explain", "--log", log)
+    assert res.code == 1
+    assert re.findall(r"^\[unexplained\] (.*)$", res.out, re.MULTILINE) == [
+        "KeyError: 'model_state_dict'",
+        "train.py: error: unrecognized arguments: --lr-warmup",
+        "KeyboardInterrupt"], res.out
+
+
+_TORCHSCRIPT_LOADS = """
+import sys, traceback, torch
+for _ in range(int(sys.argv[2])):
+    try:
+        torch.load(sys.argv[1], weights_only=True)
+    except RuntimeError:
+        traceback.print_exc()
+"""
+
+
+def test_torchscripts_warning_and_error_are_one_failure(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """torch warns that the file looks like a TorchScript archive, then refuses it: one
+    failure, quoted by its error; two loads are two."""
+    path = tmp_path / "scripted.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), path)
+    for loads, times in ((1, ""), (2, " (2 occurrences)")):
+        done = subprocess.run([sys.executable, "-c", _TORCHSCRIPT_LOADS, str(path), str(loads)],
+                              capture_output=True, text=True, timeout=120)
+        assert "UserWarning" in done.stderr and "RuntimeError: Cannot use" in done.stderr
+        res = run_cli("explain", done.stderr)
+        assert res.code == 0
+        headline = "Cannot use ``weights_only=True`` with TorchScript archives"
+        assert res.out.splitlines()[0] == f"[torchscript-weights-only] {headline}{times}"
+
+
+def test_transformers_report_rows_are_quoted_as_key_and_status(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """A BERT encoder with one extra tensor, loaded as a classifier: the headlines name a
+    key and its status, not the table's padding and pipes."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _saved_bert(tmp_path / "bert")
+    weights = folder / "model.safetensors"
+    save_file({**load_file(weights), "extra.weight": torch.ones(3)}, weights)
+    text = _from_pretrained_text(folder, "BertForSequenceClassification")
+    assert re.search(r"^extra\.weight +\| UNEXPECTED +\|", text, re.MULTILINE), text
+    res = run_cli("explain", text)
+    assert res.code == 0, res.out
+    headlines = [line for line in res.out.splitlines() if line.startswith("[")]
+    assert headlines[0] == "[transformers-unexpected] extra.weight: UNEXPECTED", headlines
+    assert re.fullmatch(r"\[transformers-missing\] classifier\.(weight|bias): MISSING "
+                        r"\(2 tensors\)", headlines[1]), headlines
+
+
+def _explain_stdin(data: bytes) -> subprocess.CompletedProcess[bytes]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("TORCHVERITY_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", "torchverity", "explain"], input=data,
+                          capture_output=True, env=env, timeout=120)
+
+
+def test_input_that_is_no_log_is_refused(tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    """A checkpoint or an empty file given as the log, or piped in, holds no message: exit 2
+    with what it is and the step that fits; a log of text is still read."""
+    checkpoint = tmp_path / "model.pt"
+    torch.save({"w": torch.randn(100)}, checkpoint)
+    empty = tmp_path / "train.log"
+    empty.write_bytes(b"")
+    res = run_cli("explain", "--log", checkpoint)
+    assert res.code == 2 and "model.pt: binary data, not a log" in res.err, res.err
+    assert f"next: to see what the file is, torchverity inspect {checkpoint}" in res.err
+    res = run_cli("explain", "--log", empty)
+    assert res.code == 2 and "train.log: empty" in res.err and "next: " in res.err
+    piped = _explain_stdin(checkpoint.read_bytes())
+    assert piped.returncode == 2 and b"stdin: binary data" in piped.stderr, piped.stderr
+    assert b"Traceback" not in piped.stderr
+    piped = _explain_stdin(b"")
+    assert piped.returncode == 2 and b"stdin: empty" in piped.stderr
+    assert b"next: the command before the pipe printed nothing" in piped.stderr
+    piped = _explain_stdin(b"epoch 1 loss 0.3\n_pickle.UnpicklingError: Unsupported operand 149\n")
+    assert piped.returncode == 0 and b"[unsupported-opcode]" in piped.stdout, piped.stderr
+
+
+def test_a_log_that_cannot_be_read_says_what_to_do(
+        tmp_path: Path, run_cli: Callable[..., object]) -> None:
+    res = run_cli("explain", "--log", tmp_path / "runs" / "train.log")
+    assert res.code == 2 and "train.log: cannot read log: No such file or directory" in res.err
+    assert f"next: check the path (ls {tmp_path / 'runs'})" in res.err, res.err
+    res = run_cli("explain", "--log", tmp_path)
+    assert res.code == 2 and "cannot read log: Is a directory" in res.err
+    assert f"next: pass one log file from it (ls {tmp_path})" in res.err, res.err

@@ -71,7 +71,7 @@ def test_lightning_clean_run_is_silent_and_checkpoints_are_verifiable(tmp_path: 
     assert guard.guard.events == [] and guard.summary.clean
     saved = sorted((tmp_path / "ckpt").glob("*.ckpt"))
     assert len(saved) == 3 and len(guard.checkpoints) == 3
-    _assert_reported(run_cli, log, saved, [10, 20, 30])
+    _assert_reported(run_cli, log, saved, [10, 20, 30], code=0)
     for path in saved:
         assert torchverity.verify_file(path).ok
         meta = json.loads(Path(f"{path}.meta.json").read_text())
@@ -140,11 +140,13 @@ def test_hf_callback_catches_an_inf_gradient_and_records_checkpoints(tmp_path: P
         assert torchverity.verify_path(folder).ok  # the manifest covers the whole folder
     assert len(guard.checkpoints) >= 2
     _assert_reported(run_cli, tmp_path / "events.jsonl",
-                     [f / "model.safetensors" for f in folders], [10, 20])
+                     [f / "model.safetensors" for f in folders], [10, 20], code=1)
 
 
-def _assert_reported(run_cli: Any, log: Path, files: list[Path], steps: list[int]) -> None:
-    """The checkpoints the trainer saved are in the guard's log, its summary and the report."""
+def _assert_reported(run_cli: Any, log: Path, files: list[Path], steps: list[int], *,
+                     code: int) -> None:
+    """The checkpoints the trainer saved are in the guard's log, its summary and the report
+    (which exits 1 when the run had an anomaly)."""
     from torchverity.report import summarize
 
     records = [json.loads(x) for x in log.read_text().splitlines()]
@@ -155,7 +157,7 @@ def _assert_reported(run_cli: Any, log: Path, files: list[Path], steps: list[int
     assert records[-1]["event"] == "summary" and records[-1]["checkpoints"] == len(files)
     assert summarize(log).checkpoints == len(files)
     res = run_cli("report", log)
-    assert res.code == 0 and f"checkpoints {len(files)}" in res.out
+    assert res.code == code and f"checkpoints {len(files)}" in res.out
 
 
 def test_hf_clean_run_is_silent(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from torchverity.training import TrainingGuard
 
 
 def _guarded_run(log: Path, steps: int = 40, *, close: bool = True,
-                 nan_grads: tuple[int, ...] = (12,)) -> None:
+                 nan_grads: tuple[int, ...] = (12,), inf_activation: bool = True) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -31,7 +31,8 @@ def _guarded_run(log: Path, steps: int = 40, *, close: bool = True,
     inj = faults.FaultInjector(model)
     for at in nan_grads:
         inj.gradient("2.bias", step=at, value=math.nan)
-    inj.activation("1", step=27, index=1, value=math.inf)
+    if inf_activation:
+        inj.activation("1", step=27, index=1, value=math.inf)
     for step in range(steps):
         inj.begin_step(step)
         guard.train_step((x[step % 8 * 32:][:32], y[step % 8 * 32:][:32]))
@@ -62,7 +63,7 @@ def test_summary_counts_what_happened(log: Path) -> None:
 def test_cli_report_table(log: Path, run_cli: Any,
                           golden: Callable[[str, str], None]) -> None:
     res = run_cli("report", log)
-    assert res.code == 0, res.err
+    assert res.code == 1, res.err  # the run had anomalies
     text = res.out.replace(str(log), "events.jsonl")
     golden("report_table.txt", text)
     assert res.err == ""
@@ -71,9 +72,9 @@ def test_cli_report_table(log: Path, run_cli: Any,
 def test_cli_report_json_and_plot(log: Path, tmp_path: Path, run_cli: Any) -> None:
     png = tmp_path / "run.png"
     res = run_cli("report", log, "--plot", png, "--json")
-    assert res.code == 0
+    assert res.code == 1
     data = json.loads(res.out)
-    assert data["ok"] and data["steps"] == 40 and data["plot"] == str(png)
+    assert data["ok"] is False and data["steps"] == 40 and data["plot"] == str(png)
     assert data["counts"] == {"nonfinite_grad": 2, "nonfinite_loss": 1}
     assert data["anomalies"][1]["replay"] == "transient"
     head = png.read_bytes()[:8]
@@ -88,7 +89,8 @@ def _plot_labels(log: Path) -> list[tuple[str, Any]]:
 
     fig = _figure(log)
     fig.draw_without_rendering()
-    return [(t.get_text(), t.get_window_extent()) for t in fig.axes[0].texts
+    # A label wrapped into columns reads as its words.
+    return [(t.get_text().replace("\n", " "), t.get_window_extent()) for t in fig.axes[0].texts
             if isinstance(t, Annotation)]
 
 
@@ -118,6 +120,67 @@ def test_plot_labels_of_neighbouring_steps_do_not_overprint(tmp_path: Path) -> N
     assert "80-81: nonfinite_grad" in texts and "nonfinite_grad" in texts
 
 
+def test_exit_code_says_whether_the_run_had_anomalies(
+        log: Path, tmp_path: Path, run_cli: Any) -> None:
+    """A run with faults fails the report (exit 1, ok false); the same run without them
+    passes (exit 0, ok true)."""
+    clean = tmp_path / "clean.jsonl"
+    _guarded_run(clean, nan_grads=(), inf_activation=False)
+    for path, code in ((log, 1), (clean, 0)):
+        res = run_cli("report", path, "--json")
+        assert res.code == code, res.err
+        data = json.loads(res.out)
+        assert data["ok"] is (code == 0) and data["steps"] == 40
+        assert bool(data["anomalies"]) is (code == 1)
+        assert run_cli("report", path).code == code
+
+
+def _events(path: Path, steps: int, anomalies: list[tuple[int, str]]) -> None:
+    """An event log as TrainingGuard writes it (docs/formats/events.md): a loss falling
+    from 1, and anomalies whose updates were skipped."""
+    records: list[dict[str, Any]] = [{"event": "start", "time": 0.0, "rank": 0, "step": 0,
+                                      "config": {}, "policies": {}, "parameters": ["w"]}]
+    records += [{"event": "metrics", "time": float(step), "rank": 0, "step": step,
+                 "loss": 1 / math.sqrt(step), "grad_norm": 1.0 + step % 7 / 7,
+                 "applied": True} for step in range(1, steps + 1)]
+    records += [{"event": "anomaly", "time": float(step), "rank": 0, "step": step,
+                 "kind": kind, "policy": "skip", "action": "skipped", "values": {},
+                 "thresholds": {}, "suspects": []} for step, kind in anomalies]
+    records.append({"event": "summary", "time": steps + 1.0, "rank": 0, "steps": steps,
+                    "anomalies": {}, "skipped": len(anomalies), "rollbacks": 0,
+                    "replays": {}, "checkpoints": 0, "stopped": False})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_plot_labels_of_many_kinds_stay_inside_the_axes_and_off_the_curve(
+        tmp_path: Path) -> None:
+    """Three kinds at one step and two steps close together: every label lies within the
+    loss axes, none overprints another, the legend or the loss curve."""
+    from matplotlib.text import Annotation
+
+    from torchverity.report import _figure
+
+    log = tmp_path / "events.jsonl"
+    _events(log, 1000, [(500, "loss_spike"), (502, "grad_norm_spike"), (700, "nonfinite_loss"),
+                        (700, "nonfinite_grad"), (700, "loss_jump")])
+    fig = _figure(log)
+    fig.draw_without_rendering()
+    ax = fig.axes[0]
+    labels = [t for t in ax.texts if isinstance(t, Annotation)]
+    assert sorted(t.get_text().replace("\n", " ") for t in labels) == [
+        "500-502: loss_spike, grad_norm_spike", "nonfinite_loss, nonfinite_grad, loss_jump"]
+    inside = ax.get_window_extent()
+    boxes = [t.get_window_extent() for t in labels]
+    assert all(inside.x0 <= b.x0 and b.x1 <= inside.x1 and inside.y0 <= b.y0
+               and b.y1 <= inside.y1 + 1 for b in boxes), (inside, boxes)
+    legend = ax.get_legend().get_window_extent()
+    assert not any(b.overlaps(other) for i, b in enumerate(boxes)
+                   for other in [*boxes[i + 1:], legend])
+    curve = ax.lines[0]
+    points = curve.get_transform().transform(curve.get_xydata())
+    assert not any(b.contains(x, y) for b in boxes for x, y in points)
+
+
 def test_crashed_run_with_torn_last_line_is_reported_not_fatal(
     tmp_path: Path, run_cli: Any
 ) -> None:
@@ -128,7 +191,7 @@ def test_crashed_run_with_torn_last_line_is_reported_not_fatal(
     report = summarize(log)
     assert not report.finished and report.torn_last_line and report.steps == 20
     res = run_cli("report", log)
-    assert res.code == 0
+    assert res.code == 1  # its anomaly, not the crash: a torn log is still read
     assert "no summary event: the run did not finish" in res.err
     assert "its last line is torn" in res.err
 

@@ -10,10 +10,14 @@ from typing import Any
 
 from torchverity.cli._command import add_command
 from torchverity.cli._output import Output
-from torchverity.errors import InputError, UsageError
+from torchverity.errors import FormatError, InputError, UsageError, shell_path, unreadable
 
 # A log can be huge; failures worth explaining sit in the last part of it.
 _LOG_TAIL_BYTES = 16 * 1024 * 1024
+_SNIFF_BYTES = 8192
+# Control bytes of text: tab, newline, carriage return (progress bars), form feed, escape
+# (terminal colours), backspace.
+_TEXT_CONTROLS = frozenset(b"\t\n\r\f\x1b\b")
 # An error that names the GPU stack or a compiled library may come from the environment
 # (versions, drivers, devices), which doctor checks; any other points at the code or file.
 _ENVIRONMENT = re.compile(
@@ -28,34 +32,85 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         description="Recognise known failure messages around saving and loading (in TEXT, a "
         "log file, or stdin; terminal escapes are ignored) and print, once per cause, the "
         "cause, the fix and the torchverity command that checks it. Exit 1 when the text holds "
-        "an error that is not recognised.",
+        "an error that is not recognised, 2 when the input is empty or binary (not a log).",
     )
     p.add_argument("text", nargs="*", help="the error message (quote it)")
     p.add_argument("--log", type=Path, help="read the messages from this log file")
 
 
-def _read_log(path: Path) -> str:
+def _read_log(path: Path) -> bytes:
     try:
         with open(path, "rb") as fh:
             fh.seek(0, 2)
             fh.seek(max(0, fh.tell() - _LOG_TAIL_BYTES))
-            return fh.read().decode("utf-8", "replace")
+            return fh.read()
     except OSError as exc:
-        raise InputError(f"{path}: cannot read log: {exc.strerror or exc}", path=path) from None
+        raise _unreadable_log(path, exc) from None
+
+
+def _unreadable_log(path: Path, exc: OSError) -> InputError:
+    where = shell_path(path)
+    if isinstance(exc, FileNotFoundError):
+        hint = (f"check the path (ls {shell_path(path.parent)}); or pipe the failing command's "
+                "output in: python train.py 2>&1 | torchverity explain")
+    elif isinstance(exc, IsADirectoryError):
+        hint = f"pass one log file from it (ls {where})"
+    else:
+        return unreadable(path, exc)
+    return InputError(f"{path}: cannot read log: {exc.strerror or exc}", path=path, hint=hint)
+
+
+def _stdin_bytes() -> bytes:
+    buffer = getattr(sys.stdin, "buffer", None)
+    return buffer.read() if buffer is not None else sys.stdin.read().encode("utf-8")
 
 
 def _source_text(args: argparse.Namespace) -> str:
     if args.text and args.log:
         raise UsageError("give either TEXT or --log, not both")
     if args.log:
-        return _read_log(args.log)
+        return _as_log(_read_log(args.log), args.log)
     if args.text:
-        return " ".join(args.text)
+        return _as_log(" ".join(args.text).encode("utf-8"), None)
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError(
             "nothing to explain", hint="torchverity explain 'ERROR MESSAGE' or --log train.log"
         )
-    return sys.stdin.read()
+    return _as_log(_stdin_bytes(), "stdin")
+
+
+def _as_log(data: bytes, source: Path | str | None) -> str:
+    """The text of a log; an empty or binary input is refused, as it holds no message.
+    ``source`` is the log file, "stdin", or None for the TEXT arguments."""
+    where = str(source) if source is not None else "TEXT"
+    if not data.strip():
+        raise InputError(f"{where}: empty: no error message to explain",
+                         hint=_empty_hint(source))
+    if _binary(data[:_SNIFF_BYTES]):
+        what = shell_path(source) if isinstance(source, Path) else "FILE"
+        raise FormatError(
+            f"{where}: binary data, not a log or an error message",
+            hint=f"to see what the file is, torchverity inspect {what}; to explain why it "
+                 "failed to load, pass the error that was printed (TEXT or --log LOGFILE)")
+    return data.decode("utf-8", "replace")
+
+
+def _empty_hint(source: Path | str | None) -> str:
+    if source == "stdin":
+        return ("the command before the pipe printed nothing to stdout; Python writes errors "
+                "to stderr, so redirect it into the pipe with 2>&1")
+    if isinstance(source, Path):
+        return ("the run wrote nothing there yet, or its errors went elsewhere: send stderr "
+                "to the log too (2>&1), or pass the error message as TEXT")
+    return "quote the error message as TEXT, or pass the run's log with --log LOGFILE"
+
+
+def _binary(head: bytes) -> bool:
+    """NUL bytes, or mostly bytes text never holds, as git and grep tell binary files."""
+    if b"\0" in head:
+        return True
+    odd = sum(1 for b in head if b < 32 and b not in _TEXT_CONTROLS)
+    return odd > len(head) // 10
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:

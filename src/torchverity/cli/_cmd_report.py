@@ -15,7 +15,8 @@ def register(subparsers: Any, common: argparse.ArgumentParser) -> None:
         subparsers, common, "report", _run,
         help="summarise a TrainingGuard event log",
         description="Summarise a TrainingGuard event log (JSONL): anomalies, skipped steps, "
-                    "rollbacks, replays; optionally plot loss and grad norm with anomalies marked.",
+                    "rollbacks, replays; optionally plot loss and grad norm with anomalies marked. "
+                    "Exit 1 when the run had an anomaly, a skipped step or a rollback.",
     )
     p.add_argument("events", type=Path, help="the log= file written by TrainingGuard")
     p.add_argument("--plot", type=Path, metavar="PNG",
@@ -52,7 +53,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
         if png:
             out.info(f"plot written to {png}")
 
-    return out.result({"ok": True, **_jsonable(report), "plot": str(png) if png else None}, render)
+    return out.result({"ok": report.clean, **_jsonable(report), "plot": str(png) if png else None},
+                      render)
 
 
 def _jsonable(report: Any) -> dict[str, Any]:

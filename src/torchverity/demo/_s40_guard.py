@@ -156,7 +156,8 @@ def run(ctx: DemoContext) -> None:
     ctx.say("same run with two faults: an exponent-bit flip in an activation at step 70 and "
             "one in weight 2.weight[17] at rest before step 130")
     acc, summary, _ = _train(ctx, "drill", drill=True)
-    _rc, out, _err = ctx.cli("report", str(ctx.workdir / "drill.jsonl"))
+    rc, out, _err = ctx.cli("report", str(ctx.workdir / "drill.jsonl"), expect=None)
+    ctx.expect(rc == 1, "the report fails the run (exit 1): it found the injected faults")
     ctx.expect("70    nonfinite_loss" in out and "transient" in out,
                "step 70 caught and replayed: transient (the re-run was clean)")
     ctx.expect("130   weights_changed  rolled_back" in out and "2.weight" in out,

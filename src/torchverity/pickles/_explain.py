@@ -12,6 +12,7 @@ table serves ``torchverity explain`` (a message or a whole log) and
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -56,6 +57,14 @@ _SHAPE = r"torch\.Size\(\[[\d, ]*\]\)"
 # Opcodes of protocols 0 and 1 that torch's weights_only unpickler lacks (POP, DUP, FLOAT,
 # INT, LONG, PERSID, STRING, BINSTRING, UNICODE, DICT, GET, INST, LIST, OBJ, PUT): "0", "2", ...
 _PROTOCOL_0_OPERANDS = "|".join(str(ord(c)) for c in "012FILPSTVdgilop")
+# Opcodes that protocols 3 to 5 added and the weights_only unpickler lacks: BINBYTES and
+# SHORT_BINBYTES (3), SHORT_BINUNICODE ... FRAME (4), BYTEARRAY8 ... READONLY_BUFFER (5).
+# STACK_GLOBAL (147) is left to numpy's header, whose first byte it is: a protocol-4
+# pickle stops at its FRAME (149) before any STACK_GLOBAL.
+_NEWER_PROTOCOL_OPERANDS = "|".join(
+    map(str, (66, 67, 140, 141, 142, 144, 145, 146, 148, 149, 150, 151, 152)))
+# Operands other rules name: a Git LFS pointer, an HTML page, an ONNX model, a numpy file.
+_FORMAT_OPERANDS = "118|60|8|147"
 
 
 # Order matters: the first rules are the most specific, and a message that
@@ -180,7 +189,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _rule(
         "protocol-0-pickle",
-        r"Unsupported operand (?P<op>" + _PROTOCOL_0_OPERANDS + r")\b",
+        r"Unsupported operand (?P<opcode>" + _PROTOCOL_0_OPERANDS + r")\b",
         "the file is a pickle of protocol 0 or 1{detail}, whose opcodes are printable "
         "characters (as pickle.dumps(obj, 0) and Python 2 wrote them); torch's weights_only "
         "unpickler reads protocol 2 only.",
@@ -202,14 +211,23 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _rule(
         "unsupported-opcode",
-        r"Unsupported operand (?!118\b|60\b|8\b|147\b|(?:" + _PROTOCOL_0_OPERANDS
-        + r")\b)(?P<op>\d+)",
-        "the file was pickled with protocol 4 or later{detail} (operand 149 is FRAME), e.g. by "
-        "pickle.dump or torch.save(pickle_protocol=4); torch's weights_only unpickler reads "
-        "protocol 2 only.",
+        r"Unsupported operand (?P<opcode>" + _NEWER_PROTOCOL_OPERANDS + r")\b",
+        "the file was pickled with protocol 3 or later{detail}, e.g. by pickle.dump or "
+        "torch.save(pickle_protocol=4); torch's weights_only unpickler reads protocol 2 only.",
         "convert it without running its code: torchverity migrate writes a protocol-2 "
         "state_dict; or re-save it from trusted code with the default pickle_protocol=2.",
         "torchverity migrate {file} {file}.safetensors",
+    ),
+    _rule(
+        "not-a-pickle-opcode",
+        r"Unsupported operand (?!(?:" + _FORMAT_OPERANDS + "|" + _PROTOCOL_0_OPERANDS + "|"
+        + _NEWER_PROTOCOL_OPERANDS + r")\b)(?P<byte>\d+)\b",
+        "the file is not a pickle torch can read{detail}: it is damaged, or a file of another "
+        "format saved under the checkpoint's name.",
+        "see what the file is without running it: torchverity inspect names its format or its "
+        "damage, torchverity scan FILE says whether it would run code; restore a good copy or "
+        "download it again if it is damaged.",
+        "torchverity inspect {file}",
     ),
     _rule(
         "weights-only-structure",
@@ -439,9 +457,21 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _DETAILS_SHOWN = 5
 _QUOTED = re.compile(r'"([^"\n]+)"')
 _INDEX_SET = re.compile(r"\{([\d, .]+)\}")
-# Lines that report an error: an exception name with its message, or an error prefix.
+# Lines that report an error: an exception's class name (CamelCase, maybe module-qualified)
+# and its message, or an 'error:' prefix at the start of a line. A class name starts a word
+# with a capital letter, so metrics ('val_error: 0.3') and prose ('No error: ...') are none.
 _ERROR_LINE = re.compile(
-    r"^.*\b\w*(?:Error|Exception)\b:.*$|^\s*(?:error|fatal)\b[:\s].*$", re.MULTILINE | re.I)
+    r"^.*?(?<![\w/\-])(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception):(?:[ \t].*)?$|"
+    # a program's name may lead it, as argparse and compilers write it ('train.py: error: ...')
+    r"^[ \t]*(?:[\w./\-]+:[ \t]*)?(?i:error|fatal):.*$", re.MULTILINE)
+# A traceback ends with the exception's line, whatever its class is called (BadZipFile,
+# KeyboardInterrupt): the first unindented line after the frames.
+_TRACEBACK_END = re.compile(
+    r"^Traceback \(most recent call last\):[ \t]*\n(?:[ \t].*\n|[ \t]*\n)*(?P<line>\S.*)$",
+    re.MULTILINE)
+# A warning that a rule matches, printed before the error the same rule matches (torch warns
+# that a TorchScript archive was given, then refuses it), belongs to that error.
+_WARNING_LINE = re.compile(r"\b[A-Z]\w*Warning:")
 # torch's weights_only error quotes its unpickler's message on a line of its own: that line
 # continues the report above it, whose cause it holds. Python's separators between chained
 # exceptions ("...direct cause of the following exception:") report nothing themselves.
@@ -470,14 +500,39 @@ def explain_text(text: str) -> list[Explanation]:
     for specific, general in _SUPERSEDES.items():
         if specific in grouped:
             grouped.pop(general, None)
-    return [_render(rules[key], matches) for key, matches in grouped.items()]
+    return [_render(rules[key], _without_forewarnings(matches))
+            for key, matches in grouped.items()]
+
+
+def _on_warning_line(match: re.Match[str]) -> bool:
+    text = match.string
+    start = text.rfind("\n", 0, match.start()) + 1
+    end = text.find("\n", match.start())
+    return bool(_WARNING_LINE.search(text[start:end if end >= 0 else len(text)]))
+
+
+def _without_forewarnings(matches: list[re.Match[str]]) -> list[re.Match[str]]:
+    """The matches less each warning whose next match (of the same cause) is an error: the
+    two report one failure, and the error says it."""
+    warned = [_on_warning_line(m) for m in matches]
+    kept = [m for i, m in enumerate(matches)
+            if not (warned[i] and i + 1 < len(matches) and not warned[i + 1])]
+    return kept
+
+
+def _error_starts(text: str) -> list[int]:
+    """Where each error report in ``text`` starts: its exception or 'error:' line."""
+    starts = {m.start() for m in _ERROR_LINE.finditer(text)
+              if not _CONTINUATION.search(m.group(0))}
+    starts.update(m.start("line") for m in _TRACEBACK_END.finditer(text)
+                  if not _CONTINUATION.search(m.group("line")))
+    return sorted(starts)
 
 
 def unexplained(text: str) -> list[str]:
     """Error reports in ``text`` that no rule explains (each runs to the next error line)."""
     clean = strip_ansi(text)
-    starts = [m.start() for m in _ERROR_LINE.finditer(clean)
-              if not _CONTINUATION.search(m.group(0))]
+    starts = _error_starts(clean)
     spans = [m.span() for _, m in _matches(clean)]
     out: list[str] = []
     for i, start in enumerate(starts):
@@ -506,7 +561,24 @@ def _found(match: re.Match[str]) -> _Found:
     if groups.get("kind"):
         keys = tuple(_QUOTED.findall(groups["keys"] or ""))
         return _Found(groups["kind"].lower(), keys, max(len(keys), 1))
-    return _Found("", tuple(v for v in groups.values() if v), 1)
+    return _Found("", tuple(_named(k, v) for k, v in groups.items() if v), 1)
+
+
+def _named(group: str, value: str) -> str:
+    """A matched value in words: an operand number as the opcode or byte it is."""
+    if group == "opcode":
+        name, protocol = _opcodes()[int(value)]
+        return f"operand {value} is {name}, of protocol {protocol}"
+    if group == "byte":
+        return f"byte {int(value):#04x} is no opcode torch's unpickler reads"
+    return value
+
+
+@functools.cache
+def _opcodes() -> dict[int, tuple[str, int]]:
+    import pickletools
+
+    return {ord(op.code): (op.name, op.proto) for op in pickletools.opcodes}
 
 
 def _with_shapes(groups: dict[str, str | None]) -> str:
@@ -563,10 +635,21 @@ def _render(rule: _Rule, matches: list[re.Match[str]]) -> Explanation:
         fix=rule.fix,
         command=rule.command.replace("{file}", "FILE").replace("{folder}",
                                                                 _folder(matches)),
-        evidence=matches[0].group(0).strip().splitlines()[-1],  # the error's own line
+        evidence=_evidence(matches[0]),
         count=count,
         tally=tally,
     )
+
+
+def _evidence(match: re.Match[str]) -> str:
+    """The error's own line; a transformers report row as its key and status, without the
+    table's padding and pipes (and its note, where it has one, after them)."""
+    line = match.group(0).strip().splitlines()[-1]
+    if not match.groupdict().get("key") or "|" not in line:
+        return line
+    key, status, *rest = (cell.strip() for cell in line.split("|"))
+    note = " ".join(cell for cell in rest if cell)
+    return f"{key}: {status}" + (f" ({note})" if note else "")
 
 
 def _folder(matches: list[re.Match[str]]) -> str:
