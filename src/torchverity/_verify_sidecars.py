@@ -271,9 +271,9 @@ def advice(result: VerifyResult) -> list[str]:
             steps.append(f"{named}{what}; next: {broken.hint}")
     renamed = _renamed(result)
     for old, new in renamed.items():
+        back = f"mv {shell_path(_entry_path(result, new))} {shell_path(_entry_path(result, old))}"
         steps.append(f"renamed: {new} holds the recorded bytes of the missing {old}; if the "
-                     f"name is what changed, rename it back: mv {shell_path(_entry_path(result, new))} "
-                     f"{shell_path(_entry_path(result, old))}")
+                     f"name is what changed, rename it back: {back}")
     told = set(renamed) | set(renamed.values())
     counts = Counter(e.status for e in result.problems
                      if e.path not in broken_paths and e.path not in told)
