@@ -147,8 +147,21 @@ def _report(state: Any, url: str | None) -> dict[str, Any]:
         "golden": status.golden,
         "inputs": [s.to_dict() for s in state.spec],
         "url": url,
-        "warnings": _warnings(state.weights),
+        "warnings": [*_warnings(state.weights), *_spec_warnings(state)],
     }
+
+
+def _spec_warnings(state: Any) -> list[str]:
+    """A declared input spec the model refuses: every request of that shape would fail."""
+    from torchverity.serve._spec import probe
+
+    refused = probe(state.model, state.spec)
+    if refused is None:
+        return []
+    shapes = ", ".join(f"{s.name}:{s.datatype}{list(s.shape)}" for s in state.spec)
+    return [f"{state.name} raised {refused} on zeros of the declared inputs ({shapes}, -1 "
+            "taken as 1): requests of that shape will fail; check --input-spec (or the "
+            "model's input_spec attribute)"]
 
 
 def _warnings(weights: Any) -> list[str]:

@@ -122,9 +122,40 @@ def model_spec(
     if declared is None:
         raise UsageError(
             f"model {type(model).__name__} declares no input spec",
-            hint="give the model an input_spec attribute or pass --input-spec x:float32:-1,4",
+            hint="give the model an input_spec attribute or pass --input-spec "
+                 f"{_likely_spec(model)} (-1 = any size)",
         )
     return parse_spec(declared)
+
+
+def _likely_spec(model: torch.nn.Module) -> str:
+    """A spec to start from, read off the model's first input layer."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            return "input_ids:int64:-1,-1"
+        if isinstance(module, torch.nn.Linear):
+            return f"x:float32:-1,{module.in_features}"
+        if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
+            dims = ",".join(["-1"] * (module.weight.dim() - 2))
+            return f"x:float32:-1,{module.in_channels},{dims}"
+    return "x:float32:-1,FEATURES"
+
+
+def probe(model: torch.nn.Module, spec: Sequence[TensorSpec]) -> str | None:
+    """Why ``model`` refuses one item of zeros shaped by ``spec`` (each -1 taken as 1), or
+    None: a spec that does not fit the model would otherwise fail only the first request."""
+    from torchverity.golden._run import inference_mode, model_device
+
+    device = model_device(model)
+    args = [torch.zeros([1 if d == -1 else d for d in s.shape], dtype=s.dtype, device=device)
+            for s in spec]
+    try:
+        with inference_mode(model):
+            model(*args)
+    except Exception as exc:  # the model's own error, whatever it is, is the finding
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{type(exc).__name__}: {first}"
+    return None
 
 
 # ------------------------------------------------ request tensors -> model inputs
