@@ -80,7 +80,9 @@ def test_exit_codes(tmp_path: Path, run_cli) -> None:
     assert failed.code == 1 and "FAILED (1 mismatched)" in failed.out
     missing = run_cli("verify", tmp_path / "nothing")
     assert missing.code == 2
-    assert missing.err == f"torchverity: error: {tmp_path / 'nothing'}: no such file or directory\n"
+    assert missing.err == (
+        f"torchverity: error: {tmp_path / 'nothing'}: no such file or directory\n"
+        f"  next: check the path; ls {tmp_path} lists what is there\n")
     by_sidecars = run_cli("verify", tree)  # no manifest: the sidecars it holds are checked
     assert by_sidecars.code == 1 and "1 per-file sidecar" in by_sidecars.out
     (tree / "a.txt.blake3").unlink()

@@ -436,3 +436,26 @@ def test_an_index_stands_for_its_sharded_checkpoint(tmp_path: Path,
     assert unrecorded.code == 2 and "have no record to check them against" in unrecorded.err
     assert shards[2].name in unrecorded.err
     assert f"torchverity manifest {folder}" in unrecorded.err
+
+
+def test_a_missing_path_gets_a_next_step_for_verify_and_hash(
+        tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    tree = make_tree(tmp_path / "tree")
+    write_manifest(tree)
+    listed = tree / "model.pt"
+    listed.unlink()
+    r = run_cli("verify", listed)
+    assert r.code == 2 and "no such file or directory" in r.err
+    assert f"next: check the path; ls {tree} lists what is there" in r.err
+    assert f"torchverity verify {tree} checks every file the manifest lists" in r.err
+    for command in ("verify", "hash"):
+        r = run_cli(command, tree / "never-listed.bin")
+        assert r.code == 2 and f"ls {tree} lists what is there" in r.err
+        assert "manifest" not in r.err  # the manifest does not list it: no folder check named
+        r = run_cli(command, tmp_path / "nowhere" / "x.pt")
+        assert r.code == 2
+        assert f"there is no folder {tmp_path / 'nowhere'}; ls {tmp_path}" in r.err
+    (tmp_path / "dangling.pt").symlink_to(tmp_path / "gone.pt")
+    for command in ("verify", "hash"):
+        r = run_cli(command, tmp_path / "dangling.pt")
+        assert r.code == 2 and f"a link to {tmp_path / 'gone.pt'}, which does not exist" in r.err

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 import blake3  # the default hash: imported with this module, as hashlib is
 
-from torchverity.errors import FormatError, InputError, UsageError, shell_path
+from torchverity.errors import FormatError, InputError, UsageError, missing_path_hint, shell_path
 
 if TYPE_CHECKING:
     import queue
@@ -95,7 +95,8 @@ def open_for_reading(path: Path) -> io.FileIO:
     try:
         return io.FileIO(path, "r")
     except FileNotFoundError:
-        raise InputError(f"{path}: no such file", path=path) from None
+        raise InputError(f"{path}: no such file", path=path,
+                         hint=missing_path_hint(path)) from None
     except IsADirectoryError:
         raise InputError(
             f"{path}: is a directory, not a file",

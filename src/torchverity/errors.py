@@ -93,6 +93,24 @@ def restore_step(path: str | os.PathLike[str]) -> str:
             f"{shell_path(path)} tells a good copy when it has a sidecar or a manifest)")
 
 
+def missing_path_hint(path: str | os.PathLike[str]) -> str:
+    """The next step for a path that does not exist: the listing of the nearest folder
+    that does (a dangling link named as one)."""
+    p = Path(path)
+    if p.is_symlink():
+        return (f"it is a link to {os.readlink(p)}, which does not exist: restore that file "
+                f"or fix the link (ls -l {shell_path(p)})")
+    here = p.absolute().parent
+    existing = next((d for d in (here, *here.parents) if d.is_dir()), None)
+    if existing is None or existing == here:
+        shown = p.parent if existing is not None else Path(".")
+        return f"check the path; ls {shell_path(shown)} lists what is there"
+    # Shown as given where possible: the nearest existing folder, relative if p was.
+    shown = Path(os.path.relpath(existing)) if not p.is_absolute() else existing
+    return (f"check the path: there is no folder {shell_path(p.parent)}; ls "
+            f"{shell_path(shown)} lists the nearest one that exists")
+
+
 def unreadable(path: str | Path, exc: OSError) -> InputError:
     """The error for a file that exists but cannot be read, with the step that fits why."""
     quoted = shell_path(path)

@@ -290,6 +290,37 @@ def _size(size: int) -> int | None:
     return size if size >= 0 else None
 
 
+def _missing_hint(p: Path) -> str:
+    """Where to look for a missing path, and the folder check that names every missing
+    file when a manifest above lists this one."""
+    from torchverity.checkpoint._folders import covering_manifest
+    from torchverity.errors import missing_path_hint
+
+    hint = missing_path_hint(p)
+    folder = p.parent
+    found = covering_manifest(folder) if folder.is_dir() else None
+    if found is None:
+        return hint
+    record, prefix = found
+    top = record.parent
+    shown = top if p.is_absolute() else Path(os.path.relpath(top))
+    listed = any(e.path == prefix + p.name for e in _manifest_entries(record))
+    if listed:
+        return (f"{hint}; its folder's manifest lists it: torchverity verify "
+                f"{shell_path(shown)} checks every file the manifest lists")
+    return hint
+
+
+def _manifest_entries(record: Path) -> tuple[Any, ...]:
+    from torchverity.errors import TorchVerityError
+    from torchverity.manifest import read_manifest
+
+    try:
+        return tuple(read_manifest(record).entries)
+    except TorchVerityError:
+        return ()  # a damaged manifest is reported when its folder is verified
+
+
 def verify_path(
     path: str | os.PathLike[str], *, progress: Callable[[int], None] | None = None,
     exclude: Sequence[str] = (),
@@ -302,5 +333,5 @@ def verify_path(
         live = live_generation(p) if has_pointer(p) else p
         return verify_directory(live, progress=progress, exclude=exclude)
     if not p.exists() and find_sidecar(p) is None:
-        raise InputError(f"{p}: no such file or directory", path=p)
+        raise InputError(f"{p}: no such file or directory", path=p, hint=_missing_hint(p))
     return verify_file(p, progress=progress)

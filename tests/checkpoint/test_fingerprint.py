@@ -188,9 +188,10 @@ def test_cli_prints_root_and_tensors(tmp_path: Path, run_cli: Callable[..., Any]
     data = json.loads(r.out)
     assert data["root"] == root and set(data["tensors"]) == {"w", "b"}
     old = torchverity.fingerprint(state, mode="sha256").root
-    for name in ("m.pt", "m.safetensors"):
+    for name, fmt in (("m.pt", "pt"), ("m.safetensors", "safetensors")):
         r = run_cli("fingerprint", "--mode", "sha256", tmp_path / name)
-        assert r.code == 0 and r.out.startswith(f"{old}  ") and "(sha256, 2 entries)" in r.out
+        assert r.code == 0 and r.out.startswith(f"{old}  ")
+        assert f"({fmt}, sha256, 2 entries)" in r.out
     r = run_cli("fingerprint", tmp_path / "absent.pt")
     assert r.code == 2 and "no such file" in r.err
 
@@ -224,3 +225,67 @@ def test_old_sha256_records_rebuild_with_their_algorithm() -> None:
     assert torchverity.fingerprint(state, mode=old.algo).differing(old) == ["t_int8"]
     with pytest.raises(UsageError, match="cannot compare a sha256 fingerprint with a blake3"):
         old.differing(torchverity.fingerprint(state))
+
+
+def test_cli_names_the_format_and_that_torchscript_holds_code(tmp_path: Path,
+                                                              run_cli: Callable[..., Any]) -> None:
+    from safetensors.torch import save_file
+
+    state = {"w": torch.randn(3, 4), "b": torch.randn(3)}
+    torch.save(state, tmp_path / "m.pt")
+    save_file(state, tmp_path / "m.safetensors")
+    module = torch.nn.Linear(4, 3)
+    module.load_state_dict({"weight": state["w"], "bias": state["b"]})
+    torch.jit.save(torch.jit.script(module), tmp_path / "scripted.pt")
+    root = torchverity.fingerprint(state).root
+    for name, fmt in (("m.pt", "pt"), ("m.safetensors", "safetensors")):
+        r = run_cli("fingerprint", "--json", tmp_path / name)
+        doc = json.loads(r.out)
+        assert (doc["format"], doc["file"], doc["root"]) == (fmt, str(tmp_path / name), root)
+        assert "TorchScript" not in r.err
+    r = run_cli("fingerprint", tmp_path / "scripted.pt")
+    shown = f"  {tmp_path / 'scripted.pt'}  (torchscript, blake3, 2 entries)"
+    assert r.code == 0 and shown in r.out
+    assert "TorchScript archive" in r.err and "holds code" in r.err
+    assert "covers its tensors only" in r.err and "torchverity scan" in r.err
+    doc = json.loads(run_cli("fingerprint", "--json", tmp_path / "scripted.pt").out)
+    assert doc["format"] == "torchscript"
+    assert set(doc["tensors"]) == {"weight", "bias"}
+
+
+def test_cli_names_the_file_of_a_folder_and_why_when_it_holds_two(
+        tmp_path: Path, run_cli: Callable[..., Any]) -> None:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    save_file({"w": torch.ones(2)}, folder / "model.safetensors")
+    r = run_cli("fingerprint", folder)
+    assert r.code == 0 and f"  {folder / 'model.safetensors'}  (safetensors," in r.out
+    assert "note" not in r.err  # one weights file: nothing to choose
+    torch.save({"w": torch.zeros(2)}, folder / "pytorch_model.bin")  # different tensors
+    r = run_cli("fingerprint", folder)
+    assert f"  {folder / 'model.safetensors'}  (safetensors," in r.out
+    assert "holds model.safetensors and pytorch_model.bin" in r.err
+    assert "prefers safetensors" in r.err
+    assert f"torchverity fingerprint {folder / 'pytorch_model.bin'}" in r.err
+    doc = json.loads(run_cli("fingerprint", "--json", folder).out)
+    assert doc["file"] == str(folder / "model.safetensors") and doc["path"] == str(folder)
+    assert doc["root"] == torchverity.fingerprint({"w": torch.ones(2)}).root
+
+
+def test_cli_names_where_a_damaged_pickle_breaks(tmp_path: Path,
+                                                 run_cli: Callable[..., Any]) -> None:
+    import zipfile
+
+    path = tmp_path / "cut.pt"
+    with zipfile.ZipFile(path, "w") as z:  # torch.save's layout, its pickle cut after 5 bytes
+        z.writestr("archive/data.pkl", b"\x80\x02}q\x00")
+        z.writestr("archive/version", b"3")
+    with pytest.raises(FormatError, match=r"archive/data\.pkl: stream 0 at offset 5") as caught:
+        fingerprint_file(path)
+    assert "restore the file" in (caught.value.hint or "")
+    r = run_cli("fingerprint", path)
+    assert r.code == 2 and "offset 5" in r.err and "EOFError" not in r.err
+    assert f"torchverity fingerprint {path}" not in r.err

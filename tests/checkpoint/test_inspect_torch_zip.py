@@ -18,6 +18,7 @@ from torch_free_probe import cli
 from torch_zip_artifacts import bert, lightning_checkpoints, save_bin_shards, state
 from torchverity.checkpoint._file_fingerprint import fingerprint_file
 from torchverity.checkpoint._fingerprint import fingerprint
+from torchverity.checkpoint._folders import resolve
 from torchverity.checkpoint._inspect import InspectResult, _contents, inspect
 from torchverity.checkpoint._read import read_unverified
 
@@ -52,6 +53,8 @@ def _same_as_loaded(path: Path, run_cli: Any, *, torch_free: bool = True,
         got = cli("fingerprint", "--json", "--mode", mode, path)
         assert (got["code"], got["torch"]) == (0, not torch_free)
         assert json.loads(str(got["out"])) == _json({"ok": True, "path": str(path),
+                                                      "file": str(resolve(path).record),
+                                                      "format": want.format,
                                                       "unsafe": {}, **fp.to_dict()})
     human = cli("fingerprint", "--tensors", path)
     assert human["out"] == run_cli("fingerprint", "--tensors", path).out

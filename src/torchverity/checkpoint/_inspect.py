@@ -163,11 +163,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     if scan is not None and scan.format == "joblib" and scan.verdict not in ("unsafe",
                                                                              "malformed"):
         raise joblib_file_error(record)
-    if scan is not None and scan.format == "torchscript":
-        fmt = "torchscript"  # a torch.jit.save archive: torch's zip layout, holding code
-    elif scan is not None and fmt in ("pt-legacy", "pickle") and scan.format in _PICKLES:
-        # The scan reads the magic number however it is spelled; the sniffer by its bytes.
-        fmt = "pt-legacy" if scan.format == "torch-legacy" else "pickle"
+    fmt = named_format(fmt, scan)
     shard_scans = tuple(_scan(f) for f in present if _pickle_file(f))
     # One read of a .safetensors file gives both its digest and its fingerprint.
     hashers = {f: new_hasher(r.algo, threads=True) for f, r in shard_recorded.items()}
@@ -192,6 +188,17 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
                      for f, r in shard_recorded.items()}
     return InspectResult(os.fspath(p), fmt, size, sidecar, rows, values, root, meta, scan,
                          not_loaded, shards, shard_scans, shard_records)
+
+
+def named_format(fmt: str, scan: Any) -> str:
+    """The format a file is reported as: the sniffer's ``fmt``, told apart by its ``scan``
+    (or None) where bytes alone do not tell (TorchScript, pickles no magic announces)."""
+    if scan is not None and scan.format == "torchscript":
+        return "torchscript"  # a torch.jit.save archive: torch's zip layout, holding code
+    if scan is not None and fmt in ("pt-legacy", "pickle") and scan.format in _PICKLES:
+        # The scan reads the magic number however it is spelled; the sniffer by its bytes.
+        return "pt-legacy" if scan.format == "torch-legacy" else "pickle"
+    return fmt
 
 
 def _record_of(path: Path) -> _Record | None:
@@ -290,10 +297,12 @@ def _open(path: Path, scan: Any) -> tuple[Any, dict[str, Any], str | None]:
 
 
 def _open_onnx(path: Path) -> tuple[Any, dict[str, Any], str | None]:
-    from torchverity.checkpoint._onnx import onnx_initializers
+    from torchverity.checkpoint._onnx import ExternalDataError, onnx_initializers
 
     try:
         return onnx_initializers(path), {}, None
+    except ExternalDataError:
+        raise  # its step names the data file; restoring the .onnx would not help
     except TorchVerityError as exc:
         return None, {}, f"cannot list initializers: {exc.message}"
 
@@ -329,10 +338,12 @@ def _onnx_contents(path: Path, algo: str,
                    ) -> tuple[tuple[TensorRow, ...], dict[str, str], str | None] | None:
     """Rows and fingerprint of an ONNX file's initializers, without torch; None when it
     cannot be read that way (then it is opened, and a damaged file reported, as before)."""
-    from torchverity.checkpoint._onnx import onnx_contents
+    from torchverity.checkpoint._onnx import ExternalDataError, onnx_contents
 
     try:
         found = onnx_contents(path, algo)
+    except ExternalDataError:
+        raise  # its step names the data file; restoring the .onnx would not help
     except TorchVerityError:
         return None
     if found is None:

@@ -110,7 +110,22 @@ def _load_failure(p: Path, fmt: FileFormat, exc: Exception) -> Exception:
             "last, is missing: the save was interrupted or the copy is partial)", path=p,
             hint=restore_step(p),
         )
-    return joblib_error(p) or _explained_load_error(p, exc)
+    return joblib_error(p) or _malformed_error(p) or _explained_load_error(p, exc)
+
+
+def _malformed_error(p: Path) -> FormatError | None:
+    """The scan's reason for a file it finds malformed (where its pickle breaks, at which
+    offset), or None: torch's own error for such a file is often a bare EOFError."""
+    from torchverity.pickles._scan import scan_file
+
+    try:
+        scan = scan_file(p)
+    except TorchVerityError:
+        return None
+    if scan.verdict != "malformed":
+        return None
+    return FormatError(f"{p}: cannot read its pickle: {scan.reason}", path=p,
+                       hint=restore_step(p))
 
 
 def joblib_error(p: Path) -> FormatError | None:
