@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Callable
@@ -12,6 +15,8 @@ from typing import Literal
 from torchverity.errors import (
     FormatError,
     InputError,
+    no_such_file,
+    not_regular,
     restore_step,
     shell_path,
     unreadable,
@@ -28,6 +33,37 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on its JSON header
 _LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little") + b"."
 _FRAME = b"\x95"
 
+
+
+# Opening a FIFO for reading waits for a writer; non-blocking, the open returns at once and
+# the file's type is checked on the open descriptor (no window for a swap after a stat).
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def open_regular_raw(path: str | os.PathLike[str]) -> io.FileIO:
+    """``path`` opened unbuffered for reading, refused unless it is a regular file: a pipe,
+    socket or device raises :class:`InputError` (:func:`~torchverity.errors.not_regular`),
+    never blocks; a folder raises IsADirectoryError, a missing file FileNotFoundError."""
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+        if not stat.S_ISREG(mode):
+            raise not_regular(os.fspath(path), mode)
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+        raw = io.FileIO(fd, "r", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    raw.name = os.fspath(path)  # messages name the path, not the descriptor
+    return raw
+
+
+def open_regular(path: str | os.PathLike[str]) -> io.BufferedReader:
+    """:func:`open_regular_raw`, buffered: what ``open(path, "rb")`` gives."""
+    return io.BufferedReader(open_regular_raw(path))
 
 
 def _bz2() -> object:
@@ -54,7 +90,7 @@ COMPRESSED: tuple[tuple[bytes, str, Callable[[], object]], ...] = (
 
 def is_safetensors(path: Path) -> bool:
     """Cheap sniff: a plausible header length followed by ``{``."""
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         head = fh.read(9)
     if len(head) < 9 or head[8:9] != b"{":
         return False
@@ -77,11 +113,11 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
                          hint="folders load through their *.index.json: torchverity inspect "
                               f"{shell_path(p)}")
     try:
-        size = p.stat().st_size
-        with open(p, "rb") as fh:
+        with open_regular(p) as fh:
+            size = os.fstat(fh.fileno()).st_size
             head = fh.read(512)
     except FileNotFoundError:
-        raise InputError(f"{p}: no such file", path=p, hint="check the path") from None
+        raise no_such_file(p) from None
     except OSError as exc:
         raise unreadable(p, exc) from None
     if size == 0:
@@ -204,9 +240,9 @@ def _first_bytes(path: Path, head: bytes | None) -> bytes | None:
     if head is not None:
         return head
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             return fh.read(512)
-    except OSError:
+    except (OSError, InputError):
         return None
 
 

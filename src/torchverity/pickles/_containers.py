@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from torchverity._formats import open_regular
 from torchverity.pickles import _sniff
 from torchverity.pickles._imports import import_effect, lookup
 from torchverity.pickles._numpy_fmt import (
@@ -384,7 +385,7 @@ def _scan_tar(
 
 @contextmanager
 def _opened(path: str) -> Iterator[tuple[BinaryIO, int]]:
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:  # a pipe is refused (InputError), never waited on
         fh.seek(0, io.SEEK_END)
         size = fh.tell()
         fh.seek(0)

@@ -29,12 +29,13 @@ import dataclasses
 import os
 import pickletools
 import re
-from collections.abc import Sequence
+import stat
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchverity.errors import restore_step, shell_path
+from torchverity.errors import InputError, restore_step, shell_path
 from torchverity.pickles._classes import (
     _BENIGN,
     _NP_CORE,
@@ -345,21 +346,19 @@ def plan_load(path: str, container: Container,
 
 def scan_file(path: str | os.PathLike[str], *, limits: Limits | None = None) -> ScanResult:
     """Scan one file without running anything from it."""
-    p = os.fspath(path)
-    if not Path(p).is_file():
-        from torchverity.errors import InputError
+    from torchverity.errors import no_such_file, unreadable
 
-        if Path(p).is_dir():
-            raise InputError(f"{p}: is a folder, not a file", path=p,
-                             hint="scan() takes folders and scans the files in them")
-        raise InputError(f"{p}: no such file", path=p, hint="check the path")
+    p = os.fspath(path)
+    if Path(p).is_dir():
+        raise InputError(f"{p}: is a folder, not a file", path=p,
+                         hint="scan() takes folders and scans the files in them")
     try:
         container = scan_container(p, limits or Limits())
     except PickleError as exc:
         return ScanResult(p, MALFORMED, (), None, str(exc), "unknown", (str(exc),))
+    except FileNotFoundError:
+        raise no_such_file(p) from None
     except OSError as exc:
-        from torchverity.errors import unreadable
-
         raise unreadable(p, exc) from None
     findings = findings_of(container)
     problems = problems_of(container)
@@ -461,25 +460,65 @@ def _names_by_file(files: list[Path]) -> list[list[Path]]:
 
 
 def _files_under(folder: Path, unreadable: list[Unreadable]) -> list[Path]:
-    """Every file under ``folder`` (symlinks to files included); unreadable folders noted."""
+    """Every regular file under ``folder``, symlinks to files and folders followed as
+    loaders follow them (a pipeline's ``text_encoder`` may be a link to another folder);
+    each real folder is walked once, so a link back up ends. What cannot be read is noted:
+    unreadable folders, links to nothing, pipes, sockets and devices (a loader would read
+    them: nothing vouches for what they give)."""
     from torchverity.errors import unreadable as cannot_read
 
-    def note(exc: OSError) -> None:
-        error = cannot_read(exc.filename or folder, exc)
+    def add(error: InputError) -> None:
         unreadable.append(Unreadable(os.fspath(error.path or folder), error.message,
                                      error.hint or ""))
 
+    def note(exc: OSError) -> None:
+        add(cannot_read(exc.filename or folder, exc))
+
+    files: list[Path] = []
+    walked: set[str] = set()
+    # The folder's own tree first, then each linked folder not walked yet: a file is named
+    # by its own path where the folder holds it, by the link's where only a link reaches it.
+    roots = [folder]
+    while roots:
+        links: list[Path] = []
+        for top, dirs, names in os.walk(roots.pop(0), onerror=note):
+            real = os.path.realpath(top)
+            if real in walked:  # reached again through a link: its files are listed
+                dirs.clear()
+                continue
+            walked.add(real)
+            links += [Path(top) / d for d in dirs if (Path(top) / d).is_symlink()]
+            dirs.sort()
+            files += _regular_files(Path(top), names, add, note)
+        roots += sorted(links)
+    return files
+
+
+def _regular_files(top: Path, names: list[str], add: Callable[[InputError], None],
+                   note: Callable[[OSError], None]) -> list[Path]:
+    """The regular files among ``names`` in ``top``; the others noted, each with why."""
+    from torchverity.errors import no_such_file, not_regular
+
     files = []
-    for top, _dirs, names in os.walk(folder, onerror=note):
-        files += [q for q in (Path(top) / n for n in names) if q.is_file()]
+    for q in (top / n for n in sorted(names)):
+        try:
+            mode = q.stat().st_mode
+        except FileNotFoundError:
+            add(no_such_file(q))
+            continue
+        except OSError as exc:  # a loop of links, a permission on the way
+            note(exc)
+            continue
+        if stat.S_ISREG(mode):
+            files.append(q)
+        elif not stat.S_ISDIR(mode):  # a folder here appeared after the listing
+            add(not_regular(q, mode))
     return files
 
 
 def _scan_or_note(path: Path, limits: Limits | None,
                   unreadable: list[Unreadable]) -> ScanResult | None:
     """The scan of one existing file, or None with the reason it could not be read."""
-    from torchverity.errors import InputError
-
     try:
         return scan_file(path, limits=limits)
     except InputError as exc:
