@@ -32,7 +32,7 @@ def make_tree(root: Path) -> Path:
     (root / "ckpt" / "model.pt").write_bytes(os.urandom(300_000))
     (root / "ckpt" / "config.json").write_text('{"lr": 0.1}')
     (root / "ckpt" / "shards" / "a.bin").write_bytes(b"\x00" * 5000)
-    (root / "ckpt" / "shards" / "ü nicode name.bin").write_bytes(b"x")
+    (root / "ckpt" / "shards" / "ü nicode name.bin").write_bytes(b"\x00x")
     (root / "ckpt" / "empty").write_bytes(b"")
     return root / "ckpt"
 

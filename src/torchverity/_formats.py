@@ -246,9 +246,40 @@ def _first_bytes(path: Path, head: bytes | None) -> bytes | None:
         return None
 
 
-def download_kind(path: Path, head: bytes | None = None) -> str | None:
-    """``"lfs-pointer"`` or ``"html"`` when a file is one of the two common broken downloads
-    (``head``: its first 512 bytes, when already read)."""
+# Names a download of weights is saved under; text there is a server's answer instead.
+TEXT_DOWNLOAD_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+# The bytes pickle opcodes are spelled with (pickletools.opcodes): an unpickler reads the
+# first byte of a stream as an opcode and fails at once on any other.
+PICKLE_OPCODES = frozenset(b"().012BCFGIJKLMNPQRSTUVX]abcdeghijlopqrstu}"
+                           + bytes(range(0x80, 0x99)))
+_BOM = b"\xef\xbb\xbf"
+
+
+def text_sample(head: bytes) -> str | None:
+    """``head`` as text (a UTF-8 byte order mark dropped) when it is printable UTF-8, tabs
+    and line ends allowed and a character cut by the end of the sample too; else None."""
+    body = head.removeprefix(_BOM)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(body) - 4:
+            return None
+        text = body[: exc.start].decode("utf-8")
+    if not text.strip() or not all(c.isprintable() or c in "\t\n\r" for c in text):
+        return None
+    return text
+
+
+def download_kind(path: Path, head: bytes | None = None, *, no_pickle: bool = False,
+                  weights: bool = False) -> str | None:
+    """``"lfs-pointer"``, ``"html"`` or ``"text"`` when a file is a broken download: a Git
+    LFS pointer, an HTML page, or text (a JSON or XML error, a plain message) under a
+    weights name (``head``: its first 512 bytes, when already read).
+
+    Text counts only when no unpickler can read it: its first byte is no pickle opcode,
+    or the caller has walked it and ``no_pickle`` says every unpickler gives up on it
+    before it calls anything (a protocol-0 pickle is printable text too). ``weights``: the
+    file holds weights whatever its name (a shard an index names)."""
     head = _first_bytes(path, head)
     if head is None:
         return None
@@ -257,12 +288,34 @@ def download_kind(path: Path, head: bytes | None = None) -> str | None:
     text = head.lstrip(b"\xef\xbb\xbf \t\r\n").lower()
     if text.startswith((b"<!doctype html", b"<html", b"<head", b"<!--")) or b"<html" in text:
         return "html"
+    named = weights or path.name.lower().endswith(TEXT_DOWNLOAD_SUFFIXES)
+    if named and text_sample(head) is not None and (no_pickle or head[0] not in PICKLE_OPCODES):
+        return "text"
     return None
 
 
-def broken_download(path: Path, head: bytes | None = None) -> FormatError | None:
-    """The error naming a Git LFS pointer or an HTML page saved under a weights name."""
-    kind = download_kind(path, head)
+def _text_words(head: bytes) -> str:
+    """What a text download is, with its first line: ``JSON: '{"error": ...}'``."""
+    text = (text_sample(head) or "").lstrip()
+    kind = ("XML" if text.startswith("<") else "JSON" if text.startswith(("{", "[")) else
+            "plain text")
+    words = " ".join(text.split())  # an XML error's code is on a later line
+    return f"{kind}: {words[:100] + ('...' if len(words) > 100 else '')!r}"
+
+
+def broken_download(path: Path, head: bytes | None = None, *, no_pickle: bool = False,
+                    weights: bool = False) -> FormatError | None:
+    """The error naming a Git LFS pointer, an HTML page or text saved under a weights name
+    (``no_pickle`` and ``weights``: as for :func:`download_kind`)."""
+    head = _first_bytes(path, head)
+    kind = download_kind(path, head, no_pickle=no_pickle, weights=weights)
+    if kind == "text" and head is not None:
+        return FormatError(
+            f"{path}: a text file ({_text_words(head)}), not the weights: a server's error "
+            "message or other text was saved under the weights' name", path=path,
+            hint="download the file again from its direct URL (on the Hugging Face Hub: "
+                 f".../resolve/<revision>/{path.name}, with a token for gated models)",
+        )
     if kind == "lfs-pointer":
         return FormatError(
             f"{path}: a Git LFS pointer file ({path.stat().st_size} bytes), not the weights: "
