@@ -32,7 +32,7 @@ def make_tree(root: Path) -> Path:
     (root / "ckpt" / "model.pt").write_bytes(os.urandom(300_000))
     (root / "ckpt" / "config.json").write_text('{"lr": 0.1}')
     (root / "ckpt" / "shards" / "a.bin").write_bytes(b"\x00" * 5000)
-    (root / "ckpt" / "shards" / "ü nicode name.bin").write_bytes(b"x")
+    (root / "ckpt" / "shards" / "ü nicode name.bin").write_bytes(b"\x00x")
     (root / "ckpt" / "empty").write_bytes(b"")
     return root / "ckpt"
 
@@ -458,4 +458,4 @@ def test_a_missing_path_gets_a_next_step_for_verify_and_hash(
     (tmp_path / "dangling.pt").symlink_to(tmp_path / "gone.pt")
     for command in ("verify", "hash"):
         r = run_cli(command, tmp_path / "dangling.pt")
-        assert r.code == 2 and f"a link to {tmp_path / 'gone.pt'}, which does not exist" in r.err
+        assert r.code == 2 and f"link to {tmp_path / 'gone.pt'}, which does not exist" in r.err

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Callable
@@ -12,6 +15,8 @@ from typing import Literal
 from torchverity.errors import (
     FormatError,
     InputError,
+    no_such_file,
+    not_regular,
     restore_step,
     shell_path,
     unreadable,
@@ -28,6 +33,37 @@ MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on its JSON header
 _LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little") + b"."
 _FRAME = b"\x95"
 
+
+
+# Opening a FIFO for reading waits for a writer; non-blocking, the open returns at once and
+# the file's type is checked on the open descriptor (no window for a swap after a stat).
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def open_regular_raw(path: str | os.PathLike[str]) -> io.FileIO:
+    """``path`` opened unbuffered for reading, refused unless it is a regular file: a pipe,
+    socket or device raises :class:`InputError` (:func:`~torchverity.errors.not_regular`),
+    never blocks; a folder raises IsADirectoryError, a missing file FileNotFoundError."""
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+        if not stat.S_ISREG(mode):
+            raise not_regular(os.fspath(path), mode)
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
+        raw = io.FileIO(fd, "r", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    raw.name = os.fspath(path)  # messages name the path, not the descriptor
+    return raw
+
+
+def open_regular(path: str | os.PathLike[str]) -> io.BufferedReader:
+    """:func:`open_regular_raw`, buffered: what ``open(path, "rb")`` gives."""
+    return io.BufferedReader(open_regular_raw(path))
 
 
 def _bz2() -> object:
@@ -54,7 +90,7 @@ COMPRESSED: tuple[tuple[bytes, str, Callable[[], object]], ...] = (
 
 def is_safetensors(path: Path) -> bool:
     """Cheap sniff: a plausible header length followed by ``{``."""
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
         head = fh.read(9)
     if len(head) < 9 or head[8:9] != b"{":
         return False
@@ -77,11 +113,11 @@ def file_format(path: str | os.PathLike[str]) -> FileFormat:
                          hint="folders load through their *.index.json: torchverity inspect "
                               f"{shell_path(p)}")
     try:
-        size = p.stat().st_size
-        with open(p, "rb") as fh:
+        with open_regular(p) as fh:
+            size = os.fstat(fh.fileno()).st_size
             head = fh.read(512)
     except FileNotFoundError:
-        raise InputError(f"{p}: no such file", path=p, hint="check the path") from None
+        raise no_such_file(p) from None
     except OSError as exc:
         raise unreadable(p, exc) from None
     if size == 0:
@@ -204,15 +240,46 @@ def _first_bytes(path: Path, head: bytes | None) -> bytes | None:
     if head is not None:
         return head
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             return fh.read(512)
-    except OSError:
+    except (OSError, InputError):
         return None
 
 
-def download_kind(path: Path, head: bytes | None = None) -> str | None:
-    """``"lfs-pointer"`` or ``"html"`` when a file is one of the two common broken downloads
-    (``head``: its first 512 bytes, when already read)."""
+# Names a download of weights is saved under; text there is a server's answer instead.
+TEXT_DOWNLOAD_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+# The bytes pickle opcodes are spelled with (pickletools.opcodes): an unpickler reads the
+# first byte of a stream as an opcode and fails at once on any other.
+PICKLE_OPCODES = frozenset(b"().012BCFGIJKLMNPQRSTUVX]abcdeghijlopqrstu}"
+                           + bytes(range(0x80, 0x99)))
+_BOM = b"\xef\xbb\xbf"
+
+
+def text_sample(head: bytes) -> str | None:
+    """``head`` as text (a UTF-8 byte order mark dropped) when it is printable UTF-8, tabs
+    and line ends allowed and a character cut by the end of the sample too; else None."""
+    body = head.removeprefix(_BOM)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(body) - 4:
+            return None
+        text = body[: exc.start].decode("utf-8")
+    if not text.strip() or not all(c.isprintable() or c in "\t\n\r" for c in text):
+        return None
+    return text
+
+
+def download_kind(path: Path, head: bytes | None = None, *, no_pickle: bool = False,
+                  weights: bool = False) -> str | None:
+    """``"lfs-pointer"``, ``"html"`` or ``"text"`` when a file is a broken download: a Git
+    LFS pointer, an HTML page, or text (a JSON or XML error, a plain message) under a
+    weights name (``head``: its first 512 bytes, when already read).
+
+    Text counts only when no unpickler can read it: its first byte is no pickle opcode,
+    or the caller has walked it and ``no_pickle`` says every unpickler gives up on it
+    before it calls anything (a protocol-0 pickle is printable text too). ``weights``: the
+    file holds weights whatever its name (a shard an index names)."""
     head = _first_bytes(path, head)
     if head is None:
         return None
@@ -221,12 +288,34 @@ def download_kind(path: Path, head: bytes | None = None) -> str | None:
     text = head.lstrip(b"\xef\xbb\xbf \t\r\n").lower()
     if text.startswith((b"<!doctype html", b"<html", b"<head", b"<!--")) or b"<html" in text:
         return "html"
+    named = weights or path.name.lower().endswith(TEXT_DOWNLOAD_SUFFIXES)
+    if named and text_sample(head) is not None and (no_pickle or head[0] not in PICKLE_OPCODES):
+        return "text"
     return None
 
 
-def broken_download(path: Path, head: bytes | None = None) -> FormatError | None:
-    """The error naming a Git LFS pointer or an HTML page saved under a weights name."""
-    kind = download_kind(path, head)
+def _text_words(head: bytes) -> str:
+    """What a text download is, with its first line: ``JSON: '{"error": ...}'``."""
+    text = (text_sample(head) or "").lstrip()
+    kind = ("XML" if text.startswith("<") else "JSON" if text.startswith(("{", "[")) else
+            "plain text")
+    words = " ".join(text.split())  # an XML error's code is on a later line
+    return f"{kind}: {words[:100] + ('...' if len(words) > 100 else '')!r}"
+
+
+def broken_download(path: Path, head: bytes | None = None, *, no_pickle: bool = False,
+                    weights: bool = False) -> FormatError | None:
+    """The error naming a Git LFS pointer, an HTML page or text saved under a weights name
+    (``no_pickle`` and ``weights``: as for :func:`download_kind`)."""
+    head = _first_bytes(path, head)
+    kind = download_kind(path, head, no_pickle=no_pickle, weights=weights)
+    if kind == "text" and head is not None:
+        return FormatError(
+            f"{path}: a text file ({_text_words(head)}), not the weights: a server's error "
+            "message or other text was saved under the weights' name", path=path,
+            hint="download the file again from its direct URL (on the Hugging Face Hub: "
+                 f".../resolve/<revision>/{path.name}, with a token for gated models)",
+        )
     if kind == "lfs-pointer":
         return FormatError(
             f"{path}: a Git LFS pointer file ({path.stat().st_size} bytes), not the weights: "

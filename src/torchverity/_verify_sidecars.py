@@ -68,17 +68,19 @@ def _is_record(path: Path, of_name: str, meta: bool) -> bool:
 def broken_unrecorded(path: Path) -> FormatError | None:
     """The error naming a file as a broken download, known from its own bytes with no
     record: a Git LFS pointer under any name (an LFS-tracked file never fetched), an HTML
-    page under a weights name (an .html or .md file may well start like one), a weights
+    page or text (a server's error message) under a weights name (an .html or .md file
+    may well start like one), a weights
     file cut short, or a sharded checkpoint's index naming shards its folder lacks. None
     for anything else."""
     from torchverity.checkpoint._model_files import WEIGHTS_SUFFIXES
+    from torchverity.pickles._file_format import text_download
 
     kind = download_kind(path)
-    if kind == "lfs-pointer" or (kind == "html" and path.name.lower().endswith(
-            WEIGHTS_SUFFIXES)):
+    weights = path.name.lower().endswith(WEIGHTS_SUFFIXES)
+    if kind == "lfs-pointer" or (kind in ("html", "text") and weights):
         return broken_download(path)
-    if kind is None and path.name.lower().endswith(WEIGHTS_SUFFIXES):
-        return _cut_short(path)
+    if kind is None and weights:
+        return text_download(path) or _cut_short(path)
     if kind is None and path.name.endswith(".index.json"):
         return _shards_missing(path)
     return None

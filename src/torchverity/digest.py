@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 import blake3  # the default hash: imported with this module, as hashlib is
 
-from torchverity.errors import FormatError, InputError, UsageError, missing_path_hint, shell_path
+from torchverity._formats import open_regular_raw
+from torchverity.errors import FormatError, InputError, UsageError, no_such_file, shell_path
 
 if TYPE_CHECKING:
     import queue
@@ -93,10 +94,9 @@ def new_hasher(algo: str = DEFAULT_ALGO, *, threads: bool = False) -> Hasher:
 def open_for_reading(path: Path) -> io.FileIO:
     """Open unbuffered (``readinto`` fills our buffer directly), with clear errors."""
     try:
-        return io.FileIO(path, "r")
+        return open_regular_raw(path)  # a pipe or device is refused: reading one may not end
     except FileNotFoundError:
-        raise InputError(f"{path}: no such file", path=path,
-                         hint=missing_path_hint(path)) from None
+        raise no_such_file(path) from None
     except IsADirectoryError:
         raise InputError(
             f"{path}: is a directory, not a file",

@@ -121,6 +121,34 @@ def unreadable(path: str | Path, exc: OSError) -> InputError:
     return InputError(f"{path}: cannot read: {exc.strerror or exc}", path=path, hint=hint)
 
 
+def no_such_file(path: str | Path) -> InputError:
+    """The error for a path with no file behind it; a symbolic link whose target is gone is
+    named as one (an interrupted download leaves a Hugging Face cache entry like that)."""
+    try:
+        target = os.readlink(path)
+    except OSError:  # not a link (or not there at all): nothing more to say
+        return InputError(f"{path}: no such file", path=path, hint=missing_path_hint(path))
+    return InputError(
+        f"{path}: a symbolic link to {target}, which does not exist", path=path,
+        hint="the file it points to is missing (an interrupted download or a moved cache): "
+             "download it again, or point the link at the real file")
+
+
+_NOT_REGULAR = {0o010000: "a named pipe (FIFO)", 0o140000: "a socket",
+                0o020000: "a character device", 0o060000: "a block device"}
+
+
+def not_regular(path: str | Path, mode: int) -> InputError:
+    """The error for a path that is neither a regular file nor a folder: whatever writes to a
+    pipe, socket or device decides its bytes, so no check of them holds, and reading one may
+    block or never end."""
+    kind = _NOT_REGULAR.get(mode & 0o170000, "not a regular file")
+    return InputError(
+        f"{path}: {kind}, not a regular file: its bytes come from whatever writes to it, so "
+        "they cannot be checked (nothing was read from it)", path=path,
+        hint=f"give the path of the file itself (ls -l {shell_path(path)} shows what is there)")
+
+
 class FormatError(TorchVerityError):
     """A file exists but is not in the format it claims (sidecar, manifest, checkpoint...)."""
 

@@ -92,11 +92,11 @@ def test_hf_folder_scan_skips_text_and_names_what_it_skipped(
     skipped = {Path(s.path).name: s.reason for s in report.skipped}
     for name in (".gitattributes", "tokenizer.json", "config.json", "extra.pt.xxh128",
                  "tokenizer_config.json"):
-        assert skipped[name] == "text file (no pickle)", (name, skipped)
-    assert skipped["head.onnx"] == "ONNX model (no pickle)"
+        assert skipped[name] == "text file, no pickle", (name, skipped)
+    assert skipped["head.onnx"] == "ONNX model, no pickle"
     res = run_cli("scan", str(files["hf"]))
     assert res.code == 0 and "malformed" not in res.out
-    assert ".gitattributes: skipped (text file (no pickle))" in res.out
+    assert ".gitattributes: skipped (text file, no pickle)" in res.out
 
 
 def test_broken_downloads_are_named(files: dict[str, Any], run_cli: Callable[..., Any]) -> None:

@@ -35,9 +35,9 @@ def test_a_folder_of_files_that_hold_no_pickle_says_what_it_skipped(
     (folder / "vocab.txt").write_text("[PAD]\n[UNK]\n")
     res = run_cli("scan", folder)
     assert res.code == 2, (res.out, res.err)
-    assert ("nothing to scan: none of its 2 files can hold a pickle (skipped: text file "
-            "(no pickle)), so this scan vouches for nothing") in res.err
-    assert f"{folder / 'vocab.txt'}: skipped (text file (no pickle))" in res.out
+    assert ("nothing to scan: none of its 2 files can hold a pickle (skipped: text file, "
+            "no pickle), so this scan vouches for nothing") in res.err
+    assert f"{folder / 'vocab.txt'}: skipped (text file, no pickle)" in res.out
     # With a real checkpoint beside them, the folder is judged as before.
     torch.save({"w": torch.ones(2)}, folder / "model.pt")
     save_file({"w": torch.ones(2)}, folder / "model.safetensors")

@@ -157,11 +157,11 @@ def test_real_text_files_starting_with_opcode_letters_are_text(
     judged = {Path(r.path).name: r.verdict for r in report.results}
     assert judged == {"epoch=0-step=1.ckpt": "needs-allowlist", "model.safetensors": "safe"}
     skipped = {Path(s.path).name: s.reason for s in report.skipped}
-    assert all(skipped[p.name] == "text file (no pickle)" for p in texts), skipped
+    assert all(skipped[p.name] == "text file, no pickle" for p in texts), skipped
     assert report.ok
     res = run_cli("scan", text_tree)
     assert res.code == 0, res.out
-    assert f"{hparams}: skipped (text file (no pickle))" in res.out
+    assert f"{hparams}: skipped (text file, no pickle)" in res.out
     # ... and no checkpoint to the readers, which know a pickle as the scan does.
     for path in (hparams, text_tree / "words"):
         with pytest.raises(FormatError, match="not a checkpoint"):

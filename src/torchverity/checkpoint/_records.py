@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchverity._formats import open_regular
 from torchverity.digest import ALGORITHMS, digest_file, read_sidecar, sidecar_path
 from torchverity.errors import FormatError, InputError, TorchVerityError
 
@@ -50,7 +51,8 @@ def parse_json(text: str, path: Path, what: str, hint: str) -> Any:
 def read_text_record(path: Path, what: str, hint: str) -> str:
     """A record's UTF-8 text; a folder, unreadable file or non-UTF-8 bytes are typed errors."""
     try:
-        return path.read_text(encoding="utf-8")
+        with open_regular(path) as fh:  # a pipe under a record's name is refused, not read
+            return fh.read().decode("utf-8")
     except FileNotFoundError:
         raise InputError(f"{path}: no such file", path=path, hint=hint) from None
     except IsADirectoryError:

@@ -82,7 +82,7 @@ def _folder(ctx: DemoContext, model: Any) -> None:
     (folder / ".gitattributes").write_text("*.bin filter=lfs diff=lfs merge=lfs -text\n")
     (folder / "config.json").write_text('{"hidden_size": 32}\n')
     _, out, _ = ctx.cli("scan", str(folder))
-    ctx.expect("skipped (text file (no pickle))" in out and "malformed" not in out,
+    ctx.expect("skipped (text file, no pickle)" in out and "malformed" not in out,
                "a folder scan judges only files that can hold a pickle and names the rest")
     (folder / "model.safetensors").write_text(
         "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 9\n")

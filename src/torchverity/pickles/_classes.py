@@ -77,6 +77,13 @@ _BENIGN: dict[str, str] = {
     "decimal.Decimal": "number",
     "fractions.Fraction": "number",
     "uuid.UUID": "identifier",
+    # Struct sequences: called with (tuple, dict) they only build the record (os.stat()'s
+    # result kept in a checkpoint); nothing is read. The rest of os stays dangerous.
+    "os.stat_result": "file status record (numbers only; no file is read on load)",
+    "os.terminal_size": "terminal size record (numbers only)",
+    "os.times_result": "process times record (numbers only)",
+    "os.uname_result": "system name record (strings only)",
+    "time.struct_time": "time record (numbers only)",
     "pathlib.PosixPath": "path value (no file access on load)",
     "pathlib.PurePosixPath": "path value",
     "pathlib.WindowsPath": "path value (no file access on load)",
@@ -139,6 +146,10 @@ _DANGER_MODULES: dict[str, str] = {
     "nt": "runs commands / touches the file system",
     "sys": "interpreter internals",
     "subprocess": "runs commands",
+    "_posixsubprocess": "runs commands: fork_exec starts processes",
+    "_winapi": "runs commands: CreateProcess starts processes",
+    # uuid.UUID and uuid.SafeUUID are benign (above); its node helpers run ifconfig, arp...
+    "uuid": "runs commands: _get_command_stdout and the node lookups run ifconfig, arp...",
     "pty": "spawns processes",
     "shutil": "touches the file system",
     "socket": "network access",

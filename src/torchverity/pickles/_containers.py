@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from torchverity._formats import open_regular
 from torchverity.pickles import _sniff
 from torchverity.pickles._imports import import_effect, lookup
 from torchverity.pickles._numpy_fmt import (
@@ -103,6 +104,9 @@ class Container:
     escaped: list[tuple[str, GlobalRef, int]] = field(default_factory=list)
     code_files: int = 0  # TorchScript source files in the archive
     bounds: list[str] = field(default_factory=list)  # problems that are bounds of the scan
+    # The file is read by no loader but as a pickle stream from its first byte, and every
+    # unpickler gives up on that stream before it calls anything (_runs_nothing).
+    runs_nothing: bool = False
 
 
 # ------------------------------------------------------------------ walking
@@ -384,7 +388,7 @@ def _scan_tar(
 
 @contextmanager
 def _opened(path: str) -> Iterator[tuple[BinaryIO, int]]:
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:  # a pipe is refused (InputError), never waited on
         fh.seek(0, io.SEEK_END)
         size = fh.tell()
         fh.seek(0)
@@ -458,7 +462,7 @@ def _readings(fh: BinaryIO, size: int, head: bytes, limits: Limits, name: str) -
     container = Container("safetensors" if header is not None else "pickle")
     decompressed = None
     if header is not None:
-        _check_safetensors(fh, header, limits, container)
+        _check_safetensors(fh, header, size, limits, container)
     elif tar is not None:
         _scan_tar(fh, tar, limits, container)
     elif packed is not None:
@@ -504,12 +508,22 @@ def _no_pickle(container: Container, fmt: str) -> None:
     container.problems.clear()
 
 
+def no_pickle(container: Container, fmt: str) -> None:
+    """Name a file :attr:`Container.runs_nothing` by what it is, known from beside it (an
+    ONNX model's external data)."""
+    if not container.runs_nothing:
+        raise ValueError("only a file no unpickler runs anything in is no pickle")
+    _no_pickle(container, fmt)
+
+
 def _not_a_pickle(container: Container, entry: Entry, head: bytes, size: int) -> None:
     """A file every unpickler gives up on before it runs anything is not a pickle at all."""
     first = entry.streams[0]
     if not _runs_nothing(first):
         return
+    container.runs_nothing = True
     broken = _sniff.broken_safetensors(head, size)
+    known = _sniff.no_pickle_format(head)
     if size == 0:
         _no_pickle(container, "empty")
     elif broken is not None:
@@ -517,6 +531,15 @@ def _not_a_pickle(container: Container, entry: Entry, head: bytes, size: int) ->
         container.problems.append(broken)
     elif _sniff.text_file(head):
         _no_pickle(container, "text")
+    elif known is not None:
+        # An HDF5, msgpack or sentencepiece file by its own structure. The walk above, not
+        # the name, is what clears it: every unpickler (CPython's, pickle.py's that joblib
+        # uses, torch's weights_only one) dispatches on each opcode byte and raises at the
+        # first it does not know or cannot apply (HDF5's 0x89 'H', a sentencepiece model's
+        # 0x0a, msgpack's 0x81 NEWOBJ on an empty stack), before any call. The name only
+        # says it is a file of its own format, not a weights download gone wrong. A zip,
+        # a tar or a compressed stream, which loaders read further, never reaches here.
+        _no_pickle(container, known)
     elif first.ops <= 2 and first.error is not None:
         _no_pickle(container, "data")
         container.problems.append(f"not a pickle: {first.error} at offset {first.error_offset}")
@@ -534,7 +557,8 @@ def _settle_compressed(container: Container, decompressed: Entry, raw: Entry) ->
     raw.alternate = True  # both failed: the decompressed reading's error is the verdict
 
 
-def _check_safetensors(fh: BinaryIO, length: int, limits: Limits, container: Container) -> None:
+def _check_safetensors(fh: BinaryIO, length: int, size: int, limits: Limits,
+                       container: Container) -> None:
     if length > limits.max_header:
         problem = (f"safetensors header of {length} bytes is over the {limits.max_header}-byte "
                    "bound: refused before any reader parses it")
@@ -556,6 +580,18 @@ def _check_safetensors(fh: BinaryIO, length: int, limits: Limits, container: Con
         return
     if not isinstance(header, dict):
         container.problems.append("safetensors header is not a JSON object")
+        return
+    # A copy or download cut inside the tensor data keeps a whole header: the file is not
+    # what was written (safetensors' own loader refuses it), whatever it holds.
+    spans = [e.get("data_offsets") for k, e in header.items()
+             if k != "__metadata__" and isinstance(e, dict)]
+    need = max((s[1] for s in spans if isinstance(s, list) and len(s) == 2
+                and type(s[1]) is int), default=0)
+    have = size - 8 - length
+    if need > have:
+        container.problems.append(
+            f"safetensors data cut short: the header names {need} bytes of tensor data and "
+            f"the file holds {have} after it (a partial copy or download)")
 
 
 def scan_fh(fh: BinaryIO, size: int, limits: Limits, name: str, depth: int) -> Container:

@@ -12,9 +12,16 @@ no checkpoint.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from torchverity._formats import FileFormat, file_format
-from torchverity.errors import FormatError
+from torchverity._formats import (
+    FileFormat,
+    broken_download,
+    file_format,
+    open_regular,
+    text_sample,
+)
+from torchverity.errors import FormatError, InputError
 
 # The scan's formats for a file whose bytes are read as a pickle stream from the start.
 _PICKLE_FORMATS = frozenset({"pickle", "torch-legacy"})
@@ -44,3 +51,24 @@ def checkpoint_format(path: str | os.PathLike[str]) -> FileFormat:
         if walked is not None:
             return walked
         raise
+
+
+def text_download(path: Path) -> FormatError | None:
+    """:func:`~torchverity._formats.broken_download` for a file under a weights name,
+    text whose first byte is a pickle opcode included ("Not Found", "Internal Server
+    Error"): that one is a broken download only when the scan shows every unpickler gives
+    up on it before it calls anything; a protocol-0 pickle stays a pickle."""
+    from torchverity.pickles._containers import scan_container
+    from torchverity.pickles._source import Limits, PickleError
+
+    found = broken_download(path)
+    if found is not None:
+        return found
+    try:
+        with open_regular(path) as fh:
+            if text_sample(fh.read(512)) is None:
+                return None
+        container = scan_container(os.fspath(path), Limits())
+    except (PickleError, OSError, InputError):
+        return None
+    return broken_download(path, no_pickle=True) if container.format == "text" else None

@@ -29,12 +29,14 @@ import dataclasses
 import os
 import pickletools
 import re
-from collections.abc import Sequence
+import stat
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchverity.errors import restore_step, shell_path
+from torchverity._formats import broken_download
+from torchverity.errors import InputError, TorchVerityError, restore_step, shell_path
 from torchverity.pickles._classes import (
     _BENIGN,
     _NP_CORE,
@@ -56,7 +58,7 @@ from torchverity.pickles._classes import (
     in_torch_allowlist,
     torch_allowlist,
 )
-from torchverity.pickles._containers import Container, scan_container
+from torchverity.pickles._containers import Container, no_pickle, scan_container
 from torchverity.pickles._ops import (
     Build,
     GlobalRef,
@@ -67,6 +69,7 @@ from torchverity.pickles._ops import (
     first_arg,
     ref_of,
 )
+from torchverity.pickles._sniff import onnx_external_data
 from torchverity.pickles._torch_names import MODELED
 from torchverity.pickles._verdict import GlobalFinding, findings_of, problems_of, verdict_of
 
@@ -343,27 +346,37 @@ def plan_load(path: str, container: Container,
 # -------------------------------------------------------------------- verdict
 
 
-def scan_file(path: str | os.PathLike[str], *, limits: Limits | None = None) -> ScanResult:
-    """Scan one file without running anything from it."""
-    p = os.fspath(path)
-    if not Path(p).is_file():
-        from torchverity.errors import InputError
+def scan_file(path: str | os.PathLike[str], *, limits: Limits | None = None,
+              weights: bool = False) -> ScanResult:
+    """Scan one file without running anything from it. Text where weights belong (a
+    ``.safetensors``, ``.bin``, ``.pt``, ``.pth`` or ``.ckpt`` name, or any file when
+    ``weights``: a shard an index names) is a broken download, ``malformed``."""
+    from torchverity.errors import no_such_file, unreadable
 
-        if Path(p).is_dir():
-            raise InputError(f"{p}: is a folder, not a file", path=p,
-                             hint="scan() takes folders and scans the files in them")
-        raise InputError(f"{p}: no such file", path=p, hint="check the path")
+    p = os.fspath(path)
+    if Path(p).is_dir():
+        raise InputError(f"{p}: is a folder, not a file", path=p,
+                         hint="scan() takes folders and scans the files in them")
     try:
         container = scan_container(p, limits or Limits())
     except PickleError as exc:
         return ScanResult(p, MALFORMED, (), None, str(exc), "unknown", (str(exc),))
+    except FileNotFoundError:
+        raise no_such_file(p) from None
     except OSError as exc:
-        from torchverity.errors import unreadable
-
         raise unreadable(p, exc) from None
+    if container.runs_nothing and container.format in ("data", "pickle") and \
+            onnx_external_data(p) is not None:
+        no_pickle(container, "onnx-data")
     findings = findings_of(container)
     problems = problems_of(container)
     verdict, reason = verdict_of(container, findings, problems)
+    if container.format == "text":
+        # Every unpickler gives up on it before it calls anything (else it would not be
+        # "text"), so a protocol-0 pickle never gets here: it is judged as one.
+        broken = broken_download(Path(p), no_pickle=True, weights=weights)
+        if broken is not None:
+            verdict, reason = MALFORMED, broken.message.removeprefix(f"{p}: ")
     plan = plan_load(p, container, findings) if verdict != MALFORMED else None
     return ScanResult(p, verdict, tuple(findings), plan, reason, container.format,
                       tuple(problems))
@@ -379,11 +392,16 @@ def next_step(result: ScanResult) -> str:
         return f"torchverity inspect {path} lists its initializers"
     if result.format == "git-lfs-pointer":
         return "git lfs pull (or huggingface-cli download) fetches the real file"
-    if result.format == "html":
+    if result.format == "html" or (result.format == "text" and result.verdict == MALFORMED):
         return "download the file again; check the URL and any access token"
+    if result.format == "index" and result.reason.startswith(UNFOLLOWED_INDEX):
+        return ("do not load this checkpoint: a loader would read the files those entries "
+                "name; get the index from the checkpoint's source (its entries are plain "
+                "file names of shards beside it)")
     if result.format == "index" and result.verdict == MALFORMED:
-        return ("fetch the shards the index names from the checkpoint's source (or restore the "
-                f"index that goes with them), then scan again: torchverity scan {path}")
+        return ("fetch the shards the index names from the checkpoint's source "
+                "(huggingface-cli download fetches what is missing), or restore the index "
+                "that goes with them")
     if result.verdict != MALFORMED:
         return ""
     return restore_step(result.path)
@@ -426,15 +444,18 @@ _WEIGHT_SUFFIXES = frozenset({
     ".pt", ".pth", ".bin", ".ckpt", ".pkl", ".pickle", ".safetensors", ".npy", ".npz",
     ".joblib", ".h5", ".msgpack", ".model", ".tar", ".onnx",
 })
-SKIPPED_ONNX = "ONNX model (no pickle)"
-_SKIPPED_FORMATS = {"text": "text file (no pickle)", "onnx": SKIPPED_ONNX,
+SKIPPED_ONNX = "ONNX model, no pickle"
+_SKIPPED_FORMATS = {"text": "text file, no pickle", "onnx": SKIPPED_ONNX,
+                    "onnx-data": "ONNX external tensor data, no pickle",
+                    "hdf5": "HDF5 file, no pickle", "msgpack": "msgpack file, no pickle",
+                    "sentencepiece": "sentencepiece tokenizer model, no pickle",
                     "data": "binary data that no unpickler can read", "empty": "empty file"}
 
 
 def _skip_reason(result: ScanResult, path: Path) -> str | None:
     """Folder scans judge only files that can hold a pickle, and broken weight downloads."""
-    if result.verdict == UNSAFE:
-        return None
+    if result.verdict == UNSAFE or (result.format == "text" and result.verdict == MALFORMED):
+        return None  # text where weights belong is a broken download: reported
     weights = path.suffix.lower() in _WEIGHT_SUFFIXES
     if result.format in ("git-lfs-pointer", "html") and not weights:
         return "Git LFS pointer" if result.format == "git-lfs-pointer" else "HTML page"
@@ -461,27 +482,67 @@ def _names_by_file(files: list[Path]) -> list[list[Path]]:
 
 
 def _files_under(folder: Path, unreadable: list[Unreadable]) -> list[Path]:
-    """Every file under ``folder`` (symlinks to files included); unreadable folders noted."""
+    """Every regular file under ``folder``, symlinks to files and folders followed as
+    loaders follow them (a pipeline's ``text_encoder`` may be a link to another folder);
+    each real folder is walked once, so a link back up ends. What cannot be read is noted:
+    unreadable folders, links to nothing, pipes, sockets and devices (a loader would read
+    them: nothing vouches for what they give)."""
     from torchverity.errors import unreadable as cannot_read
 
-    def note(exc: OSError) -> None:
-        error = cannot_read(exc.filename or folder, exc)
+    def add(error: InputError) -> None:
         unreadable.append(Unreadable(os.fspath(error.path or folder), error.message,
                                      error.hint or ""))
 
-    files = []
-    for top, _dirs, names in os.walk(folder, onerror=note):
-        files += [q for q in (Path(top) / n for n in names) if q.is_file()]
+    def note(exc: OSError) -> None:
+        add(cannot_read(exc.filename or folder, exc))
+
+    files: list[Path] = []
+    walked: set[str] = set()
+    # The folder's own tree first, then each linked folder not walked yet: a file is named
+    # by its own path where the folder holds it, by the link's where only a link reaches it.
+    roots = [folder]
+    while roots:
+        links: list[Path] = []
+        for top, dirs, names in os.walk(roots.pop(0), onerror=note):
+            real = os.path.realpath(top)
+            if real in walked:  # reached again through a link: its files are listed
+                dirs.clear()
+                continue
+            walked.add(real)
+            links += [Path(top) / d for d in dirs if (Path(top) / d).is_symlink()]
+            dirs.sort()
+            files += _regular_files(Path(top), names, add, note)
+        roots += sorted(links)
     return files
 
 
-def _scan_or_note(path: Path, limits: Limits | None,
-                  unreadable: list[Unreadable]) -> ScanResult | None:
-    """The scan of one existing file, or None with the reason it could not be read."""
-    from torchverity.errors import InputError
+def _regular_files(top: Path, names: list[str], add: Callable[[InputError], None],
+                   note: Callable[[OSError], None]) -> list[Path]:
+    """The regular files among ``names`` in ``top``; the others noted, each with why."""
+    from torchverity.errors import no_such_file, not_regular
 
+    files = []
+    for q in (top / n for n in sorted(names)):
+        try:
+            mode = q.stat().st_mode
+        except FileNotFoundError:
+            add(no_such_file(q))
+            continue
+        except OSError as exc:  # a loop of links, a permission on the way
+            note(exc)
+            continue
+        if stat.S_ISREG(mode):
+            files.append(q)
+        elif not stat.S_ISDIR(mode):  # a folder here appeared after the listing
+            add(not_regular(q, mode))
+    return files
+
+
+def _scan_or_note(path: Path, limits: Limits | None, unreadable: list[Unreadable],
+                  weights: bool = False) -> ScanResult | None:
+    """The scan of one existing file, or None with the reason it could not be read."""
     try:
-        return scan_file(path, limits=limits)
+        return scan_file(path, limits=limits, weights=weights)
     except InputError as exc:
         unreadable.append(Unreadable(os.fspath(path), exc.message, exc.hint or ""))
         return None
@@ -497,10 +558,30 @@ class _Collected:
     empty: list[str] = field(default_factory=list)
 
 
+def _named_shards(files: list[Path]) -> set[str]:
+    """The real paths of the shards the sharded-checkpoint indexes among ``files`` name:
+    weights whatever their names (an index that cannot be read names none here; the
+    index itself is reported)."""
+    from torchverity.checkpoint._index import index_shards
+    from torchverity.errors import TorchVerityError
+
+    named: set[str] = set()
+    for index in (f for f in files if f.name.endswith(".index.json")):
+        try:
+            shards, _missing = index_shards(index)
+        except TorchVerityError:
+            continue
+        named.update(os.path.realpath(index.parent / s) for s in shards)
+    return named
+
+
 def _walk_folder(folder: Path, limits: Limits | None, report: _Collected) -> None:
     before = len(report.results), len(report.unreadable)
-    for names in _names_by_file(_files_under(folder, report.unreadable)):
-        result = _scan_or_note(names[0], limits, report.unreadable)
+    groups = _names_by_file(_files_under(folder, report.unreadable))
+    shards = _named_shards([names[0] for names in groups])
+    for names in groups:
+        weights = os.path.realpath(names[0]) in shards
+        result = _scan_or_note(names[0], limits, report.unreadable, weights)
         if result is None:
             continue
         if _is_index(result) and (broken := _broken_index(result)) is not None:
@@ -517,6 +598,10 @@ def _walk_folder(folder: Path, limits: Limits | None, report: _Collected) -> Non
 
 
 _WORST_FIRST: tuple[Verdict, ...] = (UNSAFE, MALFORMED, NEEDS_REVIEW, NEEDS_ALLOWLIST, SAFE)
+# The reason of an index whose weight_map names a shard that is no plain file name beside
+# it ("../x.bin", an absolute path): transformers joins the entry to the folder and reads
+# whatever it names, so what such a checkpoint loads cannot be accounted for.
+UNFOLLOWED_INDEX = "an index naming shards no loader should follow"
 
 
 def _scan_index(result: ScanResult, limits: Limits | None, report: _Collected) -> None:
@@ -529,12 +614,14 @@ def _scan_index(result: ScanResult, limits: Limits | None, report: _Collected) -
     try:
         shards, missing = index_shards(index)
     except TorchVerityError as exc:
+        unfollowed = _unfollowed_index(result, exc)
         reason = f"not a sharded-checkpoint index: {exc.message}"
-        report.results.append(dataclasses.replace(result, verdict=MALFORMED, format="index",
-                                                  reason=reason, problems=(reason,)))
+        report.results.append(unfollowed or dataclasses.replace(
+            result, verdict=MALFORMED, format="index", reason=reason, problems=(reason,)))
         return
     found = [r for s in shards if s not in missing
-             if (r := _scan_or_note(index.parent / s, limits, report.unreadable)) is not None]
+             if (r := _scan_or_note(index.parent / s, limits, report.unreadable, True))
+             is not None]
     if missing:
         report.results += [_missing_shards(result, shards, missing), *found]
         return
@@ -559,16 +646,43 @@ def _missing_shards(result: ScanResult, shards: list[str], missing: list[str]) -
         problems=tuple(f"shard {s} is named by the index and does not exist" for s in missing))
 
 
+def _maps_weights(index: Path) -> bool:
+    """Whether the file is a JSON object with a ``weight_map``: a sharded checkpoint's
+    index, whatever is wrong inside it (a faiss or tokenizer ``*.index.json`` is not)."""
+    import json
+
+    from torchverity.checkpoint._records import read_text_record
+    from torchverity.errors import TorchVerityError
+
+    try:
+        data = json.loads(read_text_record(index, "the index", ""))
+    except (TorchVerityError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "weight_map" in data
+
+
+def _unfollowed_index(result: ScanResult, exc: TorchVerityError) -> ScanResult | None:
+    """A sharded checkpoint's index that no loader can follow safely (a shard path out of
+    its folder, a weight_map of something else), as ``malformed``; None for a file that
+    is no such index."""
+    if not _maps_weights(Path(result.path)):
+        return None
+    reason = f"{UNFOLLOWED_INDEX}: {exc.message.removeprefix(f'{result.path}: ')}"
+    return dataclasses.replace(result, verdict=MALFORMED, format="index", reason=reason,
+                               problems=(reason,))
+
+
 def _broken_index(result: ScanResult) -> ScanResult | None:
-    """In a folder scan, a sharded checkpoint's index that names missing shards (another
-    ``*.index.json``, or a complete one, is a text file like the rest)."""
+    """In a folder scan, a sharded checkpoint's index that names missing shards or shards
+    out of its folder (another ``*.index.json``, or a complete one, is a text file like
+    the rest)."""
     from torchverity.checkpoint._index import index_shards
     from torchverity.errors import TorchVerityError
 
     try:
         shards, missing = index_shards(Path(result.path))
-    except TorchVerityError:
-        return None
+    except TorchVerityError as exc:
+        return _unfollowed_index(result, exc)
     return _missing_shards(result, shards, missing) if missing else None
 
 

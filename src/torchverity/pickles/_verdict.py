@@ -231,6 +231,14 @@ _NO_PICKLE = {
             "onnxruntime or onnx.load can",
     "text": "text file: holds no pickle (every unpickler fails on it before it calls "
             "anything)",
+    "hdf5": "HDF5 file (Keras/TensorFlow weights, h5py): holds no pickle (every unpickler "
+            "fails on it before it calls anything)",
+    "msgpack": "msgpack file (Flax weights): holds no pickle (every unpickler fails on it "
+               "before it calls anything)",
+    "sentencepiece": "sentencepiece tokenizer model (protobuf): holds no pickle (every "
+                     "unpickler fails on it before it calls anything)",
+    "onnx-data": "ONNX external data (raw tensor bytes an .onnx model beside it names): "
+                 "holds no pickle (every unpickler fails on it before it calls anything)",
 }
 
 
@@ -254,7 +262,8 @@ def verdict_of(container: Container, findings: Sequence[GlobalFinding],
             "torch.load(weights_only=True) refuses it")
     if unknown:
         names = ", ".join(dict.fromkeys(f.name for f in unknown[:5]))
-        return NEEDS_REVIEW, f"code of these classes would run on load: {names} (review them)"
+        return NEEDS_REVIEW, (f"code of these classes or functions would run on load: "
+                              f"{names} (review them)")
     benign = [f.name for f in findings if f.category == BENIGN]
     if benign:
         return NEEDS_ALLOWLIST, f"needs allowlisting: {', '.join(dict.fromkeys(benign))}"
