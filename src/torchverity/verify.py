@@ -243,11 +243,11 @@ def _extras(root: Path, extra: list[str], missing: list[VerifyEntry], algo: str,
 def _manifest_over(root: Path) -> tuple[Path, Manifest, str] | None:
     """The manifest that records ``root`` (its own, or the nearest above that lists files
     in it), read, with the prefix of ``root``'s paths in it; None when none does."""
-    from torchverity.checkpoint._folders import covering_manifest
-
     if any((root / name).is_file() for name in MANIFEST_FILES) or not root.is_dir():
         record = find_manifest(root)  # a path that is no folder is refused here
         return record, read_manifest(record), ""
+    from torchverity.checkpoint._folders import covering_manifest
+
     found = covering_manifest(root)
     if found is None or not found[1]:
         return None

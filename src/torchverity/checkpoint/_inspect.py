@@ -118,9 +118,6 @@ class InspectResult:
 
 
 # The scan's formats of a file read as one pickle stream from its first byte.
-_PICKLES = frozenset({"torch-legacy", "pickle", "joblib"})
-
-
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
@@ -135,7 +132,7 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
     from torchverity.checkpoint._folders import resolve
     from torchverity.checkpoint._onnx import is_onnx
     from torchverity.checkpoint._records import meta_path_for
-    from torchverity.pickles._file_format import checkpoint_format
+    from torchverity.pickles._file_format import checkpoint_format, named_format
 
     p = Path(path)
     target = resolve(p)
@@ -188,17 +185,6 @@ def inspect(path: str | os.PathLike[str]) -> InspectResult:
                      for f, r in shard_recorded.items()}
     return InspectResult(os.fspath(p), fmt, size, sidecar, rows, values, root, meta, scan,
                          not_loaded, shards, shard_scans, shard_records)
-
-
-def named_format(fmt: str, scan: Any) -> str:
-    """The format a file is reported as: the sniffer's ``fmt``, told apart by its ``scan``
-    (or None) where bytes alone do not tell (TorchScript, pickles no magic announces)."""
-    if scan is not None and scan.format == "torchscript":
-        return "torchscript"  # a torch.jit.save archive: torch's zip layout, holding code
-    if scan is not None and fmt in ("pt-legacy", "pickle") and scan.format in _PICKLES:
-        # The scan reads the magic number however it is spelled; the sniffer by its bytes.
-        return "pt-legacy" if scan.format == "torch-legacy" else "pickle"
-    return fmt
 
 
 def _record_of(path: Path) -> _Record | None:

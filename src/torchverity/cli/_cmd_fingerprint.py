@@ -95,9 +95,8 @@ def _read_as(path: str | os.PathLike[str], scans: dict[str, ScanResult]) -> tupl
     """The file fingerprinted (a sharded checkpoint's index) and its format, named as
     inspect names it."""
     from torchverity.checkpoint._folders import resolve
-    from torchverity.checkpoint._inspect import named_format
     from torchverity.checkpoint._onnx import is_onnx
-    from torchverity.pickles._file_format import checkpoint_format
+    from torchverity.pickles._file_format import checkpoint_format, named_format
 
     target = resolve(path)
     if target.index is not None:

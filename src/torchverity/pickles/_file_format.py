@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from torchverity._formats import (
     FileFormat,
@@ -58,9 +59,6 @@ def text_download(path: Path) -> FormatError | None:
     text whose first byte is a pickle opcode included ("Not Found", "Internal Server
     Error"): that one is a broken download only when the scan shows every unpickler gives
     up on it before it calls anything; a protocol-0 pickle stays a pickle."""
-    from torchverity.pickles._containers import scan_container
-    from torchverity.pickles._source import Limits, PickleError
-
     found = broken_download(path)
     if found is not None:
         return found
@@ -68,7 +66,28 @@ def text_download(path: Path) -> FormatError | None:
         with open_regular(path) as fh:
             if text_sample(fh.read(512)) is None:
                 return None
+    except (OSError, InputError):
+        return None
+    from torchverity.pickles._containers import scan_container  # text only: rare, and slower
+    from torchverity.pickles._source import Limits, PickleError
+
+    try:
         container = scan_container(os.fspath(path), Limits())
     except (PickleError, OSError, InputError):
         return None
     return broken_download(path, no_pickle=True) if container.format == "text" else None
+
+
+# The scan's formats of a file read as pickles (joblib's included).
+_SCANNED_PICKLES = frozenset({"torch-legacy", "pickle", "joblib"})
+
+
+def named_format(fmt: str, scan: Any) -> str:
+    """The format a file is reported as: the sniffer's ``fmt``, told apart by its ``scan``
+    (or None) where bytes alone do not tell (TorchScript, pickles no magic announces)."""
+    if scan is not None and scan.format == "torchscript":
+        return "torchscript"  # a torch.jit.save archive: torch's zip layout, holding code
+    if scan is not None and fmt in ("pt-legacy", "pickle") and scan.format in _SCANNED_PICKLES:
+        # The scan reads the magic number however it is spelled; the sniffer by its bytes.
+        return "pt-legacy" if scan.format == "torch-legacy" else "pickle"
+    return fmt
