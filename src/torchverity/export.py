@@ -148,14 +148,25 @@ def _onnx_runner(source: Path | bytes) -> _Run:
         source if isinstance(source, bytes) else os.fspath(source),
         providers=["CPUExecutionProvider"],
     )
-    names = [i.name for i in session.get_inputs()]
+    inputs = session.get_inputs()
+    names = [i.name for i in inputs]
+    takes = ", ".join(f"{i.name}: {i.type} {i.shape}" for i in inputs)
 
     def run(args: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         if len(args) != len(names):
             raise UsageError(f"the ONNX graph takes {len(names)} input(s) ({', '.join(names)}), "
                              f"the sample has {len(args)}")
         feeds = {n: t.detach().cpu().numpy() for n, t in zip(names, args, strict=True)}
-        return [torch.from_numpy(o) for o in session.run(None, feeds)]
+        try:
+            outputs = session.run(None, feeds)
+        except Exception as exc:  # onnxruntime's own errors share no importable base class
+            first = (str(exc).strip().splitlines() or [""])[0]
+            given = ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                              for t in args)
+            raise UsageError(f"the ONNX graph refused the sample ({given}): {first}",
+                             hint=f"pass the inputs the model was exported with; the graph "
+                                  f"takes {takes}") from None
+        return [torch.from_numpy(o) for o in outputs]
 
     return run
 

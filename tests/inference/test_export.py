@@ -143,3 +143,12 @@ def test_bad_arguments(tmp_path, onnx_file):
         torchverity.verify_export(model, x, tmp_path / "m.bin")
     with pytest.raises(UsageError, match="takes 1 input"):
         torchverity.verify_export(_TwoInputs(model), (x, x), onnx_file)
+
+
+def test_a_sample_the_onnx_graph_refuses_is_named_with_what_it_takes(onnx_file):
+    """onnxruntime's own exceptions do not leak: the error names the sample and the inputs
+    the graph takes."""
+    for sample in (torch.randn(5, 9), torch.randn(5, 8, dtype=torch.float64)):
+        with pytest.raises(UsageError, match="the ONNX graph refused the sample") as refused:
+            torchverity.verify_export(nn.Identity(), sample, onnx_file)
+        assert "the graph takes" in (refused.value.hint or "")
