@@ -422,6 +422,14 @@ def test_nested_takes_a_saved_state_dict_as_the_model(tmp_path: Path,
     assert meta["content"]["epoch"] == 1 and meta["locations"] == {"w": ["model", "w"]}
     assert result.skipped == ()
 
+    # Under a model key too: the tied weight keeps both keys.
+    keyed = tmp_path / "keyed.pt"
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    torch.save({"model": {"w": shared, "tied": shared}, "optimizer": opt.state_dict()}, keyed)
+    migrate(keyed, tmp_path / "okeyed.pt", nested=True)
+    out = torch.load(tmp_path / "okeyed.pt", weights_only=True)
+    assert out["model"].keys() == {"w", "tied"} and torch.equal(out["model"]["tied"], shared)
+
 
 def test_nested_refusal_steps_are_commands_that_work(tmp_path: Path,
                                                      run_cli: Callable[..., Any]) -> None:

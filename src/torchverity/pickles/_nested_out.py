@@ -31,14 +31,21 @@ def _model(obj: Any, tensors: Mapping[str, torch.Tensor],
     if not isinstance(obj, Mapping):
         return dict(tensors)
     for key in _MODEL_KEYS:
-        if key in obj:
+        if key in obj and isinstance(obj[key], Mapping):
+            return _by_identity(obj[key], tensors, names)
+        if key in obj:  # a whole model, read inertly: its tensors are named under the key
             prefix = f"{key}."
             return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     # A saved state_dict is the model itself; scalars beside it (epoch) stay in the meta.
-    # By identity, not by name: tied weights are one tensor under two keys.
-    top = {k: tensors[names[id(v)]] for k, v in obj.items()
-           if isinstance(k, str) and isinstance(v, torch.Tensor) and id(v) in names}
-    return top or None
+    return _by_identity(obj, tensors, names) or None
+
+
+def _by_identity(state: Mapping[Any, Any], tensors: Mapping[str, torch.Tensor],
+                 names: Mapping[int, str]) -> dict[str, torch.Tensor]:
+    """A state dict's tensors under its own keys, found by identity, not by name: tied
+    weights are one tensor under two keys, extracted once."""
+    return {k: tensors[names[id(v)]] for k, v in state.items()
+            if isinstance(k, str) and isinstance(v, torch.Tensor) and id(v) in names}
 
 
 def _optimizer_state(opt: Any) -> dict[str, Any] | None:
