@@ -27,6 +27,30 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# A plain loader of each kind, as a throwaway process runs it to show a payload is live.
+PLAIN_LOADERS = {
+    "pickle": "import pickle, sys\ntry:\n    pickle.load(open(sys.argv[1], 'rb'))\n"
+              "except Exception:\n    pass\n",
+    "torch": "import sys, torch\ntry:\n    torch.load(sys.argv[1], weights_only=False)\n"
+             "except Exception:\n    pass\n",
+}
+
+
+def run_plain_loader(path: Path, loader: str = "pickle") -> None:
+    """Load ``path`` with a plain loader in a throwaway process (its payload may run)."""
+    subprocess.run([sys.executable, "-c", PLAIN_LOADERS[loader], str(path)], check=True,
+                   timeout=120, capture_output=True)
+
+
+class Touch:
+    """Unpickled by a plain loader, it runs ``touch PATH``: a live payload."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[typing.Any, tuple[str]]:
+        return os.system, (f"touch {self.path}",)
+
 
 @dataclass(frozen=True)
 class Case:

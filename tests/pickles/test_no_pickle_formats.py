@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,15 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pickle_corpus import run_plain_loader
 from torchverity.pickles._scan import scan, scan_file
-
-_LOAD = """
-import pickle, sys
-try:
-    pickle.load(open(sys.argv[1], "rb"))
-except Exception:
-    pass
-"""
 
 
 def _payload(sentinel: Path) -> bytes:
@@ -165,8 +156,7 @@ def test_a_pickle_shaped_as_msgpack_is_walked_not_named(tmp_path: Path) -> None:
 
     proof = tmp_path / "proof.msgpack"
     proof.write_bytes(polyglot(live))
-    subprocess.run([sys.executable, "-c", _LOAD, str(proof)], check=True, timeout=120,
-                   capture_output=True)
+    run_plain_loader(proof)
     assert live.exists(), "the payload did not run under pickle.load"
     path = tmp_path / "flax_model.msgpack"
     path.write_bytes(polyglot(sentinel))

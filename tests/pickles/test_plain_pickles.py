@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,7 @@ import pytest
 import torch
 
 import torchverity
+from pickle_corpus import Touch, run_plain_loader
 from torchverity._formats import file_format
 from torchverity.errors import FormatError, UnsafeFileError
 from torchverity.pickles import scan_file
@@ -79,23 +77,6 @@ def test_plain_pickles_and_legacy_files_are_told_apart(tmp_path: Path,
     assert res.code == 0, res
 
 
-_LOAD = """
-import pickle, sys
-try:
-    pickle.load(open(sys.argv[1], "rb"))
-except Exception:
-    pass
-"""
-
-
-class _Touch:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return os.system, (f"touch {self.path}",)
-
-
 def test_load_says_what_a_plain_pickle_is(tmp_path: Path) -> None:
     files = _files(tmp_path)
     for name in ("dict_p2.pkl", "dict_p4.pkl", "arrays.pkl", "tensors.pkl"):
@@ -118,15 +99,14 @@ def test_load_says_what_a_plain_pickle_is(tmp_path: Path) -> None:
     live = tmp_path / "live"
     live.mkdir()
     ran = live / "RAN"
-    (live / "evil.pkl").write_bytes(pickle.dumps({"w": torch.ones(2), "x": _Touch(ran)}))
-    subprocess.run([sys.executable, "-c", _LOAD, str(live / "evil.pkl")], check=True,
-                   timeout=120, capture_output=True)
+    (live / "evil.pkl").write_bytes(pickle.dumps({"w": torch.ones(2), "x": Touch(ran)}))
+    run_plain_loader(live / "evil.pkl")
     assert ran.exists(), "the payload did not run under pickle.load"
     checked = tmp_path / "checked"
     checked.mkdir()
     sentinel = checked / "RAN"
     evil = checked / "evil.pkl"
-    evil.write_bytes(pickle.dumps({"w": torch.ones(2), "x": _Touch(sentinel)}))
+    evil.write_bytes(pickle.dumps({"w": torch.ones(2), "x": Touch(sentinel)}))
     digest = hashlib.sha256(evil.read_bytes()).hexdigest()
     for trust in (None, digest):
         with pytest.raises(UnsafeFileError, match=r"posix\.system"):

@@ -17,29 +17,13 @@ from typing import Any
 import pytest
 import torch
 
+from pickle_corpus import Touch, run_plain_loader
 from torchverity.pickles._scan import scan
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX links and FIFOs")
 
-_LOAD = """
-import sys, torch
-try:
-    torch.load(sys.argv[1], weights_only=False)
-except Exception:
-    pass
-"""
-
-
-class _Touch:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return os.system, (f"touch {self.path}",)
-
-
 def _evil(path: Path, sentinel: Path) -> Path:
-    torch.save({"w": torch.ones(2), "x": _Touch(sentinel)}, path)
+    torch.save({"w": torch.ones(2), "x": Touch(sentinel)}, path)
     return path
 
 
@@ -60,8 +44,7 @@ def test_a_folder_scan_follows_linked_folders_as_loaders_do(
     live = tmp_path / "live"
     live.mkdir()
     ran = live / "RAN"
-    subprocess.run([sys.executable, "-c", _LOAD, str(_evil(live / "m.bin", ran))],
-                   check=True, timeout=120, capture_output=True)
+    run_plain_loader((_evil(live / "m.bin", ran)), "torch")
     assert ran.exists(), "the payload did not run under torch.load(weights_only=False)"
 
     sentinel = tmp_path / "SENTINEL"

@@ -8,35 +8,19 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pickle_corpus import Touch, run_plain_loader
 from torchverity.pickles._scan import scan, scan_file
 
-_LOAD = """
-import pickle, sys
-try:
-    pickle.load(open(sys.argv[1], "rb"))
-except Exception:
-    pass
-"""
 JSON_ERROR = b'{"error":"Access to model is restricted. You must be authenticated."}'
 S3_ERROR = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
             b"<Message>Access Denied</Message></Error>\n")
 BOM_HTML = b"\xef\xbb\xbf<!DOCTYPE html><html><body>Sign in</body></html>"
-
-
-class _Touch:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, tuple[str]]:
-        return os.system, (f"touch {self.path}",)
 
 
 @pytest.fixture
@@ -125,16 +109,15 @@ def test_text_and_protocol_0_pickles_under_weights_names_are_told_apart(
         tmp_path: Path, run_cli: Callable[..., Any]) -> None:
     live = tmp_path / "live.bin"
     ran = tmp_path / "RAN"
-    live.write_bytes(pickle.dumps({"w": [1.0], "x": _Touch(ran)}, protocol=0))
+    live.write_bytes(pickle.dumps({"w": [1.0], "x": Touch(ran)}, protocol=0))
     assert live.read_bytes().isascii()  # text, to any sniffer
-    subprocess.run([sys.executable, "-c", _LOAD, str(live)], check=True, timeout=120,
-                   capture_output=True)
+    run_plain_loader(live)
     assert ran.exists(), "the payload did not run under pickle.load"
     folder = tmp_path / "repo"
     folder.mkdir()
     sentinel = tmp_path / "SENTINEL"
     evil = folder / "pytorch_model.bin"
-    evil.write_bytes(pickle.dumps({"w": [1.0], "x": _Touch(sentinel)}, protocol=0))
+    evil.write_bytes(pickle.dumps({"w": [1.0], "x": Touch(sentinel)}, protocol=0))
     result = scan_file(evil)
     assert result.verdict == "unsafe" and result.names("dangerous") == ["posix.system"]
     res = run_cli("scan", folder)
