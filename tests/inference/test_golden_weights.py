@@ -154,3 +154,17 @@ def test_batch_says_the_weights_failed_and_which_checkpoint_to_look_at(
         in bad.err, bad.err
     assert f"torchverity inspect {setup['bad']}" in bad.err
     assert "golden check --golden" not in bad.err and "selftest" not in bad.err
+
+
+def test_tensors_on_one_side_only_are_told_from_changed_ones(setup: dict[str, Path]) -> None:
+    """A model with a layer the recorded one lacked is another model, not changed weights."""
+    from tv_golden_models import net  # type: ignore[import-not-found]
+
+    model = net().eval()
+    torchverity.load(setup["good"], model=model)
+    model.register_buffer("extra_scale", torch.ones(2))  # unused by forward: outputs match
+    result = golden.check(model, setup["golden"])
+    assert not result.ok and result.parts == ["weights"]
+    message = result.failures[0].message
+    assert "1 not in the record (extra_scale)" in message, message
+    assert "changed (" not in message

@@ -145,7 +145,8 @@ def check(
     if (failures or weights is not False) and rec.model_fingerprint is not None:
         changed = _changed_weights(rec.model_fingerprint, model)
         if changed:
-            failures.append(_weights_failure(changed))
+            failures.append(_weights_failure(changed, set(rec.model_fingerprint.tensors),
+                                             _tensor_names(model)))
     return GoldenResult(
         ok=not failures,
         failures=failures,
@@ -197,13 +198,23 @@ def _changed_weights(recorded: Fingerprint, model: Any) -> list[str] | None:
     return recorded.differing(current)
 
 
-def _weights_failure(changed: list[str]) -> GoldenFailure:
+def _tensor_names(model: Any) -> set[str]:
+    return set(model.state_dict()) if isinstance(model, torch.nn.Module) else set()
+
+
+def _weights_failure(changed: list[str], recorded: set[str], current: set[str]) -> GoldenFailure:
+    """The weights' failure, telling tensors whose values changed from tensors on one side
+    only (a model with layers the recorded one lacked is another model, not damage)."""
     shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+    kinds = (("changed", [n for n in changed if n in recorded and n in current]),
+             ("not in the record", [n for n in changed if n not in recorded]),
+             ("recorded but not in the model", [n for n in changed if n not in current]))
+    parts = [f"{len(names)} {what} ({', '.join(names[:5])}{' ...' if len(names) > 5 else ''})"
+             for what, names in kinds if names]
     return GoldenFailure(
         part="weights",
         output=shown,
-        message=f"the weights differ from those recorded: {len(changed)} tensor(s) changed "
-        f"({shown})",
+        message=f"the weights differ from those recorded: {'; '.join(parts)}",
     )
 
 
