@@ -181,3 +181,20 @@ def test_cli_all_lists_identical_entries(tmp_path: Path, run_cli: Callable[..., 
     torchverity.save(_state(), tmp_path / "a.pt")
     r = run_cli("diff", "--all", tmp_path / "a.pt", tmp_path / "a.pt")
     assert r.code == 0 and r.out.count("identical") == 8  # 7 rows and the summary
+
+
+def test_a_changed_plain_value_shows_both_values(tmp_path: Path) -> None:
+    # Two checkpoints of consecutive epochs: the line for a changed counter says from what
+    # to what, not only that it changed.
+    model = torch.nn.Linear(2, 2)
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save({"model": model.state_dict(), "epoch": 3, "tag": "warmup"}, a)
+    torch.save({"model": model.state_dict(), "epoch": 4, "tag": "x" * 200}, b)
+    result = diff(a, b)
+    epoch, tag = result.by_name["epoch"], result.by_name["tag"]
+    assert epoch.describe() == "value changed: 3 -> 4"
+    assert tag.describe().startswith("value changed: 'warmup' -> 'xxx")
+    assert tag.value_b is not None and len(tag.value_b) <= 60 and tag.value_b.endswith("...")
+    entries = {e["name"]: e for e in json.loads(json.dumps(result.to_dict()))["entries"]}
+    assert (entries["epoch"]["value_a"], entries["epoch"]["value_b"]) == ("3", "4")
+    assert result.by_name["model.weight"].status == "identical"

@@ -38,6 +38,10 @@ class TensorDiff:
     bit: int | None = None  # bit-flip: position in the element, 0 = least significant
     field: str | None = None  # bit-flip: sign, exponent or mantissa (value for integers)
     within_tolerance: bool = False
+    # A changed plain value (epoch, lr, a step count): both values, shortened, so that the
+    # line says what changed to what without a second inspect of each file.
+    value_a: str | None = None
+    value_b: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -58,7 +62,9 @@ class TensorDiff:
             return (f"{self.dtype_a}{list(self.shape_a or ())} -> "
                     f"{self.dtype_b}{list(self.shape_b or ())}")
         if self.kind == "value":
-            return "value changed"
+            if self.value_a is None or self.value_b is None:
+                return "value changed"
+            return f"value changed: {self.value_a} -> {self.value_b}"
         text = (f"{self.differing} of {self.numel} elements differ, first at "
                 f"{list(self.first_index or ())}; {self.kind}")
         if self.kind == "bit-flip":
@@ -77,9 +83,19 @@ def _same_value(a: Any, b: Any) -> bool:
 
 def plain_diff(name: str, a: Any, b: Any) -> TensorDiff:
     """How two plain values differ (``value`` when they do)."""
-    same = _same_value(a, b)
-    return TensorDiff(name, "identical" if same else "values_changed",
-                      kind=None if same else "value")
+    if _same_value(a, b):
+        return TensorDiff(name, "identical")
+    return TensorDiff(name, "values_changed", kind="value", value_a=_shown(a),
+                      value_b=_shown(b))
+
+
+_SHOWN = 60
+
+
+def _shown(value: Any) -> str:
+    """A value as the diff line shows it: its repr, cut to a line's share."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
 
 
 FEW_BITS = 8

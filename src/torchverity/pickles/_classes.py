@@ -132,6 +132,16 @@ _BENIGN_EXTRA: dict[str, str] = {
     **{f"torch.jit._pickle.{n}": "TorchScript list/type tag (returns its argument)" for n in (
         "build_intlist", "build_tensorlist", "build_doublelist", "build_boollist",
         "build_complexlist", "restore_type_tag")},
+    # The dataclasses a distributed checkpoint's .metadata pickles (torch's FileSystemWriter
+    # pickle.dumps them): fields only, and TensorProperties.__setstate__ just maps its
+    # enum back to a memory format. Named one by one: the rest of torch.distributed
+    # stays dangerous (it starts processes and opens network endpoints).
+    **dict.fromkeys((f"torch.distributed.checkpoint.{n}" for n in (
+        "metadata.Metadata", "metadata.StorageMeta", "metadata.MetadataIndex",
+        "metadata.TensorStorageMetadata", "metadata.BytesStorageMetadata",
+        "metadata.TensorProperties", "metadata.ChunkStorageMetadata",
+        "metadata._MEM_FORMAT_ENCODING", "filesystem._StorageInfo")),
+        "distributed checkpoint metadata (dataclass or enum of plain fields: data only)"),
 }
 _BENIGN.update(_BENIGN_EXTRA)
 # numpy.dtypes.<X>DType classes are what BUILD mutates after numpy.dtype(...).
