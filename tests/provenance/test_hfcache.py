@@ -428,3 +428,29 @@ def test_a_sharded_download_is_loaded_and_served_strictly_against_its_names(
     assert served.code == 1 and "Traceback" not in served.err
     doc = json.loads(served.out)
     assert (doc["path"], doc["expected"], doc["actual"]) == (str(index), expected, actual)
+
+
+@pytest.mark.parametrize("given", ["HF_HOME", "hub", "repository"])
+def test_a_cache_folder_given_as_a_checkpoint_names_the_snapshot_to_give(
+        hf_home: Path, run_cli, given: str) -> None:
+    """A cache keeps a model's files only under snapshots/REV, so inspect and fingerprint of
+    the cache (or of one repository folder) name the snapshot refs/main points at, and that
+    snapshot reads clean."""
+    hub_cache_from_folder(hf_home / "hub", REPO, COMMIT2, hf_model_folder_copy(hf_home),
+                          revision="v0")  # a second revision, not the one main names
+    folder = {"HF_HOME": hf_home, "hub": hf_home / "hub", "repository": _repo(hf_home)}[given]
+    snapshot = _repo(hf_home) / "snapshots" / COMMIT
+    for command in ("inspect", "fingerprint"):
+        told = run_cli(command, folder)
+        assert told.code == 2 and "Traceback" not in told.err, told.err
+        assert "Hugging Face hub" in told.err and f"e.g. {snapshot}" in told.err, told.err
+        assert run_cli(command, snapshot).code == 0
+    doc = json.loads(run_cli("inspect", "--json", folder).out)
+    assert doc["error"] == "InputError" and str(snapshot) in doc["hint"]
+
+
+def hf_model_folder_copy(home: Path) -> Path:
+    """The cached revision's files, as a plain folder (links followed)."""
+    plain = home.parent / "plain"
+    shutil.copytree(_repo(home) / "snapshots" / COMMIT, plain)
+    return plain
