@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from provenance_helpers import (
     flip_bit,
+    git_blob_sha1,
     hf_model_folder,
     hub_cache_from_folder,
     local_dir_from_folder,
@@ -363,3 +364,93 @@ def test_absolute_link_into_its_own_blobs_is_accepted(hf_home: Path) -> None:
     link.unlink()
     link.symlink_to(blob)  # what huggingface_hub writes when no relative path exists
     assert verify_hub_repo(_repo(hf_home)).ok
+
+
+# A module whose build reads the download's config.json, as from_pretrained does.
+GPT2_FOLDER_MODEL = '''
+import transformers
+
+def build():
+    transformers.logging.set_verbosity_error()
+    config = transformers.AutoConfig.from_pretrained({folder!r})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.input_spec = ["input_ids:int64:1,-1"]
+    return model
+'''
+
+
+@pytest.fixture(params=["hub-cache", "local-dir"])
+def sharded_download(request: pytest.FixtureRequest, pristine: Path, tmp_path: Path,
+                     monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A sharded download (index named by its git SHA-1, shards by SHA-256) and beside it
+    tvshard_model.py, whose build reads its config.json."""
+    if request.param == "hub-cache":
+        folder = hub_cache_from_folder(tmp_path / "hub", REPO, COMMIT, pristine) \
+            / "snapshots" / COMMIT
+    else:
+        folder = local_dir_from_folder(tmp_path / "dl", COMMIT, pristine)
+    (tmp_path / "tvshard_model.py").write_text(GPT2_FOLDER_MODEL.format(folder=str(folder)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return folder
+
+
+def test_a_sharded_download_is_loaded_and_served_strictly_against_its_names(
+        sharded_download: Path, run_cli) -> None:
+    """The hub's names vouch for every byte of a sharded download, so a strict load and
+    serve take them as the record: the index by its git SHA-1, each shard by SHA-256."""
+    import torchverity
+    from torchverity.errors import IntegrityError
+
+    state, report = torchverity.load(sharded_download, sidecar="require", with_report=True)
+    assert len(state) == 28 and len(report.shards) == 3
+    assert (report.algo, report.digest_source) == ("git-sha1", "hub")
+    served = run_cli("serve", "--json", "--model", "tvshard_model:build", "--weights",
+                     sharded_download, "--check")
+    assert served.code == 0, served.err
+    weights = json.loads(served.out)["weights"]
+    assert (weights["algorithm"], weights["verified_by"]) == ("git-sha1", "hub")
+
+    # The index is checked against its name, not waved through: the refusal names it
+    # and both digests.
+    index = sharded_download / "model.safetensors.index.json"
+    before = index.read_bytes()
+    index.write_bytes(before.replace(b'"metadata"', b'"metadatA"'))  # through a cache's link
+    if "snapshots" not in index.parts:  # a local_dir file, saved after its download
+        later = index.stat().st_mtime + 60
+        os.utime(index, (later, later))
+    expected, actual = git_blob_sha1(before), git_blob_sha1(index.read_bytes())
+    with pytest.raises(IntegrityError) as caught:
+        torchverity.load(sharded_download, sidecar="require")
+    err = caught.value
+    assert (err.path, err.expected, err.actual) == (str(index), expected, actual)
+    served = run_cli("serve", "--json", "--model", "tvshard_model:build", "--weights",
+                     sharded_download, "--check")
+    assert served.code == 1 and "Traceback" not in served.err
+    doc = json.loads(served.out)
+    assert (doc["path"], doc["expected"], doc["actual"]) == (str(index), expected, actual)
+
+
+@pytest.mark.parametrize("given", ["HF_HOME", "hub", "repository"])
+def test_a_cache_folder_given_as_a_checkpoint_names_the_snapshot_to_give(
+        hf_home: Path, run_cli, given: str) -> None:
+    """A cache keeps a model's files only under snapshots/REV, so inspect and fingerprint of
+    the cache (or of one repository folder) name the snapshot refs/main points at, and that
+    snapshot reads clean."""
+    hub_cache_from_folder(hf_home / "hub", REPO, COMMIT2, hf_model_folder_copy(hf_home),
+                          revision="v0")  # a second revision, not the one main names
+    folder = {"HF_HOME": hf_home, "hub": hf_home / "hub", "repository": _repo(hf_home)}[given]
+    snapshot = _repo(hf_home) / "snapshots" / COMMIT
+    for command in ("inspect", "fingerprint"):
+        told = run_cli(command, folder)
+        assert told.code == 2 and "Traceback" not in told.err, told.err
+        assert "Hugging Face hub" in told.err and f"e.g. {snapshot}" in told.err, told.err
+        assert run_cli(command, snapshot).code == 0
+    doc = json.loads(run_cli("inspect", "--json", folder).out)
+    assert doc["error"] == "InputError" and str(snapshot) in doc["hint"]
+
+
+def hf_model_folder_copy(home: Path) -> Path:
+    """The cached revision's files, as a plain folder (links followed)."""
+    plain = home.parent / "plain"
+    shutil.copytree(_repo(home) / "snapshots" / COMMIT, plain)
+    return plain

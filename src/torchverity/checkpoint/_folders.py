@@ -80,6 +80,9 @@ def single_weights_file(folder: Path) -> Path:
     if len(found) == 1:
         return found[0]
     if not found:
+        snapshot = _hub_snapshot_in(folder)
+        if snapshot is not None:
+            raise _hub_folder_error(folder, snapshot)
         parts = components(folder)
         if parts:
             raise _pipeline_error(folder, parts)
@@ -100,6 +103,44 @@ def _weights_hint(folder: Path, found: list[Path]) -> str:
         return f"give the ONNX model file instead: {shell_path(onnx[0])}"
     return (f"list the folder (ls {shlex.quote(os.fspath(folder))}); weights are "
             "*.safetensors or *.bin")
+
+
+def _hub_snapshot_in(folder: Path) -> Path | None:
+    """For a Hugging Face hub cache (``HF_HOME``, ``hub/``) or one repository of it
+    (``models--ORG--NAME``): a snapshot folder to read instead, the one ``refs/main``
+    names when it has one. The files of a cached model sit only under
+    ``snapshots/REV/``, so the cache's own folders hold no weights; else None."""
+    from torchverity.provenance._hub_paths import REPO_PREFIXES
+
+    if folder.name.startswith(REPO_PREFIXES):
+        repos = [folder]
+    else:
+        hub = folder / "hub" if (folder / "hub").is_dir() else folder
+        repos = sorted(d for d in hub.iterdir() if d.is_dir() and d.name.startswith(
+            REPO_PREFIXES) and (d / "snapshots").is_dir())
+    for repo in repos:
+        snaps = repo / "snapshots"
+        revs = sorted(d for d in snaps.iterdir() if d.is_dir()) if snaps.is_dir() else []
+        try:
+            main = snaps / (repo / "refs" / "main").read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            main = None
+        if main is not None and main in revs:
+            return main
+        if revs:
+            return revs[-1]
+    return None
+
+
+def _hub_folder_error(folder: Path, snapshot: Path) -> InputError:
+    repo = snapshot.parent.parent
+    kind = ("a Hugging Face hub repository folder" if repo == folder
+            else "a Hugging Face hub cache")
+    return InputError(
+        f"{folder}: {kind}: a cached model's files are in its snapshot folders "
+        "(models--ORG--NAME/snapshots/REVISION), not here", path=folder,
+        # A path, never a command: every command that reads a checkpoint resolves it here.
+        hint=f"give a snapshot folder instead, e.g. {shell_path(snapshot)}")
 
 
 def _holds_weights(folder: Path) -> bool:

@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,7 +40,12 @@ from torchverity.checkpoint._meta import (
     meta_record,
     read_meta,
 )
-from torchverity.checkpoint._results import LoadReport, SaveReport, SidecarPolicy
+from torchverity.checkpoint._results import (
+    ExpectedDigest,
+    LoadReport,
+    SaveReport,
+    SidecarPolicy,
+)
 from torchverity.checkpoint._save_file import save_file
 from torchverity.digest import (
     ALGORITHMS,
@@ -57,6 +62,9 @@ from torchverity.errors import (
     UsageError,
     shell_path,
 )
+
+if TYPE_CHECKING:
+    from torchverity.provenance import HubEntry
 
 
 def save_sharded(
@@ -180,8 +188,11 @@ def load_sharded(folder: Path, *, map_location: Any, sidecar: SidecarPolicy,
                  ) -> tuple[dict[str, Any], LoadReport]:
     """Verify the index, every shard, the index's tensor list and the whole fingerprint."""
     index = index or find_index(folder)
-    expected, meta, _pending = current_expectation(index, sidecar)
+    hub = _hub_index(index) if sidecar == "require" else None
+    expected, meta, _pending = current_expectation(index, "warn" if hub else sidecar)
     digest = _check_digest(index, expected, None)
+    if expected is None and hub is not None:  # checked just now against its blob's name
+        expected, digest = ExpectedDigest(str(hub.algo), str(hub.actual), "hub"), hub.actual
     weight_map = read_index(index)
     shards = sorted(set(weight_map.values()))
     _check_shards_exist(folder, index, weight_map, shards)
@@ -261,6 +272,22 @@ def _check_shard_names(index: Path, shard: str, obj: Any, listed: set[str]) -> N
             path=index, tensors=absent + extra,
             hint="the index and its shards come from different saves; restore them together",
         )
+
+
+def _hub_index(index: Path) -> HubEntry | None:
+    """The hub's check of an index in a hub snapshot or ``local_dir`` download, else None.
+
+    The hub names such an index by its git SHA-1 (a small file, not in LFS), which no
+    sidecar algorithm computes, so ``sidecar="require"`` takes this check as its record:
+    without it a sharded download from the hub could never be loaded strictly, though
+    every byte of it is vouched for. Raises :class:`IntegrityError` when the index
+    differs from its name.
+    """
+    from torchverity.provenance import require_hub_blob
+
+    entry = require_hub_blob(index)
+    # "unchecked" passes a verify (a blob name no digest fits), but vouches for nothing.
+    return entry if entry is not None and entry.status == "ok" and entry.actual else None
 
 
 def _hub_checked(index: Path) -> bool:

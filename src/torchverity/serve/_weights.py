@@ -144,10 +144,15 @@ def _attested(path: Path, attestation: str | os.PathLike[str],
 
 
 def _in_hub(path: Path) -> bool:
-    """Whether a Hugging Face hub cache names the file by its digest (load checks it)."""
-    from torchverity.provenance import hub_record
+    """Whether a Hugging Face hub download names the file by its digest (load checks it):
+    by its SHA-256, or, for a small file such as a sharded folder's index, by its git
+    SHA-1, checked here (a mismatch raises)."""
+    from torchverity.provenance import hub_record, require_hub_blob
 
-    return hub_record(path) is not None
+    if hub_record(path) is not None:
+        return True
+    entry = require_hub_blob(path)
+    return entry is not None and entry.status == "ok"
 
 
 def _unrecorded(path: Path) -> None:
