@@ -58,11 +58,13 @@ from torchverity.pickles._ops import (
 from torchverity.pickles._zip import (
     Inflating,
     ZipMember,
+    ZipView,
     check_member,
     data_start,
     head_of,
     member_reader,
     region,
+    stacked_archives,
     zip_views,
 )
 
@@ -236,6 +238,10 @@ def _torch_save_records(names: list[str]) -> bool:
 
 
 def scan_zip(fh: BinaryIO, size: int, limits: Limits) -> Container:
+    stack = stacked_archives(fh, size)
+    if stack is not None and all(_torch_save_records([m.name.lower() for m in v.members])
+                                 for v in stack):
+        return _scan_stack(fh, size, stack, limits)
     problems: list[str] = []
     views = zip_views(fh, size, problems)
     if not views:
@@ -263,6 +269,25 @@ def scan_zip(fh: BinaryIO, size: int, limits: Limits) -> Container:
     for view in views:
         _scan_view(fh, view.members, limits, container,
                    "zipfile:" if view.reader == "zipfile" else "")
+    return container
+
+
+def _scan_stack(fh: BinaryIO, size: int, views: list[ZipView], limits: Limits) -> Container:
+    """torch.save archives one after another (a distributed checkpoint's data file): its
+    reader torch.loads each from its own offset, so each archive's pickle is walked; and
+    the whole file as torch.load and zipfile would read it, where they can."""
+    container = Container("torch-zip-stack")
+    for view in views:
+        _scan_view(fh, view.members, limits, container, f"{view.reader}: ")
+    # The whole file's readings disagree by construction (each archive counts its offsets
+    # from its own start): what they can read is walked, and their disagreement is the
+    # stack itself, not a problem of it.
+    try:
+        whole = zip_views(fh, size, [])
+    except (PickleError, struct.error, OverflowError, EOFError):
+        whole = []  # they fail before reading any member: nothing of theirs runs
+    for view in whole:
+        _scan_view(fh, view.members, limits, container, f"whole file ({view.reader}): ")
     return container
 
 

@@ -244,6 +244,90 @@ def zip_views(fh: BinaryIO, size: int, problems: list[str]) -> list[ZipView]:
     return views
 
 
+# A distributed checkpoint's data file holds one torch.save archive per item, one after
+# another; its reader torch.loads each from the offsets its .metadata records.
+MAX_STACKED = 1_000_000
+_SEARCH_CHUNK = 1 << 20
+
+
+def stacked_archives(fh: BinaryIO, size: int) -> list[ZipView] | None:
+    """The archives of a file that is two or more whole zip archives one after another, each
+    read as torch reads it from its own start (member offsets made absolute); None for
+    anything else. Only a file whose tail does not describe a single archive is searched:
+    this reads the whole file."""
+    try:
+        rec = _end_record(fh, size)
+        if rec.cd_at == rec.cd_offset:
+            return None  # one archive: the usual reading applies
+    except PickleError:
+        pass  # a zip64 end record placed relative to an archive that starts later
+    views: list[ZipView] = []
+    start = 0
+    while start < size:
+        fh.seek(start)
+        if fh.read(4) != b"PK\x03\x04" or len(views) >= MAX_STACKED:
+            return None
+        found = _archive_end(fh, start, size)
+        if found is None:
+            return None
+        end, rec = found
+        problems: list[str] = []
+        members = _read_directory(fh, size, start + rec.cd_offset, rec, start, problems)
+        if problems:
+            return None
+        views.append(ZipView(f"archive at byte {start}", members))
+        start = end
+    return views if len(views) > 1 else None
+
+
+def _archive_end(fh: BinaryIO, start: int, size: int) -> tuple[int, _EndRecord] | None:
+    """Where the archive that starts at ``start`` ends, and its end record: the first end
+    record after ``start`` whose directory (and zip64 record) sits where it says, counted
+    from ``start``. Bytes inside a member that merely look like an end record fail that."""
+    pos, tail = start, b""
+    while pos < size:
+        fh.seek(pos)
+        block = tail + fh.read(min(_SEARCH_CHUNK, size - pos))
+        base = pos - len(tail)
+        at = block.find(b"PK\x05\x06")
+        while at >= 0:
+            checked = _end_at(fh, start, base + at, size)
+            if checked is not None:
+                return checked
+            at = block.find(b"PK\x05\x06", at + 1)
+        pos = base + len(block)
+        tail = block[-3:]
+    return None
+
+
+def _end_at(fh: BinaryIO, start: int, q: int, size: int) -> tuple[int, _EndRecord] | None:
+    fh.seek(q)
+    rec = fh.read(22)
+    if len(rec) < 22:
+        return None
+    _, _, _, _, count, cd_size, cd_offset, comment = struct.unpack("<4sHHHHIIH", rec)
+    directory_end = q
+    if q - 20 >= start:
+        fh.seek(q - 20)
+        loc = fh.read(20)
+        if loc[:4] == b"PK\x06\x07":
+            (z64,) = struct.unpack("<Q", loc[8:16])
+            fh.seek(start + z64)
+            big = fh.read(56)
+            if len(big) < 56 or big[:4] != b"PK\x06\x06":
+                return None
+            (length,) = struct.unpack("<Q", big[4:12])
+            if start + z64 + 12 + length != q - 20:
+                return None
+            count, cd_size, cd_offset = struct.unpack("<QQQ", big[32:56])
+            directory_end = start + z64
+    if start + cd_offset + cd_size != directory_end or q + 22 + comment > size:
+        return None
+    if count > MAX_ZIP_ENTRIES:
+        raise PickleError(f"zip directory claims {count} entries", q, limit=True)
+    return q + 22 + comment, _EndRecord(count, cd_size, cd_offset, start + cd_offset)
+
+
 def data_start(fh: BinaryIO, member: ZipMember, problems: list[str]) -> int:
     if member.header_offset < 0:
         raise PickleError(f"{member.name}: local header offset points before the file", 0)
