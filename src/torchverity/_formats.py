@@ -34,7 +34,6 @@ _LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little") + 
 _FRAME = b"\x95"
 
 
-
 # Opening a FIFO for reading waits for a writer; non-blocking, the open returns at once and
 # the file's type is checked on the open descriptor (no window for a swap after a stat).
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)

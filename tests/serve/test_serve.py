@@ -452,7 +452,6 @@ def test_deferred_mode_holds_back_an_unchecked_answer(
     assert r.status_code == 200 and r.content == body
 
 
-
 def test_deferred_mode_answers_400_when_the_app_fails_on_a_tampered_body(
     deferred_service: tuple[Service, list[str]]
 ) -> None:

@@ -38,8 +38,6 @@ from torchverity.golden._run import (
 DEFAULT_SAMPLE_SIZE = 64
 
 
-
-
 @dataclass(frozen=True)
 class GoldenFailure:
     """One part of a golden check that failed.

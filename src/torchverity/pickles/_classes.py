@@ -329,7 +329,6 @@ def classify(ref: GlobalRef, protocol: int = 0) -> tuple[Category, str]:
     return UNKNOWN, "not known to be benign: custom class or function whose code runs on load"
 
 
-
 # ------------------------------------------------------------------ data calls
 
 

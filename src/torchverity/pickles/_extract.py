@@ -138,7 +138,6 @@ def _plain_leaves(tree: Any, path: str) -> Iterator[tuple[str, Any]]:
         yield path, tree
 
 
-
 @dataclass
 class Extractor:
     """Flatten an unpickled object into named tensors plus JSON (tensors by reference)."""
