@@ -232,9 +232,10 @@ def _extras(root: Path, extra: list[str], missing: list[VerifyEntry], algo: str,
     entries = []
     for rel in extra:
         path = root / rel
-        if path.is_file() and not path.is_symlink() and path.stat().st_size in sizes:
-            entries.append(VerifyEntry(rel, "extra", actual=digest_file(path, algo).hexdigest,
-                                       actual_size=path.stat().st_size))
+        if sizes and path.is_file() and not path.is_symlink() and path.stat().st_size in sizes:
+            found = digest_file(path, algo)
+            entries.append(VerifyEntry(rel, "extra", actual=found.hexdigest,
+                                       actual_size=found.size))
         else:
             entries.append(VerifyEntry(rel, "extra"))
     return entries

@@ -39,18 +39,22 @@ class KeyFit:
     @classmethod
     def of(cls, strict: bool = True, strip_prefix: str | Iterable[str] | None = None,
            key_map: Mapping[str, str] | None = None) -> KeyFit:
-        prefixes = _prefixes(strip_prefix)
-        pairs = tuple(key_map.items()) if isinstance(key_map, Mapping) else None
-        if key_map is None:
-            pairs = ()
-        if pairs is None or not all(isinstance(a, str) and isinstance(b, str) for a, b in pairs):
-            raise UsageError("key_map maps old key prefixes (str) to new ones (str)",
-                             hint="for example key_map={'fc.': 'head.'} (CLI: --key-map fc.=head.)")
-        return cls(bool(strict), prefixes, pairs)
+        return cls(bool(strict), _prefixes(strip_prefix), _pairs(key_map))
 
     @property
     def renames(self) -> bool:
         return bool(self.strip_prefixes or self.key_map)
+
+
+def _pairs(key_map: object) -> tuple[tuple[str, str], ...]:
+    """The key map's (old, new) prefix pairs, each a str."""
+    if key_map is None:
+        return ()
+    if isinstance(key_map, Mapping) and all(isinstance(a, str) and isinstance(b, str)
+                                            for a, b in key_map.items()):
+        return tuple(key_map.items())
+    raise UsageError("key_map maps old key prefixes (str) to new ones (str)",
+                     hint="for example key_map={'fc.': 'head.'} (CLI: --key-map fc.=head.)")
 
 
 def _prefixes(strip_prefix: object) -> tuple[str, ...]:

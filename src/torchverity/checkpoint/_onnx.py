@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any
 
+from torchverity._formats import open_regular, open_regular_raw
 from torchverity.errors import FormatError, require_extra, shell_path, unreadable
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ _SHARED_DTYPES = frozenset({"bool", "uint8", "int8", "int16", "int32", "int64", 
                             "float32", "float64", "complex64", "complex128"})
 
 _CHUNK = 8 << 20  # external data streams through the hash in pieces of this size
+_REEXPORT = "re-export the model (torch.onnx.export) or restore the file from a verified copy"
 
 
 class ExternalDataError(FormatError):
@@ -74,8 +76,7 @@ def _load(path: Path) -> Any:
         return onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and friends
         raise FormatError(f"{path}: not a readable ONNX model: {exc}", path=path,
-                          hint="re-export the model (torch.onnx.export) or restore the file "
-                               "from a verified copy") from None
+                          hint=_REEXPORT) from None
 
 
 def _is_external(init: Any) -> bool:
@@ -116,13 +117,11 @@ def _external(path: Path, init: Any) -> _External:
         length = int(entries["length"]) if "length" in entries else None
     except ValueError:
         raise ExternalDataError(f"{where}: external data offset or length is not a number "
-                          f"({entries.get('offset')!r}, {entries.get('length')!r})", path=path,
-                          hint="re-export the model (torch.onnx.export) or restore the file "
-                               "from a verified copy") from None
+                                f"({entries.get('offset')!r}, {entries.get('length')!r})",
+                                path=path, hint=_REEXPORT) from None
     if offset < 0 or (length is not None and length < 0):
-        raise ExternalDataError(f"{where}: external data offset or length is negative", path=path,
-                          hint="re-export the model (torch.onnx.export) or restore the file "
-                               "from a verified copy")
+        raise ExternalDataError(f"{where}: external data offset or length is negative",
+                                path=path, hint=_REEXPORT)
     size = _data_file_size(path, where, data)
     expected = _expected_nbytes(init)
     if length is None:
@@ -130,9 +129,7 @@ def _external(path: Path, init: Any) -> _External:
     if expected is not None and length != expected:
         raise ExternalDataError(
             f"{where}: its external data length is {length} bytes but its dtype and shape "
-            f"({list(init.dims)}) take {expected}", path=path,
-            hint="re-export the model (torch.onnx.export) or restore the file from a verified "
-                 "copy")
+            f"({list(init.dims)}) take {expected}", path=path, hint=_REEXPORT)
     if offset + length > size:
         raise ExternalDataError(
             f"{data}: holds {size} bytes, but {where} needs bytes {offset} to "
@@ -153,11 +150,11 @@ def _check_location(path: Path, where: str, location: str) -> None:
     if (posix.is_absolute() or windows.is_absolute() or windows.drive
             or location.startswith(("/", "\\"))):
         raise ExternalDataError(f"{where}: external data location {location!r} is an absolute "
-                          "path, outside the model's folder; it was not read", path=path,
-                          hint=hint)
+                                "path, outside the model's folder; it was not read", path=path,
+                                hint=hint)
     if ".." in posix.parts or ".." in windows.parts:
         raise ExternalDataError(f"{where}: external data location {location!r} leaves the "
-                          "model's folder; it was not read", path=path, hint=hint)
+                                "model's folder; it was not read", path=path, hint=hint)
     folder = path.parent
     data = folder / location
     from torchverity.provenance._hub_paths import blob_link
@@ -189,8 +186,7 @@ def _data_file_size(path: Path, where: str, data: Path) -> int:
         raise _unreadable(data, exc) from None
     if not stat.S_ISREG(st.st_mode):
         raise ExternalDataError(f"{where}: its external data file {data} is not a regular file",
-                         path=data,
-                         hint=f"put the data file itself at {shell_path(data)}")
+                                path=data, hint=f"put the data file itself at {shell_path(data)}")
     return st.st_size
 
 
@@ -222,14 +218,14 @@ def _itemsize(init: Any) -> int | None:
 
 def _read_range(where: _External) -> bytes:
     try:
-        with open(where.file, "rb") as fh:
+        with open_regular(where.file) as fh:
             fh.seek(where.offset)
             data = fh.read(where.length)
     except OSError as exc:
         raise _unreadable(where.file, exc) from None
     if len(data) != where.length:  # shrank since its size was checked
         raise ExternalDataError(f"{where.file}: ends before byte {where.offset + where.length}",
-                          path=where.file, hint="copy the data file again, then retry")
+                                path=where.file, hint="copy the data file again, then retry")
     return data
 
 
@@ -239,7 +235,7 @@ def _stream_range(where: _External, hasher: Any) -> None:
     view = memoryview(buffer)
     left = where.length
     try:
-        with open(where.file, "rb", buffering=0) as fh:
+        with open_regular_raw(where.file) as fh:
             fh.seek(where.offset)
             while left:
                 n = fh.readinto(view[:min(left, len(buffer))]) or 0
